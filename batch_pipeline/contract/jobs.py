@@ -1,0 +1,66 @@
+"""Batch jobs as the API reports them, and the bodies of the job routes."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
+
+
+class BatchCompletionsJobStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    UNKNOWN = "unknown"
+
+
+class BatchCompletionsJob(WireModel):
+    job_id: str
+    input_data_path: str | None = Field(
+        None,
+        description="Path to the input file. The input file should be a JSON file of type "
+        "List[CreateBatchCompletionsRequestContent].",
+    )
+    output_data_path: str = Field(
+        description="Path to the output file. The output file will be a JSON file of type List[CompletionOutput]."
+    )
+    model_cfg: BatchCompletionsModelConfig = Field(alias="model_config")
+    priority: str | None = Field(None, description="Priority of the batch inference job. Default to None.")
+    status: BatchCompletionsJobStatus
+    created_at: str
+    expires_at: str
+    completed_at: str | None
+    metadata: dict[str, str] | None
+
+
+class CreateBatchCompletionsV1Response(WireModel):
+    job_id: str
+
+
+CreateBatchCompletionsV2Response = BatchCompletionsJob
+
+
+class GetBatchCompletionV2Response(WireModel):
+    job: BatchCompletionsJob
+
+
+class ListBatchCompletionV2Response(WireModel):
+    jobs: list[BatchCompletionsJob]
+
+
+class UpdateBatchCompletionsV2Request(WireModel):
+    job_id: str
+    priority: str | None = None
+
+
+class UpdateBatchCompletionsV2Response(BatchCompletionsJob):
+    success: bool
+
+
+class CancelBatchCompletionsV2Response(WireModel):
+    success: bool

@@ -1,0 +1,157 @@
+"""The batch job requests of `POST /v1/llm/batch-completions` and `POST /v2/batch-completions`."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Union
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.model_config import BatchCompletionsModelConfig, CreateBatchCompletionsV1ModelConfig
+from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
+
+
+class GpuType(str, Enum):
+    """Lists allowed GPU types for Launch."""
+
+    NVIDIA_TESLA_T4 = "nvidia-tesla-t4"
+    NVIDIA_AMPERE_A10 = "nvidia-ampere-a10"
+    NVIDIA_AMPERE_A100 = "nvidia-ampere-a100"
+    NVIDIA_AMPERE_A100E = "nvidia-ampere-a100e"
+    NVIDIA_HOPPER_H100 = "nvidia-hopper-h100"
+    NVIDIA_HOPPER_H100_1G20GB = "nvidia-hopper-h100-1g20gb"
+    NVIDIA_HOPPER_H100_3G40GB = "nvidia-hopper-h100-3g40gb"
+
+
+class ToolConfig(WireModel):
+    """Configuration for tool use.
+    NOTE: this config is highly experimental and signature will change significantly in future iterations."""
+
+    name: str
+    max_iterations: int | None = 10
+    execution_timeout_seconds: int | None = 60
+    should_retry_on_error: bool | None = True
+
+
+class CreateBatchCompletionsV1RequestContent(WireModel):
+    """Prompts sharing one set of sampling parameters."""
+
+    prompts: list[str]
+    max_new_tokens: int
+    temperature: float = Field(ge=0.0, le=1.0)
+    stop_sequences: list[str] | None = None
+    return_token_log_probs: bool | None = False
+    presence_penalty: float | None = Field(None, ge=0.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=0.0, le=2.0)
+    top_k: int | None = Field(None, ge=-1)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    skip_special_tokens: bool | None = True
+
+    # Not a bound of the spec's schema, but no engine can generate fewer than one token: refusing it here
+    # names the field instead of failing every prompt of the batch later.
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _at_least_one_token(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        return value
+
+
+_HARDWARE_DESCRIPTIONS = {
+    "cpus": "CPUs to use for the batch inference.",
+    "gpus": "Number of GPUs to use for the batch inference.",
+    "memory": "Amount of memory to use for the batch inference.",
+    "gpu_type": "GPU type to use for the batch inference.",
+    "storage": "Storage to use for the batch inference.",
+    "nodes_per_worker": "Number of nodes per worker for the batch inference.",
+}
+
+
+class _BatchCompletionsRequestBase(WireModel):
+    input_data_path: str | None = Field(
+        None,
+        description="Path to the input file. The input file should be a JSON file of type "
+        "List[CreateBatchCompletionsRequestContent].",
+    )
+    output_data_path: str = Field(
+        description="Path to the output file. The output file will be a JSON file of type List[CompletionOutput]."
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels to attach to the batch inference job.")
+    data_parallelism: int | None = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Number of replicas to run the batch inference. More replicas are slower to schedule but "
+        "faster to inference.",
+    )
+    max_runtime_sec: int | None = Field(
+        86400,
+        ge=1,
+        le=172800,
+        description="Maximum runtime of the batch inference in seconds. Default to one day.",
+    )
+    priority: str | None = Field(None, description="Priority of the batch inference job. Default to None.")
+    tool_config: ToolConfig | None = Field(
+        None,
+        description="\nConfiguration for tool use.\nNOTE: this config is highly experimental and signature will "
+        "change significantly in future iterations.",
+    )
+    cpus: str | int | float | None = Field(None, description=_HARDWARE_DESCRIPTIONS["cpus"])
+    gpus: int | None = Field(None, description=_HARDWARE_DESCRIPTIONS["gpus"])
+    memory: str | int | float | None = Field(None, description=_HARDWARE_DESCRIPTIONS["memory"])
+    gpu_type: GpuType | None = Field(None, description=_HARDWARE_DESCRIPTIONS["gpu_type"])
+    storage: str | int | float | None = Field(None, description=_HARDWARE_DESCRIPTIONS["storage"])
+    nodes_per_worker: int | None = Field(None, description=_HARDWARE_DESCRIPTIONS["nodes_per_worker"])
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self):
+        if self.input_data_path is None and self.content is None:
+            raise ValueError("Either input_data_path or content needs to be provided.")
+        if self.input_data_path is not None and self.content is not None:
+            raise ValueError("Only one of input_data_path and content can be provided.")
+        return self
+
+
+class CreateBatchCompletionsV1Request(_BatchCompletionsRequestBase):
+    """Request object for batch completions."""
+
+    content: CreateBatchCompletionsV1RequestContent | None = None
+    model_cfg: CreateBatchCompletionsV1ModelConfig = Field(alias="model_config")
+
+
+def _content_kind(value: Any) -> str | None:
+    """Which of the three content shapes a value is, judged the way a reader of the spec would."""
+    if isinstance(value, (CreateBatchCompletionsV1RequestContent, dict)):
+        return "v1"
+    if isinstance(value, list):
+        first = value[0] if value else None
+        if isinstance(first, FilteredChatCompletionV2Request) or (isinstance(first, dict) and "messages" in first):
+            return "chat"
+        return "completion"
+    return None
+
+
+BatchContent = Annotated[
+    Union[
+        Annotated[CreateBatchCompletionsV1RequestContent, Tag("v1")],
+        Annotated[list[FilteredCompletionV2Request], Tag("completion")],
+        Annotated[list[FilteredChatCompletionV2Request], Tag("chat")],
+    ],
+    Discriminator(
+        _content_kind,
+        custom_error_type="invalid_content",
+        custom_error_message="content must be an object of prompts, or a list of completion or chat requests",
+    ),
+]
+
+
+class CreateBatchCompletionsV2Request(_BatchCompletionsRequestBase):
+    """Request object for batch completions."""
+
+    content: BatchContent | None = Field(
+        None,
+        description="Either `input_data_path` or `content` needs to be provided. When input_data_path is provided, "
+        "the input file should be a JSON file of type List[CreateBatchCompletionsRequestContent].",
+    )
+    model_cfg: BatchCompletionsModelConfig = Field(alias="model_config")

@@ -1,0 +1,169 @@
+"""Paths (local or any fsspec URL such as s3://), atomic writes, and streaming reads of request files."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import IO, Any
+
+import fsspec
+import ijson
+from fsspec.implementations.local import LocalFileSystem
+
+# A malformed file is re-read whole to find the exact line and column; past this size only the element
+# index is reported, so an error never costs more memory than this.
+_EXACT_ERROR_LOCATION_MAX_BYTES = 256 * 1024 * 1024
+
+
+class InputFileError(ValueError):
+    """The input file cannot be read as requests; the message names the file and the place."""
+
+
+def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, _, (resolved,) = fsspec.get_fs_token_paths(path)
+    return fs, resolved
+
+
+def is_local(path: str) -> bool:
+    return isinstance(filesystem(path)[0], LocalFileSystem)
+
+
+def exists(path: str) -> bool:
+    fs, resolved = filesystem(path)
+    return fs.exists(resolved)
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def parent(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
+
+
+def makedirs(path: str) -> None:
+    fs, resolved = filesystem(path)
+    fs.makedirs(resolved, exist_ok=True)
+
+
+def open_file(path: str, mode: str = "rb", **kwargs: Any) -> IO:
+    return fsspec.open(path, mode, **kwargs).open()
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w") -> Iterator[IO]:
+    """Write `path` so that readers see the old file or the whole new one, never a part.
+
+    Locally: a temporary file in the same directory, renamed over the target. Object stores publish an
+    object only when its upload completes, so there the file is written in place.
+    """
+    fs, resolved = filesystem(path)
+    if not isinstance(fs, LocalFileSystem):
+        with fs.open(resolved, mode) as handle:
+            yield handle
+        return
+    directory = os.path.dirname(os.path.abspath(resolved))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(resolved)}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, resolved)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def iter_json_records(path: str) -> Iterator[tuple[str, Any]]:
+    """Yield `(where, record)` for each request in a JSON or JSONL file, streaming.
+
+    Accepted shapes: a JSON array of records, a single JSON object, or JSONL (one record per line).
+    `where` says where the record stands ("element 3", "line 4") for error messages.
+    """
+    with open_file(path, "rb") as handle:
+        first = _first_significant_byte(handle)
+        if first == b"[":
+            yield from _iter_array(path, handle)
+        elif first == b"{":
+            first_line = handle.readline()
+            handle.seek(0)
+            try:
+                json.loads(first_line)
+            except json.JSONDecodeError:
+                yield from _iter_concatenated(path, handle)
+            else:
+                yield from _iter_lines(path, handle)
+        elif first == b"":
+            raise InputFileError(f"{path}: the file is empty; expected a JSON array, object or JSONL records")
+        else:
+            raise InputFileError(
+                f"{path}: expected a JSON array, a JSON object or JSONL records, found {first!r} at the start"
+            )
+
+
+def _first_significant_byte(handle: IO[bytes]) -> bytes:
+    """The first non-whitespace byte of the file (b"" when there is none); leaves the handle at the start."""
+    try:
+        while chunk := handle.read(65536):
+            if stripped := chunk.lstrip():
+                return stripped[:1]
+        return b""
+    finally:
+        handle.seek(0)
+
+
+def _iter_array(path: str, handle: IO[bytes]) -> Iterator[tuple[str, Any]]:
+    position = 0
+    try:
+        for position, record in enumerate(ijson.items(handle, "item", use_float=True)):
+            yield f"element {position}", record
+    except (ijson.JSONError, UnicodeDecodeError) as exc:
+        raise InputFileError(_locate_malformed(path, f"element {position}", exc)) from None
+
+
+def _iter_concatenated(path: str, handle: IO[bytes]) -> Iterator[tuple[str, Any]]:
+    position = 0
+    try:
+        for position, record in enumerate(ijson.items(handle, "", multiple_values=True, use_float=True)):
+            yield f"object {position}", record
+    except (ijson.JSONError, UnicodeDecodeError) as exc:
+        raise InputFileError(_locate_malformed(path, f"object {position}", exc)) from None
+
+
+def _iter_lines(path: str, handle: IO[bytes]) -> Iterator[tuple[str, Any]]:
+    for number, raw in enumerate(handle, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except UnicodeDecodeError as exc:
+            raise InputFileError(f"{path}: line {number} is not valid UTF-8 (byte {exc.start} of the line)") from None
+        except json.JSONDecodeError as exc:
+            raise InputFileError(f"{path}: line {number}, column {exc.colno}: malformed JSON: {exc.msg}") from None
+        yield f"line {number}", record
+
+
+def _locate_malformed(path: str, where: str, exc: Exception) -> str:
+    """The best description of where a file stops being JSON: line and column when affordable."""
+    fs, resolved = filesystem(path)
+    if fs.size(resolved) <= _EXACT_ERROR_LOCATION_MAX_BYTES:
+        raw = fs.cat_file(resolved)
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as decode_error:
+            line = raw.count(b"\n", 0, decode_error.start) + 1
+            return f"{path}: not valid UTF-8 at byte {decode_error.start} (line {line})"
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as decode_error:
+            return (
+                f"{path}: malformed JSON at line {decode_error.lineno}, column {decode_error.colno} "
+                f"(byte {decode_error.pos}, in {where}): {decode_error.msg}"
+            )
+    return f"{path}: malformed JSON in {where}: {exc}"

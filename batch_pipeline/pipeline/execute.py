@@ -1,0 +1,33 @@
+"""Running a request as a Dagster run on an instance, without the API: the CLI's `run`, and tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.pipeline.job import JOB_ID_TAG
+
+
+def run_config_for(request: CreateBatchCompletionsV2Request) -> dict[str, Any]:
+    """The run config of a request: the request itself, as the config of `validate_input`."""
+    return {"ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}}
+
+
+def execute_request(
+    request: CreateBatchCompletionsV2Request,
+    instance: dg.DagsterInstance,
+    job_id: str | None = None,
+    raise_on_error: bool = False,
+) -> dg.ExecutionResult:
+    from batch_pipeline.pipeline.definitions import batch_completions_job
+
+    tags = {JOB_ID_TAG: job_id} if job_id else None
+    return dg.execute_job(
+        dg.reconstructable(batch_completions_job),
+        instance=instance,
+        run_config=run_config_for(request),
+        tags=tags,
+        raise_on_error=raise_on_error,
+    )

@@ -1,0 +1,179 @@
+"""The `batch_completions` job: validate → plan shards → one worker per shard → merge → job metadata.
+
+The ops orchestrate; inference happens in the shard workers the launcher starts.
+"""
+
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import dagster as dg
+from dagster import OpExecutionContext
+from pydantic import ValidationError
+
+from batch_pipeline import io
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.contract.records import RecordError, describe_validation_error
+from batch_pipeline.launch import ShardLauncher
+from batch_pipeline.pipeline.config_schema import config_schema_for
+from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.shards import ShardSpec, ShardTask, merge_sorted_outputs, work_items, write_shards
+
+JOB_ID_TAG = "batch_pipeline/job_id"
+SHARD_STEP_TAG = "batch_pipeline/step"
+
+
+def job_id_of(context: OpExecutionContext) -> str:
+    """The API's job id when the run came from the job store; otherwise the id of the first run of this
+    job, so a re-execution finds the work (and the checkpoints) of the run it re-executes."""
+    return context.run.tags.get(JOB_ID_TAG) or context.run.root_run_id or context.run_id
+
+
+def metadata_path(output_data_path: str) -> str:
+    return output_data_path + ".metadata.json"
+
+
+@dg.op(
+    config_schema=config_schema_for(CreateBatchCompletionsV2Request),
+    description="Check the request (the run config) against the contract and the paths it names.",
+)
+def validate_input(context: OpExecutionContext) -> dict:
+    try:
+        request = CreateBatchCompletionsV2Request.model_validate(context.op_config)
+    except ValidationError as exc:
+        raise dg.Failure(f"invalid request: {describe_validation_error(exc)}") from None
+    if request.tool_config is not None:
+        raise dg.Failure("tool_config: tool use is not supported by this deployment yet")
+    if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
+        raise dg.Failure("nodes_per_worker: multi-node workers are not supported; use data_parallelism")
+    if request.input_data_path is not None and not io.exists(request.input_data_path):
+        raise dg.Failure(f"input_data_path: no file at {request.input_data_path}")
+    try:
+        io.makedirs(io.parent(request.output_data_path))
+    except OSError as exc:
+        raise dg.Failure(f"output_data_path: cannot create the directory of {request.output_data_path}: {exc}")
+    return request.model_dump(mode="json", by_alias=True)
+
+
+@dg.op(
+    out=dg.DynamicOut(dict),
+    description="Stream the prompts into `data_parallelism` shard inputs, balanced by prompt count.",
+)
+def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage):
+    work_dir = job_storage.work_dir(job_id_of(context))
+    content = request.get("content")
+    if content is None:
+        records = io.iter_json_records(request["input_data_path"])
+    elif isinstance(content, dict):
+        records = iter([("content", content)])
+    else:
+        records = ((f"content.{position}", record) for position, record in enumerate(content))
+    try:
+        shards = write_shards(work_items(records), request["data_parallelism"] or 1, work_dir)
+    except (RecordError, io.InputFileError) as exc:
+        raise dg.Failure(str(exc)) from None
+    if not shards:
+        raise dg.Failure("the request holds no prompts: nothing to generate")
+    deadline = _run_start(context) + (request["max_runtime_sec"] or 86400)
+    context.log.info(
+        f"{sum(s.item_count for s in shards)} requests in {len(shards)} shards under {work_dir}: "
+        + ", ".join(str(s.prompt_count) for s in shards)
+        + " prompts"
+    )
+    for shard in shards:
+        task = ShardTask(shard=shard, model_config=request["model_config"], deadline=deadline)
+        yield dg.DynamicOutput(task.to_dict(), mapping_key=f"shard_{shard.shard_index:03d}")
+
+
+@dg.op(
+    tags={SHARD_STEP_TAG: "shard"},
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
+    description="Run the shard worker (vLLM) on one shard; a retry resumes from its checkpoint.",
+)
+def run_shard(context: OpExecutionContext, task: dict, shard_launcher: ShardLauncher) -> dict:
+    shard_task = ShardTask.from_dict(task)
+    stats = shard_launcher.run_shard(context, shard_task)
+    context.add_output_metadata(
+        {
+            "requests": stats["items"],
+            "errors": stats["errors"],
+            "completion_tokens": stats["completion_tokens"],
+            "engine_start_s": stats["engine_start_s"],
+            "generate_s": stats["generate_s"],
+            "resumed": stats["resumed"],
+        }
+    )
+    return {"task": task, "stats": stats}
+
+
+@dg.op(description="Merge the shard outputs in input order into one JSON array at output_data_path.")
+def merge_outputs(context: OpExecutionContext, request: dict, shard_results: list[dict]) -> dict:
+    shard_results = sorted(shard_results, key=lambda result: result["task"]["shard"]["shard_index"])
+    specs = [ShardSpec(**result["task"]["shard"]) for result in shard_results]
+    expected = sum(spec.item_count for spec in specs)
+    output_path = request["output_data_path"]
+    started = time.monotonic()
+    written = 0
+    try:
+        with io.atomic_write(output_path, "w") as output:
+            output.write("[")
+            for index, payload in merge_sorted_outputs([spec.output_path for spec in specs]):
+                if index != written:
+                    raise dg.Failure(f"shard outputs are missing the result of request {written}")
+                output.write(",\n" if written else "\n")
+                output.write(payload)
+                written += 1
+            if written != expected:
+                raise dg.Failure(f"shard outputs hold {written} results, expected {expected}")
+            output.write("\n]\n")
+    except OSError as exc:
+        raise dg.Failure(f"output_data_path: cannot write {output_path}: {exc}") from None
+    merge_s = round(time.monotonic() - started, 3)
+    context.add_output_metadata({"output_data_path": output_path, "results": written, "merge_s": merge_s})
+    return {"output_data_path": output_path, "results": written, "merge_s": merge_s}
+
+
+@dg.op(description="Write the job's counts, tokens and timings beside the output, and as run metadata.")
+def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict, shard_results: list[dict]) -> dict:
+    shards = sorted((result["stats"] for result in shard_results), key=lambda stats: stats["shard_index"])
+    wall_s = round(time.time() - _run_start(context), 3)
+    completion_tokens = sum(s["completion_tokens"] for s in shards)
+    metadata = {
+        "job_id": job_id_of(context),
+        "dagster_run_id": context.run_id,
+        "model": request["model_config"]["model"],
+        "output_data_path": merged["output_data_path"],
+        "num_requests": merged["results"],
+        "num_errors": sum(s["errors"] for s in shards),
+        "prompt_tokens": sum(s["prompt_tokens"] for s in shards),
+        "completion_tokens": completion_tokens,
+        "wall_s": wall_s,
+        "completion_tokens_per_s": round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
+        "merge_s": merged["merge_s"],
+        "finished_at": datetime.now(timezone.utc).isoformat(),
+        "shards": shards,
+    }
+    with io.atomic_write(metadata_path(merged["output_data_path"]), "w") as handle:
+        json.dump(metadata, handle, indent=2)
+    context.add_output_metadata(
+        {key: value for key, value in metadata.items() if key != "shards"}
+        | {"shards": dg.MetadataValue.json(shards)}
+    )
+    return metadata
+
+
+def _run_start(context: OpExecutionContext) -> float:
+    record = context.instance.get_run_record_by_id(context.run_id)
+    return (record.start_time if record and record.start_time else None) or time.time()
+
+
+@dg.job(
+    description="One batch completions request: its prompts through vLLM, sharded, merged in input order.",
+)
+def batch_completions():
+    request = validate_input()
+    shard_results = plan_shards(request).map(run_shard).collect()
+    merged = merge_outputs(request, shard_results)
+    write_job_metadata(request, merged, shard_results)

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+from pydantic import Field
+
+from batch_pipeline import io
+
+
+class JobStorage(dg.ConfigurableResource):
+    """Where a job's intermediate files (shard inputs, checkpoints, shard outputs) live.
+
+    Every step and every shard worker of a job must see the same place: a local directory on one machine,
+    an s3:// prefix when shards run in pods.
+    """
+
+    work_dir_base: str = Field(
+        default="", description="Base path or URL of job work dirs; empty = $DAGSTER_HOME/work."
+    )
+
+    def work_dir(self, job_id: str) -> str:
+        base = self.work_dir_base or os.path.join(os.environ.get("DAGSTER_HOME", "dagster_home"), "work")
+        if io.is_local(base):
+            base = os.path.abspath(base)
+        return io.join(base, job_id)

@@ -1,0 +1,45 @@
+"""The shard worker: `python -m batch_pipeline.worker`.
+
+Launched by Dagster Pipes (a local subprocess or a Kubernetes pod), it reads its task from the Pipes
+extras, reports progress as Pipes log lines and its stats as a Pipes custom message. Started by hand,
+`--task FILE` names a JSON task instead. It knows nothing of HTTP or of the job store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from batch_pipeline.worker.engine import set_engine_environment
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m batch_pipeline.worker", description=__doc__)
+    parser.add_argument("--task", help="a task JSON file, when not launched by Dagster Pipes")
+    args = parser.parse_args(argv)
+    set_engine_environment()
+
+    from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
+
+    from batch_pipeline.shards import ShardTask
+    from batch_pipeline.worker.runner import ShardRunner
+
+    if args.task:
+        with open(args.task) as handle:
+            task = ShardTask.from_dict(json.load(handle))
+        stats = ShardRunner(task, report=lambda line: print(line, file=sys.stderr, flush=True)).run()
+        print(json.dumps(stats.to_dict()))
+        return 0
+    if not PipesEnvVarParamsLoader().is_dagster_pipes_process():
+        parser.error("not launched by Dagster Pipes: pass --task FILE")
+    with open_dagster_pipes() as pipes:
+        task = ShardTask.from_dict(pipes.get_extra("task"))
+        prefix = f"shard {task.shard.shard_index:03d}: "
+        stats = ShardRunner(task, report=lambda line: pipes.log.info(prefix + line)).run()
+        pipes.report_custom_message(stats.to_dict())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

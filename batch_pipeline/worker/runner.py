@@ -1,0 +1,239 @@
+"""Running one shard: every pending request through one vLLM engine, results appended as they finish.
+
+The results file is the checkpoint: a worker started again on the same shard skips what is already there,
+so a killed shard loses at most the requests that were in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+from batch_pipeline import io
+from batch_pipeline.contract import (
+    BatchCompletionsModelConfig,
+    CreateBatchCompletionsV1RequestContent,
+    ErrorDetail,
+    ErrorOutput,
+)
+from batch_pipeline.shards import ShardTask, WorkItem, format_result, read_work_items
+
+logger = logging.getLogger(__name__)
+
+# Requests handed to the engine ahead of the scheduler: enough to keep every batch slot busy, few enough
+# that a shard of a million prompts does not hold them all in memory.
+DEFAULT_MAX_IN_FLIGHT = 1024
+PROGRESS_INTERVAL_S = 5.0
+
+
+class DeadlineExceeded(RuntimeError):
+    pass
+
+
+@dataclass
+class ShardStats:
+    shard_index: int
+    items: int
+    resumed: int = 0
+    generated: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    engine_start_s: float = 0.0
+    generate_s: float = 0.0
+    wall_s: float = 0.0
+    unsupported_engine_args: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def error_output(code: str, message: str) -> dict[str, Any]:
+    return ErrorOutput(error=ErrorDetail(code=code, message=message)).model_dump()
+
+
+class V1Requests:
+    """v1 content: one prompt per item, sampling parameters shared by the prompts of one content."""
+
+    def __init__(self) -> None:
+        self._params: dict[str, tuple[Any, bool]] = {}
+
+    def submit(self, engine: Any, request_id: str, item: WorkItem) -> None:
+        params, _ = self._sampling(item)
+        engine.add_request(request_id, item.request["prompt"], params)
+
+    def output(self, item: WorkItem, result: Any) -> dict[str, Any]:
+        from batch_pipeline.worker.sampling import v1_output
+
+        _, with_logprobs = self._sampling(item)
+        return v1_output(result, with_logprobs).model_dump()
+
+    def _sampling(self, item: WorkItem) -> tuple[Any, bool]:
+        from batch_pipeline.worker.sampling import v1_sampling_params
+
+        shared = {key: value for key, value in item.request.items() if key != "prompt"}
+        key = json.dumps(shared, sort_keys=True)
+        if key not in self._params:
+            content = CreateBatchCompletionsV1RequestContent(prompts=[], **shared)
+            self._params[key] = (v1_sampling_params(content), bool(content.return_token_log_probs))
+        return self._params[key]
+
+
+class ShardRunner:
+    def __init__(
+        self,
+        task: ShardTask,
+        report: Callable[[str], None] = logger.info,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    ) -> None:
+        self.task = task
+        self.shard = task.shard
+        self.report = report
+        self.max_in_flight = max_in_flight
+        self.handlers = {"v1": V1Requests()}
+        self.stats = ShardStats(shard_index=self.shard.shard_index, items=self.shard.item_count)
+
+    def run(self) -> ShardStats:
+        started = time.monotonic()
+        done = recover_checkpoint(self.shard.results_path)
+        self.stats.resumed = len(done)
+        if done:
+            self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
+        pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
+        first = next(pending, None)
+        if first is not None:
+            with open(self.shard.results_path, "a", encoding="utf-8") as results:
+                self._generate(_chain(first, pending), results, already_done=len(done))
+        self._finalize()
+        self.stats.wall_s = round(time.monotonic() - started, 3)
+        return self.stats
+
+    def _generate(self, pending: Iterator[WorkItem], results: IO[str], already_done: int) -> None:
+        from batch_pipeline.worker.engine import build_llm
+
+        model_config = BatchCompletionsModelConfig.model_validate(self.task.model_config)
+        t0 = time.monotonic()
+        llm, self.stats.unsupported_engine_args = build_llm(model_config)
+        self.stats.engine_start_s = round(time.monotonic() - t0, 3)
+        self.report(f"engine ready in {self.stats.engine_start_s:.1f}s")
+        engine = llm.llm_engine
+
+        in_flight: dict[str, WorkItem] = {}
+        finished = already_done
+        t0 = last_report = time.monotonic()
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) < self.max_in_flight:
+                item = next(pending, None)
+                if item is None:
+                    exhausted = True
+                    break
+                handler = self.handlers.get(item.kind)
+                if handler is None:
+                    self._write(results, item.index, error_output(
+                        "unsupported", f"{item.kind} requests are not served by this worker yet"))
+                    finished += 1
+                    continue
+                request_id = str(item.index)
+                try:
+                    handler.submit(engine, request_id, item)
+                except Exception as exc:  # vLLM refuses the single request (e.g. prompt too long)
+                    self._write(results, item.index, error_output(_error_code(exc), str(exc)))
+                    finished += 1
+                    continue
+                in_flight[request_id] = item
+            if not in_flight:
+                break
+            self._check_deadline(engine, in_flight)
+            for result in engine.step():
+                if not result.finished:
+                    continue
+                item = in_flight.pop(result.request_id)
+                self._write(results, item.index, self.handlers[item.kind].output(item, result))
+                finished += 1
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_INTERVAL_S:
+                last_report = now
+                self._report_progress(finished, now - t0)
+        results.flush()
+        os.fsync(results.fileno())
+        self.stats.generate_s = round(time.monotonic() - t0, 3)
+        self._report_progress(finished, self.stats.generate_s)
+
+    def _write(self, results: IO[str], index: int, output: dict[str, Any]) -> None:
+        # One write and a flush per result: a killed worker leaves whole lines, plus at most one torn one.
+        results.write(format_result(index, output))
+        results.flush()
+        self.stats.generated += 1
+        self.stats.errors += "error" in output
+        self.stats.completion_tokens += output.get("num_completion_tokens", 0)
+
+    def _report_progress(self, finished: int, elapsed: float) -> None:
+        rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
+        self.report(
+            f"progress {finished}/{self.shard.item_count} requests, "
+            f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"
+        )
+
+    def _check_deadline(self, engine: Any, in_flight: dict[str, WorkItem]) -> None:
+        if self.task.deadline is not None and time.time() > self.task.deadline:
+            engine.abort_request(list(in_flight))
+            raise DeadlineExceeded(
+                f"max_runtime_sec exceeded: shard {self.shard.shard_index} stopped with "
+                f"{len(in_flight)} requests in flight; finished results are kept"
+            )
+
+    def _finalize(self) -> None:
+        """Write output.tsv: every result, sorted by index, and total the tokens and errors."""
+        offsets: dict[int, tuple[int, int]] = {}
+        prompt_tokens = completion_tokens = errors = 0
+        with open(self.shard.results_path, "rb") as results:
+            position = 0
+            for line in results:
+                index_text, _, payload = line.partition(b"\t")
+                offsets[int(index_text)] = (position, len(line))
+                position += len(line)
+                output = json.loads(payload)
+                errors += "error" in output
+                prompt_tokens += output.get("num_prompt_tokens", 0)
+                completion_tokens += output.get("num_completion_tokens", 0)
+            missing = self.shard.item_count - len(offsets)
+            if missing:
+                raise RuntimeError(f"shard {self.shard.shard_index}: {missing} requests have no result")
+            with io.atomic_write(self.shard.output_path, "wb") as output_file:
+                for index in sorted(offsets):
+                    start, length = offsets[index]
+                    results.seek(start)
+                    output_file.write(results.read(length))
+        self.stats.prompt_tokens, self.stats.completion_tokens, self.stats.errors = (
+            prompt_tokens, completion_tokens, errors)
+
+
+def recover_checkpoint(results_path: str) -> set[int]:
+    """Indices already finished; a torn last line left by a killed worker is cut off so appends stay whole."""
+    if not os.path.exists(results_path):
+        return set()
+    done: set[int] = set()
+    whole_bytes = 0
+    with open(results_path, "rb+") as handle:
+        for line in handle:
+            if not line.endswith(b"\n"):
+                break
+            done.add(int(line.partition(b"\t")[0]))
+            whole_bytes += len(line)
+        handle.truncate(whole_bytes)
+    return done
+
+
+def _error_code(exc: Exception) -> str:
+    return "prompt_too_long" if "maximum model length" in str(exc) else "invalid_request"
+
+
+def _chain(first: WorkItem, rest: Iterator[WorkItem]) -> Iterator[WorkItem]:
+    yield first
+    yield from rest
