@@ -169,4 +169,4 @@ class BatchCompletionsModelConfig(WireModel):
 class CreateBatchCompletionsV1ModelConfig(BatchCompletionsModelConfig):
     """The v1 model config: the v2 one plus labels."""
 
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels to attach to the batch inference job.")
+    labels: dict[str, str] = Field(default={}, description="Labels to attach to the batch inference job.")

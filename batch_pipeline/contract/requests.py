@@ -77,7 +77,7 @@ class _BatchCompletionsRequestBase(WireModel):
     output_data_path: str = Field(
         description="Path to the output file. The output file will be a JSON file of type List[CompletionOutput]."
     )
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels to attach to the batch inference job.")
+    labels: dict[str, str] = Field(default={}, description="Labels to attach to the batch inference job.")
     data_parallelism: int | None = Field(
         1,
         ge=1,

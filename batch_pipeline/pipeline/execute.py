@@ -20,7 +20,7 @@ def execute_request(
     instance: dg.DagsterInstance,
     job_id: str | None = None,
     raise_on_error: bool = False,
-) -> dg.ExecutionResult:
+) -> dg.JobExecutionResult:
     from batch_pipeline.pipeline.definitions import batch_completions_job
 
     tags = {JOB_ID_TAG: job_id} if job_id else None

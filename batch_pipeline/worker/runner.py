@@ -231,7 +231,9 @@ def recover_checkpoint(results_path: str) -> set[int]:
 
 
 def _error_code(exc: Exception) -> str:
-    return "prompt_too_long" if "maximum model length" in str(exc) else "invalid_request"
+    message = str(exc)
+    too_long = "maximum context length" in message or "maximum model length" in message
+    return "prompt_too_long" if too_long else "invalid_request"
 
 
 def _chain(first: WorkItem, rest: Iterator[WorkItem]) -> Iterator[WorkItem]:

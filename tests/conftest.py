@@ -1,0 +1,50 @@
+import os
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.pipeline.execute import execute_request
+
+MODEL = "smollm2-135m-instruct"
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@pytest.fixture
+def dagster_home(tmp_path, monkeypatch):
+    """A real, persistent Dagster instance of its own (SQLite in a temporary DAGSTER_HOME)."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.delenv("BATCH_PIPELINE_WORK_DIR", raising=False)
+    with dg.instance_for_test(temp_dir=str(home)) as instance:
+        yield instance
+
+
+@pytest.fixture
+def run_job(dagster_home):
+    """Run a request (a dict as a client would send it) through the real `batch_completions` job."""
+
+    def run(body: dict, job_id: str | None = None) -> dg.JobExecutionResult:
+        request = CreateBatchCompletionsV2Request.model_validate(body)
+        return execute_request(request, dagster_home, job_id=job_id)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from batch_pipeline.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(MODEL))
+
+
+def step_failure_messages(result: dg.JobExecutionResult) -> list[str]:
+    return [
+        event.step_failure_data.error.message
+        for event in result.all_events
+        if event.is_step_failure and event.step_failure_data.error
+    ]
