@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,8 +62,9 @@ def _run(path: Path, show: int) -> int:
         print(f"{path}: invalid request: {describe_validation_error(exc)}", file=sys.stderr)
         return 2
     request = _with_absolute_local_paths(request)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     instance = dg.DagsterInstance.get()
-    result = execute_request(request, instance)
+    result = execute_request(request, instance, log_level="INFO")
     if not result.success:
         failures = [event for event in result.all_events if event.is_step_failure]
         for event in failures:

@@ -153,11 +153,22 @@ class ShardTask:
 
     shard: ShardSpec
     model_config: dict[str, Any]
+    shard_count: int = 1  # shards of the job, this one included
     deadline: float | None = None  # epoch seconds; the job's max_runtime_sec
 
     def to_dict(self) -> dict[str, Any]:
-        return {"shard": self.shard.to_dict(), "model_config": self.model_config, "deadline": self.deadline}
+        return {
+            "shard": self.shard.to_dict(),
+            "model_config": self.model_config,
+            "shard_count": self.shard_count,
+            "deadline": self.deadline,
+        }
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ShardTask:
-        return cls(shard=ShardSpec(**raw["shard"]), model_config=raw["model_config"], deadline=raw.get("deadline"))
+        return cls(
+            shard=ShardSpec(**raw["shard"]),
+            model_config=raw["model_config"],
+            shard_count=raw.get("shard_count", 1),
+            deadline=raw.get("deadline"),
+        )

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -8,6 +9,12 @@ from pydantic import Field
 
 from batch_pipeline.launch.base import ShardLauncher
 from batch_pipeline.shards import ShardTask
+
+
+def local_shard_concurrency() -> int:
+    """How many shard workers may run at once on this machine: each holds a whole engine (~2.3 GiB for
+    the catalog model on the CPU), and more workers than cores only share the same cores."""
+    return int(os.environ.get("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", max(1, os.cpu_count() or 1)))
 
 
 class LocalShardLauncher(ShardLauncher):
@@ -19,7 +26,7 @@ class LocalShardLauncher(ShardLauncher):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
 
     def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
-        client = dg.PipesSubprocessClient(env=self.env)
+        client = dg.PipesSubprocessClient(env={**self._cpu_share(task), **self.env})
         completed = client.run(
             context=context,
             command=[self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
@@ -29,3 +36,16 @@ class LocalShardLauncher(ShardLauncher):
         if not reports:
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
         return reports[-1]
+
+    @staticmethod
+    def _cpu_share(task: ShardTask) -> dict[str, str]:
+        """Shards running side by side split the cores instead of all computing on the same ones.
+
+        vLLM's CPU backend binds its threads to the same cores in every process; two engines so bound ran
+        2.5x slower than two with one unbound thread each (measured: 64 prompts over 2 shards, 2 cores).
+        """
+        side_by_side = min(task.shard_count, local_shard_concurrency())
+        if side_by_side <= 1:
+            return {}
+        threads = max(1, (os.cpu_count() or 1) // side_by_side)
+        return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

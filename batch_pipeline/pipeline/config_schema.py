@@ -61,7 +61,7 @@ def _config_type(annotation: Any) -> tuple[Any, bool]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return config_schema_for(annotation), False
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return dg.Enum.from_python_enum_direct_values(annotation), False
+        return dg.Enum(annotation.__name__, [dg.EnumValue(member.value) for member in annotation]), False
     if annotation in _SCALARS:
         return _SCALARS[annotation], False
     return dg.Any, False

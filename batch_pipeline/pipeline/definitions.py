@@ -7,14 +7,9 @@ import os
 import dagster as dg
 
 from batch_pipeline.launch import LocalShardLauncher
+from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.resources import JobStorage
-
-
-def local_shard_concurrency() -> int:
-    """How many shard workers may run at once on this machine: each holds a whole engine (~2.3 GiB for
-    the catalog model on the CPU), and more workers than cores only share the same cores."""
-    return int(os.environ.get("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", max(1, os.cpu_count() or 1)))
 
 
 local_executor = dg.multiprocess_executor.configured(

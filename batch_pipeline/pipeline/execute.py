@@ -10,9 +10,14 @@ from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.job import JOB_ID_TAG
 
 
-def run_config_for(request: CreateBatchCompletionsV2Request) -> dict[str, Any]:
+def run_config_for(request: CreateBatchCompletionsV2Request, log_level: str | None = None) -> dict[str, Any]:
     """The run config of a request: the request itself, as the config of `validate_input`."""
-    return {"ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}}
+    config: dict[str, Any] = {
+        "ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}
+    }
+    if log_level:
+        config["loggers"] = {"console": {"config": {"log_level": log_level}}}
+    return config
 
 
 def execute_request(
@@ -20,6 +25,7 @@ def execute_request(
     instance: dg.DagsterInstance,
     job_id: str | None = None,
     raise_on_error: bool = False,
+    log_level: str | None = None,
 ) -> dg.JobExecutionResult:
     from batch_pipeline.pipeline.definitions import batch_completions_job
 
@@ -27,7 +33,7 @@ def execute_request(
     return dg.execute_job(
         dg.reconstructable(batch_completions_job),
         instance=instance,
-        run_config=run_config_for(request),
+        run_config=run_config_for(request, log_level),
         tags=tags,
         raise_on_error=raise_on_error,
     )

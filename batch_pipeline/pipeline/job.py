@@ -83,7 +83,9 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
         + " prompts"
     )
     for shard in shards:
-        task = ShardTask(shard=shard, model_config=request["model_config"], deadline=deadline)
+        task = ShardTask(
+            shard=shard, model_config=request["model_config"], shard_count=len(shards), deadline=deadline
+        )
         yield dg.DynamicOutput(task.to_dict(), mapping_key=f"shard_{shard.shard_index:03d}")
 
 

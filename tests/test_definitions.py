@@ -1,0 +1,66 @@
+"""The Dagster definitions load, and the launchpad's config is the request: typed, with the spec's defaults."""
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.pipeline.definitions import batch_completions_job, defs
+from batch_pipeline.pipeline.execute import run_config_for
+
+REQUEST = {
+    "output_data_path": "/tmp/out.json",
+    "model_config": {"model": "smollm2-135m-instruct", "max_model_len": 2048},
+    "content": {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0.5},
+    "cpus": "2",
+    "memory": 8,
+    "gpu_type": "nvidia-ampere-a10",
+    "labels": {"team": "ml"},
+}
+
+
+def test_every_definition_loads():
+    repository = defs.get_repository_def()
+    assert [job.name for job in repository.get_all_jobs()] == ["batch_completions"]
+    job = batch_completions_job()
+    assert {"shard_launcher", "job_storage"} <= set(job.resource_defs)
+
+
+def test_a_request_is_a_valid_run_config_and_gets_the_spec_defaults():
+    request = CreateBatchCompletionsV2Request.model_validate(REQUEST)
+    validated = dg.validate_run_config(batch_completions_job(), run_config_for(request))
+    config = validated["ops"]["validate_input"]["config"]
+    assert config["data_parallelism"] == 1
+    assert config["max_runtime_sec"] == 86400
+    assert config["model_config"]["max_model_len"] == 2048
+    assert config["model_config"]["trust_remote_code"] is False
+    assert CreateBatchCompletionsV2Request.model_validate(config).gpu_type == "nvidia-ampere-a10"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda c: c.pop("output_data_path"), "output_data_path"),
+        (lambda c: c.update(data_parallelizm=2), "data_parallelizm"),
+        (lambda c: c["model_config"].update(max_model_len="long"), "max_model_len"),
+        (lambda c: c.update(gpu_type="nvidia-rtx-4090"), "gpu_type"),
+    ],
+)
+def test_the_launchpad_refuses_bad_config_naming_the_field(change, named):
+    config = CreateBatchCompletionsV2Request.model_validate(REQUEST).model_dump(
+        mode="json", by_alias=True, exclude_none=True
+    )
+    change(config)
+    with pytest.raises(dg.DagsterInvalidConfigError, match=named):
+        dg.validate_run_config(batch_completions_job(), {"ops": {"validate_input": {"config": config}}})
+
+
+def test_launchpad_fields_carry_the_spec_descriptions():
+    schema = batch_completions_job().get_config_schema_snapshot()
+    descriptions = {
+        field.description
+        for config_type in schema.all_config_snaps_by_key.values()
+        for field in (config_type.fields or [])
+        if field.description
+    }
+    assert "Maximum runtime of the batch inference in seconds. Default to one day." in descriptions
+    assert "Random seed for the model." in descriptions
