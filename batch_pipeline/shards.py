@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
@@ -135,6 +135,69 @@ def iter_result_lines(handle: IO[str]) -> Iterator[tuple[int, str]]:
             return
         index, _, payload = line.partition("\t")
         yield int(index), payload[:-1]
+
+
+class MissingResult(RuntimeError):
+    pass
+
+
+def write_output_array(path: str, results: Iterable[tuple[int, str]], expected: int) -> int:
+    """Write `(index, output JSON)` pairs, which must run 0, 1, ..., expected - 1, as one JSON array,
+    atomically. Raises MissingResult at a gap or a short count, and then leaves no file."""
+    written = 0
+    with io.atomic_write(path, "w") as output:
+        output.write("[")
+        for index, payload in results:
+            if index != written:
+                raise MissingResult(f"no result for request {written}")
+            output.write(",\n" if written else "\n")
+            output.write(payload)
+            written += 1
+        if written != expected:
+            raise MissingResult(f"{written} results, expected {expected}")
+        output.write("\n]\n")
+    return written
+
+
+def count_lines(path: str) -> int:
+    if not io.exists(path):
+        return 0
+    with io.open_file(path, "rb") as handle:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
+
+
+def shard_directories(work_dir: str) -> list[str]:
+    fs, root = io.filesystem(io.join(work_dir, "shards"))
+    if not fs.exists(root):
+        return []
+    return sorted(io.join(work_dir, "shards", path.rstrip("/").rsplit("/", 1)[-1]) for path in fs.ls(root, detail=False))
+
+
+def progress(work_dir: str) -> tuple[int, int]:
+    """(requests finished, requests planned) of a job, read from its shards' checkpoints."""
+    done = total = 0
+    for directory in shard_directories(work_dir):
+        total += count_lines(io.join(directory, INPUT_FILE))
+        done += count_lines(io.join(directory, RESULTS_FILE))
+    return done, total
+
+
+def partial_outputs(work_dir: str, missing: Callable[[int], str]) -> Iterator[tuple[int, str]]:
+    """Every planned request in index order: its result where one was checkpointed, else `missing(index)`.
+
+    For jobs stopped before the end (cancelled, out of time), so the finished work is not lost.
+    """
+
+    def shard_stream(directory: str) -> Iterator[tuple[int, str]]:
+        results: dict[int, str] = {}
+        results_path = io.join(directory, RESULTS_FILE)
+        if io.exists(results_path):
+            with io.open_file(results_path, "r", encoding="utf-8") as handle:
+                results = dict(iter_result_lines(handle))
+        for item in read_work_items(io.join(directory, INPUT_FILE)):
+            yield item.index, results.get(item.index) or missing(item.index)
+
+    yield from heapq.merge(*(shard_stream(d) for d in shard_directories(work_dir)), key=lambda pair: pair[0])
 
 
 def merge_sorted_outputs(output_paths: list[str]) -> Iterator[tuple[int, str]]:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import dagster as dg
@@ -17,6 +18,16 @@ def local_shard_concurrency() -> int:
     return int(os.environ.get("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", max(1, os.cpu_count() or 1)))
 
 
+def raise_if_past_deadline(task: ShardTask) -> None:
+    """A worker stopped by the job's deadline must not be retried: a retry would only stop again."""
+    if task.deadline is not None and time.time() >= task.deadline:
+        raise dg.Failure(
+            f"max_runtime_sec exceeded: shard {task.shard.shard_index} was stopped at the job's deadline; "
+            "its finished results are kept",
+            allow_retries=False,
+        )
+
+
 class LocalShardLauncher(ShardLauncher):
     """The shard worker as a subprocess of the step, on this machine."""
 
@@ -27,11 +38,15 @@ class LocalShardLauncher(ShardLauncher):
 
     def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
         client = dg.PipesSubprocessClient(env={**self._cpu_share(task), **self.env})
-        completed = client.run(
-            context=context,
-            command=[self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
-            extras={"task": task.to_dict()},
-        )
+        try:
+            completed = client.run(
+                context=context,
+                command=[self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
+                extras={"task": task.to_dict()},
+            )
+        except dg.DagsterPipesExecutionError:
+            raise_if_past_deadline(task)
+            raise
         reports = completed.get_custom_messages()
         if not reports:
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")

@@ -19,7 +19,15 @@ from batch_pipeline.contract.records import RecordError, describe_validation_err
 from batch_pipeline.launch import ShardLauncher
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.shards import ShardSpec, ShardTask, merge_sorted_outputs, work_items, write_shards
+from batch_pipeline.shards import (
+    MissingResult,
+    ShardSpec,
+    ShardTask,
+    merge_sorted_outputs,
+    work_items,
+    write_output_array,
+    write_shards,
+)
 
 JOB_ID_TAG = "batch_pipeline/job_id"
 SHARD_STEP_TAG = "batch_pipeline/step"
@@ -117,19 +125,12 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
     expected = sum(spec.item_count for spec in specs)
     output_path = request["output_data_path"]
     started = time.monotonic()
-    written = 0
     try:
-        with io.atomic_write(output_path, "w") as output:
-            output.write("[")
-            for index, payload in merge_sorted_outputs([spec.output_path for spec in specs]):
-                if index != written:
-                    raise dg.Failure(f"shard outputs are missing the result of request {written}")
-                output.write(",\n" if written else "\n")
-                output.write(payload)
-                written += 1
-            if written != expected:
-                raise dg.Failure(f"shard outputs hold {written} results, expected {expected}")
-            output.write("\n]\n")
+        written = write_output_array(
+            output_path, merge_sorted_outputs([spec.output_path for spec in specs]), expected
+        )
+    except MissingResult as exc:
+        raise dg.Failure(f"shard outputs are incomplete: {exc}") from None
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {output_path}: {exc}") from None
     merge_s = round(time.monotonic() - started, 3)
