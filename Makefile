@@ -7,13 +7,16 @@ export DAGSTER_HOME := $(CURDIR)/dagster_home
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 MODEL := smollm2-135m-instruct
 
-.PHONY: run test install model clean
+.PHONY: run test serve install model clean
 
 run: model
 	$(VENV)/bin/batch-pipeline run examples/sample_request.json
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: model
+	$(PY) -m batch_pipeline.serve
 
 install: $(VENV)/.installed
 

@@ -9,7 +9,12 @@ import dagster as dg
 from batch_pipeline.launch import LocalShardLauncher
 from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
-from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.sensors import (
+    batch_jobs_sensor,
+    keep_results_of_cancelled_runs,
+    keep_results_of_failed_runs,
+)
 
 
 local_executor = dg.multiprocess_executor.configured(
@@ -23,7 +28,9 @@ local_executor = dg.multiprocess_executor.configured(
 
 defs = dg.Definitions(
     jobs=[batch_completions],
+    sensors=[batch_jobs_sensor, keep_results_of_cancelled_runs, keep_results_of_failed_runs],
     resources={
+        "job_store": JobStoreResource(url=os.environ.get("BATCH_PIPELINE_JOBS_DB", "")),
         "shard_launcher": LocalShardLauncher(),
         "job_storage": JobStorage(work_dir_base=os.environ.get("BATCH_PIPELINE_WORK_DIR", "")),
     },

@@ -6,6 +6,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_pipeline import io
+from batch_pipeline.jobs_store import JobStore
 
 
 class JobStorage(dg.ConfigurableResource):
@@ -24,3 +25,12 @@ class JobStorage(dg.ConfigurableResource):
         if io.is_local(base):
             base = os.path.abspath(base)
         return io.join(base, job_id)
+
+
+class JobStoreResource(dg.ConfigurableResource):
+    """The API's job store, as the sensors see it."""
+
+    url: str = Field(default="", description="SQLAlchemy URL; empty = SQLite in $DAGSTER_HOME.")
+
+    def get_store(self) -> JobStore:
+        return JobStore(self.url or None)

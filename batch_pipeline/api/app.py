@@ -1,0 +1,127 @@
+"""The HTTP API of Scale LLM Engine's batch completions, as thin routes over `BatchJobService`.
+
+    uvicorn --factory batch_pipeline.api.app:create_app
+"""
+
+import os
+from typing import Annotated
+
+import dagster as dg
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
+
+from batch_pipeline.api.auth import ApiKeys, Caller
+from batch_pipeline.api.service import BatchJobService, JobNotFound, UnservableRequest
+from batch_pipeline.contract import (
+    BatchCompletionsJob,
+    BatchCompletionsJobStatus,
+    CancelBatchCompletionsV2Response,
+    CreateBatchCompletionsV1Request,
+    CreateBatchCompletionsV1Response,
+    CreateBatchCompletionsV2Request,
+    GetBatchCompletionV2Response,
+    ListBatchCompletionV2Response,
+    UpdateBatchCompletionsV2Request,
+    UpdateBatchCompletionsV2Response,
+)
+from batch_pipeline.jobs_store import JobStore
+from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.priority import InvalidPriority
+
+
+def _unprocessable(field: str, message: str) -> JSONResponse:
+    """The same shape as FastAPI's own validation errors, so clients parse one format."""
+    return JSONResponse(status_code=422, content={"detail": [{"loc": ["body", field], "msg": message, "type": "value_error"}]})
+
+
+def current_caller(request: Request) -> Caller:
+    return request.app.state.api_keys.authenticate(request)
+
+
+def job_service(request: Request) -> BatchJobService:
+    return request.app.state.job_service
+
+
+CallerDep = Annotated[Caller, Depends(current_caller)]
+ServiceDep = Annotated[BatchJobService, Depends(job_service)]
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
+router = APIRouter()
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.post("/v1/llm/batch-completions", response_model=CreateBatchCompletionsV1Response)
+def create_v1(
+    body: CreateBatchCompletionsV1Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
+):
+    request = CreateBatchCompletionsV2Request.model_validate(body.model_dump(by_alias=True, exclude_none=True))
+    return CreateBatchCompletionsV1Response(job_id=service.create(who, request, idempotency_key).job_id)
+
+
+@router.post("/v2/batch-completions", response_model=BatchCompletionsJob)
+def create_v2(
+    body: CreateBatchCompletionsV2Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
+):
+    return service.create(who, body, idempotency_key)
+
+
+@router.get("/v2/batch-completions", response_model=ListBatchCompletionV2Response)
+def list_jobs(
+    who: CallerDep,
+    service: ServiceDep,
+    status: BatchCompletionsJobStatus | None = None,
+    label: Annotated[list[str] | None, Query(description="KEY:VALUE; repeat to require several")] = None,
+):
+    wanted = {}
+    for item in label or []:
+        key, sep, value = item.partition(":")
+        if not sep:
+            raise HTTPException(422, detail=[{"loc": ["query", "label"], "msg": "expected KEY:VALUE", "type": "value_error"}])
+        wanted[key] = value
+    return ListBatchCompletionV2Response(jobs=service.list(who, status, wanted))
+
+
+@router.get("/v2/batch-completions/{job_id}", response_model=GetBatchCompletionV2Response)
+def get_job(job_id: str, who: CallerDep, service: ServiceDep):
+    return GetBatchCompletionV2Response(job=service.get(who, job_id))
+
+
+@router.post("/v2/batch-completions/{job_id}", response_model=UpdateBatchCompletionsV2Response)
+def update_job(job_id: str, body: UpdateBatchCompletionsV2Request, who: CallerDep, service: ServiceDep):
+    job, success = service.update_priority(who, job_id, body.priority)
+    return UpdateBatchCompletionsV2Response(**job.model_dump(by_alias=True), success=success)
+
+
+@router.post("/v2/batch-completions/{job_id}/actions/cancel", response_model=CancelBatchCompletionsV2Response)
+def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
+    return CancelBatchCompletionsV2Response(success=service.cancel(who, job_id))
+
+
+def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = None) -> FastAPI:
+    if service is None:
+        service = BatchJobService(
+            JobStore(),
+            dg.DagsterInstance.get(),
+            JobStorage(work_dir_base=os.environ.get("BATCH_PIPELINE_WORK_DIR", "")),
+        )
+    app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")
+    app.state.job_service = service
+    app.state.api_keys = keys or ApiKeys.from_environment()
+    app.include_router(router)
+
+    @app.exception_handler(JobNotFound)
+    async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": f"no batch job {exc.args[0]!r}"})
+
+    @app.exception_handler(InvalidPriority)
+    async def _bad_priority(_: Request, exc: InvalidPriority) -> JSONResponse:
+        return _unprocessable("priority", str(exc))
+
+    @app.exception_handler(UnservableRequest)
+    async def _unservable(_: Request, exc: UnservableRequest) -> JSONResponse:
+        return _unprocessable(exc.field, str(exc))
+
+    return app

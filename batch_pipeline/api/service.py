@@ -1,0 +1,188 @@
+"""What the routes do: jobs in the store, their status read from the store and the Dagster run.
+
+Knows nothing of HTTP; raises domain errors that the routes map to status codes.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import dagster as dg
+from dagster import DagsterEventType, DagsterRunStatus
+
+from batch_pipeline import io
+from batch_pipeline.api.auth import Caller
+from batch_pipeline.contract import (
+    BatchCompletionsJob,
+    BatchCompletionsJobStatus,
+    BatchCompletionsModelConfig,
+    CreateBatchCompletionsV2Request,
+)
+from batch_pipeline.jobs_store import JobRecord, JobStore
+from batch_pipeline.pipeline.job import metadata_path
+from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.pipeline.sensors import find_run
+from batch_pipeline.priority import run_priority
+from batch_pipeline.shards import progress
+
+_STATUS = {
+    DagsterRunStatus.QUEUED: BatchCompletionsJobStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED: BatchCompletionsJobStatus.QUEUED,
+    DagsterRunStatus.STARTING: BatchCompletionsJobStatus.QUEUED,
+    DagsterRunStatus.STARTED: BatchCompletionsJobStatus.RUNNING,
+    DagsterRunStatus.SUCCESS: BatchCompletionsJobStatus.COMPLETED,
+    DagsterRunStatus.FAILURE: BatchCompletionsJobStatus.FAILED,
+    DagsterRunStatus.CANCELING: BatchCompletionsJobStatus.CANCELLED,
+    DagsterRunStatus.CANCELED: BatchCompletionsJobStatus.CANCELLED,
+}
+_NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
+# Metadata of the finished job copied into the API's view of it.
+_RESULT_FIELDS = ("num_requests", "num_errors", "prompt_tokens", "completion_tokens", "completion_tokens_per_s", "wall_s")
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+class UnservableRequest(ValueError):
+    """A request the contract accepts but this deployment cannot run; `field` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class BatchJobService:
+    def __init__(self, store: JobStore, instance: dg.DagsterInstance, job_storage: JobStorage) -> None:
+        self.store = store
+        self.instance = instance
+        self.job_storage = job_storage
+
+    def create(
+        self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
+    ) -> BatchCompletionsJob:
+        run_priority(request.priority)  # InvalidPriority names the field
+        if request.tool_config is not None:
+            raise UnservableRequest("tool_config", "tool use is not supported by this deployment yet")
+        if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
+            raise UnservableRequest("nodes_per_worker", "multi-node workers are not supported; use data_parallelism")
+        record, _ = self.store.create(
+            caller.owner,
+            request.model_dump(mode="json", by_alias=True, exclude_none=True),
+            request.max_runtime_sec or 86400,
+            idempotency_key,
+        )
+        return self.describe(record)
+
+    def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
+        return self.describe(self._record(caller, job_id))
+
+    def list(
+        self, caller: Caller, status: BatchCompletionsJobStatus | None = None, label: dict[str, str] | None = None
+    ) -> list[BatchCompletionsJob]:
+        records = self.store.list(owner=None if caller.is_admin else caller.owner)
+        if label:
+            records = [r for r in records if all(r.labels.get(k) == v for k, v in label.items())]
+        described = [self.describe(record) for record in records]
+        return [job for job in described if status is None or job.status == status]
+
+    def update_priority(self, caller: Caller, job_id: str, priority: str | None) -> tuple[BatchCompletionsJob, bool]:
+        """Reprioritise a job that has not started: in the store before launch, on the queued run after."""
+        run_priority(priority)
+        record = self._record(caller, job_id)
+        run = self._run(record)
+        if record.cancelled_at is not None or (run is not None and run.status not in _NOT_STARTED):
+            return self.describe(record), False
+        if run is not None:
+            self.instance.add_run_tags(run.run_id, {"dagster/priority": str(run_priority(priority))})
+        self.store.set_priority(job_id, priority)
+        return self.describe(self.store.get(job_id)), True
+
+    def cancel(self, caller: Caller, job_id: str) -> bool:
+        record = self._record(caller, job_id)
+        if record.cancelled_at is not None:
+            return True
+        run = self._run(record)
+        if run is None:
+            if self.store.cancel_before_launch(job_id):
+                return True
+            run = self._run(record)  # the sensor launched it meanwhile
+            if run is None:
+                return False
+        if run.is_finished:
+            return run.status == DagsterRunStatus.CANCELED
+        cancelled = self.instance.run_coordinator.cancel_run(run.run_id)
+        if cancelled:
+            self.store.mark_cancelled(job_id)
+        return cancelled
+
+    def describe(self, record: JobRecord) -> BatchCompletionsJob:
+        run = self._run(record)
+        request = record.request
+        metadata: dict[str, str] = {"labels": json.dumps(record.labels)} if record.labels else {}
+        completed_at = record.cancelled_at if run is None else None
+        if run is None:
+            status = BatchCompletionsJobStatus.CANCELLED if record.cancelled_at else BatchCompletionsJobStatus.QUEUED
+        else:
+            status = _STATUS.get(run.status, BatchCompletionsJobStatus.UNKNOWN)
+            metadata["dagster_run_id"] = run.run_id
+            metadata.update(self._progress(record))
+            if run.is_finished:
+                completed_at = self._end_time(run.run_id)
+                metadata.update(self._results(request["output_data_path"]))
+            if run.status == DagsterRunStatus.FAILURE:
+                metadata["failure_reason"] = self._failure_reason(run.run_id)
+        return BatchCompletionsJob(
+            job_id=record.job_id,
+            input_data_path=request.get("input_data_path"),
+            output_data_path=request["output_data_path"],
+            model_config=BatchCompletionsModelConfig.model_validate(request["model_config"]),
+            priority=record.priority,
+            status=status,
+            created_at=record.created_at.isoformat(),
+            expires_at=record.expires_at.isoformat(),
+            completed_at=completed_at.isoformat() if completed_at else None,
+            metadata=metadata,
+        )
+
+    def _record(self, caller: Caller, job_id: str) -> JobRecord:
+        record = self.store.get(job_id)
+        # Someone else's job is reported as absent, not forbidden: its existence is not ours to reveal.
+        if record is None or (record.owner != caller.owner and not caller.is_admin):
+            raise JobNotFound(job_id)
+        return record
+
+    def _run(self, record: JobRecord) -> dg.DagsterRun | None:
+        if record.run_id:
+            return self.instance.get_run_by_id(record.run_id)
+        run = find_run(self.instance, record.job_id)
+        if run is not None:
+            self.store.link_run(record.job_id, run.run_id)
+        return run
+
+    def _progress(self, record: JobRecord) -> dict[str, str]:
+        done, total = progress(self.job_storage.work_dir(record.job_id))
+        return {"requests_done": str(done), "requests_total": str(total)} if total else {}
+
+    def _results(self, output_data_path: str) -> dict[str, str]:
+        path = metadata_path(output_data_path)
+        if not io.exists(path):
+            return {}
+        with io.open_file(path, "r") as handle:
+            written = json.load(handle)
+        return {key: str(written[key]) for key in _RESULT_FIELDS if written.get(key) is not None}
+
+    def _end_time(self, run_id: str) -> datetime | None:
+        records = self.instance.get_run_records(filters=dg.RunsFilter(run_ids=[run_id]), limit=1)
+        if records and records[0].end_time:
+            return datetime.fromtimestamp(records[0].end_time, tz=timezone.utc)
+        return None
+
+    def _failure_reason(self, run_id: str) -> str:
+        failures = self.instance.all_logs(run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE})
+        for entry in failures:
+            event = entry.dagster_event
+            if event and event.is_step_failure and event.step_failure_data.error:
+                return event.step_failure_data.error.message.strip()
+        return failures[-1].message if failures else "the run failed"

@@ -1,0 +1,101 @@
+"""Sensors: jobs in the store become runs; runs stopped early keep the results they finished."""
+
+import json
+import os
+
+import dagster as dg
+from dagster import RunStatusSensorContext, SensorEvaluationContext
+
+from batch_pipeline import io
+from batch_pipeline.contract import CreateBatchCompletionsV2Request, ErrorDetail, ErrorOutput
+from batch_pipeline.jobs_store import JobRecord
+from batch_pipeline.pipeline.execute import run_config_for
+from batch_pipeline.pipeline.job import JOB_ID_TAG, batch_completions, metadata_path
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.priority import run_priority
+from batch_pipeline.shards import partial_outputs, progress, write_output_array
+
+LABEL_TAG_PREFIX = "batch_pipeline/label/"
+MODEL_TAG = "batch_pipeline/model"
+PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"
+SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
+
+
+def run_tags(record: JobRecord) -> dict[str, str]:
+    request = record.request
+    tags = {
+        JOB_ID_TAG: record.job_id,
+        MODEL_TAG: request["model_config"]["model"],
+        "dagster/priority": str(run_priority(record.priority)),
+        # Dagster's run monitoring fails a run that outlives this.
+        "dagster/max_runtime": str(request.get("max_runtime_sec") or 86400),
+    }
+    for key, value in record.labels.items():
+        tags[LABEL_TAG_PREFIX + key] = value
+    return tags
+
+
+def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: job_id}), limit=1)
+    return runs[0] if runs else None
+
+
+@dg.sensor(
+    job=batch_completions,
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Turns each job the API stored into exactly one run (run_key = job id).",
+)
+def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResource):
+    store = job_store.get_store()
+    for record in store.awaiting_launch():
+        run = find_run(context.instance, record.job_id)
+        if run is not None:
+            store.link_run(record.job_id, run.run_id)
+            continue
+        request = CreateBatchCompletionsV2Request.model_validate(record.request)
+        yield dg.RunRequest(run_key=record.job_id, run_config=run_config_for(request), tags=run_tags(record))
+
+
+def _keep_partial_results(context: RunStatusSensorContext, job_storage: JobStorage, code: str, why: str) -> None:
+    run = context.dagster_run
+    if run.tags.get(PARTIAL_RESULTS_TAG):
+        return
+    job_id = run.tags.get(JOB_ID_TAG) or run.root_run_id or run.run_id
+    work_dir = job_storage.work_dir(job_id)
+    done, total = progress(work_dir)
+    if total == 0:
+        return
+    output_path = run.run_config["ops"]["validate_input"]["config"]["output_data_path"]
+    missing = json.dumps(ErrorOutput(error=ErrorDetail(code=code, message=why)).model_dump())
+    write_output_array(output_path, partial_outputs(work_dir, lambda _: missing), total)
+    with io.atomic_write(metadata_path(output_path), "w") as handle:
+        json.dump({"job_id": job_id, "dagster_run_id": run.run_id, "status": code, "num_requests": total,
+                   "num_finished": done, "num_unfinished": total - done, "reason": why}, handle, indent=2)
+    context.instance.add_run_tags(run.run_id, {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
+    context.log.info(f"{job_id}: kept {done} of {total} results in {output_path}")
+
+
+@dg.run_status_sensor(
+    run_status=dg.DagsterRunStatus.CANCELED,
+    monitored_jobs=[batch_completions],
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    description="A cancelled run's finished results are merged into its output; the rest are marked.",
+)
+def keep_results_of_cancelled_runs(context: RunStatusSensorContext, job_storage: JobStorage):
+    _keep_partial_results(context, job_storage, "cancelled", "the job was cancelled before this request finished")
+
+
+@dg.run_failure_sensor(
+    monitored_jobs=[batch_completions],
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    description="A failed run's finished results are merged into its output; the rest are marked.",
+)
+def keep_results_of_failed_runs(context: dg.RunFailureSensorContext, job_storage: JobStorage):
+    reason = context.failure_event.message or "the job failed"
+    try:
+        _keep_partial_results(context, job_storage, "job_failed", f"the job failed before this request finished: {reason}")
+    except OSError as exc:  # e.g. the output location itself is what failed the job
+        context.log.warning(f"could not keep partial results: {exc}")

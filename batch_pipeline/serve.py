@@ -1,0 +1,72 @@
+"""`make serve`: the API, the Dagster webserver and the Dagster daemon, stopped together on Ctrl-C.
+
+    python -m batch_pipeline.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m batch_pipeline.serve", description=__doc__)
+    parser.add_argument("--host", default=os.environ.get("BATCH_PIPELINE_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("BATCH_PIPELINE_PORT", "8000")))
+    parser.add_argument("--dagster-port", type=int, default=int(os.environ.get("DAGSTER_WEBSERVER_PORT", "3000")))
+    parser.add_argument("--workspace", default=str(REPO / "workspace.yaml"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    bin_dir = Path(sys.executable).parent
+    commands = {
+        "api": [str(bin_dir / "uvicorn"), "--factory", "batch_pipeline.api.app:create_app",
+                "--host", args.host, "--port", str(args.port)],
+        "dagster-webserver": [str(bin_dir / "dagster-webserver"), "-w", args.workspace,
+                              "-h", args.host, "-p", str(args.dagster_port)],
+        "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", args.workspace],
+    }
+    processes = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands.items()}
+    print(f"API on http://{args.host}:{args.port}  Dagster UI on http://{args.host}:{args.dagster_port}  "
+          f"(DAGSTER_HOME={os.environ['DAGSTER_HOME']}); Ctrl-C stops all", flush=True)
+
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    while not stopping:
+        exited = [name for name, process in processes.items() if process.poll() is not None]
+        if exited:
+            print(f"{', '.join(exited)} exited; stopping the rest", file=sys.stderr, flush=True)
+            break
+        time.sleep(0.5)
+    return _stop_all(processes)
+
+
+def _stop_all(processes: dict[str, subprocess.Popen]) -> int:
+    for process in processes.values():
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for process in processes.values():
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""A real local deployment for API tests: a Dagster instance in a temporary DAGSTER_HOME, the app over
+HTTP (Starlette's TestClient drives the real ASGI app), and, where runs must execute, the real daemon."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from fastapi.testclient import TestClient
+
+from batch_pipeline.api.app import create_app
+from batch_pipeline.api.auth import ApiKeys
+from batch_pipeline.api.service import BatchJobService
+from batch_pipeline.jobs_store import JobStore
+from batch_pipeline.pipeline.resources import JobStorage
+
+REPO = Path(__file__).resolve().parents[1]
+USER_KEY, OTHER_KEY, ADMIN_KEY = "key-alice", "key-bob", "key-admin"
+
+
+def write_instance_config(home: Path, max_concurrent_runs: int) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").write_text(
+        "run_coordinator:\n"
+        "  module: dagster._core.run_coordinator\n"
+        "  class: QueuedRunCoordinator\n"
+        f"  config:\n    max_concurrent_runs: {max_concurrent_runs}\n    dequeue_interval_seconds: 1\n"
+        "run_monitoring:\n  enabled: true\n  poll_interval_seconds: 5\n"
+        "telemetry:\n  enabled: false\n"
+    )
+
+
+class Deployment:
+    def __init__(self, home: Path, max_concurrent_runs: int) -> None:
+        write_instance_config(home, max_concurrent_runs)
+        self.home = home
+        self.instance = dg.DagsterInstance.from_config(str(home))
+        self.store = JobStore(f"sqlite:///{home}/batch_jobs.db")
+        self.service = BatchJobService(self.store, self.instance, JobStorage())
+        keys = ApiKeys([USER_KEY, OTHER_KEY, f"{ADMIN_KEY}:admin"])
+        self.client = TestClient(create_app(self.service, keys))
+        self.daemon: subprocess.Popen | None = None
+
+    def start_daemon(self) -> None:
+        self.daemon = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(REPO / "workspace.yaml")],
+            cwd=REPO,
+            env={**os.environ},
+            stdout=open(self.home / "daemon.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        if self.daemon and self.daemon.poll() is None:
+            os.killpg(self.daemon.pid, signal.SIGTERM)
+            try:
+                self.daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.daemon.pid, signal.SIGKILL)
+        self.client.close()
+        self.instance.dispose()
+
+    def job(self, job_id: str, key: str = USER_KEY) -> dict:
+        response = self.client.get(f"/v2/batch-completions/{job_id}", headers={"x-api-key": key})
+        assert response.status_code == 200, response.text
+        return response.json()["job"]
+
+    def wait_for(self, job_id: str, predicate, timeout: float = 300, key: str = USER_KEY) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.job(job_id, key)
+            if predicate(job):
+                return job
+            if time.monotonic() > deadline:
+                log = (self.home / "daemon.log").read_text()[-4000:] if (self.home / "daemon.log").exists() else ""
+                raise AssertionError(f"timed out; last state {job}\ndaemon log tail:\n{log}")
+            time.sleep(0.5)
+
+
+@pytest.fixture
+def deployment_factory(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCH_PIPELINE_SENSOR_INTERVAL_S", "1")
+    created = []
+
+    def make(max_concurrent_runs: int = 1) -> Deployment:
+        home = tmp_path / f"dagster_home_{len(created)}"
+        monkeypatch.setenv("DAGSTER_HOME", str(home))
+        monkeypatch.setenv("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{home}/batch_jobs.db")
+        deployment = Deployment(home, max_concurrent_runs)
+        created.append(deployment)
+        return deployment
+
+    yield make
+    for deployment in created:
+        deployment.stop()

@@ -1,0 +1,160 @@
+"""The API over HTTP against a real Dagster instance: routes, errors, auth, the store and the sensor."""
+
+import base64
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import dagster as dg
+
+from batch_pipeline.pipeline.job import JOB_ID_TAG
+from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.sensors import batch_jobs_sensor
+from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY, deployment_factory  # noqa: F401
+from tests.conftest import MODEL
+
+ALICE = {"x-api-key": USER_KEY}
+BOB = {"x-api-key": OTHER_KEY}
+
+
+def _body(tmp_path, name="out", **fields):
+    return {
+        "output_data_path": str(tmp_path / name / "output.json"),
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0},
+        **fields,
+    }
+
+
+def _sensor_run_requests(deployment):
+    context = dg.build_sensor_context(
+        instance=deployment.instance, resources={"job_store": JobStoreResource(url=str(deployment.store.engine.url))}
+    )
+    return list(batch_jobs_sensor(context) or [])
+
+
+def test_health_and_openapi_name_the_spec_routes_and_schemas(deployment_factory):
+    api = deployment_factory()
+    assert api.client.get("/healthz").json() == {"status": "ok"}
+    schema = api.client.get("/openapi.json").json()
+    assert {"/v1/llm/batch-completions", "/v2/batch-completions", "/v2/batch-completions/{job_id}",
+            "/v2/batch-completions/{job_id}/actions/cancel"} <= set(schema["paths"])
+    assert {"CreateBatchCompletionsV1Request", "CreateBatchCompletionsV2Request", "BatchCompletionsJob"} <= set(
+        schema["components"]["schemas"]
+    )
+
+
+def test_v1_and_v2_create_then_get_and_list(deployment_factory, tmp_path):
+    api = deployment_factory()
+    v1 = api.client.post("/v1/llm/batch-completions", json=_body(tmp_path, labels={"team": "a"}), headers=ALICE)
+    assert v1.status_code == 200 and set(v1.json()) == {"job_id"}
+    v2 = api.client.post("/v2/batch-completions", json=_body(tmp_path, "two", priority="high"), headers=ALICE)
+    assert v2.status_code == 200
+    job = v2.json()
+    assert job["status"] == "queued" and job["priority"] == "high"
+    assert job["model_config"]["model"] == MODEL and job["completed_at"] is None
+    assert job["output_data_path"].endswith("two/output.json")
+
+    fetched = api.job(v1.json()["job_id"])
+    assert fetched["status"] == "queued" and fetched["metadata"]["labels"] == json.dumps({"team": "a"})
+
+    listed = api.client.get("/v2/batch-completions", headers=ALICE).json()["jobs"]
+    assert [j["job_id"] for j in listed] == [job["job_id"], v1.json()["job_id"]]  # newest first
+    by_label = api.client.get("/v2/batch-completions", params={"label": "team:a"}, headers=ALICE).json()["jobs"]
+    assert [j["job_id"] for j in by_label] == [v1.json()["job_id"]]
+    assert api.client.get("/v2/batch-completions", params={"status": "completed"}, headers=ALICE).json() == {"jobs": []}
+
+
+def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
+    api = deployment_factory()
+    cases = [
+        (_body(tmp_path, content={"prompts": ["x"], "max_new_tokens": 4, "temperature": 1.5}),
+         ["body", "content", "temperature"]),
+        (_body(tmp_path, data_parallelism=65), ["body", "data_parallelism"]),
+        ({"model_config": {"model": MODEL}, "content": {"prompts": [], "max_new_tokens": 1, "temperature": 0}},
+         ["body", "output_data_path"]),
+        (_body(tmp_path, priority="whenever"), ["body", "priority"]),
+        (_body(tmp_path, tool_config={"name": "code_evaluator"}), ["body", "tool_config"]),
+        (_body(tmp_path, nodes_per_worker=2), ["body", "nodes_per_worker"]),
+    ]
+    for body, location in cases:
+        response = api.client.post("/v1/llm/batch-completions", json=body, headers=ALICE)
+        assert response.status_code == 422, body
+        assert any(error["loc"] == location for error in response.json()["detail"]), response.json()
+    v2 = api.client.post("/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "n": 0}]), headers=ALICE)
+    assert v2.status_code == 422
+    assert v2.json()["detail"][0]["loc"] == ["body", "content", "completion", 0, "n"]
+
+
+def test_auth_keys_and_ownership(deployment_factory, tmp_path):
+    api = deployment_factory()
+    assert api.client.post("/v2/batch-completions", json=_body(tmp_path)).status_code == 401
+    assert api.client.post("/v2/batch-completions", json=_body(tmp_path), headers={"x-api-key": "nope"}).status_code == 401
+    basic = {"authorization": "Basic " + base64.b64encode(f"{USER_KEY}:".encode()).decode()}
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=basic).json()["job_id"]
+    assert api.job(job_id)["job_id"] == job_id  # the same key by header: the same owner
+    for route in (f"/v2/batch-completions/{job_id}",):
+        assert api.client.get(route, headers=BOB).status_code == 404
+        assert api.client.get(route).status_code == 401
+    assert api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "1"}, headers=BOB).status_code == 404
+    assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=BOB).status_code == 404
+    assert api.client.get("/v2/batch-completions", headers=BOB).json() == {"jobs": []}
+    assert api.job(job_id, key=ADMIN_KEY)["job_id"] == job_id
+    assert api.client.get("/v2/batch-completions/batch-doesnotexist", headers=ALICE).status_code == 404
+
+
+def test_idempotency_key_returns_the_same_job(deployment_factory, tmp_path):
+    api = deployment_factory()
+    headers = {**ALICE, "Idempotency-Key": "retry-me"}
+    first = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=headers).json()
+    second = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=headers).json()
+    assert first["job_id"] == second["job_id"]
+    other_user = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers={**BOB, "Idempotency-Key": "retry-me"})
+    assert other_user.json()["job_id"] != first["job_id"]
+    assert len(api.store.list()) == 2
+
+
+def test_cancel_before_launch_never_launches(deployment_factory, tmp_path):
+    api = deployment_factory()
+    kept = api.client.post("/v2/batch-completions", json=_body(tmp_path, "kept"), headers=ALICE).json()["job_id"]
+    dropped = api.client.post("/v2/batch-completions", json=_body(tmp_path, "dropped"), headers=ALICE).json()["job_id"]
+    assert api.client.post(f"/v2/batch-completions/{dropped}/actions/cancel", headers=ALICE).json() == {"success": True}
+    job = api.job(dropped)
+    assert job["status"] == "cancelled" and job["completed_at"] is not None
+    assert [request.run_key for request in _sensor_run_requests(api)] == [kept]
+
+
+def test_priority_update_before_launch_reaches_the_run_tags(deployment_factory, tmp_path):
+    api = deployment_factory()
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path, priority="low"), headers=ALICE).json()["job_id"]
+    response = api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "high"}, headers=ALICE)
+    assert response.status_code == 200
+    assert response.json()["success"] is True and response.json()["priority"] == "high"
+    (run_request,) = _sensor_run_requests(api)
+    assert run_request.tags["dagster/priority"] == "10"
+    assert run_request.tags[JOB_ID_TAG] == job_id
+    bad = api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "soonish"}, headers=ALICE)
+    assert bad.status_code == 422
+
+
+def test_fifty_concurrent_posts_become_fifty_jobs_and_fifty_runs_once(deployment_factory, tmp_path):
+    api = deployment_factory(max_concurrent_runs=0)  # runs stay queued: this is about the control plane
+
+    def submit(i):
+        return api.client.post("/v2/batch-completions", json=_body(tmp_path, f"o{i}"), headers=ALICE)
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        responses = list(pool.map(submit, range(50)))
+    assert all(r.status_code == 200 for r in responses)
+    job_ids = {r.json()["job_id"] for r in responses}
+    assert len(job_ids) == 50
+
+    api.start_daemon()
+    deadline = __import__("time").monotonic() + 180
+    while len(api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))) < 50:
+        assert __import__("time").monotonic() < deadline, "the sensor did not create 50 runs"
+        __import__("time").sleep(1)
+    __import__("time").sleep(4)  # more sensor ticks: nothing is launched twice
+    runs = api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))
+    assert sorted(run.tags[JOB_ID_TAG] for run in runs) == sorted(job_ids)
+    assert _sensor_run_requests(api) == []
+    assert {api.job(job_id)["status"] for job_id in list(job_ids)[:5]} == {"queued"}

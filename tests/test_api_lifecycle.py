@@ -1,0 +1,110 @@
+"""Jobs through their whole life over the API: the real daemon launches runs, real vLLM generates."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from batch_pipeline.pipeline.job import JOB_ID_TAG
+from batch_pipeline.pipeline.sensors import LABEL_TAG_PREFIX, MODEL_TAG
+from tests.api_fixtures import USER_KEY, deployment_factory  # noqa: F401
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+ALICE = {"x-api-key": USER_KEY}
+
+
+def _worker_processes() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if b"batch_pipeline.worker" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def test_v1_and_v2_jobs_run_to_completed_with_their_results(deployment_factory, tmp_path):
+    api = deployment_factory(max_concurrent_runs=2)
+    api.start_daemon()
+    content = {"prompts": ["The capital of France is", "1, 2, 3, 4,"], "max_new_tokens": 8, "temperature": 0.0}
+    v1_out, v2_out = tmp_path / "v1.json", tmp_path / "v2.json"
+    v1_id = api.client.post(
+        "/v1/llm/batch-completions",
+        json={"output_data_path": str(v1_out), "model_config": {"model": MODEL}, "content": content,
+              "labels": {"team": "search"}, "priority": "high"},
+        headers=ALICE,
+    ).json()["job_id"]
+    v2_id = api.client.post(
+        "/v2/batch-completions",
+        json={"output_data_path": str(v2_out), "model_config": {"model": MODEL}, "content": content},
+        headers=ALICE,
+    ).json()["job_id"]
+
+    for job_id, output in ((v1_id, v1_out), (v2_id, v2_out)):
+        job = api.wait_for(job_id, lambda j: j["status"] in ("completed", "failed", "cancelled"), timeout=400)
+        assert job["status"] == "completed", job
+        assert job["completed_at"] and job["completed_at"] >= job["created_at"]
+        metadata = job["metadata"]
+        assert metadata["requests_done"] == metadata["requests_total"] == metadata["num_requests"] == "2"
+        assert int(metadata["completion_tokens"]) > 0 and metadata["num_errors"] == "0"
+        assert all(isinstance(value, str) for value in metadata.values())
+        outputs = json.loads(output.read_text())
+        assert [o["num_completion_tokens"] > 0 for o in outputs] == [True, True]
+
+    run = api.instance.get_run_by_id(api.job(v1_id)["metadata"]["dagster_run_id"])
+    assert run.tags[JOB_ID_TAG] == v1_id
+    assert run.tags[MODEL_TAG] == MODEL
+    assert run.tags[LABEL_TAG_PREFIX + "team"] == "search"
+    assert run.tags["dagster/priority"] == "10"
+    assert run.tags["dagster/max_runtime"] == "86400"
+    # A finished job can no longer be reprioritised or cancelled.
+    update = api.client.post(f"/v2/batch-completions/{v1_id}", json={"job_id": v1_id, "priority": "low"}, headers=ALICE)
+    assert update.json()["success"] is False
+    assert api.client.post(f"/v2/batch-completions/{v1_id}/actions/cancel", headers=ALICE).json() == {"success": False}
+
+
+def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(deployment_factory, tmp_path):
+    api = deployment_factory(max_concurrent_runs=1)
+    api.start_daemon()
+    # Lengths differ, so some requests finish long before others.
+    contents = [
+        {"prompts": [f"Story {k}.{i}: once upon a time" for i in range(16)], "max_new_tokens": 8 + 120 * k,
+         "temperature": 0.0}
+        for k in range(3)
+    ]
+    input_path = tmp_path / "input.json"
+    input_path.write_text(json.dumps(contents))
+    output = tmp_path / "output.json"
+    job_id = api.client.post(
+        "/v2/batch-completions",
+        json={"input_data_path": str(input_path), "output_data_path": str(output), "model_config": {"model": MODEL}},
+        headers=ALICE,
+    ).json()["job_id"]
+
+    running = api.wait_for(job_id, lambda j: int(j["metadata"].get("requests_done", "0")) >= 8, timeout=400)
+    assert running["status"] == "running"
+    assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=ALICE).json() == {"success": True}
+    cancelled = api.wait_for(job_id, lambda j: j["status"] == "cancelled" and j["completed_at"], timeout=120)
+    assert cancelled["status"] == "cancelled"
+
+    deadline = time.monotonic() + 120
+    while not output.exists():
+        assert time.monotonic() < deadline, "partial results were not written"
+        time.sleep(0.5)
+    outputs = json.loads(output.read_text())
+    assert len(outputs) == 48
+    finished = [o for o in outputs if "text" in o]
+    unfinished = [o for o in outputs if "error" in o]
+    assert len(finished) >= 8 and unfinished
+    assert {o["error"]["code"] for o in unfinished} == {"cancelled"}
+    metadata = json.loads(Path(str(output) + ".metadata.json").read_text())
+    assert metadata["status"] == "cancelled" and metadata["num_finished"] == len(finished)
+    deadline = time.monotonic() + 60
+    while _worker_processes():
+        assert time.monotonic() < deadline, "shard workers still running after cancel"
+        time.sleep(0.5)
