@@ -108,3 +108,65 @@ def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(d
     while _worker_processes():
         assert time.monotonic() < deadline, "shard workers still running after cancel"
         time.sleep(0.5)
+
+
+def test_a_job_past_max_runtime_sec_stops_fails_with_the_reason_and_keeps_finished_results(deployment_factory, tmp_path):
+    api = deployment_factory(max_concurrent_runs=1)
+    api.start_daemon()
+    contents = [
+        {"prompts": [f"Tale {k}.{i}: once upon a time" for i in range(16)], "max_new_tokens": 4 + 400 * k,
+         "temperature": 0.0}
+        for k in range(2)
+    ]
+    input_path = tmp_path / "input.json"
+    input_path.write_text(json.dumps(contents))
+    output = tmp_path / "output.json"
+    job_id = api.client.post(
+        "/v2/batch-completions",
+        json={"input_data_path": str(input_path), "output_data_path": str(output), "model_config": {"model": MODEL},
+              "max_runtime_sec": 40},
+        headers=ALICE,
+    ).json()["job_id"]
+
+    job = api.wait_for(job_id, lambda j: j["status"] in ("completed", "failed", "cancelled"), timeout=300)
+    assert job["status"] == "failed"
+    reason = job["metadata"]["failure_reason"]
+    assert "max_runtime_sec exceeded" in reason or "maximum runtime" in reason, reason
+    deadline = time.monotonic() + 120
+    while not output.exists():
+        assert time.monotonic() < deadline, "finished results were not kept"
+        time.sleep(0.5)
+    outputs = json.loads(output.read_text())
+    assert len(outputs) == 32
+    assert sum("text" in o for o in outputs) >= 16  # the short ones finished before the deadline
+    assert {o["error"]["code"] for o in outputs if "error" in o} == {"job_failed"}
+    assert not _worker_processes()
+
+
+def test_raising_a_queued_jobs_priority_lets_it_start_first(deployment_factory, tmp_path):
+    api = deployment_factory(max_concurrent_runs=1)
+    api.start_daemon()
+
+    def submit(name, priority=None, max_new_tokens=4):
+        body = {"output_data_path": str(tmp_path / f"{name}.json"), "model_config": {"model": MODEL},
+                "content": {"prompts": [f"{name}: once upon a time"], "max_new_tokens": max_new_tokens,
+                            "temperature": 0.0}}
+        if priority:
+            body["priority"] = priority
+        return api.client.post("/v2/batch-completions", json=body, headers=ALICE).json()["job_id"]
+
+    blocker = submit("blocker", max_new_tokens=64)
+    api.wait_for(blocker, lambda j: j["status"] == "running", timeout=120)
+    late_but_urgent = submit("late", priority="low")
+    default = submit("default")
+    for job_id in (late_but_urgent, default):  # both have queued runs behind the blocker
+        api.wait_for(job_id, lambda j: "dagster_run_id" in j["metadata"] and j["status"] == "queued", timeout=60)
+
+    response = api.client.post(
+        f"/v2/batch-completions/{late_but_urgent}", json={"job_id": late_but_urgent, "priority": "high"}, headers=ALICE
+    )
+    assert response.json()["success"] is True
+    api.wait_for(late_but_urgent, lambda j: j["status"] in ("running", "completed"), timeout=300)
+    assert api.job(default)["status"] == "queued"
+    for job_id in (blocker, late_but_urgent, default):
+        api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=ALICE)
