@@ -38,3 +38,11 @@ def test_empty_prompt_list_fails_clearly(run_job, tmp_path):
     result = run_job(_request(tmp_path, content={"prompts": [], "max_new_tokens": 4, "temperature": 0.0}))
     assert not result.success
     assert any("holds no prompts" in message for message in step_failure_messages(result))
+
+
+def test_parts_this_deployment_cannot_serve_are_refused_naming_the_field(run_job, tmp_path):
+    content = {"prompts": ["a"], "max_new_tokens": 4, "temperature": 0.0}
+    result = run_job(_request(tmp_path, content=content, tool_config={"name": "code_evaluator"}, nodes_per_worker=2))
+    assert not result.success
+    (message,) = step_failure_messages(result)
+    assert "tool_config:" in message and "nodes_per_worker:" in message

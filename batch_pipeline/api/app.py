@@ -29,9 +29,10 @@ from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.priority import InvalidPriority
 
 
-def _unprocessable(field: str, message: str) -> JSONResponse:
+def _unprocessable(problems: list[tuple[str, str]]) -> JSONResponse:
     """The same shape as FastAPI's own validation errors, so clients parse one format."""
-    return JSONResponse(status_code=422, content={"detail": [{"loc": ["body", field], "msg": message, "type": "value_error"}]})
+    detail = [{"loc": ["body", field], "msg": message, "type": "value_error"} for field, message in problems]
+    return JSONResponse(status_code=422, content={"detail": detail})
 
 
 def current_caller(request: Request) -> Caller:
@@ -118,10 +119,10 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
 
     @app.exception_handler(InvalidPriority)
     async def _bad_priority(_: Request, exc: InvalidPriority) -> JSONResponse:
-        return _unprocessable("priority", str(exc))
+        return _unprocessable([("priority", str(exc))])
 
     @app.exception_handler(UnservableRequest)
     async def _unservable(_: Request, exc: UnservableRequest) -> JSONResponse:
-        return _unprocessable(exc.field, str(exc))
+        return _unprocessable(exc.refused)
 
     return app

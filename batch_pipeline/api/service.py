@@ -13,6 +13,7 @@ from dagster import DagsterEventType, DagsterRunStatus
 
 from batch_pipeline import io
 from batch_pipeline.api.auth import Caller
+from batch_pipeline.capabilities import refusals
 from batch_pipeline.contract import (
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
@@ -46,11 +47,11 @@ class JobNotFound(LookupError):
 
 
 class UnservableRequest(ValueError):
-    """A request the contract accepts but this deployment cannot run; `field` names the culprit."""
+    """A request the contract accepts but this deployment cannot run: `(field, why)` for each part."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+    def __init__(self, refused: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{field}: {why}" for field, why in refused))
+        self.refused = refused
 
 
 class BatchJobService:
@@ -63,10 +64,8 @@ class BatchJobService:
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
     ) -> BatchCompletionsJob:
         run_priority(request.priority)  # InvalidPriority names the field
-        if request.tool_config is not None:
-            raise UnservableRequest("tool_config", "tool use is not supported by this deployment yet")
-        if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
-            raise UnservableRequest("nodes_per_worker", "multi-node workers are not supported; use data_parallelism")
+        if refused := refusals(request):
+            raise UnservableRequest(refused)
         record, _ = self.store.create(
             caller.owner,
             request.model_dump(mode="json", by_alias=True, exclude_none=True),

@@ -14,6 +14,7 @@ from dagster import OpExecutionContext
 from pydantic import ValidationError
 
 from batch_pipeline import io
+from batch_pipeline.capabilities import refusals
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.launch import ShardLauncher
@@ -52,10 +53,8 @@ def validate_input(context: OpExecutionContext) -> dict:
         request = CreateBatchCompletionsV2Request.model_validate(context.op_config)
     except ValidationError as exc:
         raise dg.Failure(f"invalid request: {describe_validation_error(exc)}") from None
-    if request.tool_config is not None:
-        raise dg.Failure("tool_config: tool use is not supported by this deployment yet")
-    if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
-        raise dg.Failure("nodes_per_worker: multi-node workers are not supported; use data_parallelism")
+    if refused := refusals(request):
+        raise dg.Failure("; ".join(f"{field}: {why}" for field, why in refused))
     if request.input_data_path is not None and not io.exists(request.input_data_path):
         raise dg.Failure(f"input_data_path: no file at {request.input_data_path}")
     try:
