@@ -1,0 +1,46 @@
+"""model_config as vLLM engine arguments: every non-null field passed through, renamed where vLLM differs."""
+
+from batch_pipeline.contract import BatchCompletionsModelConfig
+from batch_pipeline.models import resolve_model
+from batch_pipeline.worker.engine import engine_arguments
+from tests.conftest import MODEL
+
+
+def test_every_set_field_reaches_the_engine_under_vllms_name():
+    config = BatchCompletionsModelConfig(
+        model=MODEL,
+        max_model_len=2048,
+        max_num_seqs=32,
+        dtype="bfloat16",
+        seed=7,
+        enable_prefix_caching=True,
+        cache_dtype="auto",
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        swap_space=4,
+        max_seq_len_to_capture=1024,
+        chat_template="{{ messages }}",
+    )
+    arguments, unsupported = engine_arguments(config)
+    assert arguments["model"] == resolve_model(MODEL)
+    assert {k: arguments[k] for k in ("max_model_len", "max_num_seqs", "dtype", "seed", "enable_prefix_caching")} == {
+        "max_model_len": 2048, "max_num_seqs": 32, "dtype": "bfloat16", "seed": 7, "enable_prefix_caching": True
+    }
+    assert arguments["kv_cache_dtype"] == "auto"
+    assert arguments["hf_overrides"] == {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert arguments["trust_remote_code"] is False
+    # Arguments of other vLLM generations are reported, not passed; serving-level fields are not engine args.
+    assert sorted(unsupported) == ["max_seq_len_to_capture", "swap_space"]
+    assert "chat_template" not in arguments and "num_shards" not in arguments
+
+
+def test_checkpoint_path_is_loaded_and_the_model_name_is_served():
+    arguments, _ = engine_arguments(BatchCompletionsModelConfig(model="my-model", checkpoint_path="/models/ckpt"))
+    assert arguments["model"] == "/models/ckpt"
+    assert arguments["served_model_name"] == "my-model"
+
+
+def test_deprecated_max_context_length_fills_max_model_len():
+    arguments, _ = engine_arguments(BatchCompletionsModelConfig(model=MODEL, max_context_length=1024))
+    assert arguments["max_model_len"] == 1024
+    arguments, _ = engine_arguments(BatchCompletionsModelConfig(model=MODEL, max_context_length=1024, max_model_len=512))
+    assert arguments["max_model_len"] == 512
