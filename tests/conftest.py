@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -7,6 +8,7 @@ from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.execute import execute_request
 
 MODEL = "smollm2-135m-instruct"
+pytest_plugins = ["tests.api_fixtures"]
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -48,3 +50,16 @@ def step_failure_messages(result: dg.JobExecutionResult) -> list[str]:
         for event in result.all_events
         if event.is_step_failure and event.step_failure_data.error
     ]
+
+
+def worker_pids() -> list[int]:
+    """Processes of shard workers (`python -m batch_pipeline.worker`) on this machine."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if b"batch_pipeline.worker" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids

@@ -9,7 +9,7 @@ import dagster as dg
 from batch_pipeline.pipeline.job import JOB_ID_TAG
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
-from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY, deployment_factory  # noqa: F401
+from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
 from tests.conftest import MODEL
 
 ALICE = {"x-api-key": USER_KEY}

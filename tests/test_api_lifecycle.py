@@ -1,7 +1,6 @@
 """Jobs through their whole life over the API: the real daemon launches runs, real vLLM generates."""
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -9,23 +8,35 @@ import pytest
 
 from batch_pipeline.pipeline.job import JOB_ID_TAG
 from batch_pipeline.pipeline.sensors import LABEL_TAG_PREFIX, MODEL_TAG
-from tests.api_fixtures import USER_KEY, deployment_factory  # noqa: F401
-from tests.conftest import MODEL
+from tests.api_fixtures import USER_KEY
+from tests.conftest import MODEL, worker_pids
 
 pytestmark = pytest.mark.slow
 ALICE = {"x-api-key": USER_KEY}
 
 
-def _worker_processes() -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if b"batch_pipeline.worker" in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
+def _submit_staggered(api, tmp_path, name: str, groups: int, step: int, **fields) -> tuple[str, Path]:
+    """A job from an input file of `groups` x 16 prompts whose lengths differ by `step` tokens per group,
+    so some requests finish long before others. Returns the job id and the output path."""
+    contents = [
+        {"prompts": [f"{name} {k}.{i}: once upon a time" for i in range(16)], "max_new_tokens": 4 + step * k,
+         "temperature": 0.0}
+        for k in range(groups)
+    ]
+    input_path = tmp_path / "input.json"
+    input_path.write_text(json.dumps(contents))
+    output = tmp_path / "output.json"
+    body = {"input_data_path": str(input_path), "output_data_path": str(output), "model_config": {"model": MODEL}}
+    job_id = api.client.post("/v2/batch-completions", json={**body, **fields}, headers=ALICE).json()["job_id"]
+    return job_id, output
+
+
+def _wait_for_file(path: Path, timeout: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} was not written"
+        time.sleep(0.5)
+    return json.loads(path.read_text())
 
 
 def test_v1_and_v2_jobs_run_to_completed_with_their_results(deployment_factory, tmp_path):
@@ -71,20 +82,7 @@ def test_v1_and_v2_jobs_run_to_completed_with_their_results(deployment_factory, 
 def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(deployment_factory, tmp_path):
     api = deployment_factory(max_concurrent_runs=1)
     api.start_daemon()
-    # Lengths differ, so some requests finish long before others.
-    contents = [
-        {"prompts": [f"Story {k}.{i}: once upon a time" for i in range(16)], "max_new_tokens": 8 + 120 * k,
-         "temperature": 0.0}
-        for k in range(3)
-    ]
-    input_path = tmp_path / "input.json"
-    input_path.write_text(json.dumps(contents))
-    output = tmp_path / "output.json"
-    job_id = api.client.post(
-        "/v2/batch-completions",
-        json={"input_data_path": str(input_path), "output_data_path": str(output), "model_config": {"model": MODEL}},
-        headers=ALICE,
-    ).json()["job_id"]
+    job_id, output = _submit_staggered(api, tmp_path, "Story", groups=3, step=120)
 
     running = api.wait_for(job_id, lambda j: int(j["metadata"].get("requests_done", "0")) >= 8, timeout=400)
     assert running["status"] == "running"
@@ -92,11 +90,7 @@ def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(d
     cancelled = api.wait_for(job_id, lambda j: j["status"] == "cancelled" and j["completed_at"], timeout=120)
     assert cancelled["status"] == "cancelled"
 
-    deadline = time.monotonic() + 120
-    while not output.exists():
-        assert time.monotonic() < deadline, "partial results were not written"
-        time.sleep(0.5)
-    outputs = json.loads(output.read_text())
+    outputs = _wait_for_file(output)
     assert len(outputs) == 48
     finished = [o for o in outputs if "text" in o]
     unfinished = [o for o in outputs if "error" in o]
@@ -105,7 +99,7 @@ def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(d
     metadata = json.loads(Path(str(output) + ".metadata.json").read_text())
     assert metadata["status"] == "cancelled" and metadata["num_finished"] == len(finished)
     deadline = time.monotonic() + 60
-    while _worker_processes():
+    while worker_pids():
         assert time.monotonic() < deadline, "shard workers still running after cancel"
         time.sleep(0.5)
 
@@ -113,34 +107,17 @@ def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(d
 def test_a_job_past_max_runtime_sec_stops_fails_with_the_reason_and_keeps_finished_results(deployment_factory, tmp_path):
     api = deployment_factory(max_concurrent_runs=1)
     api.start_daemon()
-    contents = [
-        {"prompts": [f"Tale {k}.{i}: once upon a time" for i in range(16)], "max_new_tokens": 4 + 400 * k,
-         "temperature": 0.0}
-        for k in range(2)
-    ]
-    input_path = tmp_path / "input.json"
-    input_path.write_text(json.dumps(contents))
-    output = tmp_path / "output.json"
-    job_id = api.client.post(
-        "/v2/batch-completions",
-        json={"input_data_path": str(input_path), "output_data_path": str(output), "model_config": {"model": MODEL},
-              "max_runtime_sec": 40},
-        headers=ALICE,
-    ).json()["job_id"]
+    job_id, output = _submit_staggered(api, tmp_path, "Tale", groups=2, step=400, max_runtime_sec=40)
 
     job = api.wait_for(job_id, lambda j: j["status"] in ("completed", "failed", "cancelled"), timeout=300)
     assert job["status"] == "failed"
     reason = job["metadata"]["failure_reason"]
     assert "max_runtime_sec exceeded" in reason or "maximum runtime" in reason, reason
-    deadline = time.monotonic() + 120
-    while not output.exists():
-        assert time.monotonic() < deadline, "finished results were not kept"
-        time.sleep(0.5)
-    outputs = json.loads(output.read_text())
+    outputs = _wait_for_file(output)
     assert len(outputs) == 32
     assert sum("text" in o for o in outputs) >= 16  # the short ones finished before the deadline
     assert {o["error"]["code"] for o in outputs if "error" in o} == {"job_failed"}
-    assert not _worker_processes()
+    assert not worker_pids()
 
 
 def test_raising_a_queued_jobs_priority_lets_it_start_first(deployment_factory, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -97,19 +97,6 @@ def test_inline_and_jsonl_inputs_with_one_seed_give_the_same_samples(run_job, tm
     assert inline_texts != [o["text"] for o in _read_output(other_seed_out)]
 
 
-def _worker_pids() -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"batch_pipeline.worker" in cmdline:
-                pids.append(int(entry))
-    return pids
-
-
 def test_a_killed_shard_worker_is_retried_and_resumes_without_loss_or_duplicates(run_job, dagster_home, tmp_path):
     # Different lengths finish at different times, so the worker is killed with results on disk and
     # requests still in flight.
@@ -128,7 +115,7 @@ def test_a_killed_shard_worker_is_retried_and_resumes_without_loss_or_duplicates
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if results_path.exists() and results_path.read_text().count("\n") >= 10:
-                for pid in _worker_pids():
+                for pid in worker_pids():
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
                 return

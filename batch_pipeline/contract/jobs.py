@@ -8,6 +8,7 @@ from pydantic import Field
 
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
+from batch_pipeline.contract.requests import InputDataPath, OutputDataPath, Priority
 
 
 class BatchCompletionsJobStatus(str, Enum):
@@ -21,16 +22,10 @@ class BatchCompletionsJobStatus(str, Enum):
 
 class BatchCompletionsJob(WireModel):
     job_id: str
-    input_data_path: str | None = Field(
-        None,
-        description="Path to the input file. The input file should be a JSON file of type "
-        "List[CreateBatchCompletionsRequestContent].",
-    )
-    output_data_path: str = Field(
-        description="Path to the output file. The output file will be a JSON file of type List[CompletionOutput]."
-    )
+    input_data_path: InputDataPath = None
+    output_data_path: OutputDataPath
     model_cfg: BatchCompletionsModelConfig = Field(alias="model_config")
-    priority: str | None = Field(None, description="Priority of the batch inference job. Default to None.")
+    priority: Priority = None
     status: BatchCompletionsJobStatus
     created_at: str
     expires_at: str

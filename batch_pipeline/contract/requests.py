@@ -68,15 +68,23 @@ _HARDWARE_DESCRIPTIONS = {
 }
 
 
-class _BatchCompletionsRequestBase(WireModel):
-    input_data_path: str | None = Field(
-        None,
+InputDataPath = Annotated[
+    str | None,
+    Field(
         description="Path to the input file. The input file should be a JSON file of type "
-        "List[CreateBatchCompletionsRequestContent].",
-    )
-    output_data_path: str = Field(
-        description="Path to the output file. The output file will be a JSON file of type List[CompletionOutput]."
-    )
+        "List[CreateBatchCompletionsRequestContent]."
+    ),
+]
+OutputDataPath = Annotated[
+    str,
+    Field(description="Path to the output file. The output file will be a JSON file of type List[CompletionOutput]."),
+]
+Priority = Annotated[str | None, Field(description="Priority of the batch inference job. Default to None.")]
+
+
+class _BatchCompletionsRequestBase(WireModel):
+    input_data_path: InputDataPath = None
+    output_data_path: OutputDataPath
     labels: dict[str, str] = Field(default={}, description="Labels to attach to the batch inference job.")
     data_parallelism: int | None = Field(
         1,
@@ -91,7 +99,7 @@ class _BatchCompletionsRequestBase(WireModel):
         le=172800,
         description="Maximum runtime of the batch inference in seconds. Default to one day.",
     )
-    priority: str | None = Field(None, description="Priority of the batch inference job. Default to None.")
+    priority: Priority = None
     tool_config: ToolConfig | None = Field(
         None,
         description="\nConfiguration for tool use.\nNOTE: this config is highly experimental and signature will "

@@ -7,7 +7,6 @@ The ops orchestrate; inference happens in the shard workers the launcher starts.
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any
 
 import dagster as dg
 from dagster import OpExecutionContext
