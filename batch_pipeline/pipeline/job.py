@@ -33,10 +33,10 @@ JOB_ID_TAG = "batch_pipeline/job_id"
 SHARD_STEP_TAG = "batch_pipeline/step"
 
 
-def job_id_of(context: OpExecutionContext) -> str:
+def job_id_of(run: dg.DagsterRun) -> str:
     """The API's job id when the run came from the job store; otherwise the id of the first run of this
     job, so a re-execution finds the work (and the checkpoints) of the run it re-executes."""
-    return context.run.tags.get(JOB_ID_TAG) or context.run.root_run_id or context.run_id
+    return run.tags.get(JOB_ID_TAG) or run.root_run_id or run.run_id
 
 
 def metadata_path(output_data_path: str) -> str:
@@ -68,7 +68,7 @@ def validate_input(context: OpExecutionContext) -> dict:
     description="Stream the prompts into `data_parallelism` shard inputs, balanced by prompt count.",
 )
 def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage):
-    work_dir = job_storage.work_dir(job_id_of(context))
+    work_dir = job_storage.work_dir(job_id_of(context.run))
     content = request.get("content")
     if content is None:
         records = io.iter_json_records(request["input_data_path"])
@@ -142,7 +142,7 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s["completion_tokens"] for s in shards)
     metadata = {
-        "job_id": job_id_of(context),
+        "job_id": job_id_of(context.run),
         "dagster_run_id": context.run_id,
         "model": request["model_config"]["model"],
         "output_data_path": merged["output_data_path"],

@@ -10,7 +10,7 @@ from batch_pipeline import io
 from batch_pipeline.contract import CreateBatchCompletionsV2Request, ErrorDetail, ErrorOutput
 from batch_pipeline.jobs_store import JobRecord
 from batch_pipeline.pipeline.execute import run_config_for
-from batch_pipeline.pipeline.job import JOB_ID_TAG, batch_completions, metadata_path
+from batch_pipeline.pipeline.job import JOB_ID_TAG, batch_completions, job_id_of, metadata_path
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.priority import run_priority
 from batch_pipeline.shards import partial_outputs, progress, write_output_array
@@ -61,7 +61,7 @@ def _keep_partial_results(context: RunStatusSensorContext, job_storage: JobStora
     run = context.dagster_run
     if run.tags.get(PARTIAL_RESULTS_TAG):
         return
-    job_id = run.tags.get(JOB_ID_TAG) or run.root_run_id or run.run_id
+    job_id = job_id_of(run)
     work_dir = job_storage.work_dir(job_id)
     done, total = progress(work_dir)
     if total == 0:
