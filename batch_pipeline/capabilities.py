@@ -7,12 +7,37 @@ failed validate_input step.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from batch_pipeline import io
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+
+DATA_ROOTS_ENV = "BATCH_PIPELINE_DATA_ROOTS"
+
+
+def data_roots() -> list[Path]:
+    """Directories local input and output paths must lie in (`BATCH_PIPELINE_DATA_ROOTS`, separated by
+    the OS path separator); none configured = any local path."""
+    return [Path(root).resolve() for root in os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep) if root]
+
+
+def outside_data_roots(path: str, roots: list[Path]) -> bool:
+    """Whether a local path escapes every root once `..` and symlinks are resolved; URLs are not local."""
+    if not roots or not io.is_local(path):
+        return False
+    resolved = Path(path.removeprefix("file://")).resolve()
+    return not any(resolved == root or root in resolved.parents for root in roots)
 
 
 def refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
     """`(field, why)` for each part of the request this deployment cannot honour."""
     found = []
+    roots = data_roots()
+    for field in ("input_data_path", "output_data_path"):
+        path = getattr(request, field)
+        if path is not None and outside_data_roots(path, roots):
+            found.append((field, f"{path} is outside the data roots this server may read and write"))
     if request.tool_config is not None:
         found.append(("tool_config", "tool use is not supported by this deployment yet"))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:

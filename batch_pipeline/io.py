@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import fsspec
+from fsspec.utils import get_protocol
 import ijson
 from fsspec.implementations.local import LocalFileSystem
 
@@ -28,7 +29,8 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 
 def is_local(path: str) -> bool:
-    return isinstance(filesystem(path)[0], LocalFileSystem)
+    """Judged from the URL alone: no filesystem (or its driver, e.g. s3fs) is needed to answer."""
+    return get_protocol(path) in ("file", "local")
 
 
 def exists(path: str) -> bool:

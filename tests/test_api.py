@@ -163,3 +163,47 @@ def test_fifty_concurrent_posts_become_fifty_jobs_and_fifty_runs_once(deployment
     assert sorted(run.tags[JOB_ID_TAG] for run in runs) == sorted(job_ids)
     assert _sensor_run_requests(api) == []
     assert {api.job(job_id)["status"] for job_id in list(job_ids)[:5]} == {"queued"}
+
+
+def test_a_body_over_the_size_limit_gets_413_declared_or_streamed(deployment_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_BODY_BYTES", "4096")
+    api = deployment_factory()
+    big = _body(tmp_path, content={"prompts": ["x" * 5000], "max_new_tokens": 1, "temperature": 0.0})
+    assert api.client.post("/v2/batch-completions", json=big, headers=ALICE).status_code == 413
+
+    def chunks():
+        payload = json.dumps(big).encode()
+        for start in range(0, len(payload), 1000):
+            yield payload[start:start + 1000]
+
+    streamed = api.client.post(
+        "/v2/batch-completions", content=chunks(), headers={**ALICE, "content-type": "application/json"}
+    )
+    assert streamed.status_code == 413
+    assert api.store.list() == []
+    assert api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).status_code == 200
+
+
+def test_local_paths_outside_the_data_roots_are_refused(deployment_factory, tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    (root / "in").mkdir(parents=True)
+    (root / "escape").symlink_to("/etc")
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(root))
+    api = deployment_factory()
+    content = {"prompts": ["x"], "max_new_tokens": 1, "temperature": 0.0}
+    refused = {
+        "output_data_path": [f"{root}/../outside.json", "/etc/cron.d/evil", f"{root}/escape/passwd", "relative.json"],
+        "input_data_path": ["/etc/passwd", f"{root}/in/../../secrets.json"],
+    }
+    for field, paths in refused.items():
+        for path in paths:
+            body = {"output_data_path": f"{root}/out.json", "model_config": {"model": MODEL}, field: path}
+            if field == "output_data_path":
+                body["content"] = content
+            response = api.client.post("/v2/batch-completions", json=body, headers=ALICE)
+            assert response.status_code == 422, (field, path)
+            assert response.json()["detail"][0]["loc"] == ["body", field]
+    inside = {"output_data_path": f"{root}/out/o.json", "model_config": {"model": MODEL}, "content": content}
+    assert api.client.post("/v2/batch-completions", json=inside, headers=ALICE).status_code == 200
+    remote = {**inside, "output_data_path": "s3://bucket/o.json"}
+    assert api.client.post("/v2/batch-completions", json=remote, headers=ALICE).status_code == 200

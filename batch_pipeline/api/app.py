@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, R
 from fastapi.responses import JSONResponse
 
 from batch_pipeline.api.auth import ApiKeys, Caller
+from batch_pipeline.api.limits import BodySizeLimit
 from batch_pipeline.api.service import BatchJobService, JobNotFound, UnservableRequest
 from batch_pipeline.contract import (
     BatchCompletionsJob,
@@ -112,6 +113,7 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     app.state.job_service = service
     app.state.api_keys = keys or ApiKeys.from_environment()
     app.include_router(router)
+    app.add_middleware(BodySizeLimit)
 
     @app.exception_handler(JobNotFound)
     async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:

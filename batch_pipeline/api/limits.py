@@ -1,0 +1,54 @@
+"""A cap on request bodies: a client cannot make the API buffer an unbounded body."""
+
+from __future__ import annotations
+
+import os
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class BodySizeLimit:
+    """Answers 413 when a body is over `max_bytes`, whether it declares its length or streams chunks."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes or int(os.environ.get("BATCH_PIPELINE_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        received = 0
+        refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Answer now; to the app the client has gone, and whatever it sends is dropped.
+                    refused = True
+                    await self._refuse(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = b'{"detail":"request body too large (limit %d bytes)"}' % self.max_bytes
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
