@@ -55,6 +55,24 @@ def open_file(path: str, mode: str = "rb", **kwargs: Any) -> IO:
     return fsspec.open(path, mode, **kwargs).open()
 
 
+def check_writable(path: str) -> None:
+    """Raise OSError unless a file can be written where `path` will be (its directory is made if needed).
+
+    Locally a probe file is created and removed beside the target; object stores are trusted until the
+    upload, which is atomic there anyway.
+    """
+    fs, resolved = filesystem(path)
+    if not isinstance(fs, LocalFileSystem):
+        return
+    if os.path.isdir(resolved):
+        raise IsADirectoryError(f"{path} is a directory")
+    directory = os.path.dirname(os.path.abspath(resolved))
+    os.makedirs(directory, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe-")
+    os.close(fd)
+    os.unlink(probe)
+
+
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "w") -> Iterator[IO]:
     """Write `path` so that readers see the old file or the whole new one, never a part.

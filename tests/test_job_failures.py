@@ -46,3 +46,20 @@ def test_parts_this_deployment_cannot_serve_are_refused_naming_the_field(run_job
     assert not result.success
     (message,) = step_failure_messages(result)
     assert "tool_config:" in message and "nodes_per_worker:" in message
+
+
+def test_an_unwritable_output_location_fails_before_any_inference_naming_the_path(run_job, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the output directory should be")
+    content = {"prompts": ["a"], "max_new_tokens": 4, "temperature": 0.0}
+    output = blocker / "output.json"
+    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL}, "content": content})
+    assert not result.success
+    (message,) = step_failure_messages(result)
+    assert f"output_data_path: cannot write {output}" in message
+    assert [e.step_key for e in result.all_events if e.is_step_failure] == ["validate_input"]
+
+    directory = tmp_path / "a-directory.json"
+    directory.mkdir()
+    result = run_job({"output_data_path": str(directory), "model_config": {"model": MODEL}, "content": content})
+    assert any("is a directory" in message for message in step_failure_messages(result))

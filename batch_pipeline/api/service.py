@@ -182,6 +182,11 @@ class BatchJobService:
         failures = self.instance.all_logs(run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE})
         for entry in failures:
             event = entry.dagster_event
-            if event and event.is_step_failure and event.step_failure_data.error:
-                return event.step_failure_data.error.message.strip()
+            if event and event.is_step_failure:
+                # A dg.Failure carries the sentence meant for users; anything else, the error's message.
+                user_failure = event.step_failure_data.user_failure_data
+                if user_failure and user_failure.description:
+                    return user_failure.description
+                if event.step_failure_data.error:
+                    return event.step_failure_data.error.message.strip()
         return failures[-1].message if failures else "the run failed"

@@ -57,9 +57,9 @@ def validate_input(context: OpExecutionContext) -> dict:
     if request.input_data_path is not None and not io.exists(request.input_data_path):
         raise dg.Failure(f"input_data_path: no file at {request.input_data_path}")
     try:
-        io.makedirs(io.parent(request.output_data_path))
+        io.check_writable(request.output_data_path)
     except OSError as exc:
-        raise dg.Failure(f"output_data_path: cannot create the directory of {request.output_data_path}: {exc}")
+        raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
     return request.model_dump(mode="json", by_alias=True)
 
 
