@@ -132,6 +132,10 @@ class BatchJobService:
                 metadata.update(self._results(request["output_data_path"]))
             if run.status == DagsterRunStatus.FAILURE:
                 metadata["failure_reason"] = self._failure_reason(run.run_id)
+            elif status == BatchCompletionsJobStatus.CANCELLED and self._stopped_by_deadline(record, completed_at):
+                # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
+                status = BatchCompletionsJobStatus.FAILED
+                metadata["failure_reason"] = "max_runtime_sec exceeded: the run was stopped by run monitoring"
         return BatchCompletionsJob(
             job_id=record.job_id,
             input_data_path=request.get("input_data_path"),
@@ -144,6 +148,10 @@ class BatchJobService:
             completed_at=completed_at.isoformat() if completed_at else None,
             metadata=metadata,
         )
+
+    @staticmethod
+    def _stopped_by_deadline(record: JobRecord, ended_at: datetime | None) -> bool:
+        return record.cancelled_at is None and ended_at is not None and ended_at >= record.expires_at
 
     def _record(self, caller: Caller, job_id: str) -> JobRecord:
         record = self.store.get(job_id)

@@ -44,7 +44,7 @@ class LocalShardLauncher(ShardLauncher):
                 command=[self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
                 extras={"task": task.to_dict()},
             )
-        except dg.DagsterPipesExecutionError:
+        except Exception:  # the worker failed (Dagster's error type for it is not public API)
             raise_if_past_deadline(task)
             raise
         reports = completed.get_custom_messages()

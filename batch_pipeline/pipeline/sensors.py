@@ -19,6 +19,9 @@ LABEL_TAG_PREFIX = "batch_pipeline/label/"
 MODEL_TAG = "batch_pipeline/model"
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"
 SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
+# The shard workers stop at the job's deadline and fail the run with the reason; Dagster's run
+# monitoring is the backstop (a run stuck outside the workers), so it acts only after this grace.
+RUN_MONITORING_GRACE_S = 120
 
 
 def run_tags(record: JobRecord) -> dict[str, str]:
@@ -27,8 +30,7 @@ def run_tags(record: JobRecord) -> dict[str, str]:
         JOB_ID_TAG: record.job_id,
         MODEL_TAG: request["model_config"]["model"],
         "dagster/priority": str(run_priority(record.priority)),
-        # Dagster's run monitoring fails a run that outlives this.
-        "dagster/max_runtime": str(request.get("max_runtime_sec") or 86400),
+        "dagster/max_runtime": str((request.get("max_runtime_sec") or 86400) + RUN_MONITORING_GRACE_S),
     }
     for key, value in record.labels.items():
         tags[LABEL_TAG_PREFIX + key] = value

@@ -53,6 +53,50 @@ class ShardStats:
         return asdict(self)
 
 
+class RequestRefused(ValueError):
+    """A request of the batch that cannot be served as asked; the message names the field."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class InFlight:
+    """Items in the engine, each made of one or more engine requests (one per prompt of a request)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[WorkItem, list[str], dict[str, Any]]] = {}
+        self._owner: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def add(self, item: WorkItem, engine_ids: list[str]) -> None:
+        self._items[item.index] = (item, engine_ids, {})
+        for engine_id in engine_ids:
+            self._owner[engine_id] = item.index
+
+    def finish(self, result: Any) -> tuple[WorkItem, list[Any]] | None:
+        """Record a finished engine request; the item and its results, in submission order, once all are in."""
+        index = self._owner.pop(result.request_id)
+        item, engine_ids, results = self._items[index]
+        results[result.request_id] = result
+        if len(results) < len(engine_ids):
+            return None
+        del self._items[index]
+        return item, [results[engine_id] for engine_id in engine_ids]
+
+    def engine_ids(self) -> list[str]:
+        return list(self._owner)
+
+
+def token_counts(output: dict[str, Any]) -> tuple[int, int]:
+    """(prompt, completion) tokens of one output: v1 CompletionOutput counts, or an OpenAI object's usage."""
+    if "usage" in output:
+        return output["usage"]["prompt_tokens"], output["usage"]["completion_tokens"]
+    return output.get("num_prompt_tokens", 0), output.get("num_completion_tokens", 0)
+
+
 def error_output(code: str, message: str) -> dict[str, Any]:
     return ErrorOutput(error=ErrorDetail(code=code, message=message)).model_dump()
 
@@ -63,15 +107,17 @@ class V1Requests:
     def __init__(self) -> None:
         self._params: dict[str, tuple[Any, bool]] = {}
 
-    def submit(self, engine: Any, request_id: str, item: WorkItem) -> None:
+    def submit(self, engine: Any, item: WorkItem) -> list[str]:
         params, _ = self._sampling(item)
+        request_id = str(item.index)
         engine.add_request(request_id, item.request["prompt"], params)
+        return [request_id]
 
-    def output(self, item: WorkItem, result: Any) -> dict[str, Any]:
+    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
         from batch_pipeline.worker.sampling import v1_output
 
         _, with_logprobs = self._sampling(item)
-        return v1_output(result, with_logprobs).model_dump()
+        return v1_output(results[0], with_logprobs).model_dump()
 
     def _sampling(self, item: WorkItem) -> tuple[Any, bool]:
         from batch_pipeline.worker.sampling import v1_sampling_params
@@ -95,7 +141,7 @@ class ShardRunner:
         self.shard = task.shard
         self.report = report
         self.max_in_flight = max_in_flight
-        self.handlers = {"v1": V1Requests()}
+        self.handlers: dict[str, Any] = {"v1": V1Requests()}
         self.stats = ShardStats(shard_index=self.shard.shard_index, items=self.shard.item_count)
 
     def run(self) -> ShardStats:
@@ -107,6 +153,7 @@ class ShardRunner:
         pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
         first = next(pending, None)
         if first is not None:
+            self._check_deadline(None, InFlight())  # a retry past the deadline must not start an engine
             with open(self.shard.results_path, "a", encoding="utf-8") as results:
                 self._generate(_chain(first, pending), results, already_done=len(done))
         self._finalize()
@@ -123,7 +170,8 @@ class ShardRunner:
         self.report(f"engine ready in {self.stats.engine_start_s:.1f}s")
         engine = llm.llm_engine
 
-        in_flight: dict[str, WorkItem] = {}
+        self._add_openai_handlers(llm, model_config)
+        in_flight = InFlight()
         finished = already_done
         t0 = last_report = time.monotonic()
         exhausted = False
@@ -133,29 +181,25 @@ class ShardRunner:
                 if item is None:
                     exhausted = True
                     break
-                handler = self.handlers.get(item.kind)
-                if handler is None:
-                    self._write(results, item.index, error_output(
-                        "unsupported", f"{item.kind} requests are not served by this worker yet"))
-                    finished += 1
-                    continue
-                request_id = str(item.index)
                 try:
-                    handler.submit(engine, request_id, item)
+                    in_flight.add(item, self.handlers[item.kind].submit(engine, item))
+                except RequestRefused as exc:
+                    self._write(results, item.index, error_output(exc.code, str(exc)))
+                    finished += 1
                 except Exception as exc:  # vLLM refuses the single request (e.g. prompt too long)
                     self._write(results, item.index, error_output(_error_code(exc), str(exc)))
                     finished += 1
-                    continue
-                in_flight[request_id] = item
             if not in_flight:
                 break
             self._check_deadline(engine, in_flight)
             for result in engine.step():
                 if not result.finished:
                     continue
-                item = in_flight.pop(result.request_id)
-                self._write(results, item.index, self.handlers[item.kind].output(item, result))
-                finished += 1
+                done = in_flight.finish(result)
+                if done is not None:
+                    item, item_results = done
+                    self._write(results, item.index, self.handlers[item.kind].output(item, item_results))
+                    finished += 1
             now = time.monotonic()
             if now - last_report >= PROGRESS_INTERVAL_S:
                 last_report = now
@@ -171,7 +215,7 @@ class ShardRunner:
         results.flush()
         self.stats.generated += 1
         self.stats.errors += "error" in output
-        self.stats.completion_tokens += output.get("num_completion_tokens", 0)
+        self.stats.completion_tokens += token_counts(output)[1]
 
     def _report_progress(self, finished: int, elapsed: float) -> None:
         rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
@@ -180,9 +224,16 @@ class ShardRunner:
             f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"
         )
 
-    def _check_deadline(self, engine: Any, in_flight: dict[str, WorkItem]) -> None:
+    def _add_openai_handlers(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
+        from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
+
+        self.handlers["completion"] = CompletionRequests(llm, model_config)
+        self.handlers["chat"] = ChatRequests(llm, model_config)
+
+    def _check_deadline(self, engine: Any | None, in_flight: InFlight) -> None:
         if self.task.deadline is not None and time.time() > self.task.deadline:
-            engine.abort_request(list(in_flight))
+            if engine is not None:
+                engine.abort_request(in_flight.engine_ids())
             raise DeadlineExceeded(
                 f"max_runtime_sec exceeded: shard {self.shard.shard_index} stopped with "
                 f"{len(in_flight)} requests in flight; finished results are kept"
@@ -200,8 +251,9 @@ class ShardRunner:
                 position += len(line)
                 output = json.loads(payload)
                 errors += "error" in output
-                prompt_tokens += output.get("num_prompt_tokens", 0)
-                completion_tokens += output.get("num_completion_tokens", 0)
+                prompt, completion = token_counts(output)
+                prompt_tokens += prompt
+                completion_tokens += completion
             missing = self.shard.item_count - len(offsets)
             if missing:
                 raise RuntimeError(f"shard {self.shard.shard_index}: {missing} requests have no result")
