@@ -42,8 +42,4 @@ def refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
         found.append(("tool_config", "tool use is not supported by this deployment yet"))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
-    if isinstance(request.content, list):
-        found.append(
-            ("content", "lists of completion or chat requests are not served yet; send v1 content (prompts)")
-        )
     return found

@@ -76,11 +76,10 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         (_body(tmp_path, tool_config={"name": "code_evaluator"}), ["body", "tool_config"]),
         (_body(tmp_path, nodes_per_worker=2), ["body", "nodes_per_worker"]),
     ]
-    served_later = api.client.post(
+    completions = api.client.post(
         "/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "max_tokens": 3}]), headers=ALICE
     )
-    assert served_later.status_code == 422
-    assert served_later.json()["detail"][0]["loc"] == ["body", "content"]
+    assert completions.status_code == 200
     for body, location in cases:
         response = api.client.post("/v1/llm/batch-completions", json=body, headers=ALICE)
         assert response.status_code == 422, body

@@ -1,0 +1,302 @@
+"""v2 content: OpenAI-style completion and chat requests, each with its own sampling parameters, served
+by the shard's one engine; outputs are OpenAI completion / chat completion objects.
+
+A field that cannot work for a request is refused for that request only (an error entry naming the
+field); the rest of the batch runs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+from batch_pipeline.contract import (
+    BatchCompletionsModelConfig,
+    FilteredChatCompletionV2Request,
+    FilteredCompletionV2Request,
+)
+from batch_pipeline.shards import WorkItem
+from batch_pipeline.worker.runner import RequestRefused
+
+# Fields the OpenAI shapes carry that a batch engine cannot honour for any model here.
+_COMPLETION_REFUSED = {
+    "suffix": "insertion with a suffix is not supported",
+    "stream": "batch jobs do not stream; leave stream unset or false",
+    "stream_options": "batch jobs do not stream",
+    "use_beam_search": "beam search is not supported by this worker",
+    "guided_decoding_backend": "the engine's structured-output backend is used for every request",
+}
+_CHAT_REFUSED = {
+    **_COMPLETION_REFUSED,
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not available to a batch job",
+    "prediction": "predicted outputs are not supported",
+    "functions": "deprecated functions are not supported; this model has no tool parser configured",
+    "function_call": "deprecated function_call is not supported",
+    "tools": "tool calling is not supported by this worker yet",
+}
+
+
+def _refuse_unsupported(request: Any, refused: dict[str, str]) -> None:
+    for field, why in refused.items():
+        value = getattr(request, field, None)
+        if value not in (None, False) and not (field == "tools" and value == []):
+            raise RequestRefused("unsupported_field", f"{field}: {why}")
+    n, best_of = request.n or 1, request.best_of
+    if best_of is not None and best_of != n:
+        raise RequestRefused(
+            "unsupported_field", f"best_of: this engine returns every candidate it samples; use n (best_of={best_of}, n={n})"
+        )
+
+
+def _structured_outputs(request: Any) -> StructuredOutputsParams | None:
+    fields: dict[str, Any] = {}
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_schema":
+        fields["json"] = response_format.json_schema.schema_ or {}
+    elif response_format is not None and response_format.type == "json_object":
+        fields["json_object"] = True
+    for source, target in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+        value = getattr(request, source)
+        if value is not None:
+            if target in fields:
+                raise RequestRefused("invalid_request", f"{source}: only one structured output per request")
+            fields[target] = value
+    if not fields:
+        return None
+    if len(fields) > 1:
+        raise RequestRefused("invalid_request", f"only one structured output per request, got {sorted(fields)}")
+    if request.guided_whitespace_pattern is not None:
+        fields["whitespace_pattern"] = request.guided_whitespace_pattern
+    return StructuredOutputsParams(**fields)
+
+
+def _sampling_params(request: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None):
+    try:
+        logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
+    except ValueError:
+        raise RequestRefused("invalid_request", "logit_bias: keys must be token ids") from None
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    try:
+        return SamplingParams(
+            n=request.n or 1,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k is None else request.top_k,
+            min_p=request.min_p or 0.0,
+            seed=request.seed,
+            stop=stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=bool(request.include_stop_str_in_output),
+            ignore_eos=bool(request.ignore_eos),
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens or 0,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            logit_bias=logit_bias or None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=True if request.skip_special_tokens is None else request.skip_special_tokens,
+            spaces_between_special_tokens=(
+                True if request.spaces_between_special_tokens is None else request.spaces_between_special_tokens
+            ),
+            structured_outputs=_structured_outputs(request),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+    except ValueError as exc:  # vLLM's own checks, e.g. a stop_token_id outside the vocabulary
+        raise RequestRefused("invalid_request", str(exc)) from None
+
+
+def _add_all(engine: Any, item: WorkItem, prompts: list[Any], params: SamplingParams, tokenization: dict) -> list[str]:
+    """One engine request per prompt; all or none."""
+    added: list[str] = []
+    try:
+        for k, prompt in enumerate(prompts):
+            engine_id = f"{item.index}-{k}"
+            engine.add_request(engine_id, prompt, params, tokenization_kwargs=tokenization)
+            added.append(engine_id)
+    except Exception:
+        if added:
+            engine.abort_request(added)
+        raise
+    return added
+
+
+def _usage(results: list[Any]) -> dict[str, int]:
+    prompt_tokens = sum(len(result.prompt_token_ids or []) for result in results)
+    completion_tokens = sum(len(choice.token_ids) for result in results for choice in result.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _OpenAIRequests:
+    def __init__(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
+        self.tokenizer = llm.get_tokenizer()
+        self.model_config = model_config
+        self.model_name = model_config.served_model_name or model_config.model
+
+    def _decoded(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class CompletionRequests(_OpenAIRequests):
+    def submit(self, engine: Any, item: WorkItem) -> list[str]:
+        request = FilteredCompletionV2Request.model_validate(item.request)
+        _refuse_unsupported(request, _COMPLETION_REFUSED)
+        echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        params = _sampling_params(
+            request, 16 if request.max_tokens is None else request.max_tokens, request.logprobs, echo_logprobs
+        )
+        tokenization = {"add_special_tokens": True if request.add_special_tokens is None else request.add_special_tokens}
+        return _add_all(engine, item, _prompts(request.prompt), params, tokenization)
+
+    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
+        request = FilteredCompletionV2Request.model_validate(item.request)
+        choices = []
+        for result in results:
+            for choice in result.outputs:
+                text = (result.prompt or "") + choice.text if request.echo else choice.text
+                choices.append({
+                    "index": len(choices),
+                    "text": text,
+                    "logprobs": self._logprobs(result, choice, request) if request.logprobs is not None else None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                })
+        return {
+            "id": f"cmpl-{item.index}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(results),
+        }
+
+    def _logprobs(self, result: Any, choice: Any, request: FilteredCompletionV2Request) -> dict[str, Any]:
+        """OpenAI's legacy shape: parallel lists of tokens, their log-probabilities, the top alternatives."""
+        positions: list[tuple[int, Any]] = []
+        if request.echo:
+            prompt_logprobs = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
+            positions += list(zip(result.prompt_token_ids, prompt_logprobs))
+        positions += list(zip(choice.token_ids, choice.logprobs or []))
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for token_id, alternatives in positions:
+            token = self._decoded(token_id)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            if alternatives is None:  # the first prompt token has no log-probability
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(alternatives[token_id].logprob)
+            ranked = sorted(alternatives.items(), key=lambda pair: pair[1].logprob, reverse=True)
+            top_logprobs.append({self._decoded(t): lp.logprob for t, lp in ranked[: max(request.logprobs, 1)]})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+class ChatRequests(_OpenAIRequests):
+    def submit(self, engine: Any, item: WorkItem) -> list[str]:
+        request = FilteredChatCompletionV2Request.model_validate(item.request)
+        _refuse_unsupported(request, _CHAT_REFUSED)
+        if request.modalities and set(request.modalities) != {"text"}:
+            raise RequestRefused("unsupported_field", "modalities: only text output is supported")
+        prompt = self.render(request)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        params = _sampling_params(request, max_tokens, logprobs)
+        # The chat template writes the special tokens itself.
+        tokenization = {"add_special_tokens": bool(request.add_special_tokens)}
+        return _add_all(engine, item, [prompt], params, tokenization)
+
+    def render(self, request: FilteredChatCompletionV2Request) -> str:
+        """The conversation as the model's prompt, through its chat template (or the one asked for)."""
+        messages = []
+        for position, message in enumerate(request.messages):
+            rendered = message.model_dump(exclude_none=True)
+            if isinstance(message.content, list):
+                texts = []
+                for part_position, part in enumerate(message.content):
+                    kind = part.get("type") if isinstance(part, dict) else part.type
+                    if kind != "text":
+                        raise RequestRefused(
+                            "unsupported_field",
+                            f"messages.{position}.content.{part_position}: only text parts are supported, got {kind!r}",
+                        )
+                    texts.append(part["text"] if isinstance(part, dict) else part.text)
+                rendered["content"] = "\n".join(texts)
+            messages.append(rendered)
+        add_generation_prompt = True if request.add_generation_prompt is None else request.add_generation_prompt
+        if request.continue_final_message and request.add_generation_prompt:
+            raise RequestRefused("invalid_request", "continue_final_message: cannot be used with add_generation_prompt")
+        if request.continue_final_message:
+            add_generation_prompt = False
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=bool(request.continue_final_message),
+                chat_template=request.chat_template or self.model_config.chat_template,
+                documents=request.documents,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # a template that does not render is this request's problem only
+            raise RequestRefused("invalid_request", f"chat_template: {exc}") from None
+
+    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
+        request = FilteredChatCompletionV2Request.model_validate(item.request)
+        role = self.model_config.response_role or "assistant"
+        (result,) = results
+        echoed = ""
+        if request.echo and request.messages[-1].role == role and isinstance(request.messages[-1].content, str):
+            echoed = request.messages[-1].content
+        choices = [
+            {
+                "index": position,
+                "message": {"role": role, "content": echoed + choice.text, "tool_calls": []},
+                "logprobs": {"content": self._logprobs(choice, request.top_logprobs or 0)} if request.logprobs else None,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+            for position, choice in enumerate(result.outputs)
+        ]
+        return {
+            "id": f"chatcmpl-{item.index}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(results),
+        }
+
+    def _logprobs(self, choice: Any, top: int) -> list[dict[str, Any]]:
+        content = []
+        for token_id, alternatives in zip(choice.token_ids, choice.logprobs or []):
+            token = self._decoded(token_id)
+            ranked = sorted(alternatives.items(), key=lambda pair: pair[1].logprob, reverse=True)[:top]
+            content.append({
+                "token": token,
+                "logprob": alternatives[token_id].logprob,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t := self._decoded(tid)), "logprob": lp.logprob, "bytes": list(t.encode("utf-8"))}
+                    for tid, lp in ranked
+                ],
+            })
+        return content
