@@ -140,3 +140,20 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
             raise RuntimeError("disk on fire")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_work_is_ordered_so_shared_prefixes_run_together_within_each_window():
+    from batch_pipeline.shards import WorkItem
+    from batch_pipeline.worker.runner import prefix_ordered
+
+    prompts = ["FEW-SHOT A\nq1", "other 1", "FEW-SHOT A\nq2", "other 2", "FEW-SHOT A\nq3", "other 3"]
+    items = [WorkItem(index=i, kind="v1", request={"prompt": p}) for i, p in enumerate(prompts)]
+    ordered = [item.index for item in prefix_ordered(iter(items), window=4)]
+    assert ordered[:4] == [0, 2, 1, 3]  # the first window, shared prefix first and together
+    assert sorted(ordered) == list(range(6)) and set(ordered[4:]) == {4, 5}
+    chats = [
+        WorkItem(index=0, kind="chat", request={"messages": [{"role": "system", "content": "B"}]}),
+        WorkItem(index=1, kind="chat", request={"messages": [{"role": "system", "content": "A"}]}),
+        WorkItem(index=2, kind="chat", request={"messages": [{"role": "system", "content": "B"}]}),
+    ]
+    assert [item.index for item in prefix_ordered(iter(chats), window=10)] == [1, 0, 2]

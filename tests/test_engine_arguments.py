@@ -28,6 +28,7 @@ def test_every_set_field_reaches_the_engine_under_vllms_name():
     assert arguments["kv_cache_dtype"] == "auto"
     assert arguments["hf_overrides"] == {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
     assert arguments["trust_remote_code"] is False
+    assert arguments["enable_prefix_caching"] is True
     # Arguments of other vLLM generations are reported, not passed; serving-level fields are not engine args.
     assert sorted(unsupported) == ["max_seq_len_to_capture", "swap_space"]
     assert "chat_template" not in arguments and "num_shards" not in arguments
@@ -44,3 +45,9 @@ def test_deprecated_max_context_length_fills_max_model_len():
     assert arguments["max_model_len"] == 1024
     arguments, _ = engine_arguments(BatchCompletionsModelConfig(model=MODEL, max_context_length=1024, max_model_len=512))
     assert arguments["max_model_len"] == 512
+
+
+def test_prefix_caching_is_on_unless_the_request_turns_it_off():
+    assert engine_arguments(BatchCompletionsModelConfig(model=MODEL))[0]["enable_prefix_caching"] is True
+    off = BatchCompletionsModelConfig(model=MODEL, enable_prefix_caching=False)
+    assert engine_arguments(off)[0]["enable_prefix_caching"] is False
