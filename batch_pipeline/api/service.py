@@ -104,11 +104,11 @@ class BatchJobService:
             return True
         run = self._run(record)
         if run is None:
-            if self.store.cancel_before_launch(job_id):
-                return True
-            run = self._run(record)  # the sensor launched it meanwhile
+            cancelled_before_launch = self.store.cancel_before_launch(job_id)
+            # The sensor may have asked for the run just before: look again, and stop that run too.
+            run = find_run(self.instance, job_id)
             if run is None:
-                return False
+                return cancelled_before_launch
         if run.is_finished:
             return run.status == DagsterRunStatus.CANCELED
         cancelled = self.instance.run_coordinator.cancel_run(run.run_id)
