@@ -143,6 +143,16 @@ class _OpenAIRequests:
     def _decoded(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def _response(self, id_prefix: str, kind: str, item: WorkItem, choices: list, results: list[Any]) -> dict:
+        return {
+            "id": f"{id_prefix}-{item.index}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(results),
+        }
+
 
 class CompletionRequests(_OpenAIRequests):
     def submit(self, engine: Any, item: WorkItem) -> list[str]:
@@ -168,14 +178,7 @@ class CompletionRequests(_OpenAIRequests):
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
                 })
-        return {
-            "id": f"cmpl-{item.index}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": _usage(results),
-        }
+        return self._response("cmpl", "text_completion", item, choices, results)
 
     def _logprobs(self, result: Any, choice: Any, request: FilteredCompletionV2Request) -> dict[str, Any]:
         """OpenAI's legacy shape: parallel lists of tokens, their log-probabilities, the top alternatives."""
@@ -276,14 +279,7 @@ class ChatRequests(_OpenAIRequests):
             }
             for position, choice in enumerate(result.outputs)
         ]
-        return {
-            "id": f"chatcmpl-{item.index}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": _usage(results),
-        }
+        return self._response("chatcmpl", "chat.completion", item, choices, results)
 
     def _logprobs(self, choice: Any, top: int) -> list[dict[str, Any]]:
         content = []
