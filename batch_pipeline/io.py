@@ -42,10 +42,6 @@ def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
 
 
-def parent(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else "."
-
-
 def makedirs(path: str) -> None:
     fs, resolved = filesystem(path)
     fs.makedirs(resolved, exist_ok=True)
