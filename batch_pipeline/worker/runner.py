@@ -171,9 +171,9 @@ class ShardRunner:
         pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
         first = next(pending, None)
         if first is not None:
-            self._check_deadline(None, InFlight())  # a retry past the deadline must not start an engine
+            self._check_deadline()  # a retry past the deadline must not start an engine
             with open(self.shard.results_path, "a", encoding="utf-8") as results:
-                work = prefix_ordered(_chain(first, pending), self.max_in_flight)
+                work = prefix_ordered(itertools.chain([first], pending), self.max_in_flight)
                 self._generate(work, results, already_done=len(done))
         self._finalize()
         self.stats.wall_s = round(time.monotonic() - started, 3)
@@ -249,8 +249,9 @@ class ShardRunner:
         self.handlers["completion"] = CompletionRequests(llm, model_config)
         self.handlers["chat"] = ChatRequests(llm, model_config)
 
-    def _check_deadline(self, engine: Any | None, in_flight: InFlight) -> None:
+    def _check_deadline(self, engine: Any | None = None, in_flight: InFlight | None = None) -> None:
         if self.task.deadline is not None and time.time() > self.task.deadline:
+            in_flight = in_flight or InFlight()
             if engine is not None:
                 engine.abort_request(in_flight.engine_ids())
             raise DeadlineExceeded(
@@ -305,8 +306,3 @@ def _error_code(exc: Exception) -> str:
     message = str(exc)
     too_long = "maximum context length" in message or "maximum model length" in message
     return "prompt_too_long" if too_long else "invalid_request"
-
-
-def _chain(first: WorkItem, rest: Iterator[WorkItem]) -> Iterator[WorkItem]:
-    yield first
-    yield from rest
