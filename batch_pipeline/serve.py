@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    _create_storage()
     bin_dir = Path(sys.executable).parent
     commands = {
         "api": [str(bin_dir / "uvicorn"), "--factory", "batch_pipeline.api.app:create_app",
@@ -52,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.5)
     return _stop_all(processes)
+
+
+def _create_storage() -> None:
+    """Create the instance's and the job store's databases once, here: left to the three services, a new
+    DAGSTER_HOME had them racing to create the same SQLite files, and one died of 'database is locked'."""
+    import dagster as dg
+
+    from batch_pipeline.jobs_store import JobStore
+
+    dg.DagsterInstance.get().dispose()
+    JobStore().engine.dispose()
 
 
 def _stop_all(processes: dict[str, subprocess.Popen]) -> int:

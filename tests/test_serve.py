@@ -18,7 +18,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_ok(url: str, timeout: float = 120) -> httpx.Response:
+def _wait_ok(url: str, log, timeout: float = 120) -> httpx.Response:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -27,7 +27,7 @@ def _wait_ok(url: str, timeout: float = 120) -> httpx.Response:
                 return response
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, f"{url} did not come up"
+        assert time.monotonic() < deadline, f"{url} did not come up; serve log:\n{log.read_text()[-3000:]}"
         time.sleep(0.5)
 
 
@@ -61,13 +61,14 @@ def test_serve_starts_api_webserver_and_daemon_and_ctrl_c_stops_them_all(tmp_pat
         [sys.executable, "-m", "batch_pipeline.serve", "--port", str(api_port), "--dagster-port", str(dagster_port)],
         cwd=REPO,
         env={**os.environ, "DAGSTER_HOME": str(home)},
-        stdout=subprocess.PIPE,
+        # A file, not a pipe: nobody reads a pipe here, and the services would block once it filled.
+        stdout=open(tmp_path / "serve.log", "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
-        assert _wait_ok(f"http://127.0.0.1:{api_port}/healthz").json() == {"status": "ok"}
-        assert _wait_ok(f"http://127.0.0.1:{dagster_port}/server_info").json()["dagster_version"]
+        assert _wait_ok(f"http://127.0.0.1:{api_port}/healthz", tmp_path / "serve.log").json() == {"status": "ok"}
+        assert _wait_ok(f"http://127.0.0.1:{dagster_port}/server_info", tmp_path / "serve.log").json()["dagster_version"]
         started = _descendants(serve.pid)
         assert len(started) >= 3  # uvicorn, the webserver, the daemon, and what they started
         os.killpg(serve.pid, signal.SIGINT)  # what Ctrl-C sends
@@ -75,5 +76,8 @@ def test_serve_starts_api_webserver_and_daemon_and_ctrl_c_stops_them_all(tmp_pat
         time.sleep(1)
         assert [pid for pid in started if _alive(pid)] == []
     finally:
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGKILL)
+        for pid in _descendants(serve.pid) + [serve.pid]:  # a failed test leaves nothing running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
