@@ -19,6 +19,24 @@ PERSON = {
     "required": ["name", "age"],
 }
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+        "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": CITY}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# SmolLM2's own template ignores tools; this one shows whether tools and earlier calls reach the template.
+TOOLS_TEMPLATE = (
+    "{% for t in tools %}tool {{ t.function.name }}\n{% endfor %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %} called {{ c.function.name }} for {{ c.function.arguments.city }}{% endfor %}"
+    "\n{% endfor %}assistant:"
+)
+TOOL_HISTORY = [
+    *ASK_WEATHER,
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
 
 REQUESTS = {
     "logprobs": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 3},
@@ -42,6 +60,21 @@ REQUESTS = {
     "chat_continue": {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}],
                       "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 3,
                       "temperature": 0},
+    # model_config.tool_call_parser is "pythonic"; a regex stands in for a model trained to call tools.
+    "tool_auto": {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 24,
+                  "guided_regex": r"\[get_weather\(city='(Paris|Rome)'\)\]"},
+    "tool_auto_answer": {"messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 24,
+                         "guided_choice": ["It is sunny."]},
+    "tool_named": {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 48, "temperature": 0,
+                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    "tool_required": {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "tool_choice": "required",
+                      "parallel_tool_calls": False, "max_tokens": 64, "temperature": 0},
+    "tool_none": {"messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 6,
+                  "temperature": 0},
+    "tool_history": {"messages": TOOL_HISTORY, "tools": [WEATHER], "chat_template": TOOLS_TEMPLATE,
+                     "max_tokens": 4, "temperature": 0},
+    "tool_unknown": {"messages": ASK_WEATHER, "tools": [WEATHER],
+                     "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
 }
 
 
@@ -57,7 +90,7 @@ def outputs(tmp_path_factory):
     input_path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS.values()))
     output_path = home / "output.json"
     request = CreateBatchCompletionsV2Request.model_validate(
-        {"input_data_path": str(input_path), "output_data_path": str(output_path), "model_config": {"model": MODEL}}
+        {"input_data_path": str(input_path), "output_data_path": str(output_path), "model_config": {"model": MODEL, "tool_call_parser": "pythonic"}}
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DAGSTER_HOME", str(home))
@@ -77,7 +110,7 @@ def test_completion_objects_carry_usage_equal_to_the_tokenizers_counts(outputs, 
         assert result["usage"]["total_tokens"] == result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"]
     completion_tokens = sum(r["usage"]["completion_tokens"] for r in results.values() if "usage" in r)
     assert metadata["completion_tokens"] == completion_tokens
-    assert metadata["num_errors"] == 3
+    assert metadata["num_errors"] == 4
 
 
 def test_logprobs_are_log_probabilities_with_sorted_top_k(outputs):
@@ -148,3 +181,44 @@ def test_requests_that_cannot_be_served_fail_alone_naming_the_field(outputs):
     assert outputs[0]["suffix"]["error"]["message"].startswith("suffix:")
     assert outputs[0]["best_of"]["error"]["message"].startswith("best_of:")
     assert outputs[0]["chat_image"]["error"]["message"].startswith("messages.0.content.0:")
+    assert outputs[0]["tool_unknown"]["error"]["message"].startswith("tool_choice:")
+    assert "get_news" in outputs[0]["tool_unknown"]["error"]["message"]
+
+
+def _calls(result):
+    (choice,) = result["choices"]
+    return choice, [(call["function"]["name"], json.loads(call["function"]["arguments"]))
+                    for call in choice["message"]["tool_calls"]]
+
+
+def test_auto_tool_choice_reads_calls_with_the_configured_parser(outputs):
+    choice, calls = _calls(outputs[0]["tool_auto"])
+    assert len(calls) == 1 and calls[0][0] == "get_weather" and calls[0][1]["city"] in {"Paris", "Rome"}
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["type"] == "function" and choice["message"]["tool_calls"][0]["id"]
+    answer, calls = _calls(outputs[0]["tool_auto_answer"])
+    assert calls == [] and answer["message"]["content"] == "It is sunny." and answer["finish_reason"] == "stop"
+
+
+def test_named_and_required_tool_choice_give_calls_that_match_the_tools_parameters(outputs):
+    choice, calls = _calls(outputs[0]["tool_named"])
+    assert [name for name, _ in calls] == ["get_time"]
+    jsonschema.validate(calls[0][1], CITY)
+    assert choice["finish_reason"] == "stop"  # OpenAI's convention for a named tool
+    choice, calls = _calls(outputs[0]["tool_required"])
+    assert len(calls) == 1 and calls[0][0] in {"get_weather", "get_time"}  # parallel_tool_calls: false
+    jsonschema.validate(calls[0][1], CITY)
+    assert choice["finish_reason"] == "tool_calls"
+    choice, calls = _calls(outputs[0]["tool_none"])
+    assert calls == [] and choice["message"]["content"]
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template(outputs, tokenizer):
+    messages = json.loads(json.dumps(TOOL_HISTORY))
+    messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=[WEATHER], chat_template=TOOLS_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert "tool get_weather" in rendered and "called get_weather for Paris" in rendered
+    prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    assert outputs[0]["tool_history"]["usage"]["prompt_tokens"] == len(prompt_ids)

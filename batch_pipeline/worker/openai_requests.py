@@ -20,6 +20,7 @@ from batch_pipeline.contract import (
 )
 from batch_pipeline.shards import WorkItem
 from batch_pipeline.worker.runner import RequestRefused
+from batch_pipeline.worker.tool_calls import ToolCalling, template_messages
 
 # Fields the OpenAI shapes carry that a batch engine cannot honour for any model here.
 _COMPLETION_REFUSED = {
@@ -34,16 +35,15 @@ _CHAT_REFUSED = {
     "audio": "audio output is not supported",
     "web_search_options": "web search is not available to a batch job",
     "prediction": "predicted outputs are not supported",
-    "functions": "deprecated functions are not supported; this model has no tool parser configured",
-    "function_call": "deprecated function_call is not supported",
-    "tools": "tool calling is not supported by this worker yet",
+    "functions": "deprecated functions are not supported; use tools",
+    "function_call": "deprecated function_call is not supported; use tool_choice",
 }
 
 
 def _refuse_unsupported(request: Any, refused: dict[str, str]) -> None:
     for field, why in refused.items():
         value = getattr(request, field, None)
-        if value not in (None, False) and not (field == "tools" and value == []):
+        if value not in (None, False):
             raise RequestRefused("unsupported_field", f"{field}: {why}")
     n, best_of = request.n or 1, request.best_of
     if best_of is not None and best_of != n:
@@ -75,12 +75,25 @@ def _structured_outputs(request: Any) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(**fields)
 
 
-def _sampling_params(request: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None):
+def _sampling_params(
+    request: Any,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    tool_outputs: StructuredOutputsParams | None = None,
+):
     try:
         logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
     except ValueError:
         raise RequestRefused("invalid_request", "logit_bias: keys must be token ids") from None
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    structured_outputs = _structured_outputs(request)
+    if tool_outputs is not None:
+        if structured_outputs is not None:
+            raise RequestRefused(
+                "invalid_request", "response_format: cannot be combined with tool_choice 'required' or a named tool"
+            )
+        structured_outputs = tool_outputs
     try:
         return SamplingParams(
             n=request.n or 1,
@@ -105,7 +118,7 @@ def _sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
             spaces_between_special_tokens=(
                 True if request.spaces_between_special_tokens is None else request.spaces_between_special_tokens
             ),
-            structured_outputs=_structured_outputs(request),
+            structured_outputs=structured_outputs,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
     except ValueError as exc:  # vLLM's own checks, e.g. a stop_token_id outside the vocabulary
@@ -214,15 +227,22 @@ def _prompts(prompt: Any) -> list[Any]:
 
 
 class ChatRequests(_OpenAIRequests):
+    def __init__(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
+        super().__init__(llm, model_config)
+        self.tool_calling = ToolCalling(self.tokenizer, model_config, self.model_name)
+
     def submit(self, engine: Any, item: WorkItem) -> list[str]:
         request = FilteredChatCompletionV2Request.model_validate(item.request)
         _refuse_unsupported(request, _CHAT_REFUSED)
         if request.modalities and set(request.modalities) != {"text"}:
             raise RequestRefused("unsupported_field", "modalities: only text output is supported")
+        tool_plan = self.tool_calling.plan(request)
         prompt = self.render(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = _sampling_params(request, max_tokens, logprobs)
+        params = _sampling_params(
+            request, max_tokens, logprobs, tool_outputs=tool_plan.structured_outputs if tool_plan else None
+        )
         # The chat template writes the special tokens itself.
         tokenization = {"add_special_tokens": bool(request.add_special_tokens)}
         return _add_all(engine, item, [prompt], params, tokenization)
@@ -251,12 +271,13 @@ class ChatRequests(_OpenAIRequests):
             add_generation_prompt = False
         try:
             return self.tokenizer.apply_chat_template(
-                messages,
+                template_messages(messages),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=bool(request.continue_final_message),
                 chat_template=request.chat_template or self.model_config.chat_template,
                 documents=request.documents,
+                tools=[tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
                 **(request.chat_template_kwargs or {}),
             )
         except Exception as exc:  # a template that does not render is this request's problem only
@@ -269,16 +290,20 @@ class ChatRequests(_OpenAIRequests):
         echoed = ""
         if request.echo and request.messages[-1].role == role and isinstance(request.messages[-1].content, str):
             echoed = request.messages[-1].content
-        choices = [
-            {
+        tool_plan = self.tool_calling.plan(request)
+        choices = []
+        for position, choice in enumerate(result.outputs):
+            content, tool_calls, finish_reason = echoed + choice.text, [], choice.finish_reason
+            if tool_plan is not None:
+                parsed = self.tool_calling.parse(tool_plan, request, choice)
+                content, tool_calls, finish_reason = parsed.content, parsed.tool_calls, parsed.finish_reason
+            choices.append({
                 "index": position,
-                "message": {"role": role, "content": echoed + choice.text, "tool_calls": []},
+                "message": {"role": role, "content": content, "tool_calls": tool_calls},
                 "logprobs": {"content": self._logprobs(choice, request.top_logprobs or 0)} if request.logprobs else None,
-                "finish_reason": choice.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": choice.stop_reason,
-            }
-            for position, choice in enumerate(result.outputs)
-        ]
+            })
         return self._response("chatcmpl", "chat.completion", item, choices, results)
 
     def _logprobs(self, choice: Any, top: int) -> list[dict[str, Any]]:
