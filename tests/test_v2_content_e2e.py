@@ -31,6 +31,18 @@ TOOLS_TEMPLATE = (
     "{% for c in m.tool_calls or [] %} called {{ c.function.name }} for {{ c.function.arguments.city }}{% endfor %}"
     "\n{% endfor %}assistant:"
 )
+# Templates receive chat_template_kwargs and documents as variables.
+KWARGS_TEMPLATE = (
+    "{{ greeting }}{% for d in documents %} [{{ d.title }}: {{ d.text }}]{% endfor %}\n"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+)
+REFUSED_FIELDS = {
+    "stream": True, "stream_options": {"include_usage": True}, "use_beam_search": True,
+    "length_penalty": 0.8, "early_stopping": True,
+    "guided_decoding_backend": "outlines", "guided_whitespace_pattern": "", "audio": {"voice": "alloy", "format": "wav"},
+    "web_search_options": {}, "prediction": {"type": "content", "content": "x"},
+    "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["text", "audio"],
+}
 TOOL_HISTORY = [
     *ASK_WEATHER,
     {"role": "assistant", "content": "", "tool_calls": [
@@ -60,6 +72,39 @@ REQUESTS = {
     "chat_continue": {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}],
                       "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 3,
                       "temperature": 0},
+    # Each sampling field, with an effect a user can check against a plain run.
+    "greedy_top_k": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 1.0, "seed": 3, "top_k": 1},
+    "greedy_top_p": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 1.0, "seed": 3,
+                     "top_p": 0.001},
+    "greedy_min_p": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 1.0, "seed": 3,
+                     "min_p": 1.0},
+    "logit_bias": {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+                   "logit_bias": {"504": 100}},
+    "stop_token_ids": {"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop_token_ids": [39]},
+    **{name: {"prompt": "The cat sat on the mat. The cat sat on the mat. The cat", "max_tokens": 24,
+              "temperature": 0, "logprobs": 0, **penalty}
+       for name, penalty in [("repeat", {}), ("presence_penalty", {"presence_penalty": 2.0}),
+                             ("frequency_penalty", {"frequency_penalty": 2.0}),
+                             ("repetition_penalty", {"repetition_penalty": 2.0})]},
+    "short_answer": {"messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40, "temperature": 0},
+    "min_tokens": {"messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40, "temperature": 0,
+                   "min_tokens": 40},
+    "ignore_eos": {"messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40, "temperature": 0,
+                   "ignore_eos": True},
+    "max_completion_tokens": {"messages": CHAT, "max_tokens": 30, "max_completion_tokens": 3, "ignore_eos": True},
+    "special_kept": {"prompt": "Hello", "max_tokens": 2, "logit_bias": {"1": 100}, "skip_special_tokens": False,
+                     "spaces_between_special_tokens": False},
+    "special_spaced": {"prompt": "Hello", "max_tokens": 2, "logit_bias": {"1": 100}, "skip_special_tokens": False},
+    "special_skipped": {"prompt": "Hello", "max_tokens": 2, "logit_bias": {"1": 100}},
+    "json_object": {"prompt": "An empty JSON object:", "max_tokens": 32, "temperature": 0,
+                    "response_format": {"type": "json_object"}},
+    "guided_json": {"prompt": "A person as JSON:", "max_tokens": 48, "temperature": 0, "guided_json": PERSON},
+    "guided_grammar": {"prompt": "Is fire hot? Answer:", "max_tokens": 4, "guided_grammar": 'root ::= "yes" | "no"'},
+    "template_kwargs": {"messages": CHAT, "max_tokens": 2, "chat_template": KWARGS_TEMPLATE,
+                        "chat_template_kwargs": {"greeting": "Ahoy"}, "documents": [{"title": "Sea", "text": "wet"}]},
+    "ignored_fields": {"messages": CHAT, "max_tokens": 2, "model": "gpt-4o", "user": "u1", "metadata": {"a": "b"},
+                       "store": True, "service_tier": "auto", "reasoning_effort": "low", "priority": 3},
+    **{f"refused_{field}": {"messages": CHAT, field: value} for field, value in REFUSED_FIELDS.items()},
     # model_config.tool_call_parser is "pythonic"; a regex stands in for a model trained to call tools.
     "tool_auto": {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 24,
                   "guided_regex": r"\[get_weather\(city='(Paris|Rome)'\)\]"},
@@ -90,7 +135,7 @@ def outputs(tmp_path_factory):
     input_path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS.values()))
     output_path = home / "output.json"
     request = CreateBatchCompletionsV2Request.model_validate(
-        {"input_data_path": str(input_path), "output_data_path": str(output_path), "model_config": {"model": MODEL, "tool_call_parser": "pythonic"}}
+        {"input_data_path": str(input_path), "output_data_path": str(output_path), "model_config": {"model": MODEL, "tool_call_parser": "pythonic", "response_role": "bot"}}
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DAGSTER_HOME", str(home))
@@ -110,7 +155,7 @@ def test_completion_objects_carry_usage_equal_to_the_tokenizers_counts(outputs, 
         assert result["usage"]["total_tokens"] == result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"]
     completion_tokens = sum(r["usage"]["completion_tokens"] for r in results.values() if "usage" in r)
     assert metadata["completion_tokens"] == completion_tokens
-    assert metadata["num_errors"] == 4
+    assert metadata["num_errors"] == 4 + len(REFUSED_FIELDS)
 
 
 def test_logprobs_are_log_probabilities_with_sorted_top_k(outputs):
@@ -167,7 +212,7 @@ def test_token_id_prompts_are_taken_as_given(outputs):
 def test_chat_uses_the_models_template(outputs, tokenizer):
     chat = outputs[0]["chat"]
     assert chat["object"] == "chat.completion"
-    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["choices"][0]["message"]["content"]
+    assert chat["choices"][0]["message"]["role"] == "bot" and chat["choices"][0]["message"]["content"]
     rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
     assert chat["usage"]["prompt_tokens"] == len(rendered["input_ids"])
     continued = outputs[0]["chat_continue"]
@@ -222,3 +267,64 @@ def test_tools_and_earlier_calls_reach_the_chat_template(outputs, tokenizer):
     assert "tool get_weather" in rendered and "called get_weather for Paris" in rendered
     prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
     assert outputs[0]["tool_history"]["usage"]["prompt_tokens"] == len(prompt_ids)
+
+
+def _text(result):
+    return result["choices"][0].get("text", result["choices"][0].get("message", {}).get("content"))
+
+
+def test_top_k_top_p_and_min_p_can_narrow_sampling_to_the_greedy_choice(outputs):
+    greedy = _text(outputs[0]["logprobs"])
+    assert [_text(outputs[0][name]) for name in ("greedy_top_k", "greedy_top_p", "greedy_min_p")] == [greedy] * 3
+
+
+def test_logit_bias_and_stop_token_ids_act_on_token_ids(outputs, tokenizer):
+    assert _text(outputs[0]["logit_bias"]) == tokenizer.decode([504] * 3)
+    stopped = outputs[0]["stop_token_ids"]["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == 39 and "7" not in stopped["text"]
+    assert stopped["text"].rstrip() == _text(outputs[0]["stop"])  # the stop string " 7" also took the space
+
+
+def test_penalties_make_a_repetitive_continuation_more_varied(outputs):
+    distinct = {name: len(set(outputs[0][name]["choices"][0]["logprobs"]["tokens"])) for name in
+                ("repeat", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+    assert all(distinct[name] > distinct["repeat"] for name in distinct if name != "repeat"), distinct
+
+
+def test_min_tokens_ignore_eos_and_max_completion_tokens_set_the_length(outputs):
+    short = outputs[0]["short_answer"]
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 40
+    for name in ("min_tokens", "ignore_eos"):
+        assert outputs[0][name]["usage"]["completion_tokens"] == 40, name
+    assert outputs[0]["max_completion_tokens"]["usage"]["completion_tokens"] == 3
+
+
+def test_special_tokens_are_shown_only_when_asked(outputs):
+    # spaces_between_special_tokens reaches vLLM, whose fast-tokenizer detokenizer does not use it
+    assert _text(outputs[0]["special_kept"]) == _text(outputs[0]["special_spaced"]) == "<|im_start|><|im_start|>"
+    assert _text(outputs[0]["special_skipped"]) == ""
+
+
+def test_json_object_guided_json_and_grammar_constrain_the_output(outputs):
+    assert isinstance(json.loads(_text(outputs[0]["json_object"])), dict)
+    jsonschema.validate(json.loads(_text(outputs[0]["guided_json"])), PERSON)
+    assert _text(outputs[0]["guided_grammar"]) in {"yes", "no"}
+
+
+def test_chat_template_kwargs_and_documents_reach_the_template(outputs, tokenizer):
+    rendered = tokenizer.apply_chat_template(CHAT, chat_template=KWARGS_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True, documents=[{"title": "Sea", "text": "wet"}],
+                                             greeting="Ahoy")
+    assert rendered.startswith("Ahoy [Sea: wet]")
+    prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    assert outputs[0]["template_kwargs"]["usage"]["prompt_tokens"] == len(prompt_ids)
+
+
+def test_fields_the_job_decides_are_accepted_and_ignored(outputs):
+    result = outputs[0]["ignored_fields"]
+    assert "error" not in result and result["model"] == MODEL
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
+def test_fields_no_request_can_use_fail_that_request_naming_the_field(outputs, field):
+    assert outputs[0][f"refused_{field}"]["error"]["message"].startswith(f"{field}:")

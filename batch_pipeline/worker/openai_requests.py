@@ -28,7 +28,10 @@ _COMPLETION_REFUSED = {
     "stream": "batch jobs do not stream; leave stream unset or false",
     "stream_options": "batch jobs do not stream",
     "use_beam_search": "beam search is not supported by this worker",
+    "early_stopping": "a beam search parameter; beam search is not supported by this worker",
     "guided_decoding_backend": "the engine's structured-output backend is used for every request",
+    # vLLM takes the field but no backend of it reads the pattern; honouring it silently would be a lie.
+    "guided_whitespace_pattern": "this vLLM's structured-output backends take no per-request whitespace pattern",
 }
 _CHAT_REFUSED = {
     **_COMPLETION_REFUSED,
@@ -45,6 +48,8 @@ def _refuse_unsupported(request: Any, refused: dict[str, str]) -> None:
         value = getattr(request, field, None)
         if value not in (None, False):
             raise RequestRefused("unsupported_field", f"{field}: {why}")
+    if request.length_penalty not in (None, 1.0):
+        raise RequestRefused("unsupported_field", "length_penalty: a beam search parameter; beam search is not supported")
     n, best_of = request.n or 1, request.best_of
     if best_of is not None and best_of != n:
         raise RequestRefused(
@@ -70,8 +75,6 @@ def _structured_outputs(request: Any) -> StructuredOutputsParams | None:
         return None
     if len(fields) > 1:
         raise RequestRefused("invalid_request", f"only one structured output per request, got {sorted(fields)}")
-    if request.guided_whitespace_pattern is not None:
-        fields["whitespace_pattern"] = request.guided_whitespace_pattern
     return StructuredOutputsParams(**fields)
 
 
