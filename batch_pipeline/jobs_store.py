@@ -82,10 +82,16 @@ class JobStore:
         metadata.create_all(self.engine)
 
     def create(
-        self, owner: str, request: dict[str, Any], max_runtime_sec: int, idempotency_key: str | None = None
+        self,
+        owner: str,
+        request: dict[str, Any],
+        max_runtime_sec: int,
+        idempotency_key: str | None = None,
+        run_id: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Store a new job in one transaction; with an idempotency key already used by this owner, return
-        that job instead. The second value says whether a job was created."""
+        that job instead. The second value says whether a job was created. A job stored with the run that
+        already executes it (a launchpad run) is never launched again."""
         now = datetime.now(timezone.utc)
         row = {
             "job_id": f"batch-{uuid.uuid4().hex}",
@@ -96,7 +102,7 @@ class JobStore:
             "labels": json.dumps(request.get("labels") or {}),
             "created_at": now,
             "expires_at": now + timedelta(seconds=max_runtime_sec),
-            "run_id": None,
+            "run_id": run_id,
             "cancelled_at": None,
         }
         try:

@@ -24,6 +24,8 @@ from batch_pipeline.contract.records import InputRecord, RecordKind, parse_recor
 INPUT_FILE = "input.jsonl"
 RESULTS_FILE = "results.tsv"
 OUTPUT_FILE = "output.tsv"
+# The worker's running token count, for rates while a job runs (counts in the checkpoint need no file).
+TOKENS_FILE = "tokens.json"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ class ShardSpec:
     @property
     def output_path(self) -> str:
         return io.join(self.directory, OUTPUT_FILE)
+
+    @property
+    def tokens_path(self) -> str:
+        return io.join(self.directory, TOKENS_FILE)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +186,22 @@ def progress(work_dir: str) -> tuple[int, int]:
         total += count_lines(io.join(directory, INPUT_FILE))
         done += count_lines(io.join(directory, RESULTS_FILE))
     return done, total
+
+
+def write_generated_tokens(path: str, completion_tokens: int) -> None:
+    with io.atomic_write(path, "w") as handle:
+        json.dump({"completion_tokens": completion_tokens}, handle)
+
+
+def generated_tokens(work_dir: str) -> int:
+    """Completion tokens the job's workers have generated so far, as they last reported."""
+    total = 0
+    for directory in shard_directories(work_dir):
+        path = io.join(directory, TOKENS_FILE)
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            with io.open_file(path, "r") as handle:
+                total += json.load(handle)["completion_tokens"]
+    return total
 
 
 def partial_outputs(work_dir: str, missing: Callable[[int], str]) -> Iterator[tuple[int, str]]:

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 
-from batch_pipeline.pipeline.job import JOB_ID_TAG
+from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.pipeline.job import JOB_ID_TAG
-from batch_pipeline.pipeline.sensors import LABEL_TAG_PREFIX, MODEL_TAG, RUN_MONITORING_GRACE_S
+from batch_pipeline.pipeline.tags import JOB_ID_TAG
+from batch_pipeline.pipeline.tags import LABEL_TAG_PREFIX, MODEL_TAG, RUN_MONITORING_GRACE_S
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL, worker_pids
 

@@ -25,7 +25,7 @@ from batch_pipeline.pipeline.job import metadata_path
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.sensors import find_run
 from batch_pipeline.priority import run_priority
-from batch_pipeline.shards import progress
+from batch_pipeline.shards import generated_tokens, progress
 
 _STATUS = {
     DagsterRunStatus.QUEUED: BatchCompletionsJobStatus.QUEUED,
@@ -161,16 +161,19 @@ class BatchJobService:
         return record
 
     def _run(self, record: JobRecord) -> dg.DagsterRun | None:
-        if record.run_id:
-            return self.instance.get_run_by_id(record.run_id)
+        """The job's newest run: a re-execution from the UI carries the job id too and supersedes the first."""
         run = find_run(self.instance, record.job_id)
-        if run is not None:
+        if run is not None and record.run_id is None:
             self.store.link_run(record.job_id, run.run_id)
         return run
 
     def _progress(self, record: JobRecord) -> dict[str, str]:
-        done, total = progress(self.job_storage.work_dir(record.job_id))
-        return {"requests_done": str(done), "requests_total": str(total)} if total else {}
+        work_dir = self.job_storage.work_dir(record.job_id)
+        done, total = progress(work_dir)
+        if not total:
+            return {}
+        return {"requests_done": str(done), "requests_total": str(total),
+                "completion_tokens_generated": str(generated_tokens(work_dir))}
 
     def _results(self, output_data_path: str) -> dict[str, str]:
         path = metadata_path(output_data_path)

@@ -7,7 +7,7 @@ from typing import Any
 import dagster as dg
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
-from batch_pipeline.pipeline.job import JOB_ID_TAG
+from batch_pipeline.pipeline.tags import JOB_ID_TAG
 
 
 def run_config_for(request: CreateBatchCompletionsV2Request, log_level: str | None = None) -> dict[str, Any]:

@@ -18,7 +18,9 @@ from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.launch import ShardLauncher
 from batch_pipeline.pipeline.config_schema import config_schema_for
-from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.jobs_store import JobStore
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, run_tags
 from batch_pipeline.shards import (
     MissingResult,
     ShardSpec,
@@ -29,14 +31,24 @@ from batch_pipeline.shards import (
     write_shards,
 )
 
-JOB_ID_TAG = "batch_pipeline/job_id"
+# Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
+OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
 SHARD_STEP_TAG = "batch_pipeline/step"
+# Owner of the jobs registered for runs launched outside the API (launchpad, `batch-pipeline run`):
+# API admins see them.
+DAGSTER_OWNER = "dagster"
 
 
 def job_id_of(run: dg.DagsterRun) -> str:
     """The API's job id when the run came from the job store; otherwise the id of the first run of this
     job, so a re-execution finds the work (and the checkpoints) of the run it re-executes."""
     return run.tags.get(JOB_ID_TAG) or run.root_run_id or run.run_id
+
+
+def current_job_id(context: OpExecutionContext) -> str:
+    """The job id as stored now: validate_input may have tagged the run after its steps were planned,
+    and a step's own copy of the run predates that."""
+    return job_id_of(context.instance.get_run_by_id(context.run_id) or context.run)
 
 
 def metadata_path(output_data_path: str) -> str:
@@ -47,7 +59,7 @@ def metadata_path(output_data_path: str) -> str:
     config_schema=config_schema_for(CreateBatchCompletionsV2Request),
     description="Check the request (the run config) against the contract and the paths it names.",
 )
-def validate_input(context: OpExecutionContext) -> dict:
+def validate_input(context: OpExecutionContext, job_store: JobStoreResource) -> dict:
     try:
         request = CreateBatchCompletionsV2Request.model_validate(context.op_config)
     except ValidationError as exc:
@@ -60,7 +72,24 @@ def validate_input(context: OpExecutionContext) -> dict:
         io.check_writable(request.output_data_path)
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
+    if JOB_ID_TAG not in context.run.tags:
+        _register_job(context, job_store.get_store(), request)
     return request.model_dump(mode="json", by_alias=True)
+
+
+def _register_job(context: OpExecutionContext, store: JobStore, request: CreateBatchCompletionsV2Request) -> None:
+    """A run launched outside the API (the launchpad, a re-execution of one, `batch-pipeline run`) becomes
+    a job too, so the API lists it, reports its status and can cancel it. Later steps, and re-executions
+    (which copy the run's tags), use the job id's work dir."""
+    record, _ = store.create(
+        DAGSTER_OWNER,
+        request.model_dump(mode="json", by_alias=True, exclude_none=True),
+        request.max_runtime_sec or 86400,
+        idempotency_key=f"run:{context.run.root_run_id or context.run_id}",
+        run_id=context.run_id,
+    )
+    context.instance.add_run_tags(context.run_id, run_tags(record))
+    context.log.info(f"registered as job {record.job_id}")
 
 
 @dg.op(
@@ -68,7 +97,7 @@ def validate_input(context: OpExecutionContext) -> dict:
     description="Stream the prompts into `data_parallelism` shard inputs, balanced by prompt count.",
 )
 def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage):
-    work_dir = job_storage.work_dir(job_id_of(context.run))
+    work_dir = job_storage.work_dir(current_job_id(context))
     content = request.get("content")
     if content is None:
         records = io.iter_json_records(request["input_data_path"])
@@ -142,7 +171,7 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s["completion_tokens"] for s in shards)
     metadata = {
-        "job_id": job_id_of(context.run),
+        "job_id": current_job_id(context),
         "dagster_run_id": context.run_id,
         "model": request["model_config"]["model"],
         "output_data_path": merged["output_data_path"],
@@ -161,6 +190,16 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
     context.add_output_metadata(
         {key: value for key, value in metadata.items() if key != "shards"}
         | {"shards": dg.MetadataValue.json(shards)}
+    )
+    summary = {key: metadata[key] for key in ("job_id", "model", "num_requests", "num_errors", "completion_tokens",
+                                              "completion_tokens_per_s", "wall_s")}
+    context.log_event(
+        dg.AssetMaterialization(
+            asset_key=OUTPUTS_ASSET,
+            partition=metadata["job_id"],
+            description=f"outputs of job {metadata['job_id']}",
+            metadata=summary | {"output_data_path": dg.MetadataValue.path(merged["output_data_path"])},
+        )
     )
     return metadata
 

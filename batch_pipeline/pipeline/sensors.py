@@ -8,33 +8,14 @@ from dagster import RunStatusSensorContext, SensorEvaluationContext
 
 from batch_pipeline import io
 from batch_pipeline.contract import CreateBatchCompletionsV2Request, ErrorDetail, ErrorOutput
-from batch_pipeline.jobs_store import JobRecord
 from batch_pipeline.pipeline.execute import run_config_for
-from batch_pipeline.pipeline.job import JOB_ID_TAG, batch_completions, job_id_of, metadata_path
+from batch_pipeline.pipeline.job import batch_completions, job_id_of, metadata_path
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
-from batch_pipeline.priority import run_priority
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, run_tags
 from batch_pipeline.shards import partial_outputs, progress, write_output_array
 
-LABEL_TAG_PREFIX = "batch_pipeline/label/"
-MODEL_TAG = "batch_pipeline/model"
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"
 SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
-# The shard workers stop at the job's deadline and fail the run with the reason; Dagster's run
-# monitoring is the backstop (a run stuck outside the workers), so it acts only after this grace.
-RUN_MONITORING_GRACE_S = 120
-
-
-def run_tags(record: JobRecord) -> dict[str, str]:
-    request = record.request
-    tags = {
-        JOB_ID_TAG: record.job_id,
-        MODEL_TAG: request["model_config"]["model"],
-        "dagster/priority": str(run_priority(record.priority)),
-        "dagster/max_runtime": str((request.get("max_runtime_sec") or 86400) + RUN_MONITORING_GRACE_S),
-    }
-    for key, value in record.labels.items():
-        tags[LABEL_TAG_PREFIX + key] = value
-    return tags
 
 
 def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:

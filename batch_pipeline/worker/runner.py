@@ -22,7 +22,7 @@ from batch_pipeline.contract import (
     ErrorDetail,
     ErrorOutput,
 )
-from batch_pipeline.shards import ShardTask, WorkItem, format_result, read_work_items
+from batch_pipeline.shards import ShardTask, WorkItem, format_result, read_work_items, write_generated_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,7 @@ class ShardRunner:
 
     def _report_progress(self, finished: int, elapsed: float) -> None:
         rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
+        write_generated_tokens(self.shard.tokens_path, self.stats.completion_tokens)
         self.report(
             f"progress {finished}/{self.shard.item_count} requests, "
             f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"
