@@ -1,4 +1,9 @@
-"""`batch-pipeline`: run a batch job on this machine, and list the built-in models."""
+"""`batch-pipeline`: submit batch jobs to the API and follow them, run one on this machine without a server,
+and list the built-in models.
+
+The API commands read the server's URL and key from --url / --api-key or BATCH_PIPELINE_URL /
+BATCH_PIPELINE_API_KEY.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,43 @@ from pathlib import Path
 from pydantic import ValidationError
 
 
+FINISHED = ("completed", "failed", "cancelled")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batch-pipeline")
+    parser = argparse.ArgumentParser(prog="batch-pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="the API's base URL (default $BATCH_PIPELINE_URL or http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", help="an API key (default $BATCH_PIPELINE_API_KEY)")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a request JSON file as a Dagster job on this machine")
+
+    submit = commands.add_parser("submit", help="submit a request file, or a prompts file with flags")
+    submit.add_argument("request", type=Path, nargs="?", help="a v1 or v2 batch completions request (JSON)")
+    submit.add_argument("--api", choices=("v1", "v2"), default="v2", help="the route to submit to (default v2)")
+    submit.add_argument("--prompts", type=Path, help="a text file of prompts, one per line, instead of a request")
+    submit.add_argument("--model", help="with --prompts: model_config.model")
+    submit.add_argument("--output", help="with --prompts: output_data_path (as the server sees it)")
+    submit.add_argument("--max-new-tokens", type=int, default=64)
+    submit.add_argument("--temperature", type=float, default=0.0)
+    submit.add_argument("--data-parallelism", type=int, default=1)
+    submit.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--idempotency-key", help="submitting again with the same key returns the same job")
+    submit.add_argument("--wait", action="store_true", help="then follow the job as `wait` does")
+
+    status = commands.add_parser("status", help="show a job")
+    status.add_argument("job_id")
+    status.add_argument("--json", action="store_true", help="the job object as the API returns it")
+    listing = commands.add_parser("list", help="list jobs")
+    listing.add_argument("--status", choices=("queued", "running", "completed", "failed", "cancelled"))
+    listing.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    cancel = commands.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job_id")
+    wait = commands.add_parser("wait", help="follow a job to its end with a progress bar")
+    wait.add_argument("job_id")
+    wait.add_argument("--timeout", type=float, help="give up after this many seconds")
+    wait.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
+
+    run = commands.add_parser("run", help="run a request JSON file as a Dagster job on this machine, no server")
     run.add_argument("request", type=Path, help="a v1 or v2 batch completions request (JSON)")
     run.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
     models = commands.add_parser("models", help="list the built-in model catalog")
@@ -22,7 +60,144 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "models":
         return _prepare(args.prepare) if args.prepare else _models()
-    return _run(args.request, args.show)
+    if args.command == "run":
+        return _run(args.request, args.show)
+    from batch_pipeline.client import ApiError, BatchClient
+
+    client = BatchClient(args.url, args.api_key)
+    try:
+        return API_COMMANDS[args.command](client, args, parser)
+    except ApiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+
+
+def _submit(client, args, parser) -> int:
+    if (args.request is None) == (args.prompts is None):
+        parser.error("submit: give a request file or --prompts, not both")
+    labels = _labels(args.label, parser)
+    if args.prompts is not None:
+        if not (args.model and args.output):
+            parser.error("submit --prompts: --model and --output are required")
+        prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+        request: dict = {
+            "output_data_path": args.output,
+            "model_config": {"model": args.model},
+            "data_parallelism": args.data_parallelism,
+            "content": {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
+        }
+    else:
+        try:
+            request = json.loads(args.request.read_text())
+        except json.JSONDecodeError as exc:
+            print(f"{args.request}: not JSON: line {exc.lineno} column {exc.colno}: {exc.msg}", file=sys.stderr)
+            return 2
+    if labels:
+        request["labels"] = {**request.get("labels", {}), **labels}
+    job_id = client.create(request, api=args.api, idempotency_key=args.idempotency_key)["job_id"]
+    print(job_id)
+    if args.wait:
+        return _follow(client, job_id, timeout=None, interval=2.0)
+    return 0
+
+
+def _status(client, args, parser) -> int:
+    job = client.get(args.job_id)
+    if args.json:
+        print(json.dumps(job, indent=2))
+        return 0
+    metadata = job.get("metadata") or {}
+    print(f"{job['job_id']}  {job['status']}  model {job['model_config']['model']}  created {job['created_at']}")
+    if "requests_total" in metadata:
+        print(f"progress: {metadata['requests_done']}/{metadata['requests_total']} requests")
+    if "num_requests" in metadata:
+        print(f"results: {metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
+              f"{metadata.get('completion_tokens')} completion tokens, "
+              f"{metadata.get('completion_tokens_per_s')} tokens/s")
+    if "failure_reason" in metadata:
+        print(f"failure: {metadata['failure_reason']}")
+    print(f"output: {job['output_data_path']}")
+    return 0
+
+
+def _list(client, args, parser) -> int:
+    jobs = client.list(args.status, _labels(args.label, parser))
+    for job in jobs:
+        metadata = job.get("metadata") or {}
+        done = f"{metadata['requests_done']}/{metadata['requests_total']}" if "requests_total" in metadata else "-"
+        print(f"{job['job_id']:40} {job['status']:10} {done:>13} {job['model_config']['model']:28} {job['created_at']}")
+    if not jobs:
+        print("no jobs", file=sys.stderr)
+    return 0
+
+
+def _cancel(client, args, parser) -> int:
+    if client.cancel(args.job_id):
+        print(f"{args.job_id} cancelled")
+        return 0
+    print(f"{args.job_id} was not cancelled (it had already finished)", file=sys.stderr)
+    return 1
+
+
+def _wait(client, args, parser) -> int:
+    return _follow(client, args.job_id, args.timeout, args.interval)
+
+
+def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
+    """Poll the job until it ends, drawing prompts done/total, tokens/s and the ETA."""
+    import time
+
+    from tqdm import tqdm
+
+    started = time.monotonic()
+    bar = tqdm(desc=job_id, unit="req", dynamic_ncols=True, file=sys.stderr)
+    last_tokens, last_time = None, started
+    try:
+        while True:
+            job = client.get(job_id)
+            metadata = job.get("metadata") or {}
+            if "requests_total" in metadata:
+                bar.total = int(metadata["requests_total"])
+                bar.n = int(metadata["requests_done"])
+            now = time.monotonic()
+            tokens = int(metadata.get("completion_tokens_generated", 0))
+            postfix = {"status": job["status"]}
+            if last_tokens is not None and now > last_time:
+                postfix["tokens/s"] = f"{(tokens - last_tokens) / (now - last_time):.0f}"
+            last_tokens, last_time = tokens, now
+            bar.set_postfix(postfix, refresh=False)
+            bar.refresh()
+            if job["status"] in FINISHED:
+                break
+            if timeout is not None and now - started > timeout:
+                print(f"\n{job_id} still {job['status']} after {timeout:.0f}s", file=sys.stderr)
+                return 3
+            time.sleep(interval)
+    finally:
+        bar.close()
+    print(f"{job_id} {job['status']}")
+    if "failure_reason" in metadata:
+        print(f"failure: {metadata['failure_reason']}", file=sys.stderr)
+    if "num_requests" in metadata:
+        print(f"{metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
+              f"{metadata.get('completion_tokens')} completion tokens at {metadata.get('completion_tokens_per_s')}"
+              f" tokens/s -> {job['output_data_path']}")
+    return 0 if job["status"] == "completed" else 1
+
+
+def _labels(pairs: list[str], parser) -> dict[str, str]:
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            parser.error(f"--label {pair!r}: expected KEY=VALUE")
+        labels[key] = value
+    return labels
+
+
+API_COMMANDS = {"submit": _submit, "status": _status, "list": _list, "cancel": _cancel, "wait": _wait}
 
 
 def _models() -> int:

@@ -3,8 +3,10 @@ HTTP (Starlette's TestClient drives the real ASGI app), and, where runs must exe
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +46,7 @@ class Deployment:
         keys = ApiKeys([USER_KEY, OTHER_KEY, f"{ADMIN_KEY}:admin"])
         self.client = TestClient(create_app(self.service, keys))
         self.daemon: subprocess.Popen | None = None
+        self.server = None
 
     def start_daemon(self) -> None:
         self.daemon = subprocess.Popen(
@@ -55,7 +58,24 @@ class Deployment:
             start_new_session=True,
         )
 
+    def serve_http(self) -> str:
+        """The same app on a real port (uvicorn in a thread), for clients in other processes; its URL."""
+        import uvicorn
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.client.app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=self.server.run, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the API did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{port}"
+
     def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
         if self.daemon and self.daemon.poll() is None:
             os.killpg(self.daemon.pid, signal.SIGTERM)
             try:

@@ -1,4 +1,5 @@
-"""`make run`'s command: the checked-in sample request through the CLI, as a new user runs it."""
+"""The `batch-pipeline` CLI as users run it: `run` on the checked-in sample (make run's command), and the
+API commands against a real server (uvicorn over TCP, the real daemon, real vLLM)."""
 
 import json
 import shutil
@@ -8,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.api_fixtures import OTHER_KEY, USER_KEY
+from tests.conftest import MODEL
+
 REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "batch-pipeline")
 
 pytestmark = pytest.mark.slow
 
@@ -37,3 +42,50 @@ def test_models_lists_the_catalog():
         [sys.executable, "-m", "batch_pipeline.cli", "models"], capture_output=True, text=True, check=True
     )
     assert completed.stdout.startswith("smollm2-135m-instruct")
+
+
+def test_api_commands_submit_follow_list_and_cancel_jobs_on_a_real_server(deployment_factory, tmp_path):
+    api = deployment_factory(max_concurrent_runs=1)
+    api.start_daemon()
+    url = api.serve_http()
+
+    def cli(*args: str, key: str = USER_KEY) -> subprocess.CompletedProcess:
+        return subprocess.run([CLI, "--url", url, "--api-key", key, *args], capture_output=True, text=True,
+                              timeout=600, cwd=tmp_path)
+
+    (tmp_path / "prompts.txt").write_text("The capital of France is\n\nWater boils at\n")
+    output = tmp_path / "out.json"
+    submitted = cli("submit", "--prompts", "prompts.txt", "--model", MODEL, "--output", str(output),
+                    "--max-new-tokens", "6", "--label", "team=cli")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    # queued behind the first (one run at a time), then cancelled
+    request = {"output_data_path": str(tmp_path / "never.json"), "model_config": {"model": MODEL},
+               "content": {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0}}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    second = cli("submit", "request.json", "--api", "v1").stdout.strip()
+    cancelled = cli("cancel", second)
+    assert cancelled.returncode == 0 and f"{second} cancelled" in cancelled.stdout
+
+    waited = cli("wait", job_id, "--interval", "0.5")
+    assert waited.returncode == 0, waited.stderr
+    assert f"{job_id} completed" in waited.stdout
+    assert "2/2" in waited.stderr  # the progress bar reached every prompt
+    assert len(json.loads(output.read_text())) == 2
+
+    status = cli("status", job_id)
+    assert f"{job_id}  completed  model {MODEL}" in status.stdout
+    assert "results: 2 requests (0 errors)" in status.stdout
+    assert json.loads(cli("status", job_id, "--json").stdout)["status"] == "completed"
+    assert cli("status", second).stdout.split()[1] == "cancelled"
+
+    listed = cli("list", "--label", "team=cli").stdout.splitlines()
+    assert [line.split()[:2] for line in listed] == [[job_id, "completed"]]
+    assert {line.split()[0] for line in cli("list").stdout.splitlines()} == {job_id, second}
+
+    # errors name what is wrong and exit non-zero
+    other = cli("status", job_id, key=OTHER_KEY)
+    assert other.returncode == 2 and "404" in other.stderr
+    (tmp_path / "bad.json").write_text(json.dumps({"model_config": {"model": MODEL}, "content": request["content"]}))
+    bad = cli("submit", "bad.json")
+    assert bad.returncode == 2 and "output_data_path" in bad.stderr

@@ -1,0 +1,60 @@
+"""A small client of the batch completions API, for the CLI: the routes of spec 001-003 over httpx."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class ApiError(RuntimeError):
+    """The API answered with an error, or could not be reached; the message is for people."""
+
+
+class BatchClient:
+    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0) -> None:
+        self.url = (url or os.environ.get("BATCH_PIPELINE_URL") or DEFAULT_URL).rstrip("/")
+        api_key = api_key or os.environ.get("BATCH_PIPELINE_API_KEY")
+        headers = {"x-api-key": api_key} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def create(self, request: dict[str, Any], api: str = "v2", idempotency_key: str | None = None) -> dict[str, Any]:
+        path = "/v1/llm/batch-completions" if api == "v1" else "/v2/batch-completions"
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._call("POST", path, json=request, headers=headers)
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v2/batch-completions/{job_id}")["job"]
+
+    def list(self, status: str | None = None, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        params: list[tuple[str, str]] = [("status", status)] if status else []
+        params += [("label", f"{key}:{value}") for key, value in (labels or {}).items()]
+        return self._call("GET", "/v2/batch-completions", params=params)["jobs"]
+
+    def cancel(self, job_id: str) -> bool:
+        return self._call("POST", f"/v2/batch-completions/{job_id}/actions/cancel")["success"]
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ApiError(f"cannot reach the API at {self.url} ({exc}); is it running (`make serve`)?") from None
+        if response.status_code >= 400:
+            raise ApiError(f"{method} {path}: {response.status_code} {_detail(response)}")
+        return response.json()
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        return response.text
+    if isinstance(detail, list):  # FastAPI's validation errors: name each field
+        return "; ".join(f"{'.'.join(str(p) for p in error.get('loc', [])[1:])}: {error.get('msg')}" for error in detail)
+    return str(detail)
