@@ -10,6 +10,7 @@ from batch_pipeline.launch import LocalShardLauncher
 from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.schedules import schedules_from_environment
 from batch_pipeline.pipeline.sensors import (
     batch_jobs_sensor,
     keep_results_of_cancelled_runs,
@@ -29,6 +30,7 @@ local_executor = dg.multiprocess_executor.configured(
 defs = dg.Definitions(
     jobs=[batch_completions],
     sensors=[batch_jobs_sensor, keep_results_of_cancelled_runs, keep_results_of_failed_runs],
+    schedules=schedules_from_environment(),
     resources={
         "job_store": JobStoreResource(url=os.environ.get("BATCH_PIPELINE_JOBS_DB", "")),
         "shard_launcher": LocalShardLauncher(),

@@ -11,7 +11,7 @@ from batch_pipeline.contract import CreateBatchCompletionsV2Request, ErrorDetail
 from batch_pipeline.pipeline.execute import run_config_for
 from batch_pipeline.pipeline.job import batch_completions, job_id_of, metadata_path
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, run_tags
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
 from batch_pipeline.shards import partial_outputs, progress, write_output_array
 
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"
@@ -36,6 +36,8 @@ def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResou
         if run is not None:
             store.link_run(record.job_id, run.run_id)
             continue
+        if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
+            continue  # its tick launches it; launching here too could race that into a second run
         request = CreateBatchCompletionsV2Request.model_validate(record.request)
         yield dg.RunRequest(run_key=record.job_id, run_config=run_config_for(request), tags=run_tags(record))
 

@@ -12,6 +12,8 @@ MODEL_TAG = "batch_pipeline/model"
 # The shard workers stop at the job's deadline and fail the run with the reason; Dagster's run
 # monitoring is the backstop (a run stuck outside the workers), so it acts only after this grace.
 RUN_MONITORING_GRACE_S = 120
+# Owner of the jobs a schedule's ticks store; the tick launches their runs, not the jobs sensor.
+SCHEDULE_OWNER_PREFIX = "schedule:"
 
 
 def run_tags(record: JobRecord) -> dict[str, str]:

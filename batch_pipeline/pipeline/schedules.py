@@ -1,0 +1,184 @@
+"""Recurring batches, declared in a YAML file (`BATCH_PIPELINE_SCHEDULES`; see examples/schedules.yaml).
+
+Each tick stores a job through the same job store as the API (so the API lists it, reports it and can
+cancel it) and launches its run. The job's idempotency key is the tick, so a tick evaluated twice (a
+daemon restarted mid-tick) makes one job and one run. An invalid file fails the code location's load,
+naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import datetime, timezone
+from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import dagster as dg
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.contract.base import WireModel
+from batch_pipeline.pipeline.execute import run_config_for
+from batch_pipeline.pipeline.job import batch_completions
+from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, run_tags
+
+SCHEDULES_ENV = "BATCH_PIPELINE_SCHEDULES"
+SCHEDULE_LABEL = "schedule"
+# Placeholders a template's paths may use, filled from the tick's time in the schedule's timezone.
+PLACEHOLDERS = {
+    "date": "%Y-%m-%d",
+    "time": "%H%M",
+    "datetime": "%Y-%m-%dT%H%M",
+    "year": "%Y",
+    "month": "%m",
+    "day": "%d",
+    "hour": "%H",
+}
+TEMPLATED_FIELDS = ("input_data_path", "output_data_path")
+
+
+class ScheduleFileError(ValueError):
+    pass
+
+
+class TemplateError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ScheduleSpec(WireModel):
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=100)
+    cron: str
+    timezone: str = "UTC"
+    status: Literal["running", "stopped"] = "stopped"
+    description: str | None = None
+    request: dict[str, Any]
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown timezone {value!r}") from None
+        return value
+
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, value: str) -> str:
+        from dagster._utils.schedules import is_valid_cron_string  # Dagster's own check, as its definitions use
+
+        if not is_valid_cron_string(value):
+            raise ValueError(f"not a valid cron string: {value!r}")
+        return value
+
+    def request_at(self, tick: datetime) -> CreateBatchCompletionsV2Request:
+        """The request of one tick: the template's paths filled in, its labels naming the schedule."""
+        local = tick.astimezone(ZoneInfo(self.timezone))
+        values = {key: local.strftime(pattern) for key, pattern in PLACEHOLDERS.items()} | {"name": self.name}
+        body = dict(self.request)
+        for field in TEMPLATED_FIELDS:
+            if isinstance(body.get(field), str):
+                body[field] = _fill(body[field], values, field)
+        body["labels"] = {**(body.get("labels") or {}), SCHEDULE_LABEL: self.name}
+        return CreateBatchCompletionsV2Request.model_validate(body)
+
+
+def _fill(template: str, values: dict[str, str], field: str) -> str:
+    unknown = sorted(set(re.findall(r"{(\w*)}", template)) - set(values))
+    if unknown:
+        raise TemplateError(field, f"unknown placeholder {{{unknown[0]}}}; known: {', '.join(sorted(values))}")
+    return template.format_map(values)
+
+
+def load_schedule_specs(path: str) -> list[ScheduleSpec]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        root = yaml.compose(text)
+        document = yaml.safe_load(text)
+    except OSError as exc:
+        raise ScheduleFileError(f"{path}: cannot read: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ScheduleFileError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("schedules"), list):
+        raise ScheduleFileError(f"{path}:1: expected a mapping with a list under `schedules`")
+    specs, names = [], set()
+    entries = _child(root, "schedules")
+    for position, raw in enumerate(document["schedules"]):
+        entry_node = entries.value[position]
+        label = f"schedules.{position}"
+        try:
+            spec = ScheduleSpec.model_validate(raw)
+            spec.request_at(datetime(2000, 1, 1, tzinfo=timezone.utc))  # the template makes a valid request
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            location = [str(part) for part in error["loc"]]
+            if exc.title == CreateBatchCompletionsV2Request.__name__:
+                location = ["request", *location]
+            line = _line(entry_node, location)
+            raise ScheduleFileError(f"{path}:{line}: {label}.{'.'.join(location)}: {error['msg']}") from None
+        except TemplateError as exc:
+            line = _line(entry_node, ["request", exc.field])
+            raise ScheduleFileError(f"{path}:{line}: {label}.request.{exc}") from None
+        if spec.name in names:
+            raise ScheduleFileError(f"{path}:{_line(entry_node, ['name'])}: {label}.name: {spec.name!r} is used twice")
+        names.add(spec.name)
+        specs.append(spec)
+    return specs
+
+
+def _child(node: Any, key: str) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if key_node.value == key:
+                return value_node
+    return None
+
+
+def _line(node: Any, location: list[str]) -> int:
+    """The line of the deepest node of `location` that the file has (1-based)."""
+    for part in location:
+        if isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+            child = node.value[int(part)]
+        else:
+            child = _child(node, part)
+        if child is None:
+            break
+        node = child
+    return node.start_mark.line + 1
+
+
+def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
+    @dg.schedule(
+        name=spec.name,
+        cron_schedule=spec.cron,
+        execution_timezone=spec.timezone,
+        job=batch_completions,
+        description=spec.description or f"a batch job from the template {spec.name} of the schedules file",
+        default_status=dg.DefaultScheduleStatus.RUNNING if spec.status == "running" else dg.DefaultScheduleStatus.STOPPED,
+    )
+    def _tick(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource):
+        tick = context.scheduled_execution_time or datetime.now(timezone.utc)
+        request = spec.request_at(tick)
+        record, created = job_store.get_store().create(
+            SCHEDULE_OWNER_PREFIX + spec.name,
+            request.model_dump(mode="json", by_alias=True, exclude_none=True),
+            request.max_runtime_sec or 86400,
+            idempotency_key=f"{spec.name}@{tick.astimezone(timezone.utc).isoformat()}",
+        )
+        context.log.info(f"{'stored' if created else 'found'} job {record.job_id} for the tick at {tick.isoformat()}")
+        return dg.RunRequest(run_key=record.job_id, run_config=run_config_for(request), tags=run_tags(record))
+
+    return _tick
+
+
+def schedules_from_environment() -> list[dg.ScheduleDefinition]:
+    path = os.environ.get(SCHEDULES_ENV)
+    return [schedule_for(spec) for spec in load_schedule_specs(path)] if path else []
