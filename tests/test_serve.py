@@ -1,6 +1,8 @@
 """`make serve`: the API, the Dagster webserver and the daemon come up together and stop together."""
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -8,8 +10,10 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.api_fixtures import REPO, write_instance_config
+from tests.conftest import MODEL
 
 
 def _free_port() -> int:
@@ -53,31 +57,109 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_serve_starts_api_webserver_and_daemon_and_ctrl_c_stops_them_all(tmp_path):
-    home = tmp_path / "dagster_home"
-    write_instance_config(home, max_concurrent_runs=1)
-    api_port, dagster_port = _free_port(), _free_port()
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "batch_pipeline.serve", "--port", str(api_port), "--dagster-port", str(dagster_port)],
-        cwd=REPO,
-        env={**os.environ, "DAGSTER_HOME": str(home)},
-        # A file, not a pipe: nobody reads a pipe here, and the services would block once it filled.
-        stdout=open(tmp_path / "serve.log", "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        assert _wait_ok(f"http://127.0.0.1:{api_port}/healthz", tmp_path / "serve.log").json() == {"status": "ok"}
-        assert _wait_ok(f"http://127.0.0.1:{dagster_port}/server_info", tmp_path / "serve.log").json()["dagster_version"]
-        started = _descendants(serve.pid)
-        assert len(started) >= 3  # uvicorn, the webserver, the daemon, and what they started
-        os.killpg(serve.pid, signal.SIGINT)  # what Ctrl-C sends
-        assert serve.wait(timeout=60) == 0
-        time.sleep(1)
-        assert [pid for pid in started if _alive(pid)] == []
-    finally:
-        for pid in _descendants(serve.pid) + [serve.pid]:  # a failed test leaves nothing running
+class Served:
+    """`python -m batch_pipeline.serve` (what `make serve` runs) on free ports in a fresh DAGSTER_HOME."""
+
+    def __init__(self, tmp_path) -> None:
+        self.home = home = tmp_path / "dagster_home"
+        write_instance_config(home, max_concurrent_runs=1)
+        self.log = tmp_path / "serve.log"
+        self.api_port, self.dagster_port = _free_port(), _free_port()
+        self.api = f"http://127.0.0.1:{self.api_port}"
+        self.ui = f"http://127.0.0.1:{self.dagster_port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "batch_pipeline.serve", "--port", str(self.api_port),
+             "--dagster-port", str(self.dagster_port)],
+            cwd=REPO,
+            env={**os.environ, "DAGSTER_HOME": str(home), "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1"},
+            # A file, not a pipe: nobody reads a pipe here, and the services would block once it filled.
+            stdout=open(self.log, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_until_up(self) -> None:
+        assert _wait_ok(f"{self.api}/healthz", self.log).json() == {"status": "ok"}
+        assert _wait_ok(f"{self.ui}/server_info", self.log).json()["dagster_version"]
+
+    def kill(self) -> None:
+        for pid in _descendants(self.process.pid) + [self.process.pid]:  # a failed test leaves nothing running
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.fixture
+def served(tmp_path):
+    server = Served(tmp_path)
+    yield server
+    server.kill()
+
+
+def test_serve_starts_api_webserver_and_daemon_and_ctrl_c_stops_them_all(served):
+    served.wait_until_up()
+    started = _descendants(served.process.pid)
+    assert len(started) >= 3  # uvicorn, the webserver, the daemon, and what they started
+    os.killpg(served.process.pid, signal.SIGINT)  # what Ctrl-C sends
+    assert served.process.wait(timeout=60) == 0
+    time.sleep(1)
+    assert [pid for pid in started if _alive(pid)] == []
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert binary, "chromium is not installed (.ci/run installs Debian's chromium)"
+    return subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+         "--window-size=1440,900", "--virtual-time-budget=20000", *args],
+        capture_output=True, text=True, timeout=180,
+    )
+
+
+@pytest.mark.slow
+def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the_api(served, tmp_path):
+    from dagster_graphql import DagsterGraphQLClient
+
+    served.wait_until_up()
+    (served.home / ".nux").mkdir()  # the community sign-up modal was dismissed once ("Skip"), as users do
+    (served.home / ".nux" / "nux.yaml").write_text("seen: 1\n")
+    content = {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0}
+    body = {"output_data_path": str(tmp_path / "api.json"), "model_config": {"model": MODEL}, "content": content,
+            "labels": {"team": "ui"}}
+    job_id = httpx.post(f"{served.api}/v2/batch-completions", json=body, timeout=30).json()["job_id"]
+    # What the launchpad's "Launch run" sends: the webserver's GraphQL mutation with the request as config.
+    graphql = DagsterGraphQLClient("127.0.0.1", port_number=served.dagster_port)
+    launchpad_run = graphql.submit_job_execution(
+        "batch_completions",
+        run_config={"ops": {"validate_input": {"config": {**body, "output_data_path": str(tmp_path / "ui.json")}}}},
+    )
+
+    deadline = time.monotonic() + 400
+    while True:
+        jobs = {job["job_id"]: job for job in httpx.get(f"{served.api}/v2/batch-completions", timeout=30).json()["jobs"]}
+        by_run = {job["metadata"].get("dagster_run_id"): job for job in jobs.values()}
+        if jobs.get(job_id, {}).get("status") == "completed" and by_run.get(launchpad_run, {}).get("status") == "completed":
+            break
+        assert time.monotonic() < deadline, f"jobs did not complete: {jobs}\n{served.log.read_text()[-3000:]}"
+        time.sleep(1)
+    run_id = jobs[job_id]["metadata"]["dagster_run_id"]
+    assert by_run[launchpad_run]["output_data_path"] == str(tmp_path / "ui.json")
+
+    # The run's page, rendered by a real browser: the job, its status, its tags and its steps.
+    dom = _chromium("--dump-dom", f"{served.ui}/runs/{run_id}").stdout
+    text = re.sub(r"<[^>]+>", " ", re.sub(r"<(style|script)[^>]*>.*?</\1>", " ", dom, flags=re.S))
+    text = re.sub(r"\s+", " ", text)
+    for expected in ("batch_completions", "Success", job_id, "batch_completions / outputs", "run_shard[shard_000]",
+                     "write_job_metadata"):
+        assert expected in text, f"{expected!r} is not on the run page: {text}"
+    screenshot = tmp_path / "run.png"
+    _chromium(f"--screenshot={screenshot}", f"{served.ui}/runs/{run_id}")
+    from PIL import Image
+
+    with Image.open(screenshot) as image:
+        assert image.size == (1440, 900)
+        colors = image.convert("L").getcolors(maxcolors=1 << 16)
+        assert colors is None or len(colors) > 50  # a rendered page, not a blank one
+    if os.environ.get("BATCH_PIPELINE_SCREENSHOT"):  # how docs/dagster-ui-run.png is made
+        shutil.copy(screenshot, os.environ["BATCH_PIPELINE_SCREENSHOT"])
