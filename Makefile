@@ -16,7 +16,7 @@ test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 serve: model
-	$(PY) -m batch_pipeline.serve
+	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.serve
 
 install: $(VENV)/.installed
 
