@@ -2,9 +2,11 @@
 
 import base64
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
+import httpx
 
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from batch_pipeline.pipeline.resources import JobStoreResource
@@ -104,6 +106,19 @@ def test_auth_keys_and_ownership(deployment_factory, tmp_path):
     assert api.client.get("/v2/batch-completions", headers=BOB).json() == {"jobs": []}
     assert api.job(job_id, key=ADMIN_KEY)["job_id"] == job_id
     assert api.client.get("/v2/batch-completions/batch-doesnotexist", headers=ALICE).status_code == 404
+    every_route = [
+        ("POST", "/v1/llm/batch-completions", _body(tmp_path)),
+        ("POST", "/v2/batch-completions", _body(tmp_path)),
+        ("GET", "/v2/batch-completions", None),
+        ("GET", f"/v2/batch-completions/{job_id}", None),
+        ("POST", f"/v2/batch-completions/{job_id}", {"job_id": job_id, "priority": "1"}),
+        ("POST", f"/v2/batch-completions/{job_id}/actions/cancel", None),
+    ]
+    for method, route, body in every_route:
+        for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Basic " + base64.b64encode(b"wrong:").decode()}):
+            response = api.client.request(method, route, json=body, headers=headers)
+            assert response.status_code == 401, (method, route, headers, response.status_code)
+    assert api.job(job_id)["status"] == "queued"  # none of those touched the job
 
 
 def test_idempotency_key_returns_the_same_job(deployment_factory, tmp_path):
@@ -140,24 +155,26 @@ def test_priority_update_before_launch_reaches_the_run_tags(deployment_factory, 
     assert bad.status_code == 422
 
 
-def test_fifty_concurrent_posts_become_fifty_jobs_and_fifty_runs_once(deployment_factory, tmp_path):
+def test_two_hundred_concurrent_posts_become_two_hundred_jobs_and_runs_once(deployment_factory, tmp_path):
     api = deployment_factory(max_concurrent_runs=0)  # runs stay queued: this is about the control plane
+    url = api.serve_http()  # real sockets: 200 clients at once against uvicorn
 
     def submit(i):
-        return api.client.post("/v2/batch-completions", json=_body(tmp_path, f"o{i}"), headers=ALICE)
+        with httpx.Client(base_url=url, headers=ALICE, timeout=120) as client:
+            return client.post("/v2/batch-completions", json=_body(tmp_path, f"o{i}"))
 
-    with ThreadPoolExecutor(max_workers=50) as pool:
-        responses = list(pool.map(submit, range(50)))
-    assert all(r.status_code == 200 for r in responses)
+    with ThreadPoolExecutor(max_workers=200) as pool:
+        responses = list(pool.map(submit, range(200)))
+    assert [r.status_code for r in responses] == [200] * 200
     job_ids = {r.json()["job_id"] for r in responses}
-    assert len(job_ids) == 50
+    assert len(job_ids) == 200
 
     api.start_daemon()
-    deadline = __import__("time").monotonic() + 180
-    while len(api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))) < 50:
-        assert __import__("time").monotonic() < deadline, "the sensor did not create 50 runs"
-        __import__("time").sleep(1)
-    __import__("time").sleep(4)  # more sensor ticks: nothing is launched twice
+    deadline = time.monotonic() + 300
+    while len(api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))) < 200:
+        assert time.monotonic() < deadline, "the sensor did not create 200 runs"
+        time.sleep(1)
+    time.sleep(4)  # more sensor ticks: nothing is launched twice
     runs = api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))
     assert sorted(run.tags[JOB_ID_TAG] for run in runs) == sorted(job_ids)
     assert _sensor_run_requests(api) == []

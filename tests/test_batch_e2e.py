@@ -140,3 +140,141 @@ def test_a_killed_shard_worker_is_retried_and_resumes_without_loss_or_duplicates
     shard_stats = json.loads(Path(str(output_path) + ".metadata.json").read_text())["shards"][0]
     assert shard_stats["resumed"] >= 10
     assert shard_stats["resumed"] + shard_stats["generated"] == 48
+
+
+def test_a_10_mb_prompt_fails_alone_and_the_rest_complete(run_job, tmp_path):
+    huge = "lorem ipsum " * (10 * 1024 * 1024 // 12)
+    input_path = tmp_path / "input.jsonl"
+    content = {"prompts": ["The capital of France is", huge, "Water boils at"], "max_new_tokens": 4,
+               "temperature": 0.0}
+    input_path.write_text(json.dumps(content) + "\n")
+    assert input_path.stat().st_size > 10 * 1000 * 1000
+    output_path = tmp_path / "output.json"
+    result = run_job({"input_data_path": str(input_path), "output_data_path": str(output_path),
+                      "model_config": {"model": MODEL}})
+    assert result.success
+    first, too_big, last = _read_output(output_path)
+    assert first["text"] and last["text"]
+    assert too_big["error"]["code"] == "prompt_too_long", too_big
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return None
+
+
+RUN_WORKER = """
+import sys
+import dagster as dg
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.pipeline.execute import execute_request
+request = CreateBatchCompletionsV2Request.model_validate_json(open(sys.argv[1]).read())
+execute_request(request, dg.DagsterInstance.get(), job_id="run-worker-kill")
+"""
+
+
+def test_a_killed_run_worker_is_re_executed_from_failure_without_redoing_finished_shards(dagster_home, tmp_path):
+    import subprocess
+    import sys
+
+    import dagster as dg
+
+    from batch_pipeline.pipeline.definitions import batch_completions_job
+
+    request = {"output_data_path": str(tmp_path / "output.json"), "model_config": {"model": MODEL},
+               "data_parallelism": 2,
+               "content": {"prompts": [f"Item {i}: " + STORY_PROMPTS[i] for i in range(8)], "max_new_tokens": 24,
+                           "temperature": 0.0}}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    # The run's own process (the executor and every step and worker under it), one shard at a time.
+    run_worker = subprocess.Popen(
+        [sys.executable, "-c", RUN_WORKER, str(tmp_path / "request.json")],
+        env={**os.environ, "BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY": "1"},
+        stdout=open(tmp_path / "run.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    # Killed once one shard has finished and the other has results on disk and more in flight.
+    second_shard = Path(os.environ["DAGSTER_HOME"]) / "work" / "run-worker-kill" / "shards" / "001" / "results.tsv"
+    deadline = time.monotonic() + 400
+    while True:
+        runs = dagster_home.get_runs()
+        succeeded = {
+            record.step_key
+            for record in (dagster_home.all_logs(runs[0].run_id, of_type=dg.DagsterEventType.STEP_SUCCESS) if runs else [])
+        }
+        if "run_shard[shard_000]" in succeeded and second_shard.exists() and second_shard.read_text().count("\n") >= 1:
+            break
+        assert run_worker.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no shard finished"
+        time.sleep(0.2)
+    os.killpg(run_worker.pid, signal.SIGKILL)
+    run_worker.wait()
+    time.sleep(1)
+    assert [pid for pid in worker_pids() if _session_of(pid) == run_worker.pid] == []
+    (first_run,) = dagster_home.get_runs()
+    assert not (tmp_path / "output.json").exists()
+    # What run monitoring does for a run whose process is gone; then the UI's "re-execute from failure".
+    dagster_home.report_run_failed(first_run)
+    result = dg.execute_job(
+        dg.reconstructable(batch_completions_job),
+        instance=dagster_home,
+        reexecution_options=dg.ReexecutionOptions.from_failure(first_run.run_id, dagster_home),
+    )
+    executed = {event.step_key for event in result.all_events if event.event_type_value == "STEP_START"}
+    assert result.success
+    finished_before = {key for key in succeeded if key.startswith("run_shard")}
+    assert finished_before and not (executed & finished_before)  # finished shards were not redone
+    assert {"run_shard[shard_001]", "merge_outputs", "write_job_metadata"} <= executed
+    outputs = _read_output(tmp_path / "output.json")
+    assert len(outputs) == 8 and all("text" in output for output in outputs)
+    assert [output["num_prompt_tokens"] for output in outputs] == sorted(o["num_prompt_tokens"] for o in outputs)
+    metadata = json.loads(Path(str(tmp_path / "output.json") + ".metadata.json").read_text())
+    assert metadata["job_id"] == "run-worker-kill" and metadata["shards"][1]["resumed"] >= 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 KiB filesystem (tmpfs), to fill mid-shard; remounted larger when 'space returns'."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_fails_the_shard_clearly_and_a_re_execution_after_space_returns_completes(
+    run_job, dagster_home, small_disk, tmp_path, monkeypatch
+):
+    import subprocess
+
+    import dagster as dg
+
+    from batch_pipeline.pipeline.definitions import batch_completions_job
+    monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", str(small_disk))  # shard inputs and checkpoints live here
+    content = {"prompts": [f"Item {i}: " + STORY_PROMPTS[i % 8] for i in range(24)], "max_new_tokens": 48,
+               "temperature": 0.0, "return_token_log_probs": True}
+    output_path = tmp_path / "output.json"
+    result = run_job({"output_data_path": str(output_path), "model_config": {"model": MODEL}, "content": content})
+    assert not result.success
+    # the reason the API and the UI show for the failed step
+    (failure,) = [e.step_failure_data.user_failure_data.description for e in result.all_events if e.is_step_failure]
+    assert failure.startswith("shard 0: the worker failed: OSError: [Errno 28] No space left on device: "), failure
+    assert str(small_disk) in failure
+    assert not output_path.exists()
+
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    again = dg.execute_job(
+        dg.reconstructable(batch_completions_job),
+        instance=dagster_home,
+        reexecution_options=dg.ReexecutionOptions.from_failure(result.run_id, dagster_home),
+    )
+    assert again.success
+    outputs = _read_output(output_path)
+    assert len(outputs) == 24 and all(len(o["tokens"]) == o["num_completion_tokens"] for o in outputs)
+    shard = json.loads(Path(str(output_path) + ".metadata.json").read_text())["shards"][0]
+    assert shard["resumed"] > 0 and shard["resumed"] + shard["generated"] == 24

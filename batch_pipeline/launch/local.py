@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from typing import Any
@@ -37,17 +39,33 @@ class LocalShardLauncher(ShardLauncher):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
 
     def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
-        client = dg.PipesSubprocessClient(env={**self._cpu_share(task), **self.env})
-        try:
-            completed = client.run(
-                context=context,
-                command=[self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
-                extras={"task": task.to_dict()},
+        # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=dg.PipesEnvContextInjector(),
+            message_reader=dg.PipesTempFileMessageReader(),
+            extras={"task": task.to_dict()},
+        ) as session:
+            process = subprocess.Popen(
+                [self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
+                env={**os.environ, **self._cpu_share(task), **self.env, **session.get_bootstrap_env_vars()},
             )
-        except Exception:  # the worker failed (Dagster's error type for it is not public API)
+            try:
+                returncode = process.wait()
+            except dg.DagsterExecutionInterruptedError:  # the run was cancelled: let the worker stop cleanly
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                raise
+        reports = session.get_custom_messages()
+        if returncode != 0:
             raise_if_past_deadline(task)
-            raise
-        reports = completed.get_custom_messages()
+            failure = next((r["failure"] for r in reversed(reports) if isinstance(r, dict) and "failure" in r), None)
+            raise dg.Failure(
+                f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
+            )
         if not reports:
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
         return reports[-1]

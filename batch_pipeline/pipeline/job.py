@@ -39,16 +39,22 @@ SHARD_STEP_TAG = "batch_pipeline/step"
 DAGSTER_OWNER = "dagster"
 
 
-def job_id_of(run: dg.DagsterRun) -> str:
-    """The API's job id when the run came from the job store; otherwise the id of the first run of this
-    job, so a re-execution finds the work (and the checkpoints) of the run it re-executes."""
-    return run.tags.get(JOB_ID_TAG) or run.root_run_id or run.run_id
+def job_id_of(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str:
+    """The API's job id when the run carries one, or the run it re-executes does (Dagster's Python API
+    does not copy tags to a re-execution); otherwise the id of the first run of this job, so a
+    re-execution finds the work (and the checkpoints) of the run it re-executes."""
+    if JOB_ID_TAG in run.tags:
+        return run.tags[JOB_ID_TAG]
+    root = instance.get_run_by_id(run.root_run_id) if run.root_run_id else None
+    if root is not None and JOB_ID_TAG in root.tags:
+        return root.tags[JOB_ID_TAG]
+    return run.root_run_id or run.run_id
 
 
 def current_job_id(context: OpExecutionContext) -> str:
     """The job id as stored now: validate_input may have tagged the run after its steps were planned,
     and a step's own copy of the run predates that."""
-    return job_id_of(context.instance.get_run_by_id(context.run_id) or context.run)
+    return job_id_of(context.instance, context.instance.get_run_by_id(context.run_id) or context.run)
 
 
 def metadata_path(output_data_path: str) -> str:

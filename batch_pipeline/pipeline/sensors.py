@@ -15,12 +15,20 @@ from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_
 from batch_pipeline.shards import partial_outputs, progress, write_output_array
 
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"
+ROOT_RUN_ID_TAG = "dagster/root_run_id"  # Dagster's tag on every re-execution
 SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
 
 
 def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:
+    """The job's newest run: its own, or a re-execution of it (which need not carry the job's tags)."""
     runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: job_id}), limit=1)
-    return runs[0] if runs else None
+    if not runs:
+        return None
+    first_run_id = runs[0].root_run_id or runs[0].run_id
+    reexecutions = instance.get_runs(filters=dg.RunsFilter(tags={ROOT_RUN_ID_TAG: first_run_id}), limit=1)
+    candidates = [run.run_id for run in runs + reexecutions]
+    newest = instance.get_run_records(filters=dg.RunsFilter(run_ids=candidates), limit=1)
+    return newest[0].dagster_run if newest else runs[0]
 
 
 @dg.sensor(
@@ -46,7 +54,7 @@ def _keep_partial_results(context: RunStatusSensorContext, job_storage: JobStora
     run = context.dagster_run
     if run.tags.get(PARTIAL_RESULTS_TAG):
         return
-    job_id = job_id_of(run)
+    job_id = job_id_of(context.instance, run)
     work_dir = job_storage.work_dir(job_id)
     done, total = progress(work_dir)
     if total == 0:

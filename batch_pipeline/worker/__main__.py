@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     with open_dagster_pipes() as pipes:
         task = ShardTask.from_dict(pipes.get_extra("task"))
         prefix = f"shard {task.shard.shard_index:03d}: "
-        stats = ShardRunner(task, report=lambda line: pipes.log.info(prefix + line)).run()
+        try:
+            stats = ShardRunner(task, report=lambda line: pipes.log.info(prefix + line)).run()
+        except Exception as exc:  # the step's failure message, e.g. a full disk under the checkpoint
+            pipes.report_custom_message({"failure": f"{type(exc).__name__}: {exc}"})
+            raise
         pipes.report_custom_message(stats.to_dict())
     return 0
 

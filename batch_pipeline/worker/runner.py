@@ -6,6 +6,8 @@ so a killed shard loses at most the requests that were in flight.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 # that a shard of a million prompts does not hold them all in memory.
 DEFAULT_MAX_IN_FLIGHT = 1024
 PROGRESS_INTERVAL_S = 5.0
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
 class DeadlineExceeded(RuntimeError):
@@ -172,9 +175,14 @@ class ShardRunner:
         first = next(pending, None)
         if first is not None:
             self._check_deadline()  # a retry past the deadline must not start an engine
-            with open(self.shard.results_path, "a", encoding="utf-8") as results:
-                work = prefix_ordered(itertools.chain([first], pending), self.max_in_flight)
-                self._generate(work, results, already_done=len(done))
+            try:
+                with open(self.shard.results_path, "a", encoding="utf-8") as results:
+                    work = prefix_ordered(itertools.chain([first], pending), self.max_in_flight)
+                    self._generate(work, results, already_done=len(done))
+            except OSError as exc:
+                if exc.filename is None and exc.errno in _WRITE_ERRORS:  # name the file a full disk stopped
+                    raise OSError(exc.errno, exc.strerror, self.shard.results_path) from None
+                raise
         self._finalize()
         self.stats.wall_s = round(time.monotonic() - started, 3)
         return self.stats
@@ -238,7 +246,8 @@ class ShardRunner:
 
     def _report_progress(self, finished: int, elapsed: float) -> None:
         rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
-        write_generated_tokens(self.shard.tokens_path, self.stats.completion_tokens)
+        with contextlib.suppress(OSError):  # a progress figure never fails a shard; the checkpoint does
+            write_generated_tokens(self.shard.tokens_path, self.stats.completion_tokens)
         self.report(
             f"progress {finished}/{self.shard.item_count} requests, "
             f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"
