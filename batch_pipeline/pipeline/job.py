@@ -39,16 +39,19 @@ SHARD_STEP_TAG = "batch_pipeline/step"
 DAGSTER_OWNER = "dagster"
 
 
-def job_id_of(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str:
-    """The API's job id when the run carries one, or the run it re-executes does (Dagster's Python API
-    does not copy tags to a re-execution); otherwise the id of the first run of this job, so a
-    re-execution finds the work (and the checkpoints) of the run it re-executes."""
+def tagged_job_id(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
+    """The API's job id, on the run or on the run it re-executes (Dagster's Python API does not copy
+    tags to a re-execution)."""
     if JOB_ID_TAG in run.tags:
         return run.tags[JOB_ID_TAG]
     root = instance.get_run_by_id(run.root_run_id) if run.root_run_id else None
-    if root is not None and JOB_ID_TAG in root.tags:
-        return root.tags[JOB_ID_TAG]
-    return run.root_run_id or run.run_id
+    return root.tags.get(JOB_ID_TAG) if root is not None else None
+
+
+def job_id_of(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str:
+    """The job id, else the id of the first run of this job, so a re-execution finds the work (and the
+    checkpoints) of the run it re-executes."""
+    return tagged_job_id(instance, run) or run.root_run_id or run.run_id
 
 
 def current_job_id(context: OpExecutionContext) -> str:
@@ -78,7 +81,7 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource) -> 
         io.check_writable(request.output_data_path)
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
-    if JOB_ID_TAG not in context.run.tags:
+    if tagged_job_id(context.instance, context.run) is None:
         _register_job(context, job_store.get_store(), request)
     return request.model_dump(mode="json", by_alias=True)
 
