@@ -9,6 +9,7 @@ from typing import Annotated
 import dagster as dg
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.limits import BodySizeLimit
@@ -44,10 +45,19 @@ def job_service(request: Request) -> BatchJobService:
     return request.app.state.job_service
 
 
+class ErrorBody(BaseModel):
+    detail: str
+
+
+# What the routes answer besides success and FastAPI's 422, so clients (and the OpenAPI document) know.
+_UNAUTHORIZED = {401: {"model": ErrorBody, "description": "API keys are configured and none valid was sent"}}
+_NOT_FOUND = {404: {"model": ErrorBody, "description": "No such job, or not one of the caller's"}}
+_TOO_LARGE = {413: {"model": ErrorBody, "description": "The body exceeds BATCH_PIPELINE_MAX_BODY_BYTES"}}
+
 CallerDep = Annotated[Caller, Depends(current_caller)]
 ServiceDep = Annotated[BatchJobService, Depends(job_service)]
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
-router = APIRouter()
+router = APIRouter(responses=_UNAUTHORIZED)
 
 
 @router.get("/healthz")
@@ -55,7 +65,7 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.post("/v1/llm/batch-completions", response_model=CreateBatchCompletionsV1Response)
+@router.post("/v1/llm/batch-completions", response_model=CreateBatchCompletionsV1Response, responses=_TOO_LARGE)
 def create_v1(
     body: CreateBatchCompletionsV1Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
 ):
@@ -63,7 +73,7 @@ def create_v1(
     return CreateBatchCompletionsV1Response(job_id=service.create(who, request, idempotency_key).job_id)
 
 
-@router.post("/v2/batch-completions", response_model=BatchCompletionsJob)
+@router.post("/v2/batch-completions", response_model=BatchCompletionsJob, responses=_TOO_LARGE)
 def create_v2(
     body: CreateBatchCompletionsV2Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
 ):
@@ -86,18 +96,22 @@ def list_jobs(
     return ListBatchCompletionV2Response(jobs=service.list(who, status, wanted))
 
 
-@router.get("/v2/batch-completions/{job_id}", response_model=GetBatchCompletionV2Response)
+@router.get("/v2/batch-completions/{job_id}", response_model=GetBatchCompletionV2Response, responses=_NOT_FOUND)
 def get_job(job_id: str, who: CallerDep, service: ServiceDep):
     return GetBatchCompletionV2Response(job=service.get(who, job_id))
 
 
-@router.post("/v2/batch-completions/{job_id}", response_model=UpdateBatchCompletionsV2Response)
+@router.post(
+    "/v2/batch-completions/{job_id}", response_model=UpdateBatchCompletionsV2Response, responses=_NOT_FOUND | _TOO_LARGE
+)
 def update_job(job_id: str, body: UpdateBatchCompletionsV2Request, who: CallerDep, service: ServiceDep):
     job, success = service.update_priority(who, job_id, body.priority)
     return UpdateBatchCompletionsV2Response(**job.model_dump(by_alias=True), success=success)
 
 
-@router.post("/v2/batch-completions/{job_id}/actions/cancel", response_model=CancelBatchCompletionsV2Response)
+@router.post(
+    "/v2/batch-completions/{job_id}/actions/cancel", response_model=CancelBatchCompletionsV2Response, responses=_NOT_FOUND
+)
 def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
     return CancelBatchCompletionsV2Response(success=service.cancel(who, job_id))
 
