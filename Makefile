@@ -7,7 +7,7 @@ export DAGSTER_HOME := $(CURDIR)/dagster_home
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 MODEL := smollm2-135m-instruct
 
-.PHONY: run test serve install model clean
+.PHONY: run test serve bench install model clean
 
 run: model
 	$(VENV)/bin/batch-pipeline run examples/sample_request.json
@@ -17,6 +17,13 @@ test: model
 
 serve: model
 	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.serve
+
+# Measurements against baselines in the same run; results in bench/results/ (not in git).
+bench: model
+	$(PY) bench/data_plane.py
+	$(PY) bench/sample_vs_raw.py
+	$(PY) bench/structured_mix.py
+	$(PY) bench/control_plane.py
 
 install: $(VENV)/.installed
 
