@@ -15,7 +15,7 @@ import contextlib
 import heapq
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from batch_pipeline import io
@@ -240,6 +240,9 @@ class ShardTask:
     model_config: dict[str, Any]
     shard_count: int = 1  # shards of the job, this one included
     deadline: float | None = None  # epoch seconds; the job's max_runtime_sec
+    job_id: str = ""
+    hardware: dict[str, Any] = field(default_factory=dict)  # the request's gpus, gpu_type, cpus, memory, storage
+    labels: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -247,6 +250,9 @@ class ShardTask:
             "model_config": self.model_config,
             "shard_count": self.shard_count,
             "deadline": self.deadline,
+            "job_id": self.job_id,
+            "hardware": self.hardware,
+            "labels": self.labels,
         }
 
     @classmethod
@@ -256,4 +262,7 @@ class ShardTask:
             model_config=raw["model_config"],
             shard_count=raw.get("shard_count", 1),
             deadline=raw.get("deadline"),
+            job_id=raw.get("job_id", ""),
+            hardware=raw.get("hardware") or {},
+            labels=raw.get("labels") or {},
         )

@@ -6,7 +6,7 @@ import os
 
 import dagster as dg
 
-from batch_pipeline.launch import LocalShardLauncher
+from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
 from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
@@ -16,6 +16,20 @@ from batch_pipeline.pipeline.sensors import (
     keep_results_of_cancelled_runs,
     keep_results_of_failed_runs,
 )
+
+
+def shard_launcher_from_environment() -> ShardLauncher:
+    """Local subprocesses unless BATCH_PIPELINE_SHARD_LAUNCHER=k8s: then a pod per shard, from
+    BATCH_PIPELINE_WORKER_IMAGE, BATCH_PIPELINE_K8S_NAMESPACE and BATCH_PIPELINE_K8S_SERVICE_ACCOUNT."""
+    if os.environ.get("BATCH_PIPELINE_SHARD_LAUNCHER", "local") != "k8s":
+        return LocalShardLauncher()
+    from batch_pipeline.launch.k8s import K8sShardLauncher
+
+    return K8sShardLauncher(
+        image=os.environ["BATCH_PIPELINE_WORKER_IMAGE"],
+        namespace=os.environ.get("BATCH_PIPELINE_K8S_NAMESPACE", "default"),
+        service_account_name=os.environ.get("BATCH_PIPELINE_K8S_SERVICE_ACCOUNT") or None,
+    )
 
 
 local_executor = dg.multiprocess_executor.configured(
@@ -33,7 +47,7 @@ defs = dg.Definitions(
     schedules=schedules_from_environment(),
     resources={
         "job_store": JobStoreResource(url=os.environ.get("BATCH_PIPELINE_JOBS_DB", "")),
-        "shard_launcher": LocalShardLauncher(),
+        "shard_launcher": shard_launcher_from_environment(),
         "job_storage": JobStorage(work_dir_base=os.environ.get("BATCH_PIPELINE_WORK_DIR", "")),
     },
     executor=local_executor,

@@ -34,6 +34,8 @@ from batch_pipeline.shards import (
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
 SHARD_STEP_TAG = "batch_pipeline/step"
+# The request's fields a launcher sizes a shard's machine by.
+HARDWARE_FIELDS = ("gpus", "gpu_type", "cpus", "memory", "storage")
 # Owner of the jobs registered for runs launched outside the API (launchpad, `batch-pipeline run`):
 # API admins see them.
 DAGSTER_OWNER = "dagster"
@@ -106,7 +108,8 @@ def _register_job(context: OpExecutionContext, store: JobStore, request: CreateB
     description="Stream the prompts into `data_parallelism` shard inputs, balanced by prompt count.",
 )
 def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage):
-    work_dir = job_storage.work_dir(current_job_id(context))
+    job_id = current_job_id(context)
+    work_dir = job_storage.work_dir(job_id)
     content = request.get("content")
     if content is None:
         records = io.iter_json_records(request["input_data_path"])
@@ -126,9 +129,11 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
         + ", ".join(str(s.prompt_count) for s in shards)
         + " prompts"
     )
+    hardware = {field: request.get(field) for field in HARDWARE_FIELDS if request.get(field) is not None}
     for shard in shards:
         task = ShardTask(
-            shard=shard, model_config=request["model_config"], shard_count=len(shards), deadline=deadline
+            shard=shard, model_config=request["model_config"], shard_count=len(shards), deadline=deadline,
+            job_id=job_id, hardware=hardware, labels=request.get("labels") or {},
         )
         yield dg.DynamicOutput(task.to_dict(), mapping_key=f"shard_{shard.shard_index:03d}")
 

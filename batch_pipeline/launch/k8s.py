@@ -1,0 +1,146 @@
+"""Shard workers as Kubernetes pods, through dagster-k8s's Pipes client.
+
+The pod is sized by the request: `gpus` → `nvidia.com/gpu` (or the MIG slice of `gpu_type`), `gpu_type` →
+a node selector, `cpus`/`memory`/`storage` → requests and limits, the job's deadline →
+`activeDeadlineSeconds`, labels → pod labels. Image, namespace, service account, tolerations, env and
+secrets come from the deployment's config. `PipesK8sClient` rather than `execute_k8s_job`: the worker
+already speaks Pipes (progress lines, stats), and the client follows the pod and reads its log stream.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from batch_pipeline.launch.base import ShardLauncher
+from batch_pipeline.launch.local import raise_if_past_deadline
+from batch_pipeline.shards import ShardTask
+
+# NVIDIA GPU feature discovery's product label, per GPU type of the spec; MIG types also name their slice.
+DEFAULT_GPU_NODE_SELECTORS: dict[str, dict[str, str]] = {
+    "nvidia-tesla-t4": {"nvidia.com/gpu.product": "Tesla-T4"},
+    "nvidia-ampere-a10": {"nvidia.com/gpu.product": "NVIDIA-A10"},
+    "nvidia-ampere-a100": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"},
+    "nvidia-ampere-a100e": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
+    "nvidia-hopper-h100": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "nvidia-hopper-h100-1g20gb": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "nvidia-hopper-h100-3g40gb": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+}
+MIG_RESOURCES = {
+    "nvidia-hopper-h100-1g20gb": "nvidia.com/mig-1g.20gb",
+    "nvidia-hopper-h100-3g40gb": "nvidia.com/mig-3g.40gb",
+}
+LABEL_PREFIX = "batch-pipeline.io/"
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+class InvalidHardware(ValueError):
+    """A hardware field that no pod can carry; the message names the field."""
+
+
+def quantity(field: str, value: str | int | float, bare_unit: str = "") -> str:
+    """A Kubernetes quantity: strings as given ("16Gi", "500m"), numbers in `bare_unit` (GiB for memory
+    and storage, cores for cpus)."""
+    text = f"{value}{bare_unit}" if isinstance(value, (int, float)) else str(value).strip()
+    if isinstance(value, bool) or not _QUANTITY.match(text) or float(re.sub(r"[^0-9.]", "", text) or 0) <= 0:
+        raise InvalidHardware(f"{field}: {value!r} is not a positive Kubernetes quantity (e.g. 8, 500m, 16Gi)")
+    return text
+
+
+def label_value(value: str) -> str:
+    """A valid label value: at most 63 of [A-Za-z0-9-_.], starting and ending alphanumeric."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
+
+
+def label_key(key: str) -> str:
+    name = label_value(key) or "label"
+    return LABEL_PREFIX + name
+
+
+def pod_name(job_id: str, shard_index: int) -> str:
+    """A DNS-1123 name, unique per job and shard, at most 63 characters."""
+    base = re.sub(r"[^a-z0-9-]+", "-", job_id.lower()).strip("-")[:48] or "job"
+    return f"{base}-shard-{shard_index:03d}"
+
+
+class K8sShardLauncher(ShardLauncher):
+    """Each shard worker in its own pod, sized by the request."""
+
+    image: str = Field(description="The worker image (this package on a vLLM base image).")
+    namespace: str = Field(default="default", description="Where the shard pods run.")
+    service_account_name: str | None = Field(default=None, description="The pods' service account.")
+    image_pull_policy: str = Field(default="IfNotPresent")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
+    env_secrets: list[str] = Field(default_factory=list, description="Secrets whose keys become env vars.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (GPU taints).")
+    gpu_node_selectors: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: dict(DEFAULT_GPU_NODE_SELECTORS),
+        description="Node labels per gpu_type of the spec.",
+    )
+    default_gpus: int = Field(default=1, description="GPUs of a shard whose request names none.")
+
+    def pod_overrides(self, task: ShardTask, now: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(metadata, spec) of the shard's pod, without the container's command and image, which the Pipes
+        client adds. Raises InvalidHardware naming the field."""
+        hardware = task.hardware
+        gpu_type = hardware.get("gpu_type")
+        gpus = hardware.get("gpus")
+        gpus = self.default_gpus if gpus is None else gpus
+        if gpus < 0:
+            raise InvalidHardware(f"gpus: {gpus} is negative")
+        limits: dict[str, str] = {}
+        requests: dict[str, str] = {}
+        if gpus:
+            limits[MIG_RESOURCES.get(gpu_type, "nvidia.com/gpu")] = str(gpus)
+        for field, resource, unit in (("cpus", "cpu", ""), ("memory", "memory", "Gi"), ("storage", "ephemeral-storage", "Gi")):
+            if hardware.get(field) is not None:
+                requests[resource] = limits[resource] = quantity(field, hardware[field], unit)
+        container: dict[str, Any] = {"name": "dagster-pipes-execution", "imagePullPolicy": self.image_pull_policy,
+                                     "resources": {"limits": limits, **({"requests": requests} if requests else {})}}
+        if self.env_secrets:
+            container["envFrom"] = [{"secretRef": {"name": name}} for name in self.env_secrets]
+        spec: dict[str, Any] = {"containers": [container], "restartPolicy": "Never"}
+        if gpu_type is not None:
+            if gpu_type not in self.gpu_node_selectors:
+                raise InvalidHardware(f"gpu_type: {gpu_type!r} has no node selector in this deployment")
+            spec["nodeSelector"] = dict(self.gpu_node_selectors[gpu_type])
+        if self.tolerations:
+            spec["tolerations"] = list(self.tolerations)
+        if self.service_account_name:
+            spec["serviceAccountName"] = self.service_account_name
+        if task.deadline is not None:
+            spec["activeDeadlineSeconds"] = max(1, int(task.deadline - (now or time.time())))
+        labels = {label_key(key): label_value(value) for key, value in task.labels.items()}
+        labels[LABEL_PREFIX + "job-id"] = label_value(task.job_id)
+        labels[LABEL_PREFIX + "shard"] = str(task.shard.shard_index)
+        return {"labels": labels}, spec
+
+    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
+        from dagster_k8s import PipesK8sClient
+
+        try:
+            meta, spec = self.pod_overrides(task)
+        except InvalidHardware as exc:
+            raise dg.Failure(str(exc), allow_retries=False) from None
+        try:
+            completed = PipesK8sClient(env=self.env).run(
+                context=context,
+                image=self.image,
+                command=["python", "-m", "batch_pipeline.worker"],
+                namespace=self.namespace,
+                base_pod_meta=meta,
+                base_pod_spec=spec,
+                extras={"task": task.to_dict()},
+            )
+        except Exception:  # the pod failed (Dagster's error type for it is not public API)
+            raise_if_past_deadline(task)
+            raise
+        reports = completed.get_custom_messages()
+        if not reports:
+            raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
+        return reports[-1]

@@ -1,0 +1,111 @@
+"""The pod each shard runs in on Kubernetes, built from the request and validated strictly against the
+Kubernetes API schema (kubernetes-validate); dagster-k8s's Pipes client builds the final pod body."""
+
+import re
+
+import kubernetes_validate
+import pytest
+from dagster_k8s.pipes import build_pod_body
+from kubernetes.client import ApiClient
+
+from batch_pipeline.launch.k8s import InvalidHardware, K8sShardLauncher
+from batch_pipeline.shards import ShardSpec, ShardTask
+
+KUBERNETES_VERSION = "1.30"
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+NOW = 1_800_000_000.0
+
+
+def _task(hardware=None, labels=None, deadline=NOW + 3600):
+    shard = ShardSpec(shard_index=2, directory="s3://bucket/work/job/shards/002", item_count=10, prompt_count=10)
+    return ShardTask(shard=shard, model_config={"model": "m"}, shard_count=4, deadline=deadline,
+                     job_id="batch-0123abcd", hardware=hardware or {}, labels=labels or {})
+
+
+def _pod(launcher, task) -> dict:
+    """The pod as the API server receives it, validated strictly against that version's schema."""
+    meta, spec = launcher.pod_overrides(task, now=NOW)
+    pod = build_pod_body(pod_name="batch-0123abcd-shard-002", image=launcher.image,
+                         command=["python", "-m", "batch_pipeline.worker"], env_vars={"A": "b"},
+                         base_pod_meta=meta, base_pod_spec=spec)
+    # the typed endpoint (POST /api/v1/namespaces/NS/pods) implies these; the validator needs them said
+    body = {"apiVersion": "v1", "kind": "Pod", **ApiClient().sanitize_for_serialization(pod)}
+    kubernetes_validate.validate(body, KUBERNETES_VERSION, strict=True)
+    return body
+
+
+LAUNCHER = K8sShardLauncher(image="registry.example/batch-pipeline-worker:1", namespace="batch",
+                            service_account_name="batch-worker", env_secrets=["hf-token"],
+                            tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+
+
+@pytest.mark.parametrize(
+    ("hardware", "resource", "count", "selector"),
+    [
+        ({"gpus": 2, "gpu_type": "nvidia-ampere-a100e"}, "nvidia.com/gpu", "2", "NVIDIA-A100-SXM4-80GB"),
+        ({"gpus": 1, "gpu_type": "nvidia-tesla-t4"}, "nvidia.com/gpu", "1", "Tesla-T4"),
+        ({"gpus": 1, "gpu_type": "nvidia-hopper-h100-1g20gb"}, "nvidia.com/mig-1g.20gb", "1", "NVIDIA-H100-80GB-HBM3"),
+        ({"gpu_type": "nvidia-hopper-h100"}, "nvidia.com/gpu", "1", "NVIDIA-H100-80GB-HBM3"),  # gpus omitted: 1
+        ({}, "nvidia.com/gpu", "1", None),
+    ],
+)
+def test_gpus_and_gpu_type_become_limits_and_a_node_selector(hardware, resource, count, selector):
+    pod = _pod(LAUNCHER, _task(hardware))
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"][resource] == count
+    assert (pod["spec"].get("nodeSelector") or {}).get("nvidia.com/gpu.product") == selector
+
+
+def test_cpus_memory_storage_deadline_account_tolerations_and_secrets_reach_the_pod():
+    pod = _pod(LAUNCHER, _task({"gpus": 1, "cpus": 8, "memory": "40Gi", "storage": 100}))
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    assert container["resources"]["requests"] == {"cpu": "8", "memory": "40Gi", "ephemeral-storage": "100Gi"}
+    assert container["resources"]["limits"]["memory"] == "40Gi"
+    assert spec["activeDeadlineSeconds"] == 3600 and spec["restartPolicy"] == "Never"
+    assert spec["serviceAccountName"] == "batch-worker"
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert container["envFrom"][0]["secretRef"]["name"] == "hf-token"
+    assert container["image"] == "registry.example/batch-pipeline-worker:1"
+    assert container["command"] == ["python", "-m", "batch_pipeline.worker"]
+
+
+def test_labels_with_odd_characters_become_valid_pod_labels():
+    labels = {"team": "search/ranking", "cost center": "ÉQUIPE #42", "x" * 80: "y" * 80, "empty": "---"}
+    pod = _pod(LAUNCHER, _task(labels=labels))
+    pod_labels = pod["metadata"]["labels"]
+    assert pod_labels["batch-pipeline.io/team"] == "search-ranking"
+    assert pod_labels["batch-pipeline.io/job-id"] == "batch-0123abcd"
+    assert pod_labels["batch-pipeline.io/shard"] == "2"
+    for key, value in pod_labels.items():
+        prefix, _, name = key.rpartition("/")
+        assert LABEL_NAME.match(name) and len(name) <= 63, key
+        assert LABEL_VALUE.match(value) and len(value) <= 63, value
+
+
+@pytest.mark.parametrize(
+    ("hardware", "field"),
+    [({"memory": "lots"}, "memory:"), ({"cpus": -2}, "cpus:"), ({"storage": "0"}, "storage:"), ({"gpus": -1}, "gpus:")],
+)
+def test_hardware_no_pod_can_carry_is_refused_naming_the_field(hardware, field):
+    with pytest.raises(InvalidHardware, match=f"^{field}"):
+        LAUNCHER.pod_overrides(_task(hardware), now=NOW)
+
+
+def test_a_gpu_type_the_deployment_does_not_map_is_refused():
+    launcher = K8sShardLauncher(image="i", gpu_node_selectors={"nvidia-tesla-t4": {"gpu": "t4"}})
+    with pytest.raises(InvalidHardware, match="^gpu_type: 'nvidia-hopper-h100'"):
+        launcher.pod_overrides(_task({"gpu_type": "nvidia-hopper-h100"}), now=NOW)
+
+
+def test_a_deployment_chooses_the_kubernetes_launcher_by_its_environment(monkeypatch):
+    from batch_pipeline.launch import LocalShardLauncher
+    from batch_pipeline.pipeline.definitions import shard_launcher_from_environment
+
+    assert isinstance(shard_launcher_from_environment(), LocalShardLauncher)
+    monkeypatch.setenv("BATCH_PIPELINE_SHARD_LAUNCHER", "k8s")
+    monkeypatch.setenv("BATCH_PIPELINE_WORKER_IMAGE", "registry.example/worker:2")
+    monkeypatch.setenv("BATCH_PIPELINE_K8S_NAMESPACE", "batch")
+    launcher = shard_launcher_from_environment()
+    assert isinstance(launcher, K8sShardLauncher)
+    assert (launcher.image, launcher.namespace) == ("registry.example/worker:2", "batch")
