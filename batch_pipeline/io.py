@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -54,11 +55,15 @@ def open_file(path: str, mode: str = "rb", **kwargs: Any) -> IO:
 def check_writable(path: str) -> None:
     """Raise OSError unless a file can be written where `path` will be (its directory is made if needed).
 
-    Locally a probe file is created and removed beside the target; object stores are trusted until the
-    upload, which is atomic there anyway.
+    A probe file is created and removed beside the target (on an object store: a probe object, which
+    also proves the bucket exists and the credentials may write there).
     """
     fs, resolved = filesystem(path)
     if not isinstance(fs, LocalFileSystem):
+        probe = f"{resolved.rsplit('/', 1)[0]}/.write-probe-{uuid.uuid4().hex}"
+        with fs.open(probe, "wb") as handle:
+            handle.write(b"")
+        fs.rm(probe)
         return
     if os.path.isdir(resolved):
         raise IsADirectoryError(f"{path} is a directory")

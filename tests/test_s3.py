@@ -1,0 +1,57 @@
+"""s3:// input and output against a real S3 API: a local moto server over HTTP (s3fs through fsspec),
+with the real job and real vLLM."""
+
+import json
+import socket
+
+import pytest
+
+from tests.conftest import MODEL, step_failure_messages
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    # What a deployment sets for a MinIO-style store; the steps and workers inherit it.
+    for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="batch")
+    yield client
+    server.stop()
+
+
+def test_a_job_reads_its_input_from_s3_and_writes_its_output_there(run_job, s3):
+    content = [{"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0},
+               {"prompts": ["1, 2, 3,"], "max_new_tokens": 4, "temperature": 0.0}]
+    s3.put_object(Bucket="batch", Key="in/requests.jsonl", Body="".join(json.dumps(c) + "\n" for c in content))
+    result = run_job({"input_data_path": "s3://batch/in/requests.jsonl", "output_data_path": "s3://batch/out/o.json",
+                      "model_config": {"model": MODEL}, "data_parallelism": 2})
+    assert result.success, step_failure_messages(result)
+    outputs = json.loads(s3.get_object(Bucket="batch", Key="out/o.json")["Body"].read())
+    assert len(outputs) == 3 and all(output["text"] for output in outputs)
+    metadata = json.loads(s3.get_object(Bucket="batch", Key="out/o.json.metadata.json")["Body"].read())
+    assert metadata["num_requests"] == 3 and metadata["output_data_path"] == "s3://batch/out/o.json"
+    keys = [item["Key"] for item in s3.list_objects_v2(Bucket="batch", Prefix="out/")["Contents"]]
+    assert sorted(keys) == ["out/o.json", "out/o.json.metadata.json"]  # no probe or partial objects left
+
+
+def test_an_output_bucket_that_does_not_exist_fails_before_any_inference(run_job, s3):
+    result = run_job({"output_data_path": "s3://no-such-bucket/o.json", "model_config": {"model": MODEL},
+                      "content": {"prompts": ["x"], "max_new_tokens": 2, "temperature": 0.0}})
+    assert not result.success
+    (message,) = step_failure_messages(result)
+    assert "output_data_path: cannot write s3://no-such-bucket/o.json" in message
+    started = {event.step_key for event in result.all_events if event.event_type_value == "STEP_START"}
+    assert started == {"validate_input"}
