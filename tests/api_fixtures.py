@@ -37,11 +37,14 @@ def write_instance_config(home: Path, max_concurrent_runs: int) -> None:
 
 
 class Deployment:
-    def __init__(self, home: Path, max_concurrent_runs: int) -> None:
+    def __init__(self, home: Path, max_concurrent_runs: int, instance_yaml: str | None = None,
+                 jobs_db: str | None = None) -> None:
         write_instance_config(home, max_concurrent_runs)
+        if instance_yaml is not None:  # a shipped instance config instead of the test's SQLite one
+            (home / "dagster.yaml").write_text(instance_yaml)
         self.home = home
         self.instance = dg.DagsterInstance.from_config(str(home))
-        self.store = JobStore(f"sqlite:///{home}/batch_jobs.db")
+        self.store = JobStore(jobs_db or f"sqlite:///{home}/batch_jobs.db")
         self.service = BatchJobService(self.store, self.instance, JobStorage())
         keys = ApiKeys([USER_KEY, OTHER_KEY, f"{ADMIN_KEY}:admin"])
         self.client = TestClient(create_app(self.service, keys))
