@@ -2,6 +2,7 @@
 Kubernetes API schema (kubernetes-validate); dagster-k8s's Pipes client builds the final pod body."""
 
 import re
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -109,3 +110,24 @@ def test_a_deployment_chooses_the_kubernetes_launcher_by_its_environment(monkeyp
     launcher = shard_launcher_from_environment()
     assert isinstance(launcher, K8sShardLauncher)
     assert (launcher.image, launcher.namespace) == ("registry.example/worker:2", "batch")
+
+
+def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_settings():
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    objects = [doc for path in sorted((repo / "k8s").glob("*.yaml")) if path.name != "values.yaml"
+               for doc in yaml.safe_load_all(path.read_text()) if doc]
+    assert {obj["kind"] for obj in objects} >= {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    values = yaml.safe_load((repo / "k8s" / "values.yaml").read_text())
+    assert values["runLauncher"]["type"] == "K8sRunLauncher"
+    assert values["postgresql"]["postgresqlScheme"] == "postgresql+psycopg2"
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    env = {item["name"]: item["value"] for item in deployment["env"]}
+    definitions = (repo / "batch_pipeline" / "pipeline" / "definitions.py").read_text()
+    assert env["BATCH_PIPELINE_SHARD_LAUNCHER"] == "k8s" and all(name in definitions for name in env)
+    role = next(obj for obj in objects if obj["kind"] == "Role")
+    granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
+    assert {("pods", "create"), ("pods", "watch"), ("pods/log", "get"), ("pods", "delete")} <= granted
