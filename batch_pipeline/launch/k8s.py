@@ -9,6 +9,7 @@ already speaks Pipes (progress lines, stats), and the client follows the pod and
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any
@@ -62,12 +63,6 @@ def label_key(key: str) -> str:
     return LABEL_PREFIX + name
 
 
-def pod_name(job_id: str, shard_index: int) -> str:
-    """A DNS-1123 name, unique per job and shard, at most 63 characters."""
-    base = re.sub(r"[^a-z0-9-]+", "-", job_id.lower()).strip("-")[:48] or "job"
-    return f"{base}-shard-{shard_index:03d}"
-
-
 class K8sShardLauncher(ShardLauncher):
     """Each shard worker in its own pod, sized by the request."""
 
@@ -83,6 +78,8 @@ class K8sShardLauncher(ShardLauncher):
         description="Node labels per gpu_type of the spec.",
     )
     default_gpus: int = Field(default=1, description="GPUs of a shard whose request names none.")
+    kubeconfig_file: str | None = Field(default=None, description="Outside the cluster: the kubeconfig to use.")
+    poll_interval_s: float = Field(default=10.0, description="How often the pod's state is read.")
 
     def pod_overrides(self, task: ShardTask, now: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, spec) of the shard's pod, without the container's command and image, which the Pipes
@@ -128,7 +125,13 @@ class K8sShardLauncher(ShardLauncher):
         except InvalidHardware as exc:
             raise dg.Failure(str(exc), allow_retries=False) from None
         try:
-            completed = PipesK8sClient(env=self.env).run(
+            client = PipesK8sClient(
+                env=self.env,
+                kubeconfig_file=self.kubeconfig_file,
+                load_incluster_config=not self.kubeconfig_file,
+                poll_interval=self.poll_interval_s,
+            )
+            completed = client.run(
                 context=context,
                 image=self.image,
                 command=["python", "-m", "batch_pipeline.worker"],
@@ -137,10 +140,28 @@ class K8sShardLauncher(ShardLauncher):
                 base_pod_spec=spec,
                 extras={"task": task.to_dict()},
             )
-        except Exception:  # the pod failed (Dagster's error type for it is not public API)
+        except Exception as exc:  # the pod failed (Dagster's error type for it is not public API)
             raise_if_past_deadline(task)
-            raise
+            reason = _worker_failure(str(exc)) or str(exc).strip().splitlines()[0]
+            raise dg.Failure(f"shard {task.shard.shard_index}: the worker failed: {reason}") from None
         reports = completed.get_custom_messages()
         if not reports:
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
         return reports[-1]
+
+
+def _worker_failure(pod_error: str) -> str | None:
+    """The worker's own reason, from its last Pipes report among the pod's last log lines (which the
+    client's error quotes)."""
+    for line in reversed(pod_error.splitlines()):
+        start = line.find('{"__dagster_pipes_version"')
+        if start < 0:
+            continue
+        try:
+            message = json.loads(line[start:])
+        except ValueError:
+            continue
+        payload = (message.get("params") or {}).get("payload")
+        if message.get("method") == "report_custom_message" and isinstance(payload, dict) and "failure" in payload:
+            return payload["failure"]
+    return None

@@ -20,7 +20,8 @@ from batch_pipeline.pipeline.sensors import (
 
 def shard_launcher_from_environment() -> ShardLauncher:
     """Local subprocesses unless BATCH_PIPELINE_SHARD_LAUNCHER=k8s: then a pod per shard, from
-    BATCH_PIPELINE_WORKER_IMAGE, BATCH_PIPELINE_K8S_NAMESPACE and BATCH_PIPELINE_K8S_SERVICE_ACCOUNT."""
+    BATCH_PIPELINE_WORKER_IMAGE, BATCH_PIPELINE_K8S_NAMESPACE, BATCH_PIPELINE_K8S_SERVICE_ACCOUNT, and
+    outside the cluster BATCH_PIPELINE_KUBECONFIG."""
     if os.environ.get("BATCH_PIPELINE_SHARD_LAUNCHER", "local") != "k8s":
         return LocalShardLauncher()
     from batch_pipeline.launch.k8s import K8sShardLauncher
@@ -29,6 +30,8 @@ def shard_launcher_from_environment() -> ShardLauncher:
         image=os.environ["BATCH_PIPELINE_WORKER_IMAGE"],
         namespace=os.environ.get("BATCH_PIPELINE_K8S_NAMESPACE", "default"),
         service_account_name=os.environ.get("BATCH_PIPELINE_K8S_SERVICE_ACCOUNT") or None,
+        kubeconfig_file=os.environ.get("BATCH_PIPELINE_KUBECONFIG") or None,
+        poll_interval_s=float(os.environ.get("BATCH_PIPELINE_K8S_POLL_INTERVAL_S", "10")),
     )
 
 
