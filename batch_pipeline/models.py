@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -65,6 +66,38 @@ def resolve_model(model: str) -> str:
     if entry is None:
         return model
     return str(prepare_catalog_model(entry))
+
+
+# What a remote checkpoint contributes to the local copy: weights, configs and tokenizer files; Python files
+# (custom model code) only when the request trusts remote code; pickled `.bin` weights never.
+CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".tiktoken", ".jinja")
+
+
+def sync_remote_checkpoint(url: str, trust_remote_code: bool = False) -> Path:
+    """A checkpoint on an object store (`s3://bucket/prefix`) as a local directory in the cache; files already
+    there with the same size are reused, so the next shard on this machine downloads nothing."""
+    from batch_pipeline import io
+
+    fs, root = io.filesystem(url)
+    root = root.rstrip("/")
+    target = cache_dir() / "remote" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    target.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        found = fs.find(root, detail=True)
+        if not found:
+            raise FileNotFoundError(f"model_config.checkpoint_path: nothing at {url}")
+        for path, info in found.items():
+            relative = path[len(root):].lstrip("/")
+            if not (relative.endswith(CHECKPOINT_SUFFIXES) or (trust_remote_code and relative.endswith(".py"))):
+                continue
+            local = target / relative
+            if local.exists() and local.stat().st_size == info["size"]:
+                continue
+            local.parent.mkdir(parents=True, exist_ok=True)
+            partial = local.with_name(f".{local.name}.partial")
+            fs.get_file(path, str(partial))
+            partial.rename(local)
+    return target
 
 
 def prepare_catalog_model(entry: CatalogModel) -> Path:

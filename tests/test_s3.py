@@ -1,14 +1,13 @@
-"""s3:// input and output against a real S3 API: a local moto server over HTTP (s3fs through fsspec),
-with the real job and real vLLM."""
+"""s3:// input, output and model weights against a real S3 API: a local moto server over HTTP (s3fs through
+fsspec), with the real job and real vLLM."""
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import MODEL, step_failure_messages
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -32,6 +31,7 @@ def s3(monkeypatch):
     server.stop()
 
 
+@pytest.mark.slow
 def test_a_job_reads_its_input_from_s3_and_writes_its_output_there(run_job, s3):
     content = [{"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0},
                {"prompts": ["1, 2, 3,"], "max_new_tokens": 4, "temperature": 0.0}]
@@ -47,6 +47,7 @@ def test_a_job_reads_its_input_from_s3_and_writes_its_output_there(run_job, s3):
     assert sorted(keys) == ["out/o.json", "out/o.json.metadata.json"]  # no probe or partial objects left
 
 
+@pytest.mark.slow
 def test_an_output_bucket_that_does_not_exist_fails_before_any_inference(run_job, s3):
     result = run_job({"output_data_path": "s3://no-such-bucket/o.json", "model_config": {"model": MODEL},
                       "content": {"prompts": ["x"], "max_new_tokens": 2, "temperature": 0.0}})
@@ -55,3 +56,46 @@ def test_an_output_bucket_that_does_not_exist_fails_before_any_inference(run_job
     assert "output_data_path: cannot write s3://no-such-bucket/o.json" in message
     started = {event.step_key for event in result.all_events if event.event_type_value == "STEP_START"}
     assert started == {"validate_input"}
+
+
+def test_a_remote_checkpoint_is_synced_once_with_only_weights_configs_and_tokenizer_files(s3, tmp_path, monkeypatch):
+    from batch_pipeline.models import sync_remote_checkpoint
+
+    monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(tmp_path / "cache"))
+    files = {"config.json": b"{}", "model-00001.safetensors": b"w" * 1000, "tokenizer.json": b"{}",
+             "sub/generation_config.json": b"{}", "modeling_custom.py": b"import os", "pytorch_model.bin": b"pickle"}
+    for name, data in files.items():
+        s3.put_object(Bucket="batch", Key=f"weights/m/{name}", Body=data)
+
+    local = sync_remote_checkpoint("s3://batch/weights/m")
+    found = sorted(str(path.relative_to(local)) for path in local.rglob("*") if path.is_file())
+    assert found == ["config.json", "model-00001.safetensors", "sub/generation_config.json", "tokenizer.json"]
+    assert (local / "model-00001.safetensors").read_bytes() == b"w" * 1000
+
+    before = (local / "model-00001.safetensors").stat().st_mtime_ns
+    assert sync_remote_checkpoint("s3://batch/weights/m") == local
+    assert (local / "model-00001.safetensors").stat().st_mtime_ns == before  # reused, not downloaded again
+    s3.put_object(Bucket="batch", Key="weights/m/model-00001.safetensors", Body=b"v" * 1200)
+    sync_remote_checkpoint("s3://batch/weights/m", trust_remote_code=True)
+    assert (local / "model-00001.safetensors").read_bytes() == b"v" * 1200  # a changed file is fetched
+    assert (local / "modeling_custom.py").exists()  # code only when the request trusts it
+    with pytest.raises(FileNotFoundError, match="model_config.checkpoint_path: nothing at s3://batch/none"):
+        sync_remote_checkpoint("s3://batch/none")
+
+
+@pytest.mark.slow
+def test_a_job_loads_its_weights_from_an_s3_checkpoint_path(run_job, s3, tmp_path, monkeypatch):
+    from batch_pipeline.models import resolve_model
+
+    prepared = Path(resolve_model(MODEL))
+    for path in prepared.rglob("*"):
+        if path.is_file():
+            s3.upload_file(str(path), "batch", f"weights/smollm2/{path.relative_to(prepared)}")
+    monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(tmp_path / "cache"))
+    output = tmp_path / "out.json"
+    result = run_job({"output_data_path": str(output),
+                      "model_config": {"model": "my-smollm2", "checkpoint_path": "s3://batch/weights/smollm2"},
+                      "content": {"prompts": ["The capital of France is"], "max_new_tokens": 4, "temperature": 0.0}})
+    assert result.success, step_failure_messages(result)
+    assert json.loads(output.read_text())[0]["text"]
+    assert list((tmp_path / "cache" / "remote").glob("*/model.safetensors"))

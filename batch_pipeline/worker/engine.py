@@ -8,8 +8,9 @@ import logging
 import os
 from typing import Any
 
+from batch_pipeline import io
 from batch_pipeline.contract import BatchCompletionsModelConfig
-from batch_pipeline.models import resolve_model
+from batch_pipeline.models import resolve_model, sync_remote_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,10 @@ def engine_arguments(model_config: BatchCompletionsModelConfig) -> tuple[dict[st
     from vllm.engine.arg_utils import EngineArgs
 
     accepted = {field.name for field in dataclasses.fields(EngineArgs)}
-    arguments: dict[str, Any] = {"model": resolve_model(model_config.checkpoint_path or model_config.model)}
+    checkpoint = model_config.checkpoint_path
+    if checkpoint and not io.is_local(checkpoint):
+        checkpoint = str(sync_remote_checkpoint(checkpoint, bool(model_config.trust_remote_code)))
+    arguments: dict[str, Any] = {"model": resolve_model(checkpoint or model_config.model)}
     if model_config.checkpoint_path and model_config.served_model_name is None:
         arguments["served_model_name"] = model_config.model
     unsupported: list[str] = []
