@@ -100,6 +100,24 @@ def sync_remote_checkpoint(url: str, trust_remote_code: bool = False) -> Path:
     return target
 
 
+def weights_bytes(model: str, checkpoint_path: str | None = None) -> int | None:
+    """Bytes of the model's weight files (what GPU memory must hold), where they can be listed: a catalog
+    model once prepared, a local directory, or an object-store checkpoint. None for a hub id."""
+    from batch_pipeline import io
+
+    entry = CATALOG.get(model.lower())
+    location = checkpoint_path or (str(cache_dir() / entry.name) if entry else model)
+    try:
+        fs, root = io.filesystem(location)
+        if not fs.isdir(root):
+            return None
+        sizes = [info["size"] for path, info in fs.find(root, detail=True).items()
+                 if path.endswith((".safetensors", ".bin", ".pt"))]
+    except (OSError, ValueError):
+        return None
+    return sum(sizes) or None
+
+
 def prepare_catalog_model(entry: CatalogModel) -> Path:
     """The cached Hugging Face directory of a catalog model, converting it first if it is not there.
 

@@ -36,7 +36,8 @@ def test_each_shard_runs_in_the_pod_built_for_it_and_reports_through_its_log(run
     for pod in kubernetes.created:
         (container,) = pod["spec"]["containers"]
         assert container["image"] == "registry.example/w:1"
-        assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "8Gi"}
+        # storage was left out: the catalog model's weights (a quarter GiB) and scratch
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "8Gi", "ephemeral-storage": "11Gi"}
         assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
         assert pod["metadata"]["labels"]["batch-pipeline.io/team"] == "search-ranking"
     shards = sorted(pod["metadata"]["labels"]["batch-pipeline.io/shard"] for pod in kubernetes.created)
@@ -46,6 +47,7 @@ def test_each_shard_runs_in_the_pod_built_for_it_and_reports_through_its_log(run
     assert any("progress 1/1 requests" in message for message in logs)
     metadata = json.loads((tmp_path / "out.json.metadata.json").read_text())
     assert [shard["items"] for shard in metadata["shards"]] == [1, 1]
+    assert [shard["pod_hardware_inferred"] for shard in metadata["shards"]] == ["inferred storage 11Gi"] * 2
 
 
 def test_a_failed_pod_fails_its_shard_with_the_workers_reason(run_job, kubernetes, tmp_path):

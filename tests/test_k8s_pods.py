@@ -131,3 +131,33 @@ def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_se
     role = next(obj for obj in objects if obj["kind"] == "Role")
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
     assert {("pods", "create"), ("pods", "watch"), ("pods/log", "get"), ("pods", "delete")} <= granted
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("requested", "weights", "gpus", "says"),
+    [
+        ({"gpu_type": "nvidia-ampere-a100e"}, 16 * GIB, 1, "gpus 1 for 16.0 GiB of weights"),  # an 8B model in bf16
+        ({"gpu_type": "nvidia-ampere-a100e"}, 140 * GIB, 4, "gpus 4 for 140.0 GiB"),  # 70B: 3 would do, 4 shards evenly
+        ({"gpu_type": "nvidia-tesla-t4"}, 16 * GIB, 2, "gpus 2 for 16.0 GiB"),
+        ({}, 16 * GIB, 1, "gpu_type nvidia-ampere-a100e (the deployment's default)"),
+        ({"gpu_type": "nvidia-tesla-t4"}, None, 1, "gpus 1 (weights not listable, the deployment's default)"),
+    ],
+)
+def test_missing_hardware_is_inferred_from_the_weights_and_said(requested, weights, gpus, says):
+    from batch_pipeline.launch.k8s import infer_hardware
+
+    hardware, inferred = infer_hardware(requested, weights, "nvidia-ampere-a100e", 1)
+    assert hardware["gpus"] == gpus and says in inferred
+    if weights:
+        assert hardware["memory"] == f"{-(-weights * 3 // 2 // GIB) + 8}Gi"
+    _pod(LAUNCHER, _task(hardware))  # whatever was inferred makes a valid pod
+
+
+def test_hardware_the_request_names_is_kept_as_given():
+    from batch_pipeline.launch.k8s import infer_hardware
+
+    named = {"gpus": 3, "gpu_type": "nvidia-tesla-t4", "memory": "20Gi", "storage": 50, "cpus": 4}
+    assert infer_hardware(named, 200 * GIB, "nvidia-ampere-a100e", 1) == (named, None)

@@ -10,6 +10,7 @@ already speaks Pipes (progress lines, stats), and the client follows the pod and
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from typing import Any
@@ -35,12 +36,47 @@ MIG_RESOURCES = {
     "nvidia-hopper-h100-1g20gb": "nvidia.com/mig-1g.20gb",
     "nvidia-hopper-h100-3g40gb": "nvidia.com/mig-3g.40gb",
 }
+# GPU memory per device (GiB), to size a shard whose request names no GPU count.
+GPU_MEMORY_GIB = {
+    "nvidia-tesla-t4": 16, "nvidia-ampere-a10": 24, "nvidia-ampere-a100": 40, "nvidia-ampere-a100e": 80,
+    "nvidia-hopper-h100": 80, "nvidia-hopper-h100-1g20gb": 20, "nvidia-hopper-h100-3g40gb": 40,
+}
+# Weights take this share of GPU memory at most: the rest is KV cache, activations and CUDA graphs.
+WEIGHTS_SHARE_OF_GPU = 0.6
 LABEL_PREFIX = "batch-pipeline.io/"
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
 
 class InvalidHardware(ValueError):
     """A hardware field that no pod can carry; the message names the field."""
+
+
+def infer_hardware(requested: dict[str, Any], weights_bytes: int | None, default_gpu_type: str,
+                   default_gpus: int) -> tuple[dict[str, Any], str | None]:
+    """The request's hardware with what it left out filled in from the model's size, and a sentence saying
+    what was chosen (None when the request named it all)."""
+    hardware = dict(requested)
+    chosen = []
+    if hardware.get("gpu_type") is None:
+        hardware["gpu_type"] = default_gpu_type
+        chosen.append(f"gpu_type {default_gpu_type} (the deployment's default)")
+    if hardware.get("gpus") is None:
+        if weights_bytes:
+            per_gpu = GPU_MEMORY_GIB[hardware["gpu_type"]] * 2**30 * WEIGHTS_SHARE_OF_GPU
+            gpus = max(1, math.ceil(weights_bytes / per_gpu))
+            gpus = 1 << (gpus - 1).bit_length()  # tensor parallelism wants a power of two
+            chosen.append(f"gpus {gpus} for {weights_bytes / 2**30:.1f} GiB of weights")
+        else:
+            gpus = default_gpus
+            chosen.append(f"gpus {gpus} (weights not listable, the deployment's default)")
+        hardware["gpus"] = gpus
+    if weights_bytes and hardware.get("memory") is None:
+        hardware["memory"] = f"{math.ceil(weights_bytes * 1.5 / 2**30) + 8}Gi"  # load buffers + the runtime
+        chosen.append(f"memory {hardware['memory']}")
+    if weights_bytes and hardware.get("storage") is None:
+        hardware["storage"] = f"{math.ceil(weights_bytes * 1.2 / 2**30) + 10}Gi"  # the synced weights + scratch
+        chosen.append(f"storage {hardware['storage']}")
+    return hardware, ("inferred " + ", ".join(chosen)) if chosen else None
 
 
 def quantity(field: str, value: str | int | float, bare_unit: str = "") -> str:
@@ -77,14 +113,23 @@ class K8sShardLauncher(ShardLauncher):
         default_factory=lambda: dict(DEFAULT_GPU_NODE_SELECTORS),
         description="Node labels per gpu_type of the spec.",
     )
-    default_gpus: int = Field(default=1, description="GPUs of a shard whose request names none.")
+    default_gpus: int = Field(default=1, description="GPUs of a shard when neither request nor weights say.")
+    default_gpu_type: str = Field(default="nvidia-ampere-a100e", description="gpu_type of a request naming none.")
     kubeconfig_file: str | None = Field(default=None, description="Outside the cluster: the kubeconfig to use.")
     poll_interval_s: float = Field(default=10.0, description="How often the pod's state is read.")
 
-    def pod_overrides(self, task: ShardTask, now: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def hardware_for(self, task: ShardTask) -> tuple[dict[str, Any], str | None]:
+        from batch_pipeline.models import weights_bytes
+
+        config = task.model_config
+        size = weights_bytes(config["model"], config.get("checkpoint_path"))
+        return infer_hardware(task.hardware, size, self.default_gpu_type, self.default_gpus)
+
+    def pod_overrides(self, task: ShardTask, now: float | None = None,
+                      hardware: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, spec) of the shard's pod, without the container's command and image, which the Pipes
         client adds. Raises InvalidHardware naming the field."""
-        hardware = task.hardware
+        hardware = task.hardware if hardware is None else hardware
         gpu_type = hardware.get("gpu_type")
         gpus = hardware.get("gpus")
         gpus = self.default_gpus if gpus is None else gpus
@@ -120,8 +165,11 @@ class K8sShardLauncher(ShardLauncher):
     def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
         from dagster_k8s import PipesK8sClient
 
+        hardware, inferred = self.hardware_for(task)
+        if inferred:
+            context.log.info(f"shard {task.shard.shard_index}: {inferred}")
         try:
-            meta, spec = self.pod_overrides(task)
+            meta, spec = self.pod_overrides(task, hardware=hardware)
         except InvalidHardware as exc:
             raise dg.Failure(str(exc), allow_retries=False) from None
         try:
@@ -147,7 +195,8 @@ class K8sShardLauncher(ShardLauncher):
         reports = completed.get_custom_messages()
         if not reports:
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
-        return reports[-1]
+        # The job's metadata says what each shard ran on, and what of it was inferred.
+        return {**reports[-1], "pod_hardware": hardware, "pod_hardware_inferred": inferred}
 
 
 def _worker_failure(pod_error: str) -> str | None:
