@@ -99,3 +99,27 @@ def test_a_job_loads_its_weights_from_an_s3_checkpoint_path(run_job, s3, tmp_pat
     assert result.success, step_failure_messages(result)
     assert json.loads(output.read_text())[0]["text"]
     assert list((tmp_path / "cache" / "remote").glob("*/model.safetensors"))
+
+
+@pytest.mark.slow
+def test_shard_work_dirs_on_s3_are_shared_and_a_stored_checkpoint_is_resumed(run_job, s3, tmp_path, monkeypatch):
+    from batch_pipeline.shards import format_result
+
+    monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", "s3://batch/work")  # what pods on different nodes share
+    shard = "work/s3-work/shards/000"
+    # a previous attempt's checkpoint, as an earlier pod uploaded it
+    seeded = {"text": " SEEDED", "num_prompt_tokens": 5, "num_completion_tokens": 1}
+    s3.put_object(Bucket="batch", Key=f"{shard}/results.tsv", Body=format_result(0, seeded))
+    output = tmp_path / "out.json"
+    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL},
+                      "content": {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 4,
+                                  "temperature": 0.0}}, job_id="s3-work")
+    assert result.success, step_failure_messages(result)
+    first, second = json.loads(output.read_text())
+    assert first == seeded and second["text"] != seeded["text"]  # the stored result was kept, not redone
+    keys = {item["Key"] for item in s3.list_objects_v2(Bucket="batch", Prefix=shard)["Contents"]}
+    assert {f"{shard}/input.jsonl", f"{shard}/results.tsv", f"{shard}/output.tsv"} <= keys
+    stored = s3.get_object(Bucket="batch", Key=f"{shard}/results.tsv")["Body"].read().decode().splitlines()
+    assert sorted(int(line.split("\t")[0]) for line in stored) == [0, 1]
+    stats = json.loads((tmp_path / "out.json.metadata.json").read_text())["shards"][0]
+    assert stats["resumed"] == 1 and stats["generated"] == 1

@@ -12,6 +12,8 @@ import itertools
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 # that a shard of a million prompts does not hold them all in memory.
 DEFAULT_MAX_IN_FLIGHT = 1024
 PROGRESS_INTERVAL_S = 5.0
+CHECKPOINT_UPLOAD_S = float(os.environ.get("BATCH_PIPELINE_CHECKPOINT_UPLOAD_S", "30"))
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
 
@@ -167,23 +170,28 @@ class ShardRunner:
 
     def run(self) -> ShardStats:
         started = time.monotonic()
-        done = recover_checkpoint(self.shard.results_path)
-        self.stats.resumed = len(done)
-        if done:
-            self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
-        pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
-        first = next(pending, None)
-        if first is not None:
-            self._check_deadline()  # a retry past the deadline must not start an engine
-            try:
-                with open(self.shard.results_path, "a", encoding="utf-8") as results:
-                    work = prefix_ordered(itertools.chain([first], pending), self.max_in_flight)
-                    self._generate(work, results, already_done=len(done))
-            except OSError as exc:
-                if exc.filename is None and exc.errno in _WRITE_ERRORS:  # name the file a full disk stopped
-                    raise OSError(exc.errno, exc.strerror, self.shard.results_path) from None
-                raise
+        self.checkpoint = Checkpoint(self.shard.results_path)
+        try:
+            done = recover_checkpoint(self.checkpoint.local)
+            self.stats.resumed = len(done)
+            if done:
+                self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
+            pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
+            first = next(pending, None)
+            if first is not None:
+                self._check_deadline()  # a retry past the deadline must not start an engine
+                try:
+                    with open(self.checkpoint.local, "a", encoding="utf-8") as results:
+                        work = prefix_ordered(itertools.chain([first], pending), self.max_in_flight)
+                        self._generate(work, results, already_done=len(done))
+                except OSError as exc:
+                    if exc.filename is None and exc.errno in _WRITE_ERRORS:  # name the file a full disk stopped
+                        raise OSError(exc.errno, exc.strerror, self.checkpoint.local) from None
+                    raise
+        finally:
+            self.checkpoint.upload()  # whatever happened, what finished is kept where the next attempt looks
         self._finalize()
+        self.checkpoint.discard_local_copy()
         self.stats.wall_s = round(time.monotonic() - started, 3)
         return self.stats
 
@@ -227,6 +235,7 @@ class ShardRunner:
                     item, item_results = done
                     self._write(results, item.index, self.handlers[item.kind].output(item, item_results))
                     finished += 1
+            self.checkpoint.upload_if_due()
             now = time.monotonic()
             if now - last_report >= PROGRESS_INTERVAL_S:
                 last_report = now
@@ -273,7 +282,7 @@ class ShardRunner:
         """Write output.tsv: every result, sorted by index, and total the tokens and errors."""
         offsets: dict[int, tuple[int, int]] = {}
         prompt_tokens = completion_tokens = errors = 0
-        with open(self.shard.results_path, "rb") as results:
+        with open(self.checkpoint.local, "rb") as results:
             position = 0
             for line in results:
                 index_text, _, payload = line.partition(b"\t")
@@ -294,6 +303,37 @@ class ShardRunner:
                     output_file.write(results.read(length))
         self.stats.prompt_tokens, self.stats.completion_tokens, self.stats.errors = (
             prompt_tokens, completion_tokens, errors)
+
+
+class Checkpoint:
+    """The shard's results file. Appends and flushes to a local file are what make a shard resumable; when
+    the shard's directory is on an object store (shards in pods on different nodes), that local file
+    starts as the stored copy and is uploaded whole every CHECKPOINT_UPLOAD_S and when the worker stops,
+    so a retry elsewhere loses at most that much work."""
+
+    def __init__(self, results_path: str) -> None:
+        self.remote = None if io.is_local(results_path) else results_path
+        self.local = results_path
+        self._last_upload = time.monotonic()
+        if self.remote is not None:
+            self.local = os.path.join(tempfile.mkdtemp(prefix="batch-pipeline-shard-"), "results.tsv")
+            fs, path = io.filesystem(self.remote)
+            if fs.exists(path):
+                fs.get_file(path, self.local)
+
+    def upload_if_due(self) -> None:
+        if self.remote is not None and time.monotonic() - self._last_upload >= CHECKPOINT_UPLOAD_S:
+            self.upload()
+
+    def discard_local_copy(self) -> None:
+        if self.remote is not None:
+            shutil.rmtree(os.path.dirname(self.local), ignore_errors=True)
+
+    def upload(self) -> None:
+        if self.remote is not None and os.path.exists(self.local):
+            fs, path = io.filesystem(self.remote)
+            fs.put_file(self.local, path)
+            self._last_upload = time.monotonic()
 
 
 def recover_checkpoint(results_path: str) -> set[int]:
