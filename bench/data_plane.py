@@ -68,6 +68,15 @@ def stand_in_outputs(work_dir: str) -> None:
                                                         "num_completion_tokens": 4}))
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak RSS. Not getrusage's ru_maxrss: Linux carries that across fork and exec, so a
+    child would report its parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def in_child(phase: str, *args: str) -> dict:
     completed = subprocess.run([sys.executable, __file__, "--phase", phase, *args], capture_output=True, text=True,
                                check=True)
@@ -86,7 +95,7 @@ def main() -> None:
     if options.phase:  # a child: one phase, then its own peak RSS
         result = plan(options.args[0], options.args[1], int(options.args[2])) if options.phase == "plan" else \
             merge(options.args[0], options.args[1], int(options.args[2]))
-        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        result["peak_rss_mb"] = peak_rss_mb()
         print(json.dumps(result))
         return
 
