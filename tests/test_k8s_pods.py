@@ -161,3 +161,12 @@ def test_hardware_the_request_names_is_kept_as_given():
 
     named = {"gpus": 3, "gpu_type": "nvidia-tesla-t4", "memory": "20Gi", "storage": 50, "cpus": 4}
     assert infer_hardware(named, 200 * GIB, "nvidia-ampere-a100e", 1) == (named, None)
+
+
+def test_a_pod_with_several_gpus_runs_its_engine_over_all_of_them_unless_the_request_chose():
+    from batch_pipeline.launch.k8s import engine_spread_over_gpus
+
+    assert engine_spread_over_gpus(_task(), {"gpus": 4}).model_config == {"model": "m", "tensor_parallel_size": 4}
+    assert engine_spread_over_gpus(_task(), {"gpus": 1}).model_config == {"model": "m"}
+    chosen = ShardTask(**{**_task().__dict__, "model_config": {"model": "m", "pipeline_parallel_size": 2}})
+    assert engine_spread_over_gpus(chosen, {"gpus": 4}).model_config == {"model": "m", "pipeline_parallel_size": 2}

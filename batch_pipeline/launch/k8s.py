@@ -9,6 +9,7 @@ already speaks Pipes (progress lines, stats), and the client follows the pod and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -168,6 +169,7 @@ class K8sShardLauncher(ShardLauncher):
         hardware, inferred = self.hardware_for(task)
         if inferred:
             context.log.info(f"shard {task.shard.shard_index}: {inferred}")
+        task = engine_spread_over_gpus(task, hardware)
         try:
             meta, spec = self.pod_overrides(task, hardware=hardware)
         except InvalidHardware as exc:
@@ -197,6 +199,16 @@ class K8sShardLauncher(ShardLauncher):
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
         # The job's metadata says what each shard ran on, and what of it was inferred.
         return {**reports[-1], "pod_hardware": hardware, "pod_hardware_inferred": inferred}
+
+
+def engine_spread_over_gpus(task: ShardTask, hardware: dict[str, Any]) -> ShardTask:
+    """A pod with several GPUs runs one engine over all of them (tensor parallelism), unless the request
+    chose its own parallelism."""
+    config = task.model_config
+    gpus = hardware.get("gpus") or 0
+    if gpus <= 1 or config.get("tensor_parallel_size") or config.get("pipeline_parallel_size"):
+        return task
+    return dataclasses.replace(task, model_config={**config, "tensor_parallel_size": gpus})
 
 
 def _worker_failure(pod_error: str) -> str | None:
