@@ -21,6 +21,7 @@ serve: model
 # Measurements against baselines in the same run; results in bench/results/ (not in git).
 bench: model
 	$(PY) bench/data_plane.py
+	$(PY) bench/engine_overhead.py
 	$(PY) bench/sample_vs_raw.py
 	$(PY) bench/structured_mix.py
 	$(PY) bench/control_plane.py
