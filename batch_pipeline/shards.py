@@ -245,15 +245,7 @@ class ShardTask:
     labels: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "shard": self.shard.to_dict(),
-            "model_config": self.model_config,
-            "shard_count": self.shard_count,
-            "deadline": self.deadline,
-            "job_id": self.job_id,
-            "hardware": self.hardware,
-            "labels": self.labels,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ShardTask:

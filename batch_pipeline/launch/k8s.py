@@ -19,8 +19,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline.launch.base import ShardLauncher
-from batch_pipeline.launch.local import raise_if_past_deadline
+from batch_pipeline.launch.base import ShardLauncher, raise_if_past_deadline, worker_stats
 from batch_pipeline.shards import ShardTask
 
 # NVIDIA GPU feature discovery's product label, per GPU type of the spec; MIG types also name their slice.
@@ -194,11 +193,9 @@ class K8sShardLauncher(ShardLauncher):
             raise_if_past_deadline(task)
             reason = _worker_failure(str(exc)) or str(exc).strip().splitlines()[0]
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker failed: {reason}") from None
-        reports = completed.get_custom_messages()
-        if not reports:
-            raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
         # The job's metadata says what each shard ran on, and what of it was inferred.
-        return {**reports[-1], "pod_hardware": hardware, "pod_hardware_inferred": inferred}
+        stats = worker_stats(task, completed.get_custom_messages())
+        return {**stats, "pod_hardware": hardware, "pod_hardware_inferred": inferred}
 
 
 def engine_spread_over_gpus(task: ShardTask, hardware: dict[str, Any]) -> ShardTask:

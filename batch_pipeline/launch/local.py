@@ -4,13 +4,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline.launch.base import ShardLauncher
+from batch_pipeline.launch.base import ShardLauncher, raise_if_past_deadline, worker_stats
 from batch_pipeline.shards import ShardTask
 
 
@@ -18,16 +17,6 @@ def local_shard_concurrency() -> int:
     """How many shard workers may run at once on this machine: each holds a whole engine (~2.3 GiB for
     the catalog model on the CPU), and more workers than cores only share the same cores."""
     return int(os.environ.get("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", max(1, os.cpu_count() or 1)))
-
-
-def raise_if_past_deadline(task: ShardTask) -> None:
-    """A worker stopped by the job's deadline must not be retried: a retry would only stop again."""
-    if task.deadline is not None and time.time() >= task.deadline:
-        raise dg.Failure(
-            f"max_runtime_sec exceeded: shard {task.shard.shard_index} was stopped at the job's deadline; "
-            "its finished results are kept",
-            allow_retries=False,
-        )
 
 
 class LocalShardLauncher(ShardLauncher):
@@ -66,9 +55,7 @@ class LocalShardLauncher(ShardLauncher):
             raise dg.Failure(
                 f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
             )
-        if not reports:
-            raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
-        return reports[-1]
+        return worker_stats(task, reports)
 
     @staticmethod
     def _cpu_share(task: ShardTask) -> dict[str, str]:
