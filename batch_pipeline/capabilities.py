@@ -12,8 +12,10 @@ from pathlib import Path
 
 from batch_pipeline import io
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.worker.code_evaluator import TOOL_NAME
 
 DATA_ROOTS_ENV = "BATCH_PIPELINE_DATA_ROOTS"
+MAX_EXECUTION_TIMEOUT_S = 600
 
 
 def data_roots() -> list[Path]:
@@ -38,8 +40,23 @@ def refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
         path = getattr(request, field)
         if path is not None and outside_data_roots(path, roots):
             found.append((field, f"{path} is outside the data roots this server may read and write"))
-    if request.tool_config is not None:
-        found.append(("tool_config", "tool use is not supported by this deployment yet"))
+    found.extend(_tool_refusals(request))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
+    return found
+
+
+def _tool_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
+    tool_config = request.tool_config
+    if tool_config is None:
+        return []
+    found = []
+    if tool_config.name != TOOL_NAME:
+        found.append(("tool_config.name", f"unknown tool {tool_config.name!r}; the one tool is {TOOL_NAME!r}"))
+    if isinstance(request.content, list):
+        found.append(("tool_config", "the code_evaluator loop serves v1 content (prompts); v2 chat requests "
+                                     "declare functions in `tools` instead"))
+    timeout = tool_config.execution_timeout_seconds
+    if timeout is not None and timeout > MAX_EXECUTION_TIMEOUT_S:
+        found.append(("tool_config.execution_timeout_seconds", f"at most {MAX_EXECUTION_TIMEOUT_S} s an execution"))
     return found

@@ -243,6 +243,7 @@ class ShardTask:
     job_id: str = ""
     hardware: dict[str, Any] = field(default_factory=dict)  # the request's gpus, gpu_type, cpus, memory, storage
     labels: dict[str, str] = field(default_factory=dict)
+    tool_config: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -257,4 +258,5 @@ class ShardTask:
             job_id=raw.get("job_id", ""),
             hardware=raw.get("hardware") or {},
             labels=raw.get("labels") or {},
+            tool_config=raw.get("tool_config"),
         )

@@ -75,7 +75,9 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         ({"model_config": {"model": MODEL}, "content": {"prompts": [], "max_new_tokens": 1, "temperature": 0}},
          ["body", "output_data_path"]),
         (_body(tmp_path, priority="whenever"), ["body", "priority"]),
-        (_body(tmp_path, tool_config={"name": "code_evaluator"}), ["body", "tool_config"]),
+        (_body(tmp_path, tool_config={"name": "web_browser"}), ["body", "tool_config", "name"]),
+        (_body(tmp_path, tool_config={"name": "code_evaluator", "max_iterations": 0}),
+         ["body", "tool_config", "max_iterations"]),
         (_body(tmp_path, nodes_per_worker=2), ["body", "nodes_per_worker"]),
     ]
     completions = api.client.post(
@@ -89,6 +91,12 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
     v2 = api.client.post("/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "n": 0}]), headers=ALICE)
     assert v2.status_code == 422
     assert v2.json()["detail"][0]["loc"] == ["body", "content", "completion", 0, "n"]
+    tools_on_chat = _body(tmp_path, content=[{"messages": [{"role": "user", "content": "x"}]}],
+                          tool_config={"name": "code_evaluator"})
+    refused = api.client.post("/v2/batch-completions", json=tools_on_chat, headers=ALICE)
+    assert refused.status_code == 422
+    assert refused.json()["detail"][0]["loc"] == ["body", "tool_config"]
+    assert "tools" in refused.json()["detail"][0]["msg"]
 
 
 def test_auth_keys_and_ownership(deployment_factory, tmp_path):

@@ -42,10 +42,10 @@ def test_empty_prompt_list_fails_clearly(run_job, tmp_path):
 
 def test_parts_this_deployment_cannot_serve_are_refused_naming_the_field(run_job, tmp_path):
     content = {"prompts": ["a"], "max_new_tokens": 4, "temperature": 0.0}
-    result = run_job(_request(tmp_path, content=content, tool_config={"name": "code_evaluator"}, nodes_per_worker=2))
+    result = run_job(_request(tmp_path, content=content, tool_config={"name": "shell"}, nodes_per_worker=2))
     assert not result.success
     (message,) = step_failure_messages(result)
-    assert "tool_config:" in message and "nodes_per_worker:" in message
+    assert "tool_config.name:" in message and "nodes_per_worker:" in message
 
 
 def test_an_unwritable_output_location_fails_before_any_inference_naming_the_path(run_job, tmp_path):

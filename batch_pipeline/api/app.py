@@ -33,7 +33,7 @@ from batch_pipeline.priority import InvalidPriority
 
 def _unprocessable(problems: list[tuple[str, str]]) -> JSONResponse:
     """The same shape as FastAPI's own validation errors, so clients parse one format."""
-    detail = [{"loc": ["body", field], "msg": message, "type": "value_error"} for field, message in problems]
+    detail = [{"loc": ["body", *field.split(".")], "msg": message, "type": "value_error"} for field, message in problems]
     return JSONResponse(status_code=422, content={"detail": detail})
 
 

@@ -33,6 +33,14 @@ class ToolConfig(WireModel):
     execution_timeout_seconds: int | None = 60
     should_retry_on_error: bool | None = True
 
+    # Not bounds of the spec's schema (so kept out of it), but no loop runs no rounds or in no time.
+    @field_validator("max_iterations", "execution_timeout_seconds")
+    @classmethod
+    def _at_least_one(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
 
 class CreateBatchCompletionsV1RequestContent(WireModel):
     """Prompts sharing one set of sampling parameters."""

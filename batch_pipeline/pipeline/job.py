@@ -134,6 +134,7 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
         task = ShardTask(
             shard=shard, model_config=request["model_config"], shard_count=len(shards), deadline=deadline,
             job_id=job_id, hardware=hardware, labels=request.get("labels") or {},
+            tool_config=request.get("tool_config"),
         )
         yield dg.DynamicOutput(task.to_dict(), mapping_key=f"shard_{shard.shard_index:03d}")
 

@@ -25,8 +25,11 @@ from batch_pipeline.contract import (
     CreateBatchCompletionsV1RequestContent,
     ErrorDetail,
     ErrorOutput,
+    ToolConfig,
 )
 from batch_pipeline.shards import ShardTask, WorkItem, format_result, read_work_items, write_generated_tokens
+from batch_pipeline.worker.code_evaluator import CodeEvaluatorRequests
+from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,11 @@ class ShardStats:
     generate_s: float = 0.0
     wall_s: float = 0.0
     unsupported_engine_args: list[str] = field(default_factory=list)
+    # code_evaluator runs: executions, how many failed or ran out of time, and the sandbox's isolation
+    tool_executions: int = 0
+    tool_failed_executions: int = 0
+    tool_timed_out_executions: int = 0
+    sandbox: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,29 +137,38 @@ class V1Requests:
     """v1 content: one prompt per item, sampling parameters shared by the prompts of one content."""
 
     def __init__(self) -> None:
-        self._params: dict[str, tuple[Any, bool]] = {}
+        self._contents: dict[str, CreateBatchCompletionsV1RequestContent] = {}
+        self._params: dict[str, Any] = {}
 
     def submit(self, engine: Any, item: WorkItem) -> list[str]:
-        params, _ = self._sampling(item)
         request_id = str(item.index)
-        engine.add_request(request_id, item.request["prompt"], params)
+        engine.add_request(request_id, item.request["prompt"], self._sampling(item))
         return [request_id]
 
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
         from batch_pipeline.worker.sampling import v1_output
 
-        _, with_logprobs = self._sampling(item)
-        return v1_output(results[0], with_logprobs).model_dump()
+        return v1_output(results[0], bool(self.content(item).return_token_log_probs)).model_dump()
 
-    def _sampling(self, item: WorkItem) -> tuple[Any, bool]:
+    def content(self, item: WorkItem) -> CreateBatchCompletionsV1RequestContent:
+        """The item's content (its shared parameters, no prompts), parsed once per distinct content."""
+        key = _shared_key(item)
+        if key not in self._contents:
+            shared = {name: value for name, value in item.request.items() if name != "prompt"}
+            self._contents[key] = CreateBatchCompletionsV1RequestContent(prompts=[], **shared)
+        return self._contents[key]
+
+    def _sampling(self, item: WorkItem) -> Any:
         from batch_pipeline.worker.sampling import v1_sampling_params
 
-        shared = {key: value for key, value in item.request.items() if key != "prompt"}
-        key = json.dumps(shared, sort_keys=True)
+        key = _shared_key(item)
         if key not in self._params:
-            content = CreateBatchCompletionsV1RequestContent(prompts=[], **shared)
-            self._params[key] = (v1_sampling_params(content), bool(content.return_token_log_probs))
+            self._params[key] = v1_sampling_params(self.content(item))
         return self._params[key]
+
+
+def _shared_key(item: WorkItem) -> str:
+    return json.dumps({name: value for name, value in item.request.items() if name != "prompt"}, sort_keys=True)
 
 
 class ShardRunner:
@@ -205,45 +222,57 @@ class ShardRunner:
         self.report(f"engine ready in {self.stats.engine_start_s:.1f}s")
         engine = llm.llm_engine
 
-        self._add_openai_handlers(llm, model_config)
+        self._add_engine_handlers(llm, model_config)
+        tool_loop = self.handlers["v1"] if isinstance(self.handlers["v1"], CodeEvaluatorRequests) else None
         in_flight = InFlight()
-        finished = already_done
         t0 = last_report = time.monotonic()
-        exhausted = False
-        while True:
-            while not exhausted and len(in_flight) < self.max_in_flight:
-                item = next(pending, None)
-                if item is None:
-                    exhausted = True
+        try:
+            while True:
+                waiting = tool_loop.waiting if tool_loop else 0
+                while len(in_flight) + waiting < self.max_in_flight and (item := next(pending, None)) is not None:
+                    self._submit(engine, item, in_flight, results)
+                if tool_loop is not None:  # prompts whose code has run go back into the engine, or finish
+                    for item, step in tool_loop.resume(engine, block=not in_flight):
+                        if isinstance(step, dict):
+                            self._write(results, item.index, step)
+                        else:
+                            in_flight.add(item, step)
+                if not in_flight:
+                    if tool_loop is not None and tool_loop.waiting:
+                        continue
                     break
-                try:
-                    in_flight.add(item, self.handlers[item.kind].submit(engine, item))
-                except RequestRefused as exc:
-                    self._write(results, item.index, error_output(exc.code, str(exc)))
-                    finished += 1
-                except Exception as exc:  # vLLM refuses the single request (e.g. prompt too long)
-                    self._write(results, item.index, error_output(_error_code(exc), str(exc)))
-                    finished += 1
-            if not in_flight:
-                break
-            self._check_deadline(engine, in_flight)
-            for result in engine.step():
-                if not result.finished:
-                    continue
-                done = in_flight.finish(result)
-                if done is not None:
-                    item, item_results = done
-                    self._write(results, item.index, self.handlers[item.kind].output(item, item_results))
-                    finished += 1
-            self.checkpoint.upload_if_due()
-            now = time.monotonic()
-            if now - last_report >= PROGRESS_INTERVAL_S:
-                last_report = now
-                self._report_progress(finished, now - t0)
+                self._check_deadline(engine, in_flight)
+                for result in engine.step():
+                    if result.finished and (done := in_flight.finish(result)) is not None:
+                        item, item_results = done
+                        output = self.handlers[item.kind].output(item, item_results)
+                        if output is not None:  # None: its code is running; it comes back through resume
+                            self._write(results, item.index, output)
+                self.checkpoint.upload_if_due()
+                now = time.monotonic()
+                if now - last_report >= PROGRESS_INTERVAL_S:
+                    last_report = now
+                    self._report_progress(already_done, now - t0)
+        finally:
+            if tool_loop is not None:
+                tool_loop.close()
+                self.stats.tool_executions = tool_loop.executions
+                self.stats.tool_failed_executions = tool_loop.failed_executions
+                self.stats.tool_timed_out_executions = tool_loop.timed_out_executions
         results.flush()
         os.fsync(results.fileno())
         self.stats.generate_s = round(time.monotonic() - t0, 3)
-        self._report_progress(finished, self.stats.generate_s)
+        self._report_progress(already_done, self.stats.generate_s)
+
+    def _submit(self, engine: Any, item: WorkItem, in_flight: InFlight, results: IO[str]) -> None:
+        try:
+            if isinstance(self.handlers["v1"], CodeEvaluatorRequests) and item.kind != "v1":
+                raise RequestRefused("unsupported_field", _TOOLS_ON_V2)
+            in_flight.add(item, self.handlers[item.kind].submit(engine, item))
+        except RequestRefused as exc:
+            self._write(results, item.index, error_output(exc.code, str(exc)))
+        except Exception as exc:  # vLLM refuses the single request (e.g. prompt too long)
+            self._write(results, item.index, error_output(_error_code(exc), str(exc)))
 
     def _write(self, results: IO[str], index: int, output: dict[str, Any]) -> None:
         # One write and a flush per result: a killed worker leaves whole lines, plus at most one torn one.
@@ -253,7 +282,8 @@ class ShardRunner:
         self.stats.errors += "error" in output
         self.stats.completion_tokens += token_counts(output)[1]
 
-    def _report_progress(self, finished: int, elapsed: float) -> None:
+    def _report_progress(self, already_done: int, elapsed: float) -> None:
+        finished = already_done + self.stats.generated
         rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
         with contextlib.suppress(OSError):  # a progress figure never fails a shard; the checkpoint does
             write_generated_tokens(self.shard.tokens_path, self.stats.completion_tokens)
@@ -262,11 +292,17 @@ class ShardRunner:
             f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"
         )
 
-    def _add_openai_handlers(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
+    def _add_engine_handlers(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
         from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
 
         self.handlers["completion"] = CompletionRequests(llm, model_config)
         self.handlers["chat"] = ChatRequests(llm, model_config)
+        if self.task.tool_config is not None:
+            tool_config = ToolConfig.model_validate(self.task.tool_config)
+            sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
+            self.stats.sandbox = sandbox.isolation.to_dict()
+            self.report(f"code_evaluator sandbox: {self.stats.sandbox}")
+            self.handlers["v1"] = CodeEvaluatorRequests(self.handlers["v1"], tool_config, llm.get_tokenizer(), sandbox)
 
     def _check_deadline(self, engine: Any | None = None, in_flight: InFlight | None = None) -> None:
         if self.task.deadline is not None and time.time() > self.task.deadline:
@@ -350,6 +386,11 @@ def recover_checkpoint(results_path: str) -> set[int]:
             whole_bytes += len(line)
         handle.truncate(whole_bytes)
     return done
+
+
+_TOOLS_ON_V2 = (
+    "tool_config: the code_evaluator loop serves v1 prompts; v2 chat requests declare functions in `tools`"
+)
 
 
 def _error_code(exc: Exception) -> str:

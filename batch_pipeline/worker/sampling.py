@@ -7,16 +7,19 @@ from typing import Any
 from batch_pipeline.contract import CompletionOutput, CreateBatchCompletionsV1RequestContent, TokenOutput
 
 
-def v1_sampling_params(content: CreateBatchCompletionsV1RequestContent):
-    """The mapping of Scale's v1 content to vLLM, as its reference batch runner does it."""
+def v1_sampling_params(
+    content: CreateBatchCompletionsV1RequestContent, max_tokens: int | None = None, extra_stop: list[str] = ()
+):
+    """The mapping of Scale's v1 content to vLLM, as its reference batch runner does it; a tool loop's
+    round passes its remaining budget and the tool's own stop string."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
         output_kind=RequestOutputKind.FINAL_ONLY,
-        max_tokens=content.max_new_tokens,
+        max_tokens=max_tokens or content.max_new_tokens,
         temperature=content.temperature,
-        stop=content.stop_sequences,
+        stop=[*(content.stop_sequences or []), *extra_stop] or None,
         # 0 = the sampled token's own log-probability, nothing more.
         logprobs=0 if content.return_token_log_probs else None,
         presence_penalty=content.presence_penalty or 0.0,
