@@ -224,6 +224,10 @@ def _prepare(name: str) -> int:
 
 
 def _run(path: Path, show: int) -> int:
+    from batch_pipeline.pipeline import step_server
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before the step server: it keeps this environment
+    step_server.start()  # its imports (~2 s) run beside this process's own instead of at the first step
     import dagster as dg
 
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
@@ -237,7 +241,6 @@ def _run(path: Path, show: int) -> int:
         print(f"{path}: invalid request: {describe_validation_error(exc)}", file=sys.stderr)
         return 2
     request = _with_absolute_local_paths(request)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     instance = dg.DagsterInstance.get()
     result = execute_request(request, instance, log_level="INFO")
     if not result.success:

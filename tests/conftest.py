@@ -5,12 +5,21 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.execute import execute_request
 
 MODEL = "smollm2-135m-instruct"
 pytest_plugins = ["tests.api_fixtures"]
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@pytest.fixture(autouse=True)
+def fresh_step_server():
+    """The local executor forks step processes from a server that keeps the environment it started with;
+    stopping it after each test lets the next test's runs see that test's DAGSTER_HOME and variables."""
+    yield
+    step_server.stop()
 
 
 @pytest.fixture

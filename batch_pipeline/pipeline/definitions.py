@@ -8,6 +8,7 @@ import dagster as dg
 
 from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
 from batch_pipeline.launch.local import local_shard_concurrency
+from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.schedules import schedules_from_environment
@@ -35,11 +36,16 @@ def shard_launcher_from_environment() -> ShardLauncher:
     )
 
 
+# Step processes fork from a server that has imported this module and the instance's storage once per run
+# (step_server), instead of each being a fresh Python that imports them again: ~2.3 s -> ~0.2 s per step,
+# five or more steps a job (2 cores). The server starts with a process's first step and keeps that
+# environment: a process running several jobs under different variables (the tests) stops it between them.
 local_executor = dg.multiprocess_executor.configured(
     {
         "tag_concurrency_limits": [
             {"key": SHARD_STEP_TAG, "value": "shard", "limit": local_shard_concurrency()},
-        ]
+        ],
+        "start_method": {"forkserver": {"preload_modules": step_server.PRELOAD_MODULES}},
     },
     name="local_executor",
 )

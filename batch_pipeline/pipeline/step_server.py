@@ -1,0 +1,26 @@
+"""The server the local executor forks step processes from (multiprocessing's forkserver)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import forkserver
+
+# What every step would import again: the executor's child side, this package's job and resources, and the
+# instance's storage (SQLite locally, PostgreSQL in production).
+PRELOAD_MODULES = [
+    "dagster._core.executor.multiprocess",
+    "batch_pipeline.pipeline.definitions",
+    "dagster._core.storage.sqlite_storage",
+    "dagster_postgres",
+]
+
+
+def start() -> None:
+    """Start it now, so that its imports run beside the caller's own instead of at the run's first step."""
+    multiprocessing.set_forkserver_preload(PRELOAD_MODULES)
+    forkserver.ensure_running()
+
+
+def stop() -> None:
+    """Stop it: the next step starts a new one, in the environment of that moment."""
+    forkserver._forkserver._stop()  # no public way; CPython's own tests stop it so
