@@ -18,13 +18,16 @@ test: model
 serve: model
 	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.serve
 
-# Measurements against baselines in the same run; results in bench/results/ (not in git).
+# Measurements against baselines in the same run; results and their charts in bench/results/ (not in git).
 bench: model
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/data_plane.py
 	$(PY) bench/engine_overhead.py
 	$(PY) bench/sample_vs_raw.py
 	$(PY) bench/structured_mix.py
 	$(PY) bench/control_plane.py
+	$(PY) bench/sharding.py
+	$(PY) bench/plots.py
 
 install: $(VENV)/.installed
 

@@ -1,9 +1,12 @@
 """The benchmark scripts run (on tiny inputs: timing belongs in bench/, never in tests)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,3 +21,70 @@ def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(row["format"], row["prompts"]) for row in rows] == [("jsonl", 50), ("jsonl", 120), ("json", 50), ("json", 120)]
     assert all(row["plan_peak_rss_mb"] > 0 and row["merge_s"] >= 0 for row in rows)
+
+
+@pytest.mark.slow
+def test_the_sharding_benchmark_runs_the_job_at_each_dp_and_predicts_from_dp_1(tmp_path):
+    out = tmp_path / "sharding.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "sharding.py"), "--prompts", "4", "--max-tokens", "4", "--dp", "1", "2",
+         "--repeat", "1", "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    result = json.loads(out.read_text())
+    assert [(run["dp"], run["shards_run"]) for run in result["runs"]] == [(1, 1), (2, 2)]
+    assert all(shard["engine_start_s"] > 0 and shard["items"] > 0 for run in result["runs"] for shard in run["shards"])
+    assert [row["dp"] for row in result["summary"]] == [1, 2]
+    model = result["model"]
+    assert model["fixed_s"] > model["engine_start_s"] > 0
+    assert [row["n"] for row in model["devices"]][:2] == [1, 2] and model["devices"][0]["speedup"] == 1.0
+    assert "| dp | shards |" in completed.stdout
+
+
+def load_plots():
+    spec = importlib.util.spec_from_file_location("plots", REPO / "bench" / "plots.py")
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    return plots
+
+
+def runs(*rates: float) -> list[dict]:
+    return [{"wall_s": 1.0, "completion_tokens": 10, "tokens_per_s": rate} for rate in rates]
+
+
+def write_results(results: Path) -> None:
+    """Small results of the three benchmarks plots.py draws, and an older one it must not pick."""
+    (results / "engine_overhead-20260101T000000.json").write_text(json.dumps(
+        {"prompts": 8, "max_tokens": 4, "runs": {"greedy": {"ours": runs(1.0)}}}))
+    (results / "engine_overhead-20261129T120000.json").write_text(json.dumps(
+        {"prompts": 8, "max_tokens": 4, "runs": {"greedy": {"ours": runs(30.0, 20.0, 25.0), "raw": runs(40.0)}}}))
+    (results / "data_plane-20261129T120000.json").write_text(json.dumps({"rows": [
+        {"format": fmt, "prompts": size, "plan_s": size / 1000, "merge_s": size / 5000, "plan_peak_rss_mb": 37,
+         "merge_peak_rss_mb": 36} for fmt in ("jsonl", "json") for size in (1000, 100)]}))
+    (results / "sharding-20261129T120000.json").write_text(json.dumps({
+        "prompts": 8, "max_tokens": 4, "cpu_count": 2,
+        "summary": [{"dp": dp, "wall_s_median": 30.0 + dp, "wall_s_min": 29.0 + dp, "wall_s_max": 33.0 + dp}
+                    for dp in (2, 1)],
+        "model": {"devices": [{"n": n, "wall_s": 20 + 10 / n} for n in (1, 2, 4)]}}))
+
+
+def test_plots_reads_the_newest_results_of_each_benchmark_into_its_series(tmp_path):
+    plots = load_plots()  # reading needs no matplotlib: CI does not install it
+    write_results(tmp_path)
+    engine = plots.engine_series(plots.newest(tmp_path, "engine_overhead"))
+    assert engine == [{"mode": "greedy", "system": "ours", "median": 25.0, "min": 20.0, "max": 30.0},
+                      {"mode": "greedy", "system": "raw", "median": 40.0, "min": 40.0, "max": 40.0}]
+    data_plane = plots.data_plane_series(plots.newest(tmp_path, "data_plane"))
+    assert data_plane["json"]["prompts"] == [100, 1000] and data_plane["json"]["plan_s"] == [0.1, 1.0]
+    sharding = plots.sharding_series(plots.newest(tmp_path, "sharding"))
+    assert sharding["dp"] == [1, 2] and sharding["min"] == [30.0, 31.0] and sharding["devices"] == [1, 2, 4]
+    assert plots.newest(tmp_path, "control_plane") is None
+
+
+def test_plots_draws_a_png_per_benchmark(tmp_path):
+    pytest.importorskip("matplotlib")  # the bench extra; `make bench` installs it
+    write_results(tmp_path)
+    completed = subprocess.run([sys.executable, str(REPO / "bench" / "plots.py"), "--results", str(tmp_path)],
+                               check=True, capture_output=True, text=True, timeout=300)
+    for name in ("engine_overhead", "data_plane", "sharding"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", completed.stdout
