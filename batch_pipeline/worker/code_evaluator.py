@@ -94,8 +94,9 @@ class CodeEvaluatorRequests:
 
     def submit(self, engine: Any, item: WorkItem) -> list[str]:
         loop = ToolLoop(item, content=self.v1.content(item))
+        request_id = self._add_round(engine, loop)  # may refuse the prompt (too long): then nothing to keep
         self._loops[item.index] = loop
-        return [self._add_round(engine, loop)]
+        return [request_id]
 
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any] | None:
         """The item's output once its loop ends; None while its code runs."""

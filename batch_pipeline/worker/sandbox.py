@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import queue
-import resource
 import shutil
 import signal
 import stat
@@ -115,9 +114,9 @@ class Sandbox:
             stdout_path, stderr_path = os.path.join(private, "stdout"), os.path.join(private, "stderr")
             with open(program, "rb") as stdin, open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
                 process = subprocess.Popen(
-                    _command(self.python, uid, self._namespaces), stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
-                    env={**_ENVIRONMENT, "HOME": workdir, "TMPDIR": workdir},
-                    start_new_session=True, preexec_fn=self._limit_resources(timeout_s), close_fds=True,
+                    [*self._limits(timeout_s), *_command(self.python, uid, self._namespaces)],
+                    stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
+                    env={**_ENVIRONMENT, "HOME": workdir, "TMPDIR": workdir}, start_new_session=True,
                 )
                 timed_out = False
                 try:
@@ -140,20 +139,15 @@ class Sandbox:
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(private, ignore_errors=True)
 
-    def _limit_resources(self, timeout_s: float):
-        limits = self.limits
-
-        def apply() -> None:  # in the child, before exec: inherited by everything it starts
-            cpu = math.ceil(timeout_s) + 1
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            if self._as_root or self._namespaces:  # counted per uid (or user namespace): the sandbox's own
-                resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-
-        return apply
+    def _limits(self, timeout_s: float) -> list[str]:
+        """util-linux prlimit: set in the process that then execs the sandbox, inherited by all it starts
+        (rather than a preexec_fn, which is not safe in the worker's threaded process)."""
+        limits, cpu = self.limits, math.ceil(timeout_s) + 1
+        arguments = [f"--cpu={cpu}", f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
+                     f"--nofile={limits.open_files}", "--core=0"]
+        if self._as_root or self._namespaces:  # counted per uid (or user namespace): the sandbox's own
+            arguments.append(f"--nproc={limits.processes}")
+        return ["prlimit", *arguments, "--"]
 
     def _kill_everything(self, process: subprocess.Popen, uid: int | None) -> None:
         """The whole tree, including processes that left the session or outlived the program."""
@@ -163,11 +157,13 @@ class Sandbox:
             pass
         if uid is None:
             return
-        for _ in range(10):  # a fork bomb may fork while the first kill runs
+        # Until the uid has no process left: a fork bomb may fork while a kill runs, and killed processes
+        # take a moment to exit. The slot is not reused before then.
+        deadline = time.monotonic() + 10
+        while processes_of(uid) and time.monotonic() < deadline:
             subprocess.run([self.python, "-I", "-S", "-c", _KILL_ALL], user=uid, group=uid, extra_groups=[],
                            check=False, env=_ENVIRONMENT)
-            if not processes_of(uid):
-                return
+            time.sleep(0.02)
 
     def _probe_namespaces(self) -> bool:
         probe = _command("true", SANDBOX_UID_BASE if self._as_root else None, namespaces=True)
