@@ -92,7 +92,7 @@ def run_batch(spec: dict, work: Path) -> dict:
                     str(batch_out), "--model", path, "--enforce-eager"], env=env, check=True, capture_output=True)
     wall = time.monotonic() - started
     tokens = 0
-    for line in batch_out.read_text().splitlines():
+    for line in filter(None, batch_out.read_text().split("\n")):  # not splitlines: texts may hold U+2028 and kin
         response = json.loads(line)["response"]
         tokens += response["body"]["usage"]["completion_tokens"]
     return {"wall_s": wall, "completion_tokens": tokens}
@@ -145,6 +145,7 @@ def main() -> None:
     options = parser.parse_args()
 
     runs: dict[str, dict[str, list[dict]]] = {}
+    out = options.out or RESULTS / f"engine_overhead-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         for mode in options.modes:
@@ -163,7 +164,14 @@ def main() -> None:
                     result["tokens_per_s"] = result["completion_tokens"] / result["wall_s"]
                     runs.setdefault(mode, {}).setdefault(system, []).append(result)
                     print(json.dumps({"mode": mode, "system": system, "round": round_index, **result}), flush=True)
+                    # After every run: an interrupted benchmark keeps what it measured.
+                    summary = write_results(out, runs, options.prompts, options.max_tokens)
+    print_table(summary)
+    print(f"\nwritten to {out}")
 
+
+def summarize(runs: dict[str, dict[str, list[dict]]]) -> list[dict]:
+    """Per mode and system: the median wall and its spread, the median tokens/s, and its wall over ours."""
     summary = []
     for mode, by_system in runs.items():
         medians = {system: statistics.median(r["wall_s"] for r in results) for system, results in by_system.items()}
@@ -175,16 +183,23 @@ def main() -> None:
                             "wall_s_max": round(max(walls), 1),
                             "tokens_per_s_median": round(statistics.median(rates), 1),
                             "wall_vs_ours": round(medians[system] / medians["ours"], 3) if "ours" in medians else None})
-    out = options.out or RESULTS / f"engine_overhead-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    return summary
+
+
+def write_results(out: Path, runs: dict, prompt_count: int, max_tokens: int) -> list[dict]:
+    summary = summarize(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "engine_overhead", "prompts": options.prompts,
-                               "max_tokens": options.max_tokens, "runs": runs, "summary": summary}, indent=2))
+    out.write_text(json.dumps({"benchmark": "engine_overhead", "prompts": prompt_count, "max_tokens": max_tokens,
+                               "runs": runs, "summary": summary}, indent=2))
+    return summary
+
+
+def print_table(summary: list[dict]) -> None:
     print("\n| mode | system | wall s (median, min-max) | tokens/s | our wall / its wall |\n|---|---|---|---|---|")
     for row in summary:
         ratio = f"{1 / row['wall_vs_ours']:.2f}x" if row["wall_vs_ours"] else "-"
         print(f"| {row['mode']} | {row['system']} | {row['wall_s_median']} ({row['wall_s_min']}-{row['wall_s_max']}) "
               f"| {row['tokens_per_s_median']} | {ratio} |")
-    print(f"\nwritten to {out}")
 
 
 if __name__ == "__main__":
