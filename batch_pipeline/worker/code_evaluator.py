@@ -137,7 +137,7 @@ class CodeEvaluatorRequests:
                 continue
             try:
                 yield loop.item, [self._add_round(engine, loop)]
-            except ValueError:  # the transcript outgrew the model's context: it ends here, nothing lost
+            except Exception:  # the engine refused the longer prompt (past the context): it ends here, kept
                 yield loop.item, self._finish(loop)
 
     def close(self) -> None:
@@ -151,7 +151,7 @@ class CodeEvaluatorRequests:
     def _add_round(self, engine: Any, loop: ToolLoop) -> str:
         from batch_pipeline.worker.sampling import v1_sampling_params
 
-        params = v1_sampling_params(loop.content, max_tokens=loop.remaining_tokens, extra_stop=[TOOL_CALL])
+        params = v1_sampling_params(loop.content, max_tokens=loop.remaining_tokens, extra_stop=(TOOL_CALL,))
         request_id = f"{loop.item.index}" if loop.prompt_tokens is None else f"{loop.item.index}.{loop.executions}"
         engine.add_request(request_id, loop.item.request["prompt"] + loop.text, params)
         return request_id

@@ -8,7 +8,7 @@ from batch_pipeline.contract import CompletionOutput, CreateBatchCompletionsV1Re
 
 
 def v1_sampling_params(
-    content: CreateBatchCompletionsV1RequestContent, max_tokens: int | None = None, extra_stop: list[str] = ()
+    content: CreateBatchCompletionsV1RequestContent, max_tokens: int | None = None, extra_stop: tuple[str, ...] = ()
 ):
     """The mapping of Scale's v1 content to vLLM, as its reference batch runner does it; a tool loop's
     round passes its remaining budget and the tool's own stop string."""
