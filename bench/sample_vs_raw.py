@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine_overhead import run_script  # timed from process start to exit, as ours is
+
 REPO = Path(__file__).resolve().parents[1]
 
 RAW = r"""
@@ -54,16 +56,6 @@ def run_ours(request_path: Path) -> dict:
         return {"wall_s": wall, "completion_tokens": metadata["completion_tokens"]}
 
 
-def run_raw(request_path: Path) -> dict:
-    """Timed from process start to exit, as ours is: a clock inside the script misses vLLM's shutdown."""
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    started = time.monotonic()
-    completed = subprocess.run([sys.executable, "-c", RAW, str(request_path)], env=env, check=True,
-                               capture_output=True, text=True)
-    wall = time.monotonic() - started
-    return {"wall_s": wall, **json.loads(completed.stdout.strip().splitlines()[-1])}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("request", nargs="?", type=Path, default=REPO / "examples" / "sample_request.json")
@@ -72,7 +64,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {"ours": [], "raw_vllm": []}
     for _ in range(args.repeat):
         results["ours"].append(run_ours(args.request))
-        results["raw_vllm"].append(run_raw(args.request))
+        results["raw_vllm"].append(run_script(RAW, args.request))
     summary = {}
     for name, runs in results.items():
         walls = [r["wall_s"] for r in runs]

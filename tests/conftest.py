@@ -72,3 +72,10 @@ def worker_pids() -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def sandbox_processes() -> list[int]:
+    """Live processes of any code_evaluator sandbox uid (a killed one may linger as a zombie until init reaps it)."""
+    from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, processes_of
+
+    return [pid for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + 64) for pid in processes_of(uid)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, sandbox_processes
 
 pytestmark = pytest.mark.slow
 
@@ -143,10 +143,5 @@ def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, 
     assert "connected" not in texts["socket"].split(">>>")[1] and not accepted
     (shard,) = metadata["shards"]
     assert shard["tool_executions"] == 8 and shard["tool_failed_executions"] == 6  # all but compute, environment
-    assert not _sandbox_processes()
+    assert not sandbox_processes()
 
-
-def _sandbox_processes() -> list[int]:
-    from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, processes_of
-
-    return [pid for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + 64) for pid in processes_of(uid)]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxLimits, processes_of
+from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
+from tests.conftest import sandbox_processes
 
 ROOT = os.geteuid() == 0
 
@@ -17,11 +18,6 @@ ROOT = os.geteuid() == 0
 @pytest.fixture(scope="module")
 def sandbox():
     return Sandbox(SandboxLimits(timeout_s=3), slots=2)
-
-
-def sandbox_processes() -> list[int]:
-    """Live processes of any sandbox uid (a killed one may linger as a zombie until init reaps it)."""
-    return [pid for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + 64) for pid in processes_of(uid)]
 
 
 def sandbox_dirs() -> set[str]:

@@ -183,6 +183,7 @@ class ShardRunner:
         self.report = report
         self.max_in_flight = max_in_flight
         self.handlers: dict[str, Any] = {"v1": V1Requests()}
+        self.tool_loop: CodeEvaluatorRequests | None = None  # v1 prompts under tool_config; set with the engine
         self.stats = ShardStats(shard_index=self.shard.shard_index, items=self.shard.item_count)
 
     def run(self) -> ShardStats:
@@ -223,7 +224,7 @@ class ShardRunner:
         engine = llm.llm_engine
 
         self._add_engine_handlers(llm, model_config)
-        tool_loop = self.handlers["v1"] if isinstance(self.handlers["v1"], CodeEvaluatorRequests) else None
+        tool_loop = self.tool_loop
         in_flight = InFlight()
         t0 = last_report = time.monotonic()
         try:
@@ -266,7 +267,7 @@ class ShardRunner:
 
     def _submit(self, engine: Any, item: WorkItem, in_flight: InFlight, results: IO[str]) -> None:
         try:
-            if isinstance(self.handlers["v1"], CodeEvaluatorRequests) and item.kind != "v1":
+            if self.tool_loop is not None and item.kind != "v1":
                 raise RequestRefused("unsupported_field", _TOOLS_ON_V2)
             in_flight.add(item, self.handlers[item.kind].submit(engine, item))
         except RequestRefused as exc:
@@ -302,7 +303,8 @@ class ShardRunner:
             sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
             self.stats.sandbox = sandbox.isolation.to_dict()
             self.report(f"code_evaluator sandbox: {self.stats.sandbox}")
-            self.handlers["v1"] = CodeEvaluatorRequests(self.handlers["v1"], tool_config, llm.get_tokenizer(), sandbox)
+            self.tool_loop = CodeEvaluatorRequests(self.handlers["v1"], tool_config, llm.get_tokenizer(), sandbox)
+            self.handlers["v1"] = self.tool_loop
 
     def _check_deadline(self, engine: Any | None = None, in_flight: InFlight | None = None) -> None:
         if self.task.deadline is not None and time.time() > self.task.deadline:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 # Slots run as uids SANDBOX_UID_BASE + slot: unused by any account, one per slot so that one execution's
 # processes can neither signal nor exhaust the process limit of another.
@@ -70,7 +70,7 @@ class Isolation:
     network: str
 
     def to_dict(self) -> dict[str, str]:
-        return {"user": self.user, "namespaces": self.namespaces, "network": self.network}
+        return asdict(self)
 
 
 class Sandbox:
