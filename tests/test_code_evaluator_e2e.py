@@ -34,6 +34,11 @@ def ask_to_close(code: str) -> str:
     return f"{STATEMENTS_FEW_SHOT}Q: run `{code}`\n```python\n{code}\n"
 
 
+def ask_to_run(code: str) -> str:
+    """A prompt that itself ends asking for its block to run: the code runs whatever the model would write."""
+    return f"{ask_to_close(code)}```\n>>>\n"
+
+
 def run_tool_job(run_job, tmp_path: Path, prompts: list[str], max_new_tokens: int = 48, **tool_config) -> tuple:
     output = tmp_path / "output.json"
     result = run_job({
@@ -122,17 +127,16 @@ def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, 
         "environment": "import os; print(dict(os.environ))",
         "socket": f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')",
     }
-    # Each hostile prompt opens the block with its code; the model closes it and asks for the run.
-    prompts = [ask("print(123 * 456)"), *(ask_to_close(code) for code in hostile.values())]
+    # Each prompt ends asking for its block to run, so what runs does not depend on the model's numerics;
+    # the model then goes on from the output.
+    prompts = [ask_to_run("print(123 * 456)"), *(ask_to_run(code) for code in hostile.values())]
     try:
         outputs, metadata = run_tool_job(run_job, tmp_path, prompts, max_new_tokens=48, max_iterations=1,
                                          execution_timeout_seconds=3)
     finally:
         stop.set()
     texts = dict(zip(["compute", *hostile], (output["text"] for output in outputs)))
-    unasked = {name: texts[name] for name in hostile if not texts[name].startswith("```\n>>>\n")}
-    assert not unasked  # the model closed each block and asked for the run
-    assert texts["compute"].startswith("```python\nprint(123 * 456)\n```\n>>>\n56088\n"), texts["compute"]
+    assert texts["compute"].startswith("56088\n"), texts["compute"]
     assert "TimeoutError" in texts["loop"]
     # The bomb hits the process limit (fork fails) or the time limit, whichever comes first.
     assert "BlockingIOError" in texts["fork_bomb"] or "TimeoutError" in texts["fork_bomb"]
@@ -140,8 +144,9 @@ def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, 
     assert "[output truncated to 8192 characters]" in texts["output"] and len(texts["output"]) < 20_000
     assert "PermissionError" in texts["write"] and victim.read_text() == "the job's own data"
     assert "s3cr3t-value" not in texts["environment"] and "BATCH_PIPELINE" not in texts["environment"]
-    assert "connected" not in texts["socket"].split(">>>")[1] and not accepted
+    assert not texts["socket"].startswith("connected") and not accepted
     (shard,) = metadata["shards"]
     assert shard["tool_executions"] == 8 and shard["tool_failed_executions"] == 6  # all but compute, environment
+    assert outputs[0]["num_completion_tokens"] > 0  # generation went on after the run
     assert not sandbox_processes()
 

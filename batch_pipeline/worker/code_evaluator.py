@@ -5,7 +5,8 @@ A generation that closes a Python block and writes `>>>` on the next line stops 
 prompt continues from the extended text, for at most `max_iterations` executions and within the prompt's
 `max_new_tokens` (the tool's text counts against it). Prompts do not wait for each other: while one
 prompt's code runs, the others keep generating in the same engine, and executions run side by side up to
-the sandbox's slots.
+the sandbox's slots. A prompt that itself ends with a block and `>>>` (a transcript handed back) has
+that block run before anything is generated.
 """
 
 from __future__ import annotations
@@ -93,7 +94,15 @@ class CodeEvaluatorRequests:
         return len(self._running)
 
     def submit(self, engine: Any, item: WorkItem) -> list[str]:
+        """The item's first engine request; none when the prompt itself ends asking for its block to run
+        (a transcript handed back mid-loop): that code runs first and the prompt comes back through `resume`."""
         loop = ToolLoop(item, content=self.v1.content(item))
+        prompt = item.request["prompt"]
+        if prompt.endswith(TOOL_CALL) and self.max_iterations > 0:
+            loop.prompt_tokens = len(self.tokenizer.encode(prompt, add_special_tokens=False))
+            self._loops[item.index] = loop
+            self._start_execution(loop)
+            return []
         request_id = self._add_round(engine, loop)  # may refuse the prompt (too long): then nothing to keep
         self._loops[item.index] = loop
         return [request_id]
@@ -112,8 +121,7 @@ class CodeEvaluatorRequests:
         if loop.prompt_tokens is None:
             loop.prompt_tokens = round_output.num_prompt_tokens
         if loop.called_tool and loop.executions < self.max_iterations and loop.remaining_tokens > 0:
-            loop.executions += 1
-            self._running[self._pool.submit(self._execute, loop.code())] = loop
+            self._start_execution(loop)
             return None
         return self._finish(loop)
 
@@ -142,6 +150,10 @@ class CodeEvaluatorRequests:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _start_execution(self, loop: ToolLoop) -> None:
+        loop.executions += 1
+        self._running[self._pool.submit(self._execute, loop.code())] = loop
 
     def _execute(self, code: str | None) -> Execution:
         if code is None:

@@ -87,6 +87,8 @@ class InFlight:
         return len(self._owner)
 
     def add(self, item: WorkItem, engine_ids: list[str]) -> None:
+        if not engine_ids:  # a tool loop runs the item's code before it enters the engine
+            return
         self._items[item.index] = (item, engine_ids, {})
         for engine_id in engine_ids:
             self._owner[engine_id] = item.index
