@@ -170,3 +170,60 @@ def test_a_pod_with_several_gpus_runs_its_engine_over_all_of_them_unless_the_req
     assert engine_spread_over_gpus(_task(), {"gpus": 1}).model_config == {"model": "m"}
     chosen = ShardTask(**{**_task().__dict__, "model_config": {"model": "m", "pipeline_parallel_size": 2}})
     assert engine_spread_over_gpus(chosen, {"gpus": 4}).model_config == {"model": "m", "pipeline_parallel_size": 2}
+
+
+# What the sandbox needs to switch model-written code to its per-slot uids and clean up after it; nothing else.
+SANDBOX_CAPABILITIES = {"CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETUID", "SETGID"}
+
+
+def _tool_task():
+    return ShardTask(**{**_task().__dict__, "tool_config": {"name": "code_evaluator"}})
+
+
+def _mounts(pod) -> dict[str, str]:
+    """mount path -> the kind of volume behind it."""
+    (container,) = pod["spec"]["containers"]
+    volumes = {volume["name"]: volume for volume in pod["spec"].get("volumes", [])}
+    return {mount["mountPath"]: next(k for k in volumes[mount["name"]] if k != "name")
+            for mount in container.get("volumeMounts", [])}
+
+
+def test_a_shard_pod_runs_non_root_with_no_capabilities_no_token_and_a_read_only_root():
+    pod = _pod(LAUNCHER, _task({"gpus": 1}))
+    spec, (container,) = pod["spec"], pod["spec"]["containers"]
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] > 0
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert "privileged" not in security or security["privileged"] is False
+    # writable scratch only where the worker writes: temp files, and the caches under its home
+    assert _mounts(pod) == {"/tmp": "emptyDir", "/home/worker": "emptyDir"}
+    # a shard pod never talks to the Kubernetes API: no token in it
+    assert spec["automountServiceAccountToken"] is False
+
+
+def test_a_tool_shard_runs_as_root_with_only_the_capabilities_its_sandbox_needs():
+    pod = _pod(LAUNCHER, _tool_task())
+    spec, (container,) = pod["spec"], pod["spec"]["containers"]
+    # the sandbox switches model-written code to per-slot uids: that takes uid 0 and these capabilities
+    assert spec["securityContext"]["runAsUser"] == 0 and spec["securityContext"]["runAsNonRoot"] is False
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = container["securityContext"]
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert set(security["capabilities"]["add"]) == SANDBOX_CAPABILITIES
+    assert len(security["capabilities"]["add"]) == len(SANDBOX_CAPABILITIES)
+    assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
+    assert spec["automountServiceAccountToken"] is False
+    assert _mounts(pod) == {"/tmp": "emptyDir", "/home/worker": "emptyDir"}
+
+
+def test_shard_pods_carry_the_label_the_network_policy_selects():
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    policy = yaml.safe_load((repo / "k8s" / "network-policy.yaml").read_text())
+    # a request's own label of that name cannot take a pod out of the policy
+    for task in (_task(labels={"component": "mine"}), _tool_task()):
+        labels = _pod(LAUNCHER, task)["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()

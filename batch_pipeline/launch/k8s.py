@@ -3,7 +3,9 @@
 The pod is sized by the request: `gpus` → `nvidia.com/gpu` (or the MIG slice of `gpu_type`), `gpu_type` →
 a node selector, `cpus`/`memory`/`storage` → requests and limits, the job's deadline →
 `activeDeadlineSeconds`, labels → pod labels. Image, namespace, service account, tolerations, env and
-secrets come from the deployment's config. `PipesK8sClient` rather than `execute_k8s_job`: the worker
+secrets come from the deployment's config. Every pod runs with no capabilities, no privilege escalation,
+the runtime's seccomp profile, a read-only root filesystem and no service account token; as the image's
+non-root user, except the shards of a `tool_config` job (see `pod_security`). `PipesK8sClient` rather than `execute_k8s_job`: the worker
 already speaks Pipes (progress lines, stats), and the client follows the pod and reads its log stream.
 """
 
@@ -44,6 +46,17 @@ GPU_MEMORY_GIB = {
 # Weights take this share of GPU memory at most: the rest is KV cache, activations and CUDA graphs.
 WEIGHTS_SHARE_OF_GPU = 0.6
 LABEL_PREFIX = "batch-pipeline.io/"
+# What k8s/network-policy.yaml selects: every shard pod carries it.
+SHARD_POD_LABELS = {LABEL_PREFIX + "component": "shard-worker"}
+# The image's non-root user and its home (k8s/worker.Dockerfile); caches live under the home.
+WORKER_UID = 10001
+WORKER_HOME = "/home/worker"
+# The code_evaluator's sandbox runs model-written code under a uid of its own per slot and removes what it
+# left: switching uids, and owning and killing what those uids made, takes exactly these.
+SANDBOX_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETUID", "SETGID")
+# With a read-only root filesystem, the only places the worker writes (the synced weights, vLLM's and
+# torch's caches, temp files), on the node's disk and counted in the pod's ephemeral-storage.
+SCRATCH_MOUNTS = {"tmp": "/tmp", "home": WORKER_HOME}
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
 
@@ -86,6 +99,22 @@ def quantity(field: str, value: str | int | float, bare_unit: str = "") -> str:
     if isinstance(value, bool) or not _QUANTITY.match(text) or float(re.sub(r"[^0-9.]", "", text) or 0) <= 0:
         raise InvalidHardware(f"{field}: {value!r} is not a positive Kubernetes quantity (e.g. 8, 500m, 16Gi)")
     return text
+
+
+def pod_security(task: ShardTask) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) securityContext of a shard: the image's non-root user with every capability
+    dropped; a `tool_config` job's worker as uid 0 with only the sandbox's capabilities, so that it can
+    run the model's code as unprivileged uids of its own."""
+    seccomp = {"type": "RuntimeDefault"}
+    if task.tool_config is None:
+        pod = {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID, "seccompProfile": seccomp}
+        capabilities: dict[str, list[str]] = {"drop": ["ALL"]}
+    else:
+        pod = {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0, "seccompProfile": seccomp}
+        capabilities = {"drop": ["ALL"], "add": list(SANDBOX_CAPABILITIES)}
+    container = {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+                 "capabilities": capabilities}
+    return pod, container
 
 
 def label_value(value: str) -> str:
@@ -142,11 +171,23 @@ class K8sShardLauncher(ShardLauncher):
         for field, resource, unit in (("cpus", "cpu", ""), ("memory", "memory", "Gi"), ("storage", "ephemeral-storage", "Gi")):
             if hardware.get(field) is not None:
                 requests[resource] = limits[resource] = quantity(field, hardware[field], unit)
+        pod_security_context, container_security_context = pod_security(task)
         container: dict[str, Any] = {"name": "dagster-pipes-execution", "imagePullPolicy": self.image_pull_policy,
-                                     "resources": {"limits": limits, **({"requests": requests} if requests else {})}}
+                                     "resources": {"limits": limits, **({"requests": requests} if requests else {})},
+                                     "securityContext": container_security_context,
+                                     "volumeMounts": [{"name": name, "mountPath": path}
+                                                      for name, path in SCRATCH_MOUNTS.items()]}
         if self.env_secrets:
             container["envFrom"] = [{"secretRef": {"name": name}} for name in self.env_secrets]
-        spec: dict[str, Any] = {"containers": [container], "restartPolicy": "Never"}
+        spec: dict[str, Any] = {
+            "containers": [container], "restartPolicy": "Never",
+            "securityContext": pod_security_context,
+            "volumes": [{"name": name, "emptyDir": {}} for name in SCRATCH_MOUNTS],
+            # the worker never calls the Kubernetes API (Pipes reads its log from outside), nor needs the
+            # namespace's services as variables
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+        }
         if gpu_type is not None:
             if gpu_type not in self.gpu_node_selectors:
                 raise InvalidHardware(f"gpu_type: {gpu_type!r} has no node selector in this deployment")
@@ -158,6 +199,7 @@ class K8sShardLauncher(ShardLauncher):
         if task.deadline is not None:
             spec["activeDeadlineSeconds"] = max(1, int(task.deadline - (now or time.time())))
         labels = {label_key(key): label_value(value) for key, value in task.labels.items()}
+        labels.update(SHARD_POD_LABELS)
         labels[LABEL_PREFIX + "job-id"] = label_value(task.job_id)
         labels[LABEL_PREFIX + "shard"] = str(task.shard.shard_index)
         return {"labels": labels}, spec
