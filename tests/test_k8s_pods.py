@@ -227,3 +227,54 @@ def test_shard_pods_carry_the_label_the_network_policy_selects():
     for task in (_task(labels={"component": "mine"}), _tool_task()):
         labels = _pod(LAUNCHER, task)["metadata"]["labels"]
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def _egress_allowed(policy: dict, port: int, protocol: str = "TCP", ip: str | None = None,
+                    namespace: dict | None = None, pod: dict | None = None) -> bool:
+    """Whether a NetworkPolicy lets its pods connect to an address (`ip`) or a pod (its namespace's and its
+    own labels), as the API reference defines the rules; a pod is matched by selectors, not by ipBlock."""
+    import ipaddress
+
+    def selects(selector: dict | None, labels: dict | None) -> bool:
+        return selector is None or (labels is not None and selector.get("matchLabels", {}).items() <= labels.items())
+
+    def peer_matches(peer: dict) -> bool:
+        if "ipBlock" in peer:
+            if ip is None:
+                return False
+            address = ipaddress.ip_address(ip)
+            block = peer["ipBlock"]
+            inside = lambda cidr: address.version == ipaddress.ip_network(cidr).version and address in ipaddress.ip_network(cidr)  # noqa: E731
+            return inside(block["cidr"]) and not any(inside(cidr) for cidr in block.get("except", []))
+        return pod is not None and selects(peer.get("namespaceSelector"), namespace) and selects(peer.get("podSelector"), pod)
+
+    for rule in policy["spec"]["egress"]:
+        ports = rule.get("ports") or [{"protocol": protocol, "port": port}]
+        if any(p.get("protocol", "TCP") == protocol and p.get("port") == port for p in ports):
+            if not rule.get("to") or any(peer_matches(peer) for peer in rule["to"]):
+                return True
+    return False
+
+
+def test_the_network_policy_lets_shard_workers_reach_dns_and_the_object_store_and_nothing_inside():
+    import yaml
+
+    policy = yaml.safe_load((Path(__file__).resolve().parents[1] / "k8s" / "network-policy.yaml").read_text())
+    kubernetes_validate.validate(policy, KUBERNETES_VERSION, strict=True)
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"} and policy["spec"]["ingress"] == []
+    kube_system = {"kubernetes.io/metadata.name": "kube-system"}
+    batch = {"kubernetes.io/metadata.name": "batch"}
+    assert _egress_allowed(policy, 53, "UDP", namespace=kube_system, pod={"k8s-app": "kube-dns"})
+    assert _egress_allowed(policy, 443, ip="52.216.8.1")  # S3
+    assert _egress_allowed(policy, 443, ip="2600:1fa0::1")
+    # the cloud metadata service (node credentials), over IPv4 and AWS's IPv6
+    for port in (80, 443):
+        assert not _egress_allowed(policy, port, ip="169.254.169.254")
+        assert not _egress_allowed(policy, port, ip="fd00:ec2::254")
+    # Postgres and the Dagster webserver, by pod and by their cluster addresses
+    assert not _egress_allowed(policy, 5432, namespace=batch, pod={"app.kubernetes.io/name": "postgresql"})
+    assert not _egress_allowed(policy, 80, namespace=batch, pod={"component": "dagster-webserver"})
+    for address, port in (("10.96.0.15", 5432), ("10.96.0.20", 80), ("10.96.0.20", 443), ("172.20.0.5", 443),
+                          ("192.168.1.10", 443), ("100.64.0.5", 443)):
+        assert not _egress_allowed(policy, port, ip=address), address
+    assert not _egress_allowed(policy, 80, ip="52.216.8.1")  # plain HTTP to the outside neither
