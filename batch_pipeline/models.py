@@ -86,8 +86,9 @@ def sync_remote_checkpoint(url: str, trust_remote_code: bool = False) -> Path:
         found = fs.find(root, detail=True)
         if not found:
             raise FileNotFoundError(f"model_config.checkpoint_path: nothing at {url}")
-        for path, info in found.items():
-            relative = path[len(root):].lstrip("/")
+        # Every key is checked before anything is written, so a hostile one leaves no partial copy behind.
+        wanted = {_relative_checkpoint_file(url, root, path, target): (path, info) for path, info in found.items()}
+        for relative, (path, info) in wanted.items():
             if not (relative.endswith(CHECKPOINT_SUFFIXES) or (trust_remote_code and relative.endswith(".py"))):
                 continue
             local = target / relative
@@ -98,6 +99,20 @@ def sync_remote_checkpoint(url: str, trust_remote_code: bool = False) -> Path:
             fs.get_file(path, str(partial))
             partial.rename(local)
     return target
+
+
+def _relative_checkpoint_file(url: str, root: str, path: str, target: Path) -> str:
+    """Where an object of the checkpoint goes under `target`: its key below the checkpoint's prefix, refused
+    (naming the key) unless every part is a plain name, since object keys may hold `..`, `.` or empty parts
+    that the local filesystem would follow out of the cache (zip-slip)."""
+    relative = path[len(root) + 1:] if path.startswith(root + "/") else ""
+    parts = relative.split("/")
+    if not relative or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"model_config.checkpoint_path: the object {path!r} of {url} is not a plain file "
+                         "path under the checkpoint; refusing to sync it")
+    if not (target / relative).resolve().is_relative_to(target.resolve()):  # a symlink planted in the cache
+        raise ValueError(f"model_config.checkpoint_path: the object {path!r} of {url} leads out of the model cache")
+    return relative
 
 
 def weights_bytes(model: str, checkpoint_path: str | None = None) -> int | None:
