@@ -8,38 +8,34 @@ failed validate_input step.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from batch_pipeline import io
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.paths import request_path_refusals
 from batch_pipeline.worker.code_evaluator import TOOL_NAME
 
-DATA_ROOTS_ENV = "BATCH_PIPELINE_DATA_ROOTS"
 MAX_EXECUTION_TIMEOUT_S = 600
+# With trust_remote_code a request chooses Python that the worker imports with all its rights: only an
+# operator who vets the models may allow it.
+ALLOW_REMOTE_CODE_ENV = "BATCH_PIPELINE_ALLOW_REMOTE_CODE"
 
 
-def data_roots() -> list[Path]:
-    """Directories local input and output paths must lie in (`BATCH_PIPELINE_DATA_ROOTS`, separated by
-    the OS path separator); none configured = any local path."""
-    return [Path(root).resolve() for root in os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep) if root]
+def remote_code_allowed() -> bool:
+    return os.environ.get(ALLOW_REMOTE_CODE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def outside_data_roots(path: str, roots: list[Path]) -> bool:
-    """Whether a local path escapes every root once `..` and symlinks are resolved; URLs are not local."""
-    if not roots or not io.is_local(path):
-        return False
-    resolved = Path(path.removeprefix("file://")).resolve()
-    return not any(resolved == root or root in resolved.parents for root in roots)
+def shard_model_config(model_config: dict) -> dict:
+    """The model config a shard worker is given: trust_remote_code as this orchestrator's policy decides
+    it, since the worker (a pod of its own) has no policy to check and must not take the request's word."""
+    trusted = bool(model_config.get("trust_remote_code")) and remote_code_allowed()
+    return {**model_config, "trust_remote_code": trusted}
 
 
 def refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
     """`(field, why)` for each part of the request this deployment cannot honour."""
-    found = []
-    roots = data_roots()
-    for field in ("input_data_path", "output_data_path"):
-        path = getattr(request, field)
-        if path is not None and outside_data_roots(path, roots):
-            found.append((field, f"{path} is outside the data roots this server may read and write"))
+    found = request_path_refusals(request)
+    if request.model_cfg.trust_remote_code and not remote_code_allowed():
+        found.append(("model_config.trust_remote_code", "this server does not run a model's own code "
+                      f"(the operator allows it with {ALLOW_REMOTE_CODE_ENV}=1)"))
     found.extend(_tool_refusals(request))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))

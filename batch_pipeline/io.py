@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import fsspec
+from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 import ijson
 from fsspec.implementations.local import LocalFileSystem
@@ -25,8 +26,8 @@ class InputFileError(ValueError):
 
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, _, (resolved,) = fsspec.get_fs_token_paths(path)
-    return fs, resolved
+    # url_to_fs, unlike get_fs_token_paths, never expands `*`, `?` or `[`: a path names one file.
+    return url_to_fs(path)
 
 
 def is_local(path: str) -> bool:

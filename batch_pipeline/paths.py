@@ -1,0 +1,157 @@
+"""The one path policy: which paths a request may name, judged the way they will be opened.
+
+Data paths (input, output, the output's metadata file) are opened by fsspec, so they are parsed with
+fsspec's own functions: a chain of filesystems (`simplecache::file://...`) is refused, the protocol must be
+one the operator allows (`BATCH_PIPELINE_ALLOWED_PROTOCOLS`, comma-separated; default `file,s3`), and a
+local path, once fsspec has stripped its `file:`/`local:` prefix, must lie inside the data roots
+(`BATCH_PIPELINE_DATA_ROOTS`) after `..` and symlinks are resolved.
+
+Model paths (`model`, `tokenizer`, `checkpoint_path`) are opened by vLLM and transformers as plain OS paths
+unless they are URLs. Such a value is a catalog name, a Hugging Face id (`name` or `org/name` in the hub's
+grammar, and no directory of that name here), a URL (held to the protocols above), or else a local path:
+absolute, `./`, `../`, `~`, or anything else that is not an id.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsspec.core import split_protocol
+from fsspec.implementations.local import LocalFileSystem
+
+from batch_pipeline.models import CATALOG
+
+ALLOWED_PROTOCOLS_ENV = "BATCH_PIPELINE_ALLOWED_PROTOCOLS"
+DATA_ROOTS_ENV = "BATCH_PIPELINE_DATA_ROOTS"
+DEFAULT_PROTOCOLS = ("file", "s3")
+# fsspec's names for the local filesystem ("file", "local"): allowing one allows both.
+LOCAL_PROTOCOLS = LocalFileSystem.protocol
+
+
+def metadata_path(output_data_path: str) -> str:
+    """Where the job writes the output's counts and timings (held to the policy like the output)."""
+    return output_data_path + ".metadata.json"
+
+
+@dataclass(frozen=True)
+class PathPolicy:
+    protocols: frozenset[str]
+    # Empty: any local path (a single-user machine); else local paths must lie inside one of them.
+    roots: tuple[Path, ...]
+
+    @classmethod
+    def from_environment(cls) -> PathPolicy:
+        configured = os.environ.get(ALLOWED_PROTOCOLS_ENV)
+        names = configured.split(",") if configured is not None else DEFAULT_PROTOCOLS
+        protocols = {name.strip() for name in names if name.strip()}
+        if protocols & set(LOCAL_PROTOCOLS):
+            protocols |= set(LOCAL_PROTOCOLS)
+        roots = tuple(Path(root).resolve() for root in os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep) if root)
+        return cls(frozenset(protocols), roots)
+
+    def data_path_refusal(self, path: str) -> str | None:
+        """Why fsspec must not open `path` for this request, or None."""
+        if why := _unreadable(path) or self._url_refusal(path):
+            return why
+        if _protocol(path) not in LOCAL_PROTOCOLS or not self.roots:
+            return None
+        # The relative or ~ form is judged before fsspec makes it absolute against this process's directory,
+        # which need not be the directory of the step process that opens it.
+        return self._local_refusal(path, written=_without_local_prefix(path),
+                                   resolved=LocalFileSystem._strip_protocol(path))
+
+    def model_refusal(self, name: str) -> str | None:
+        """Why a `model`, `tokenizer` or `checkpoint_path` value must not be loaded, or None."""
+        if why := _unreadable(name):
+            return why
+        if name.lower() in CATALOG:
+            return None
+        if "::" in name or split_protocol(name)[0] is not None:
+            # vLLM opens no URL but its object stores; a local URL would be an odd relative path to it.
+            if why := self._url_refusal(name):
+                return why
+            if _protocol(name) not in LOCAL_PROTOCOLS:
+                return None
+        elif _is_hub_id(name) and not os.path.isdir(name):
+            return None
+        if "file" not in self.protocols:
+            return "local paths are not served here"
+        if not self.roots:
+            return None
+        return self._local_refusal(name, written=name, resolved=name)
+
+    def _url_refusal(self, path: str) -> str | None:
+        if "::" in path:
+            return "chained URLs (`::`) are not accepted: name the file itself"
+        protocol = _protocol(path)
+        if protocol not in self.protocols:
+            allowed = ", ".join(sorted(self.protocols)) or "none"
+            return f"the protocol {protocol!r} is not served here (allowed: {allowed})"
+        return None
+
+    def _local_refusal(self, path: str, written: str, resolved: str) -> str | None:
+        if not os.path.isabs(written):
+            return (f"{path} is relative (or starts with ~): the processes that open it may have another working "
+                    "directory; give an absolute path inside the data roots")
+        real = Path(resolved).resolve()
+        if not any(real.is_relative_to(root) for root in self.roots):
+            return f"{path} is outside the data roots this server may read and write"
+        return None
+
+
+def request_path_refusals(request) -> list[tuple[str, str]]:
+    """`(field, why)` for each path a request names that the policy refuses."""
+    policy = PathPolicy.from_environment()
+    found = []
+    data_paths = [("input_data_path", request.input_data_path), ("output_data_path", request.output_data_path)]
+    for field, path in data_paths:
+        if path is not None and (why := policy.data_path_refusal(path)):
+            found.append((field, why))
+    output = request.output_data_path
+    if not any(field == "output_data_path" for field, _ in found):
+        if why := policy.data_path_refusal(metadata_path(output)):
+            found.append(("output_data_path", f"its metadata file: {why}"))
+    model_config = request.model_cfg
+    for field in ("model", "tokenizer", "checkpoint_path"):
+        value = getattr(model_config, field)
+        if value is not None and (why := policy.model_refusal(value)):
+            found.append((f"model_config.{field}", why))
+    return found
+
+
+def _unreadable(path: str) -> str | None:
+    """A string no filesystem can name: the OS would raise rather than refuse."""
+    if "\x00" in path:
+        return "a path cannot contain a NUL byte"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a path must be valid Unicode text (it holds a lone surrogate)"
+    return None
+
+
+def _protocol(path: str) -> str:
+    """The filesystem fsspec opens `path` with (as `fsspec.core.url_to_fs` decides it)."""
+    return split_protocol(path)[0] or "file"
+
+
+def _without_local_prefix(path: str) -> str:
+    """A local URL's path as written, before LocalFileSystem makes it absolute and expands `~`: it strips
+    `file://`, `file:`, `local://` or `local:` exactly like this."""
+    for protocol in LOCAL_PROTOCOLS:
+        for separator in ("://", ":"):
+            if path.startswith(protocol + separator):
+                return path.removeprefix(protocol + separator)
+    return path
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
