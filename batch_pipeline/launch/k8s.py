@@ -21,6 +21,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from batch_pipeline.hardware import InvalidHardware, hardware_problems, kubernetes_quantity
 from batch_pipeline.launch.base import ShardLauncher, raise_if_past_deadline, worker_stats
 from batch_pipeline.shards import ShardTask
 
@@ -57,12 +58,6 @@ SANDBOX_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETUID", "SE
 # With a read-only root filesystem, the only places the worker writes (the synced weights, vLLM's and
 # torch's caches, temp files), on the node's disk and counted in the pod's ephemeral-storage.
 SCRATCH_MOUNTS = {"tmp": "/tmp", "home": WORKER_HOME}
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-
-
-class InvalidHardware(ValueError):
-    """A hardware field that no pod can carry; the message names the field."""
-
 
 def infer_hardware(requested: dict[str, Any], weights_bytes: int | None, default_gpu_type: str,
                    default_gpus: int) -> tuple[dict[str, Any], str | None]:
@@ -90,15 +85,6 @@ def infer_hardware(requested: dict[str, Any], weights_bytes: int | None, default
         hardware["storage"] = f"{math.ceil(weights_bytes * 1.2 / 2**30) + 10}Gi"  # the synced weights + scratch
         chosen.append(f"storage {hardware['storage']}")
     return hardware, ("inferred " + ", ".join(chosen)) if chosen else None
-
-
-def quantity(field: str, value: str | int | float, bare_unit: str = "") -> str:
-    """A Kubernetes quantity: strings as given ("16Gi", "500m"), numbers in `bare_unit` (GiB for memory
-    and storage, cores for cpus)."""
-    text = f"{value}{bare_unit}" if isinstance(value, (int, float)) else str(value).strip()
-    if isinstance(value, bool) or not _QUANTITY.match(text) or float(re.sub(r"[^0-9.]", "", text) or 0) <= 0:
-        raise InvalidHardware(f"{field}: {value!r} is not a positive Kubernetes quantity (e.g. 8, 500m, 16Gi)")
-    return text
 
 
 def pod_security(task: ShardTask) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -157,20 +143,23 @@ class K8sShardLauncher(ShardLauncher):
     def pod_overrides(self, task: ShardTask, now: float | None = None,
                       hardware: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, spec) of the shard's pod, without the container's command and image, which the Pipes
-        client adds. Raises InvalidHardware naming the field."""
+        client adds. Raises InvalidHardware naming the field, for sizes no pod can carry or over the
+        deployment's maxima (what was inferred from the weights too)."""
         hardware = task.hardware if hardware is None else hardware
         gpu_type = hardware.get("gpu_type")
         gpus = hardware.get("gpus")
         gpus = self.default_gpus if gpus is None else gpus
-        if gpus < 0:
-            raise InvalidHardware(f"gpus: {gpus} is negative")
+        problems = hardware_problems({**hardware, "gpus": gpus})
+        if problems:
+            field, why = problems[0]
+            raise InvalidHardware(f"{field}: {why}")
         limits: dict[str, str] = {}
         requests: dict[str, str] = {}
         if gpus:
             limits[MIG_RESOURCES.get(gpu_type, "nvidia.com/gpu")] = str(gpus)
-        for field, resource, unit in (("cpus", "cpu", ""), ("memory", "memory", "Gi"), ("storage", "ephemeral-storage", "Gi")):
+        for field, resource in (("cpus", "cpu"), ("memory", "memory"), ("storage", "ephemeral-storage")):
             if hardware.get(field) is not None:
-                requests[resource] = limits[resource] = quantity(field, hardware[field], unit)
+                requests[resource] = limits[resource] = kubernetes_quantity(field, hardware[field])[0]
         pod_security_context, container_security_context = pod_security(task)
         container: dict[str, Any] = {"name": "dagster-pipes-execution", "imagePullPolicy": self.image_pull_policy,
                                      "resources": {"limits": limits, **({"requests": requests} if requests else {})},
