@@ -29,6 +29,11 @@ def s3(monkeypatch):
     client.create_bucket(Bucket="batch")
     yield client
     server.stop()
+    # fsspec reuses an S3FileSystem (and its connection to this server's port) for the same arguments: the
+    # next test's server is on another port.
+    from s3fs import S3FileSystem
+
+    S3FileSystem.clear_instance_cache()
 
 
 @pytest.mark.slow
