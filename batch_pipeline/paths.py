@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
 from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
 
@@ -28,6 +29,7 @@ DATA_ROOTS_ENV = "BATCH_PIPELINE_DATA_ROOTS"
 DEFAULT_PROTOCOLS = ("file", "s3")
 # fsspec's names for the local filesystem ("file", "local"): allowing one allows both.
 LOCAL_PROTOCOLS = LocalFileSystem.protocol
+S3_PROTOCOLS = ("s3", "s3a")
 
 
 def metadata_path(output_data_path: str) -> str:
@@ -55,11 +57,13 @@ class PathPolicy:
         """Why fsspec must not open `path` for this request, or None."""
         if why := _unreadable(path) or self._url_refusal(path):
             return why
-        if _protocol(path) not in LOCAL_PROTOCOLS or not self.roots:
+        if _protocol(path) not in LOCAL_PROTOCOLS:
+            return None if _object_key(path) else "a remote path names a file (s3://bucket/key)"
+        if not self.roots:
             return None
         # The relative or ~ form is judged before fsspec makes it absolute against this process's directory,
         # which need not be the directory of the step process that opens it.
-        return self._local_refusal(path, written=_without_local_prefix(path),
+        return self._local_refusal(written=_without_local_prefix(path),
                                    resolved=LocalFileSystem._strip_protocol(path))
 
     def model_refusal(self, name: str) -> str | None:
@@ -80,7 +84,7 @@ class PathPolicy:
             return "local paths are not served here"
         if not self.roots:
             return None
-        return self._local_refusal(name, written=name, resolved=name)
+        return self._local_refusal(written=name, resolved=name)
 
     def _url_refusal(self, path: str) -> str | None:
         if "::" in path:
@@ -89,15 +93,21 @@ class PathPolicy:
         if protocol not in self.protocols:
             allowed = ", ".join(sorted(self.protocols)) or "none"
             return f"the protocol {protocol!r} is not served here (allowed: {allowed})"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError):
+            return f"the protocol {protocol!r} has no filesystem installed here"
+        if protocol in S3_PROTOCOLS:
+            return _s3_bucket_refusal(path)
         return None
 
-    def _local_refusal(self, path: str, written: str, resolved: str) -> str | None:
+    def _local_refusal(self, written: str, resolved: str) -> str | None:
         if not os.path.isabs(written):
-            return (f"{path} is relative (or starts with ~): the processes that open it may have another working "
-                    "directory; give an absolute path inside the data roots")
+            return ("a relative path (or one starting with ~) may mean another file to the processes that open "
+                    "it: give an absolute path inside the data roots")
         real = Path(resolved).resolve()
         if not any(real.is_relative_to(root) for root in self.roots):
-            return f"{path} is outside the data roots this server may read and write"
+            return "outside the data roots this server may read and write (after .. and symlinks)"
         return None
 
 
@@ -135,6 +145,25 @@ def _unreadable(path: str) -> str | None:
 def _protocol(path: str) -> str:
     """The filesystem fsspec opens `path` with (as `fsspec.core.url_to_fs` decides it)."""
     return split_protocol(path)[0] or "file"
+
+
+def _object_key(path: str) -> str:
+    """The key of an object store URL (`s3://bucket/key` -> `key`), as its filesystem strips it."""
+    stripped = fsspec.get_filesystem_class(_protocol(path))._strip_protocol(path)
+    return stripped.partition("/")[2].strip("/")
+
+
+def _s3_bucket_refusal(path: str) -> str | None:
+    """botocore's own check of a bucket name, made here so that no later read of the path can fail on it."""
+    from botocore.exceptions import ParamValidationError
+    from botocore.handlers import validate_bucket_name
+
+    bucket = fsspec.get_filesystem_class(_protocol(path))._strip_protocol(path).partition("/")[0]
+    try:
+        validate_bucket_name({"Bucket": bucket})
+    except ParamValidationError:
+        return "not a valid bucket name"
+    return None
 
 
 def _without_local_prefix(path: str) -> str:

@@ -67,7 +67,9 @@ def test_without_data_roots_any_local_path_goes_but_unknown_protocols_and_chains
         deployment_factory, tmp_path, monkeypatch):
     monkeypatch.delenv("BATCH_PIPELINE_DATA_ROOTS", raising=False)
     api = deployment_factory()
-    for output in ("foo://x.json", f"simplecache::file://{tmp_path}/o.json", "memory://o.json"):
+    # An invalid bucket would make every later status read of the job fail in botocore.
+    for output in ("foo://x.json", f"simplecache::file://{tmp_path}/o.json", "memory://o.json", "s3://",
+                   "s3://bucket", f"s3://{'b' * 300}/o.json", "s3://a bucket/o.json"):
         body = {"output_data_path": output, "model_config": {"model": MODEL}, "content": CONTENT}
         assert _refused_fields(_post(api, body)) == ["output_data_path"], output
     for output in (f"{tmp_path}/o.json", "relative/o.json", "s3://bucket/o.json"):
