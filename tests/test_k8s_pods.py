@@ -130,7 +130,7 @@ def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_se
     repo = Path(__file__).resolve().parents[1]
     objects = [doc for path in sorted((repo / "k8s").glob("*.yaml")) if path.name != "values.yaml"
                for doc in yaml.safe_load_all(path.read_text()) if doc]
-    assert {obj["kind"] for obj in objects} >= {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding"}
+    assert {obj["kind"] for obj in objects} >= {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"}
     for obj in objects:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
     values = yaml.safe_load((repo / "k8s" / "values.yaml").read_text())
@@ -140,7 +140,7 @@ def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_se
     env = {item["name"]: item["value"] for item in deployment["env"]}
     definitions = (repo / "batch_pipeline" / "pipeline" / "definitions.py").read_text()
     assert env["BATCH_PIPELINE_SHARD_LAUNCHER"] == "k8s" and all(name in definitions for name in env)
-    role = next(obj for obj in objects if obj["kind"] == "Role")
+    role = next(obj for obj in objects if obj["kind"] == "Role" and obj["metadata"]["name"] == "batch-pipeline-shard-pods")
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
     assert {("pods", "create"), ("pods", "watch"), ("pods/log", "get"), ("pods", "delete")} <= granted
 
@@ -290,3 +290,179 @@ def test_the_network_policy_lets_shard_workers_reach_dns_and_the_object_store_an
                           ("192.168.1.10", 443), ("100.64.0.5", 443)):
         assert not _egress_allowed(policy, port, ip=address), address
     assert not _egress_allowed(policy, 80, ip="52.216.8.1")  # plain HTTP to the outside neither
+
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEYS_SECRET = "batch-pipeline-api-keys"
+
+
+def _manifests() -> list[dict]:
+    import yaml
+
+    return [doc for path in sorted((REPO / "k8s").glob("*.yaml")) if path.name != "values.yaml"
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _values() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "k8s" / "values.yaml").read_text())
+
+
+def _service_accounts(values: dict) -> tuple[str, str]:
+    """(the daemon's and webserver's, the code server's and its runs') accounts, as the chart's helpers
+    `dagster.serviceAccountName` and `dagsterUserDeployments.serviceAccountName` choose them."""
+    shared = values.get("global", {}).get("serviceAccountName")
+    return (shared or values["serviceAccount"]["name"],
+            shared or values["dagster-user-deployments"]["serviceAccount"]["name"])
+
+
+def _assert_locked_down(pod_spec: dict, container: dict) -> None:
+    """Non-root, every capability dropped, no escalation, the runtime's seccomp profile, a read-only root
+    with writable scratch for temp files and the home's caches."""
+    pod_security, security = pod_spec["securityContext"], container["securityContext"]
+    assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] > 0
+    assert pod_security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert security["allowPrivilegeEscalation"] is False and security.get("privileged") is not True
+    assert security["capabilities"] == {"drop": ["ALL"]} and security["readOnlyRootFilesystem"] is True
+    volumes = {volume["name"]: volume for volume in pod_spec["volumes"]}
+    assert len(volumes) == len(pod_spec["volumes"]), "a volume named twice"
+    mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
+    assert "emptyDir" in mounts["/tmp"] and "emptyDir" in mounts["/home/worker"]
+
+
+def test_the_api_pod_runs_locked_down_with_a_service_account_of_its_own_with_no_rights_and_no_token():
+    objects = _manifests()
+    (api,) = [obj for obj in objects if obj["kind"] == "Deployment"]
+    pod = api["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    _assert_locked_down(pod, container)
+    assert pod["automountServiceAccountToken"] is False
+    account = pod["serviceAccountName"]
+    (service_account,) = [obj for obj in objects if obj["kind"] == "ServiceAccount" and obj["metadata"]["name"] == account]
+    assert service_account["automountServiceAccountToken"] is False
+    bound = {subject["name"] for obj in objects if obj["kind"] == "RoleBinding" for subject in obj["subjects"]}
+    assert account not in bound
+    # the API's keys reach the API alone
+    assert {"secretRef": {"name": API_KEYS_SECRET}} in container["envFrom"]
+
+
+def test_each_service_account_has_only_the_rights_its_pods_use():
+    objects = _manifests()
+    roles = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Role"}
+    rights: dict[str, set] = {}
+    for binding in (obj for obj in objects if obj["kind"] == "RoleBinding"):
+        rules = roles[binding["roleRef"]["name"]]["rules"]
+        for subject in binding["subjects"]:
+            rights.setdefault(subject["name"], set()).update(
+                (resource, verb) for rule in rules for resource in rule["resources"] for verb in rule["verbs"])
+    values = _values()
+    dagster_account, run_account = _service_accounts(values)
+    assert _run_pod(values)["serviceAccountName"] == run_account
+    # a run's pod starts, follows and removes its shard pods (Dagster Pipes reads their logs), nothing else
+    assert rights[run_account] == {("pods", verb) for verb in ("create", "get", "list", "watch", "delete")} | {("pods/log", "get")}
+    # the daemon launches each run as a Job, and watches and stops it
+    assert {("jobs", "create"), ("jobs", "delete"), ("pods", "list")} <= rights[dagster_account]
+    assert not any(verb == "create" and resource == "pods" for resource, verb in rights[dagster_account])
+    # nobody reads secrets or holds wildcards; the shard workers and the API hold nothing
+    for granted in rights.values():
+        assert not any(resource in {"secrets", "*"} or verb == "*" for resource, verb in granted)
+    assert {"batch-pipeline-worker", "batch-pipeline-api"}.isdisjoint(rights)
+    # the charts would otherwise make accounts of their own, with Roles granting pods and jobs to every pod
+    for chart in (values, values["dagster-user-deployments"]):
+        assert chart["serviceAccount"]["create"] is False and chart["rbacEnabled"] is False
+
+
+def _run_pod(values: dict) -> dict:
+    """The pod of a run's Job, built by dagster-k8s exactly as K8sRunLauncher does: its own config from the
+    chart values, merged with the code location's container context (the chart's
+    `dagsterUserDeployments.k8sContainerContext`, included in launched runs by default)."""
+    from dagster_k8s.container_context import K8sContainerContext
+    from dagster_k8s.job import DagsterK8sJobConfig, UserDefinedDagsterK8sConfig, construct_dagster_k8s_job
+
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    run_config_keys = {"containerConfig": "container_config", "podSpecConfig": "pod_spec_config"}
+    dagster_account, code_location_account = _service_accounts(values)
+    launcher_context = K8sContainerContext(
+        service_account_name=dagster_account,  # the chart's instance config
+        env_secrets=[secret["name"] for secret in launcher.get("envSecrets", [])],
+        volumes=launcher.get("volumes", []), volume_mounts=launcher.get("volumeMounts", []),
+        security_context=launcher.get("securityContext"),
+        run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(
+            {run_config_keys[key]: value for key, value in launcher.get("runK8sConfig", {}).items()}),
+    )
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    code_location_context = K8sContainerContext.create_from_config({"k8s": {
+        "image_pull_policy": deployment["image"]["pullPolicy"],
+        "env_config_maps": [f"dagster-{deployment['name']}-user-env"],
+        "env_secrets": [secret["name"] for secret in deployment.get("envSecrets", [])],
+        "volume_mounts": deployment.get("volumeMounts", []), "volumes": deployment.get("volumes", []),
+        "namespace": "batch", "service_account_name": code_location_account,
+        "run_k8s_config": {"pod_spec_config": {"automount_service_account_token": True}},
+    }})
+    context = launcher_context.merge(code_location_context)
+    job_config = DagsterK8sJobConfig(job_image="registry.example/batch-pipeline:latest",
+                                     dagster_home="/opt/dagster/dagster_home", instance_config_map="dagster-instance",
+                                     postgres_password_secret="dagster-postgresql-secret")
+    job = construct_dagster_k8s_job(job_config, ["dagster", "api", "execute_run", "{}"], "dagster-run-0123",
+                                    context.run_k8s_config, pod_name="dagster-run-0123", component="run_worker")
+    body = ApiClient().sanitize_for_serialization(job)
+    kubernetes_validate.validate(body, KUBERNETES_VERSION, strict=True)
+    return body["spec"]["template"]["spec"]
+
+
+# The properties the Dagster chart's values schema declares (helm/dagster/values.schema.json and the
+# dagster-user-deployments subchart's, as of chart 1.13): for a user deployment a misspelt key would be
+# silently ignored, and the chart refuses unknown ones in the run launcher's config.
+CHART_USER_DEPLOYMENT_KEYS = {
+    "name", "image", "dagsterApiGrpcArgs", "codeServerArgs", "includeConfigInLaunchedRuns", "deploymentNamespace",
+    "port", "env", "envConfigMaps", "envSecrets", "annotations", "nodeSelector", "affinity", "tolerations",
+    "podSecurityContext", "securityContext", "resources", "livenessProbe", "readinessProbe", "startupProbe",
+    "labels", "volumeMounts", "volumes", "schedulerName", "initContainers", "sidecarContainers"}
+CHART_K8S_RUN_LAUNCHER_KEYS = {
+    "image", "imagePullPolicy", "jobNamespace", "loadInclusterConfig", "kubeconfigFile", "envConfigMaps",
+    "envSecrets", "envVars", "volumeMounts", "volumes", "labels", "failPodOnRunFailure", "resources",
+    "schedulerName", "securityContext", "runK8sConfig"}
+CHART_RUN_K8S_CONFIG_KEYS = {"containerConfig", "podSpecConfig", "podTemplateSpecMetadata", "jobSpecConfig", "jobMetadata"}
+CHART_SERVICE_ACCOUNT_KEYS = {"create", "name", "annotations"}
+
+
+def test_every_dagster_pod_of_ours_runs_locked_down_and_gets_no_api_keys():
+    values = _values()
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    assert set(deployment) <= CHART_USER_DEPLOYMENT_KEYS and set(launcher) <= CHART_K8S_RUN_LAUNCHER_KEYS
+    assert set(launcher["runK8sConfig"]) <= CHART_RUN_K8S_CONFIG_KEYS
+    assert set(values["serviceAccount"]) | set(values["dagster-user-deployments"]["serviceAccount"]) <= CHART_SERVICE_ACCOUNT_KEYS
+    # each run's pod, as dagster-k8s builds it from these values
+    run_pod = _run_pod(values)
+    (run_container,) = run_pod["containers"]
+    _assert_locked_down(run_pod, run_container)
+    # the code server: the chart puts these keys in its Deployment's pod and container as they are
+    code_server = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "code-server"}, "spec": {
+        "selector": {"matchLabels": {"app": "code-server"}}, "template": {
+            "metadata": {"labels": {"app": "code-server"}},
+            "spec": {"securityContext": deployment["podSecurityContext"], "volumes": deployment["volumes"],
+                     "containers": [{"name": "code-server", "image": "i", "securityContext": deployment["securityContext"],
+                                     "volumeMounts": deployment["volumeMounts"]}]}}}}
+    kubernetes_validate.validate(code_server, KUBERNETES_VERSION, strict=True)
+    pod = code_server["spec"]["template"]["spec"]
+    _assert_locked_down(pod, pod["containers"][0])
+    secrets = [secret["name"] for secret in deployment["envSecrets"] + values["runLauncher"]["config"]["k8sRunLauncher"]["envSecrets"]]
+    assert API_KEYS_SECRET not in secrets
+    assert not any(API_KEYS_SECRET in str(source) for source in run_container.get("envFrom", []))
+    # Dagster's telemetry would write under DAGSTER_HOME, on the read-only root
+    assert values["telemetry"]["enabled"] is False
+
+
+def test_the_worker_image_runs_as_the_non_root_user_the_pods_name():
+    from batch_pipeline.launch.k8s import WORKER_HOME, WORKER_UID
+
+    lines = [line.split(None, 1) for line in (REPO / "k8s" / "worker.Dockerfile").read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    instructions = [(word.upper(), rest.strip()) for word, rest in lines]
+    users = [i for i, (word, _) in enumerate(instructions) if word == "USER"]
+    assert users, "no USER: the image runs as root"
+    assert instructions[users[-1]][1] == f"{WORKER_UID}:{WORKER_UID}"
+    assert all(word != "RUN" for word, _ in instructions[users[-1]:])
+    assert ("ENV", f"HOME={WORKER_HOME}") in instructions
