@@ -1,6 +1,7 @@
 """The spec's free-form `priority` string as Dagster's run priority (`dagster/priority`: higher runs first).
 
-An integer string is taken as given ("5", "-3"); names map to fixed levels. Anything else is refused at
+An integer string is taken as given ("5", "-3") within the range of the named levels, so no caller can
+set a priority above `highest` and jump every queue; names map to fixed levels. Anything else is refused at
 submission, naming the field, rather than silently treated as the default.
 """
 
@@ -19,6 +20,10 @@ NAMED_PRIORITIES = {
 }
 
 
+MIN_PRIORITY, MAX_PRIORITY = min(NAMED_PRIORITIES.values()), max(NAMED_PRIORITIES.values())
+MAX_PRIORITY_CHARS = 32
+
+
 class InvalidPriority(ValueError):
     pass
 
@@ -30,8 +35,13 @@ def run_priority(priority: str | None) -> int:
     if text in NAMED_PRIORITIES:
         return NAMED_PRIORITIES[text]
     try:
-        return int(text)
+        level = int(text) if len(text) <= MAX_PRIORITY_CHARS else None
     except ValueError:
+        level = None
+    if level is None or not MIN_PRIORITY <= level <= MAX_PRIORITY:
+        shown = priority if len(priority) <= MAX_PRIORITY_CHARS else priority[:MAX_PRIORITY_CHARS] + "..."
         raise InvalidPriority(
-            f"priority must be an integer or one of {', '.join(NAMED_PRIORITIES)}; got {priority!r}"
-        ) from None
+            f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY} or one of "
+            f"{', '.join(NAMED_PRIORITIES)}; got {shown!a}"
+        )
+    return level
