@@ -5,9 +5,13 @@ import os
 
 import dagster as dg
 from dagster import RunStatusSensorContext, SensorEvaluationContext
+from pydantic import ValidationError
 
 from batch_pipeline import io
 from batch_pipeline.contract import CreateBatchCompletionsV2Request, ErrorDetail, ErrorOutput
+from batch_pipeline.contract.base import wire_value_problem
+from batch_pipeline.contract.records import describe_validation_error
+from batch_pipeline.jobs_store import JobRecord
 from batch_pipeline.pipeline.execute import run_config_for
 from batch_pipeline.pipeline.job import batch_completions, job_id_of, metadata_path
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
@@ -31,23 +35,70 @@ def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:
     return reexecutions[0] if reexecutions else runs[0]
 
 
+# One tick's run requests travel to the daemon as one gRPC message, capped by Dagster at 100 MB: a tick
+# stops taking jobs once their requests reach this many bytes (it takes one at least); the rest follow.
+DEFAULT_MAX_TICK_BYTES = 32 * 1024 * 1024
+
+
+def _max_tick_bytes() -> int:
+    return int(os.environ.get("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", DEFAULT_MAX_TICK_BYTES))
+
+
 @dg.sensor(
     job=batch_completions,
     minimum_interval_seconds=SENSOR_INTERVAL_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Turns each job the API stored into exactly one run (run_key = job id).",
+    description="Turns each job the API stored into exactly one run (run_key = job id). A job that cannot "
+    "become a run is marked failed with the reason; the others go on.",
 )
 def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResource):
     store = job_store.get_store()
-    for record in store.awaiting_launch():
+    budget, taken = _max_tick_bytes(), 0
+    for job_id in store.awaiting_launch():
+        record = store.get(job_id)
+        if record is None or record.run_id is not None or record.cancelled_at is not None:
+            continue  # changed since the list was read
         run = find_run(context.instance, record.job_id)
         if run is not None:
             store.link_run(record.job_id, run.run_id)
             continue
         if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
             continue  # its tick launches it; launching here too could race that into a second run
+        size = len(record.request_json)
+        if taken and taken + size > budget:
+            break
+        try:
+            run_request = _run_request(record)
+        except Exception as exc:  # _run_request reads only the record: whatever fails, fails for this job alone
+            reason = f"could not start: {_shortened(exc)}"
+            context.log.warning(f"{record.job_id}: {reason}")
+            store.mark_failed(record.job_id, reason)
+            continue
+        taken += size
+        yield run_request
+
+
+def _run_request(record: JobRecord) -> dg.RunRequest:
+    """The job's run request, checked as the daemon will check it when it creates the run (the request by
+    the contract, the run config by the job's config schema, the tags as storable text), so that what is
+    yielded cannot fail the tick for every job."""
+    try:
+        # From Python's parse of the row, not pydantic's JSON: it reads what an older release stored (a lone
+        # surrogate escape) and the contract then names the field.
         request = CreateBatchCompletionsV2Request.model_validate(record.request)
-        yield dg.RunRequest(run_key=record.job_id, run_config=run_config_for(request), tags=run_tags(record))
+    except ValidationError as exc:
+        raise ValueError(f"invalid request: {describe_validation_error(exc)}") from None
+    tags = run_tags(record)
+    if problem := wire_value_problem(tags):
+        raise ValueError(f"run tags (labels, model): {problem}")
+    run_config = run_config_for(request)
+    dg.validate_run_config(batch_completions, run_config)  # DagsterInvalidConfigError names the field
+    return dg.RunRequest(run_key=record.job_id, run_config=run_config, tags=tags)
+
+
+def _shortened(exc: Exception) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text if len(text) <= 2000 else text[:2000] + "..."
 
 
 def _keep_partial_results(context: RunStatusSensorContext, job_storage: JobStorage, code: str, why: str) -> None:
