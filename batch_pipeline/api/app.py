@@ -3,17 +3,20 @@
     uvicorn --factory batch_pipeline.api.app:create_app
 """
 
+import json
 import os
 from typing import Annotated
 
 import dagster as dg
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from batch_pipeline.api.auth import ApiKeys, Caller
+from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.limits import BodySizeLimit
-from batch_pipeline.api.service import BatchJobService, JobNotFound, UnservableRequest
+from batch_pipeline.api.service import BatchJobService, IdempotencyConflict, JobNotFound, UnservableRequest
 from batch_pipeline.contract import (
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
@@ -31,10 +34,17 @@ from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.priority import InvalidPriority
 
 
+class AsciiJSONResponse(JSONResponse):
+    """Errors can quote what a client sent (a key, a path); escaped to ASCII, any of it can be rendered."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def _unprocessable(problems: list[tuple[str, str]]) -> JSONResponse:
     """The same shape as FastAPI's own validation errors, so clients parse one format."""
     detail = [{"loc": ["body", *field.split(".")], "msg": message, "type": "value_error"} for field, message in problems]
-    return JSONResponse(status_code=422, content={"detail": detail})
+    return AsciiJSONResponse(status_code=422, content={"detail": detail})
 
 
 def current_caller(request: Request) -> Caller:
@@ -53,19 +63,23 @@ class ErrorBody(BaseModel):
 _UNAUTHORIZED = {401: {"model": ErrorBody, "description": "API keys are configured and none valid was sent"}}
 _NOT_FOUND = {404: {"model": ErrorBody, "description": "No such job, or not one of the caller's"}}
 _TOO_LARGE = {413: {"model": ErrorBody, "description": "The body exceeds BATCH_PIPELINE_MAX_BODY_BYTES"}}
+_CONFLICT = {409: {"model": ErrorBody, "description": "The Idempotency-Key was used before with a different request"}}
 
 CallerDep = Annotated[Caller, Depends(current_caller)]
 ServiceDep = Annotated[BatchJobService, Depends(job_service)]
-IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]
-router = APIRouter(responses=_UNAUTHORIZED)
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=256)]
+router = APIRouter(responses=_UNAUTHORIZED, route_class=WireBodyRoute)
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
+    # On the event loop itself: it answers even while every worker thread is busy with large bodies.
     return {"status": "ok"}
 
 
-@router.post("/v1/llm/batch-completions", response_model=CreateBatchCompletionsV1Response, responses=_TOO_LARGE)
+@router.post(
+    "/v1/llm/batch-completions", response_model=CreateBatchCompletionsV1Response, responses=_TOO_LARGE | _CONFLICT
+)
 def create_v1(
     body: CreateBatchCompletionsV1Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
 ):
@@ -73,7 +87,7 @@ def create_v1(
     return CreateBatchCompletionsV1Response(job_id=service.create(who, request, idempotency_key).job_id)
 
 
-@router.post("/v2/batch-completions", response_model=BatchCompletionsJob, responses=_TOO_LARGE)
+@router.post("/v2/batch-completions", response_model=BatchCompletionsJob, responses=_TOO_LARGE | _CONFLICT)
 def create_v2(
     body: CreateBatchCompletionsV2Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
 ):
@@ -129,9 +143,19 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     app.include_router(router)
     app.add_middleware(BodySizeLimit)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the input, which may be a whole body or a value JSON cannot hold (NaN).
+        detail = [{"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]} for error in exc.errors()]
+        return AsciiJSONResponse(status_code=422, content={"detail": detail})
+
+    @app.exception_handler(IdempotencyConflict)
+    async def _conflict(_: Request, exc: IdempotencyConflict) -> JSONResponse:
+        return AsciiJSONResponse(status_code=409, content={"detail": str(exc)})
+
     @app.exception_handler(JobNotFound)
     async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:
-        return JSONResponse(status_code=404, content={"detail": f"no batch job {exc.args[0]!r}"})
+        return AsciiJSONResponse(status_code=404, content={"detail": f"no batch job {exc.args[0][:100]!a}"})
 
     @app.exception_handler(InvalidPriority)
     async def _bad_priority(_: Request, exc: InvalidPriority) -> JSONResponse:

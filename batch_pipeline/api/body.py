@@ -1,0 +1,114 @@
+"""Request bodies parsed by pydantic straight from their bytes, spooled to disk while they arrive.
+
+FastAPI's own path holds a body several times over (the chunks, their join, `json.loads`' objects, the
+validated model, the errors echoing the input), and parses it on the event loop. Here a body is written
+to a temporary file as it streams in, read back once, and validated from JSON in a worker thread, so the
+API holds about one copy of a body plus its model, and `/healthz` answers while large bodies parse.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from batch_pipeline.contract.base import WireModel
+
+# Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file.
+SPOOL_IN_MEMORY_BYTES = 1024 * 1024
+
+
+class WireBodyRoute(APIRoute):
+    """A route whose wire-model body is authenticated for, then read and validated as described above;
+    FastAPI's handler (dependencies, the route, its OpenAPI document) then gets the validated model."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        model = _wire_body_model(self)
+        if model is None:
+            return handler
+
+        async def parse_then_handle(request: Request) -> Response:
+            if not _declares_json(request):
+                return await handler(request)  # FastAPI's answer to a body that is not JSON
+            # The caller is known before the body is read: no one without a key makes the API parse 64 MB.
+            request.app.state.api_keys.authenticate(request)
+            try:
+                raw = await _spooled_body(request)
+            except ClientDisconnect:
+                return Response(status_code=400)  # the client left (or the size limit answered 413)
+            parsed = await run_in_threadpool(parse_json_body, raw, model)
+            del raw
+            return await handler(_ParsedBodyRequest(request, parsed))
+
+        return parse_then_handle
+
+
+def parse_json_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`, or a RequestValidationError whose locations start with `body`."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    if any(error["type"] == "json_invalid" for error in errors):
+        errors = _named_errors(raw, model) or errors
+    raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in errors])
+
+
+def _named_errors(raw: bytes, model: type[BaseModel]) -> list[dict] | None:
+    """pydantic's JSON parser refuses some documents Python's reads (lone surrogate escapes, numbers of
+    hundreds of digits, nesting past 200 levels) with a position only; read by Python's parser, the
+    contract refuses the same value naming its field. None when that names nothing better."""
+    try:
+        model.model_validate(json.loads(raw))
+    except ValidationError as exc:
+        return exc.errors(include_url=False, include_input=False, include_context=False)
+    except (ValueError, RecursionError):  # not JSON to Python either, or too deep for it
+        return None
+    return None
+
+
+class _ParsedBodyRequest(Request):
+    """The request as FastAPI's handler sees it: its JSON is the validated model, the bytes are gone."""
+
+    def __init__(self, request: Request, parsed: BaseModel) -> None:
+        super().__init__(request.scope, request.receive)
+        self._parsed = parsed
+
+    async def body(self) -> bytes:
+        return b"{}"  # FastAPI only asks whether there is a body; the bytes were released once parsed
+
+    async def json(self) -> Any:
+        return self._parsed
+
+
+async def _spooled_body(request: Request) -> bytes:
+    with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
+        async for chunk in request.stream():
+            spool.write(chunk)
+        spool.seek(0)
+        return spool.read()
+
+
+def _wire_body_model(route: APIRoute) -> type[BaseModel] | None:
+    params = route.dependant.body_params
+    if len(params) != 1:
+        return None
+    annotation = params[0].field_info.annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, WireModel) else None
+
+
+def _declares_json(request: Request) -> bool:
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return True  # FastAPI reads a body without a content type as JSON too
+    media_type = content_type.partition(";")[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
