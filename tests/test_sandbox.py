@@ -1,23 +1,48 @@
 """The code_evaluator sandbox against hostile code, run directly: each case contained, the calling
-process unharmed, nothing left running, nothing of the host touched."""
+process unharmed, nothing left running, nothing of the host touched.
 
+Most cases run in two modes: with everything this machine allows (namespaces, a cgroup), and bare, as
+in a Kubernetes pod that refuses `unshare` and has no writable cgroup (both forced here)."""
+
+import json
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
+from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, Sandbox, SandboxLimits
 from tests.conftest import sandbox_processes
 
 ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parent.parent
+# What the Kubernetes pods of tool_config shards keep (k8s/ drops every other capability).
+POD_CAPABILITIES = ["chown", "dac_override", "fowner", "kill", "setuid", "setgid"]
+
+
+def bare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in most pods: the kernel refuses unshare and no cgroup can be made."""
+    monkeypatch.setattr(Sandbox, "_probe_namespaces", lambda self: False)
+    monkeypatch.setattr(Sandbox, "_probe_cgroups", lambda self: None, raising=False)
+
+
+@pytest.fixture(scope="module", params=["everything allowed", "bare"])
+def make_sandbox(request):
+    """Sandboxes of one mode."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if request.param == "bare":
+            bare(monkeypatch)
+        yield lambda limits=SandboxLimits(timeout_s=3), slots=2: Sandbox(limits, slots)
 
 
 @pytest.fixture(scope="module")
-def sandbox():
-    return Sandbox(SandboxLimits(timeout_s=3), slots=2)
+def sandbox(make_sandbox):
+    return make_sandbox()
 
 
 def sandbox_dirs() -> set[str]:
@@ -148,3 +173,239 @@ def test_without_namespaces_the_uid_and_limits_still_contain(monkeypatch):
     assert sandbox.run(leftover).output == "parent exits\n"
     if ROOT:
         assert not sandbox_processes()  # the detached child went with its uid
+
+
+# A child that leaves the session and outlives its parent, findable by the name it runs under.
+DETACHED = "import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', [{marker!r}, '1000'])\nprint('parent exits')"
+
+
+def processes_named(name: str) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0] == name.encode():
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def shared_directory() -> Path:
+    """A directory anyone may enter (unlike pytest's tmp_path), so only a file's own mode protects it."""
+    path = Path(tempfile.mkdtemp(prefix="sandbox-test-"))
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.skipif(not ROOT, reason="a uid of its own needs a root worker")
+def test_the_code_runs_as_its_slot_uid_in_every_mode(sandbox):
+    """Without namespaces as with them: not root, no groups, no capabilities; root's private files,
+    private directories and processes out of reach; nothing of it left alive."""
+    shared = shared_directory()
+    try:
+        secret = shared / "secret"
+        secret.write_text("root's secret")
+        secret.chmod(0o600)
+        private = shared / "private"
+        private.mkdir(mode=0o700)
+        result = sandbox.run(
+            "import os\nprint(os.getuid(), os.getgid(), os.getgroups())\n"
+            "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+            f"for attempt in (lambda: open({str(secret)!r}).read(), lambda: open({str(private / 'planted')!r}, 'w'),\n"
+            f"                lambda: open('/proc/{os.getpid()}/environ').read(), lambda: os.kill({os.getpid()}, 0)):\n"
+            "    try:\n        print('DONE', attempt())\n"
+            "    except OSError as exc:\n        print(type(exc).__name__)\n"
+        )
+        lines = result.output.splitlines()
+        assert lines[0] in {f"{uid} {uid} []" for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + 2)}, result
+        assert lines[1] == "0000000000000000"
+        assert "DONE" not in result.output and "root's secret" not in result.output, result
+        assert not (private / "planted").exists()
+        assert sandbox.isolation.user.startswith(f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + 1}")
+        marker = f"sandbox-detached-{os.getpid()}"
+        assert sandbox.run(DETACHED.format(marker=marker)).ok
+        assert not processes_named(marker)
+    finally:
+        subprocess.run(["rm", "-rf", str(shared)], check=True)
+
+
+TEMPORARY_LEFTOVERS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+marker = {marker!r}
+for directory in ('/tmp', '/var/tmp', '/dev/shm', '/run/lock'):
+    if os.access(directory, os.W_OK):
+        open(f'{{directory}}/{{marker}}', 'w').write('left behind')
+os.makedirs(f'/tmp/{{marker}}-tree/deeper')
+open(f'/tmp/{{marker}}-tree/deeper/file', 'w').write('left behind')
+os.chmod(f'/tmp/{{marker}}-tree/deeper', 0)
+os.chmod(f'/tmp/{{marker}}-tree', 0)
+segment = libc.shmget(0x62706970, 4096, 0o1000 | 0o600)  # IPC_CREAT: a System V segment outlives its process
+print('shm', segment >= 0)
+queue = ctypes.CDLL('librt.so.1', use_errno=True).mq_open(f'/{{marker}}'.encode(), os.O_CREAT | os.O_RDWR, 0o600, None)
+print('mqueue', queue >= 0)
+"""
+
+FIND_LEFTOVERS = """
+import ctypes, os
+print('shm', ctypes.CDLL(None).shmget(0x62706970, 0, 0) >= 0)
+print('mqueue', ctypes.CDLL('librt.so.1').mq_open(b'/{marker}', os.O_RDONLY) >= 0)
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="what the code leaves is found by its uid")
+def test_nothing_an_execution_leaves_in_shared_places_survives_it(make_sandbox):
+    """Files in the system's temporary directories and shared memory, System V and POSIX IPC objects:
+    gone before the slot runs code again."""
+    marker = f"sandbox-leftover-{os.getpid()}-{time.monotonic_ns()}"
+    one_slot = make_sandbox(slots=1)
+    first = one_slot.run(TEMPORARY_LEFTOVERS.format(marker=marker))
+    assert first.ok, first
+    for directory in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+        assert not os.path.lexists(f"{directory}/{marker}"), directory
+    assert not os.path.lexists(f"/tmp/{marker}-tree")
+    second = one_slot.run(FIND_LEFTOVERS.format(marker=marker))
+    assert second.output == "shm False\nmqueue False\n", (first, second)
+
+
+ALLOCATE_IN_THREE_CHILDREN = """
+import os, time
+children = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        block = b'x' * (500 * 2**20)  # written, so resident: each child well under the 1 GiB limit
+        time.sleep(2)
+        os._exit(0)
+    children.append(pid)
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+print('all three held 500 MB' if statuses == [0, 0, 0] else f'children ended with {statuses}')
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="the total is counted per slot uid or cgroup")
+def test_the_memory_limit_holds_for_all_processes_together(make_sandbox):
+    limited = make_sandbox(SandboxLimits(timeout_s=20, memory_bytes=2**30), slots=1)
+    result = limited.run(ALLOCATE_IN_THREE_CHILDREN)
+    assert "all three held" not in result.output, (result, limited.isolation)
+    assert result.error.startswith("MemoryError"), result
+    assert not result.timed_out
+    assert "together" in limited.isolation.memory
+    assert limited.run("print(len(b'x' * (500 * 2**20)))").output == f"{500 * 2**20}\n"  # one alone is fine
+
+
+def run_python(script: str, *, as_: list[str], python: str = sys.executable) -> subprocess.CompletedProcess:
+    """`script` in a new Python under setpriv (a reduced capability set or another uid), from the repo."""
+    return subprocess.run(["setpriv", *as_, python, "-c", script], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+
+
+POD = [f"--bounding-set=-all,{','.join('+' + cap for cap in POD_CAPABILITIES)}", "--inh-caps=-all"]
+
+
+@pytest.mark.skipif(not ROOT, reason="runs a root process with a reduced capability set")
+def test_with_only_the_pod_capabilities_the_sandbox_holds():
+    """Root with CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETUID, SETGID only, as tool_config shard pods run:
+    no namespaces there, yet the code runs as its slot uid, within its limits, and leaves nothing."""
+    shared = shared_directory()
+    try:
+        secret = shared / "secret"
+        secret.write_text("root's secret")
+        secret.chmod(0o600)
+        marker = f"sandbox-pod-{os.getpid()}-{time.monotonic_ns()}"
+        script = f"""
+import json, os
+from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
+from tests.test_sandbox import ALLOCATE_IN_THREE_CHILDREN, DETACHED, TEMPORARY_LEFTOVERS
+sandbox = Sandbox(SandboxLimits(timeout_s=20, memory_bytes=2**30), slots=1)
+runs = [sandbox.run(code) for code in (
+    "import os; print(os.getuid())",
+    "print(open({str(secret)!r}).read())",
+    TEMPORARY_LEFTOVERS.format(marker={marker!r}),
+    DETACHED.format(marker={marker!r}),
+    "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass",
+    ALLOCATE_IN_THREE_CHILDREN,
+)]
+print(json.dumps({{"isolation": sandbox.isolation.to_dict(), "runs": [[r.output, r.error] for r in runs]}}))
+"""
+        done = run_python(script, as_=POD)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout.splitlines()[-1])
+        uid, secret_read, leftovers, detached, fork_bomb, memory = report["runs"]
+        assert uid == [f"{SANDBOX_UID_BASE}\n", None]
+        assert "PermissionError" in secret_read[1]
+        assert leftovers[1] is None, leftovers
+        assert not any(os.path.lexists(f"{d}/{marker}") for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"))
+        assert detached == ["parent exits\n", None] and not processes_named(marker)
+        assert "TimeoutError" in fork_bomb[1]
+        assert memory[1].startswith("MemoryError") and "all three held" not in memory[0], memory
+        assert report["isolation"]["user"].startswith(f"uids {SANDBOX_UID_BASE}-")
+        assert report["isolation"]["network"].startswith("NOT isolated")  # unshare needs CAP_SYS_ADMIN
+    finally:
+        subprocess.run(["rm", "-rf", str(shared)], check=True)
+
+
+REFUSES = """
+import sys
+try:
+    sandbox = Sandbox()
+except SandboxUnavailable as exc:
+    print('refused:', exc)
+    sys.exit(0)
+print('ran as', sandbox.run('import os; print(os.getuid())').output, sandbox.isolation)
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to take the capability away or to become another user")
+@pytest.mark.parametrize("worker", ["root without CAP_SETUID", "not root"])
+def test_where_no_uid_switch_is_possible_the_sandbox_refuses_to_run_code(worker):
+    if worker == "not root":  # the system's Python, and the sandbox module alone: nobody cannot read the venv
+        script = ("import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sandbox', "
+                  f"{str(REPO / 'batch_pipeline/worker/sandbox.py')!r})\nmodule = importlib.util.module_from_spec(spec)\n"
+                  "sys.modules['sandbox'] = module\nspec.loader.exec_module(module)\n"
+                  "Sandbox, SandboxUnavailable = module.Sandbox, getattr(module, 'SandboxUnavailable', ())\n" + REFUSES)
+        done = run_python(script, as_=["--reuid=65534", "--regid=65534", "--clear-groups"], python="/usr/bin/python3")
+    else:
+        script = "from batch_pipeline.worker.sandbox import Sandbox, SandboxUnavailable\n" + REFUSES
+        done = run_python(script, as_=["--bounding-set=-setuid,-setgid"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: tool_config"), done.stdout
+    assert "uid" in done.stdout
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to take the capability away")
+def test_a_tool_config_shard_fails_with_the_reason_where_no_uid_switch_is_possible(tmp_path):
+    """The worker itself, before any engine starts; its checkpoint is private (0600)."""
+    from batch_pipeline.shards import ShardTask, work_items, write_shards
+
+    (shard,) = write_shards(work_items([("content", {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0})]), 1, str(tmp_path / "job"))
+    task = ShardTask(shard=shard, model_config={"model": "no-such-model"},
+                     tool_config={"name": "code_evaluator"})
+    (tmp_path / "task.json").write_text(json.dumps(task.to_dict()))
+    done = run_python(f"from batch_pipeline.worker.__main__ import main; main(['--task', {str(tmp_path / 'task.json')!r}])",
+                      as_=["--bounding-set=-setuid,-setgid"])
+    assert done.returncode != 0
+    assert "SandboxUnavailable: tool_config" in done.stderr, done.stderr[-3000:]
+    assert "uid" in done.stderr.rsplit("SandboxUnavailable", 1)[1]
+    results = Path(shard.results_path)
+    assert not results.exists() or results.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_jobs_files_are_private(tmp_path):
+    """A job's work dir and shard dirs are 0700 and its shard inputs 0600, even under a directory others
+    may enter: neither the sandbox's uids nor other local users can read another job's prompts."""
+    from batch_pipeline.shards import work_items, write_shards
+
+    base = shared_directory()
+    try:
+        work_dir = base / "job-1"
+        (shard,) = write_shards(work_items([("content", {"prompts": ["secret prompt"], "max_new_tokens": 4, "temperature": 0.0})]), 1,
+                                str(work_dir))
+        for directory in (work_dir, work_dir / "shards", Path(shard.directory)):
+            assert directory.stat().st_mode & 0o777 == 0o700, directory
+        assert Path(shard.input_path).stat().st_mode & 0o777 == 0o600
+        if ROOT:
+            result = Sandbox(SandboxLimits(timeout_s=5), slots=1).run(f"print(open({shard.input_path!r}).read())")
+            assert "secret prompt" not in result.output and "PermissionError" in result.error
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=True)

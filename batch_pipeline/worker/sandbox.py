@@ -2,19 +2,25 @@
 
 Each execution is a fresh `python -I` in a new session, with an empty working directory removed
 afterwards, a scrubbed environment, its output captured in size-capped files, and resource limits (CPU
-time, address space, file size, processes, open files). Where the worker runs as root, each pool slot
-runs as its own unprivileged uid: the code cannot read or write the job's files, the model cache or the
-worker's /proc, and every process of that uid is killed when the execution ends. Where the kernel
-allows it, `unshare` adds a network namespace with no interfaces up (no network), a PID namespace with
-its own /proc (no other process visible; the namespace dies with its first process) and an IPC
-namespace. `Sandbox.isolation` says which of these are in force; the job's metadata records it.
+time, address space, file size, processes, open files). In every mode each pool slot runs as its own
+unprivileged uid, switched to by util-linux `setpriv` (no namespace needed): the code cannot read or
+write the job's files, the model cache or the worker's /proc, every process of that uid is killed when
+the execution ends, and what it left in the shared temporary directories is removed. Where no uid switch
+is possible (the worker is not root, or lacks CAP_SETUID/CAP_SETGID) the sandbox refuses to run code at
+all (`SandboxUnavailable`). Memory is limited for all of an execution's processes together: by a cgroup
+where one can be made, else by summing their resident memory while it runs. Where the kernel allows it,
+`unshare` adds a network namespace with no interfaces up (no network), a PID namespace with its own
+/proc (no other process visible; the namespace dies with its first process) and an IPC namespace.
+`Sandbox.isolation` says which of these are in force; the job's metadata records it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
+import select
 import shutil
 import signal
 import stat
@@ -22,13 +28,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import IO
 
 # Slots run as uids SANDBOX_UID_BASE + slot: unused by any account, one per slot so that one execution's
 # processes can neither signal nor exhaust the process limit of another.
 SANDBOX_UID_BASE = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UID_BASE", "61000"))
 _NAMESPACES = ["unshare", "--net", "--ipc", "--pid", "--mount-proc", "--fork", "--kill-child=SIGKILL"]
 _ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+# All a root worker needs to run the sandbox (the pod specs of tool_config shards keep these, drop the rest).
+REQUIRED_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETUID", "SETGID")
+# Where any uid may create files; what a slot's uid leaves there is removed after each execution.
+SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock")
+WATCH_INTERVAL_S = 0.1  # how often a running execution's memory is checked
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot hold here, so it runs no code; the message says why and what would fix it."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +85,17 @@ class Isolation:
     user: str
     namespaces: str
     network: str
+    memory: str
+    leftovers: str
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
 
 
 class Sandbox:
-    """A bounded pool of execution slots; `run` blocks for a free slot, so callers may submit freely."""
+    """A bounded pool of execution slots; `run` blocks for a free slot, so callers may submit freely.
+
+    Raises SandboxUnavailable where no slot uid can be switched to: code never runs as the worker's user."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), slots: int | None = None) -> None:
         self.limits = limits
@@ -82,15 +103,23 @@ class Sandbox:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(self.slots):
             self._free.put(slot)
-        self._as_root = os.geteuid() == 0
-        self.python = sandbox_python() if self._as_root else sys.executable
+        self.python = sandbox_python()
+        self._check_uid_switch()
         self._namespaces = self._probe_namespaces()
+        self._cgroups = self._probe_cgroups()
+        mib = limits.memory_bytes // 2**20
         self.isolation = Isolation(
-            user=f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + self.slots - 1}, one per slot"
-            if self._as_root else "the worker's uid (the worker does not run as root)",
+            user=f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + self.slots - 1}, one per slot, with no groups, "
+                 "no capabilities and no new privileges (setpriv)",
             namespaces="network, PID, IPC, mount" if self._namespaces else "none (the kernel refused unshare)",
             network="no network (an empty network namespace)" if self._namespaces
             else "NOT isolated: the code can reach whatever the worker can",
+            memory=f"{mib} MiB for all its processes together (cgroup v{self._cgroups.version}), "
+                   f"{limits.processes} processes" if self._cgroups
+            else f"{mib} MiB for all its processes together, their resident memory summed every "
+                 f"{WATCH_INTERVAL_S:g} s (no cgroup could be made); {mib} MiB of address space each",
+            leftovers=f"removed after each execution: the slot uid's files in {', '.join(SHARED_WRITABLE)} "
+                      "and its System V IPC objects; no POSIX message queue can be made",
         )
 
     def run(self, code: str, timeout_s: float | None = None) -> Execution:
@@ -101,76 +130,121 @@ class Sandbox:
             self._free.put(slot)
 
     def _run_in_slot(self, code: str, slot: int, timeout_s: float) -> Execution:
-        uid = SANDBOX_UID_BASE + slot if self._as_root else None
+        uid = SANDBOX_UID_BASE + slot
         private = tempfile.mkdtemp(prefix="batch-pipeline-exec-")  # 0700, the worker's: code and captures
         workdir = tempfile.mkdtemp(prefix="batch-pipeline-sandbox-")
+        cgroup = ExecutionCgroup(self._cgroups, slot, self.limits) if self._cgroups else None
         started = time.monotonic()
         try:
-            if uid is not None:
-                os.chown(workdir, uid, uid)
+            os.chown(workdir, uid, uid)
             program = os.path.join(private, "program.py")
             with open(program, "w", encoding="utf-8") as handle:
                 handle.write(code)
             stdout_path, stderr_path = os.path.join(private, "stdout"), os.path.join(private, "stderr")
-            with open(program, "rb") as stdin, open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
-                process = subprocess.Popen(
-                    [*self._limits(timeout_s), *_command(self.python, uid, self._namespaces)],
-                    stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
-                    env={**_ENVIRONMENT, "HOME": workdir, "TMPDIR": workdir}, start_new_session=True,
-                )
-                timed_out = False
+            status_read, status_write = os.pipe()
+            with open(program, "rb") as stdin, open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr, \
+                    open(status_read, "rb", buffering=0) as status:
+                entering = cgroup.entering() if cgroup else []
                 try:
-                    returncode = process.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    returncode = None
-                self._kill_everything(process, uid)
-                if returncode is None:
-                    returncode = process.wait()
+                    process = subprocess.Popen(
+                        [*entering, *self._limits(timeout_s), self.python, "-I", "-S", "-c", _REAPER, str(status_write),
+                         *_command(self.python, uid, self._namespaces)],
+                        stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir, pass_fds=[status_write],
+                        env={**_ENVIRONMENT, "HOME": workdir, "TMPDIR": workdir}, start_new_session=True,
+                    )
+                finally:
+                    os.close(status_write)
+                try:
+                    returncode, timed_out, over_memory = self._supervise(status, uid, cgroup, started + timeout_s)
+                finally:
+                    self._kill_everything(process, uid)
+                over_memory = over_memory or (cgroup is not None and cgroup.memory_exceeded())
             output = _read_bounded(stdout_path, self.limits.output_chars)
             error = None
-            if timed_out:
+            if over_memory:
+                error = (f"MemoryError: the code's processes together used more than "
+                         f"{self.limits.memory_bytes // 2**20} MiB and were stopped")
+            elif timed_out:
                 error = f"TimeoutError: the code ran longer than {timeout_s:g} s and was stopped"
             elif returncode != 0:
                 error = _last_error_line(stderr_path, returncode)
             return Execution(output=output, error=error, timed_out=timed_out,
                              wall_s=round(time.monotonic() - started, 3))
         finally:
+            _remove_leftovers(uid, self.python)
+            if cgroup is not None:
+                cgroup.remove()
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(private, ignore_errors=True)
+
+    def _supervise(self, status: IO[bytes], uid: int, cgroup: ExecutionCgroup | None,
+                   deadline: float) -> tuple[int | None, bool, bool]:
+        """Wait for the program (its reaper reports its exit status): (that status, whether it ran out of
+        time, whether its processes together went over the memory limit). Either of the last two stops
+        the wait at once."""
+        while True:
+            if select.select([status], [], [], WATCH_INTERVAL_S)[0]:
+                reported = status.read(32).strip()
+                return (int(reported) if reported else -signal.SIGKILL), False, False
+            if cgroup.memory_exceeded() if cgroup else resident_bytes(uid) > self.limits.memory_bytes:
+                return None, False, True
+            if time.monotonic() >= deadline:
+                return None, True, False
 
     def _limits(self, timeout_s: float) -> list[str]:
         """util-linux prlimit: set in the process that then execs the sandbox, inherited by all it starts
         (rather than a preexec_fn, which is not safe in the worker's threaded process)."""
         limits, cpu = self.limits, math.ceil(timeout_s) + 1
         arguments = [f"--cpu={cpu}", f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
-                     f"--nofile={limits.open_files}", "--core=0"]
-        if self._as_root or self._namespaces:  # counted per uid (or user namespace): the sandbox's own
-            arguments.append(f"--nproc={limits.processes}")
+                     f"--nofile={limits.open_files}", f"--nproc={limits.processes}", "--core=0",
+                     "--msgqueue=0"]  # POSIX message queues outlive processes, out of reach of the clean-up
         return ["prlimit", *arguments, "--"]
 
-    def _kill_everything(self, process: subprocess.Popen, uid: int | None) -> None:
+    def _kill_everything(self, process: subprocess.Popen, uid: int) -> None:
         """The whole tree, including processes that left the session or outlived the program."""
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if uid is None:
-            return
-        # Until the uid has no process left: a fork bomb may fork while a kill runs, and killed processes
-        # take a moment to exit. The slot is not reused before then.
+        # Until the uid has no process left, zombies included (they count against its process limit): a
+        # fork bomb may fork while a kill runs, and killed processes take a moment to be reaped. The slot
+        # is not reused before then.
         deadline = time.monotonic() + 10
-        while processes_of(uid) and time.monotonic() < deadline:
-            subprocess.run([self.python, "-I", "-S", "-c", _KILL_ALL], user=uid, group=uid, extra_groups=[],
-                           check=False, env=_ENVIRONMENT)
+        while processes_of(uid, zombies=True) and time.monotonic() < deadline:
+            if processes_of(uid):
+                subprocess.run([*_as_slot_user(uid), self.python, "-I", "-S", "-c", _KILL_ALL], check=False,
+                               env=_ENVIRONMENT)
             time.sleep(0.02)
+        try:  # the reaper leaves once it has no child left; the root wrappers go with it
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def _check_uid_switch(self) -> None:
+        """Fail closed: without a uid of its own the code would run as the worker, with its files and secrets."""
+        uid = SANDBOX_UID_BASE
+        probe = [*_as_slot_user(uid), self.python, "-I", "-S", "-c",
+                 "import os; print(*os.getresuid(), *os.getresgid(), os.getgroups())"]
+        try:
+            done = subprocess.run(probe, capture_output=True, text=True, timeout=30, env=_ENVIRONMENT)
+            if done.returncode == 0 and done.stdout.split() == [str(uid)] * 6 + ["[]"]:
+                return
+            reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            reason = str(exc)
+        raise SandboxUnavailable(
+            f"tool_config: the code_evaluator sandbox refuses to run model-written code here: the worker "
+            f"(uid {os.geteuid()}) cannot switch to an unprivileged uid for it ({reason}). Run tool_config "
+            f"shards as root with at least the capabilities {', '.join(REQUIRED_CAPABILITIES)}, "
+            "or submit the job without tool_config."
+        )
 
     def _probe_namespaces(self) -> bool:
-        probe = _command("true", SANDBOX_UID_BASE if self._as_root else None, namespaces=True)
+        probe = _command("true", SANDBOX_UID_BASE, namespaces=True)
         try:
             return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             return False
+
+    def _probe_cgroups(self) -> CgroupParents | None:
+        return CgroupParents.find()
 
 
 def sandbox_python() -> str:
@@ -180,7 +254,8 @@ def sandbox_python() -> str:
     for candidate in filter(None, [configured, sys.executable, "/usr/local/bin/python3", "/usr/bin/python3"]):
         if _open_to_others(os.path.realpath(candidate)):
             return candidate
-    raise RuntimeError("no Python interpreter that an unprivileged user may run; set BATCH_PIPELINE_SANDBOX_PYTHON")
+    raise SandboxUnavailable("tool_config: the code_evaluator sandbox has no Python interpreter that an "
+                             "unprivileged user may run; set BATCH_PIPELINE_SANDBOX_PYTHON")
 
 
 def _open_to_others(path: str) -> bool:
@@ -197,31 +272,232 @@ def _open_to_others(path: str) -> bool:
     return True
 
 
-def _command(python: str, uid: int | None, namespaces: bool) -> list[str]:
+def _as_slot_user(uid: int) -> list[str]:
+    # setpriv switches uid itself, so the switch never depends on unshare being allowed. No groups, no
+    # inheritable (so no ambient) capabilities; no_new_privs: no setuid binary or file capability gives
+    # any privilege back, which also makes the bounding set moot (dropping it would need CAP_SETPCAP).
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--no-new-privs"]
+
+
+def _command(python: str, uid: int, namespaces: bool) -> list[str]:
     # -I: no PYTHON* variables, no user site, no working directory on sys.path; the program comes on stdin.
-    program = [python] if python == "true" else [python, "-I", "-"]
-    if not namespaces:
-        return program
-    if uid is None:  # an unprivileged worker: a user namespace makes the others possible
-        return [_NAMESPACES[0], "--map-root-user", *_NAMESPACES[1:], *program]
-    return [*_NAMESPACES, f"--setgid={uid}", f"--setuid={uid}", *program]
+    program = [*_as_slot_user(uid), *([python] if python == "true" else [python, "-I", "-"])]
+    return [*_NAMESPACES, *program] if namespaces else program
 
 
+# Root, before the uid switch: a child subreaper, so every process the code orphans becomes its child and
+# is reaped here, not left a zombie of the pod's init (often the worker itself, which reaps nothing). It
+# reports the program's exit status on the given descriptor, then stays until it has no child left.
+_REAPER = """
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    sys.exit("the sandbox cannot reap what the code leaves: prctl(PR_SET_CHILD_SUBREAPER) failed")
+status = int(sys.argv[1])
+program = os.fork()
+if program == 0:
+    os.close(status)
+    os.execvp(sys.argv[2], sys.argv[2:])
+while True:
+    try:
+        pid, code = os.wait()
+    except ChildProcessError:
+        break
+    if pid == program:
+        os.write(status, b"%d\\n" % os.waitstatus_to_exitcode(code))
+        os.close(status)
+"""
 _KILL_ALL = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n"
 
 
-def processes_of(uid: int) -> list[int]:
-    """Live processes of a uid; zombies (dead, waiting for their new parent to reap them) do not count."""
-    found = []
+def _process_statuses() -> Iterator[tuple[int, dict[str, str]]]:
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/status") as handle:
-                status = dict(line.split(":", 1) for line in handle if ":" in line)
+                yield int(entry), dict(line.split(":", 1) for line in handle if ":" in line)
         except OSError:
             continue
-        if int(status["Uid"].split()[0]) == uid and not status["State"].strip().startswith("Z"):
-            found.append(int(entry))
-    return found
+
+
+def processes_of(uid: int, zombies: bool = False) -> list[int]:
+    """Live processes of a uid; zombies (dead, waiting for their parent to reap them) only if asked."""
+    return [pid for pid, status in _process_statuses()
+            if int(status["Uid"].split()[0]) == uid and (zombies or not status["State"].strip().startswith("Z"))]
+
+
+def resident_bytes(uid: int) -> int:
+    """Memory a uid's processes hold: their private and shared-memory pages (world-readable in /proc, so
+    no CAP_SYS_PTRACE). Pages still shared after a fork count once per process: it errs on the safe side."""
+    total = 0
+    for _, status in _process_statuses():
+        if int(status["Uid"].split()[0]) == uid:
+            total += sum(int(status.get(field, "0 kB").split()[0]) for field in ("RssAnon", "RssShmem")) * 1024
+    return total
+
+
+@dataclass(frozen=True)
+class CgroupParents:
+    """Where this worker may make a cgroup per execution: its own cgroup, in the unified (v2) hierarchy
+    or in the v1 `memory` (and `pids`) hierarchies."""
+
+    version: int
+    memory: str
+    pids: str | None
+
+    @classmethod
+    def find(cls) -> CgroupParents | None:
+        own: dict[str, str] = {}  # controller ("" for v2) -> this process's cgroup in its hierarchy
+        with open("/proc/self/cgroup") as handle:
+            for line in handle:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                for controller in controllers.split(",") if controllers else [""]:
+                    own[controller] = path
+        mounts: dict[str, str] = {}  # controller ("" for v2) -> the directory of this process's cgroup
+        with open("/proc/self/mountinfo") as handle:
+            for line in handle:
+                fields, _, rest = line.partition(" - ")
+                root, mount_point = fields.split()[3:5]
+                fstype, _, options = rest.split()[:3]
+                if fstype == "cgroup2":
+                    names = [""]
+                elif fstype == "cgroup":
+                    names = [name for name in ("memory", "pids") if name in options.split(",")]
+                else:
+                    continue
+                for name in names:
+                    path = own.get(name)
+                    if path is not None and (path + "/").startswith(root.rstrip("/") + "/"):
+                        mounts.setdefault(name, mount_point + path[len(root.rstrip("/")):])
+        candidates = []
+        if "" in mounts:
+            candidates.append(cls(2, mounts[""], mounts[""]))
+        if "memory" in mounts:
+            candidates.append(cls(1, mounts["memory"], mounts.get("pids")))
+        for candidate in candidates:
+            with contextlib.suppress(OSError):
+                candidate._enable_controllers()
+                ExecutionCgroup(candidate, 0, SandboxLimits()).remove()
+                return candidate
+        return None
+
+    def _enable_controllers(self) -> None:
+        if self.version == 2:
+            with open(os.path.join(self.memory, "cgroup.controllers")) as handle:
+                if not {"memory", "pids"} <= set(handle.read().split()):
+                    raise OSError("the memory and pids controllers are not available")
+            # Refused (EBUSY) where the worker's own cgroup holds processes and is not a namespace's root.
+            with open(os.path.join(self.memory, "cgroup.subtree_control"), "w") as handle:
+                handle.write("+memory +pids")
+
+
+class ExecutionCgroup:
+    """One execution's cgroup(s), made with the limits for all its processes together, removed after."""
+
+    def __init__(self, parents: CgroupParents, slot: int, limits: SandboxLimits) -> None:
+        name = f"batch-pipeline-sandbox-{os.getpid()}-{slot}-{time.monotonic_ns()}"
+        self.version = parents.version
+        self.directories = [os.path.join(parents.memory, name)]
+        if parents.pids and parents.pids != parents.memory:
+            self.directories.append(os.path.join(parents.pids, name))
+        for directory in self.directories:
+            os.mkdir(directory, 0o755)
+        try:
+            memory, pids = self.directories[0], self.directories[-1]
+            processes = limits.processes + 2  # and the root wrappers: unshare and its child until setpriv
+            if self.version == 2:
+                _write(memory, "memory.max", limits.memory_bytes)
+                _write(memory, "memory.swap.max", 0, optional=True)
+                _write(pids, "pids.max", processes)
+            else:
+                _write(memory, "memory.limit_in_bytes", limits.memory_bytes)
+                _write(memory, "memory.memsw.limit_in_bytes", limits.memory_bytes, optional=True)  # no swap
+                if len(self.directories) > 1:
+                    _write(pids, "pids.max", processes)
+        except OSError:
+            self.remove()
+            raise
+
+    def entering(self) -> list[str]:
+        """A command prefix: the process joins the cgroup(s), then execs the rest (so every process it
+        starts is inside, with no window before)."""
+        script = 'while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 125; shift; done; shift; exec "$@"'
+        return ["/bin/sh", "-c", script, "sh", *self.directories, "--"]
+
+    def memory_exceeded(self) -> bool:
+        """Whether the kernel killed any of its processes for going over the limit."""
+        events = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.directories[0], events)) as handle:
+                counts = dict(line.split() for line in handle if len(line.split()) == 2)
+        except OSError:
+            return False
+        return int(counts.get("oom_kill", 0)) > 0
+
+    def remove(self) -> None:
+        for directory in self.directories:
+            for _ in range(250):  # a killed process leaves its cgroup a moment after it dies
+                try:
+                    os.rmdir(directory)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+def _write(directory: str, name: str, value: int, optional: bool = False) -> None:
+    try:
+        with open(os.path.join(directory, name), "w") as handle:
+            handle.write(str(value))
+    except OSError:
+        if not optional:
+            raise
+
+
+def _remove_leftovers(uid: int, python: str) -> None:
+    """What the uid left where others could see it: files in the shared temporary directories and its
+    System V IPC objects. Runs once its processes are gone, so nothing races the removal."""
+    for top in SHARED_WRITABLE:
+        if os.path.isdir(top) and not os.path.islink(top):
+            _remove_files_of(uid, top)
+    objects = []
+    for kind, flag in (("shm", "-m"), ("msg", "-q"), ("sem", "-s")):
+        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{kind}") as handle:
+            header, *rows = [line.split() for line in handle]
+            for row in rows:
+                record = dict(zip(header, row))
+                if str(uid) in (record.get("uid"), record.get("cuid")):
+                    objects += [flag, row[1]]  # the id column
+    if objects:  # removed as their creator: root would need CAP_SYS_ADMIN
+        subprocess.run([*_as_slot_user(uid), "ipcrm", *objects], capture_output=True, check=False, env=_ENVIRONMENT)
+
+
+def _remove_files_of(uid: int, top: str) -> None:
+    # The uid can only have made entries in directories others may write, reached through directories
+    # others may enter: the walk goes no further (a job's 0700 work dirs, for instance, are skipped).
+    for directory, subdirectories, files in os.walk(top, onerror=lambda _: None):
+        try:
+            writable = os.stat(directory).st_mode & stat.S_IWOTH
+        except OSError:
+            subdirectories.clear()
+            continue
+        entered = []
+        for name in subdirectories:
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                status = os.lstat(path)
+                if status.st_uid == uid and stat.S_ISDIR(status.st_mode):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif status.st_uid == uid:  # a symbolic link to a directory: the link goes, not its target
+                    os.unlink(path)
+                elif stat.S_ISDIR(status.st_mode) and status.st_mode & stat.S_IXOTH:
+                    entered.append(name)
+        subdirectories[:] = entered
+        if writable:
+            for name in files:
+                path = os.path.join(directory, name)
+                with contextlib.suppress(OSError):
+                    if os.lstat(path).st_uid == uid:
+                        os.unlink(path)
 
 
 def _read_bounded(path: str, limit: int) -> str:
