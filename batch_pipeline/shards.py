@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
@@ -105,6 +106,9 @@ def write_shards(items: Iterable[tuple[WorkItem, int]], num_shards: int, work_di
     loads = [(0, k) for k in range(num_shards)]  # heap of (prompts assigned, shard)
     item_counts = [0] * num_shards
     prompt_counts = [0] * num_shards
+    if io.is_local(work_dir):  # the job's prompts and outputs: for the worker's user alone
+        for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
+            make_private_directory(directory)
     with contextlib.ExitStack() as stack:
         writers = []
         for directory in directories:
@@ -121,6 +125,14 @@ def write_shards(items: Iterable[tuple[WorkItem, int]], num_shards: int, work_di
         for k in range(num_shards)
         if item_counts[k]
     ]
+
+
+def make_private_directory(path: str) -> None:
+    """A local directory only its owner may enter (0700, whatever the umask), made if missing. The files
+    in it are written 0600 as well: the code_evaluator sandbox's uids and other local users read nothing."""
+    local = io.filesystem(path)[1]
+    os.makedirs(local, mode=0o700, exist_ok=True)
+    os.chmod(local, 0o700)
 
 
 def read_work_items(path: str) -> Iterator[WorkItem]:

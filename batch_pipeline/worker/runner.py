@@ -201,7 +201,7 @@ class ShardRunner:
             if first is not None:
                 self._check_deadline()  # a retry past the deadline must not start an engine
                 try:
-                    with open(self.checkpoint.local, "a", encoding="utf-8") as results:
+                    with open(self.checkpoint.local, "a", encoding="utf-8", opener=_private) as results:
                         work = prefix_ordered(itertools.chain([first], pending), self.max_in_flight)
                         self._generate(work, results, already_done=len(done))
                 except OSError as exc:
@@ -219,13 +219,17 @@ class ShardRunner:
         from batch_pipeline.worker.engine import build_llm
 
         model_config = BatchCompletionsModelConfig.model_validate(self.task.model_config)
+        sandbox = None
+        if self.task.tool_config is not None:  # before the engine: a sandbox that cannot hold fails the shard now
+            tool_config = ToolConfig.model_validate(self.task.tool_config)
+            sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
         t0 = time.monotonic()
         llm, self.stats.unsupported_engine_args = build_llm(model_config)
         self.stats.engine_start_s = round(time.monotonic() - t0, 3)
         self.report(f"engine ready in {self.stats.engine_start_s:.1f}s")
         engine = llm.llm_engine
 
-        self._add_engine_handlers(llm, model_config)
+        self._add_engine_handlers(llm, model_config, sandbox)
         tool_loop = self.tool_loop
         in_flight = InFlight()
         t0 = last_report = time.monotonic()
@@ -295,14 +299,14 @@ class ShardRunner:
             f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"
         )
 
-    def _add_engine_handlers(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
+    def _add_engine_handlers(self, llm: Any, model_config: BatchCompletionsModelConfig,
+                             sandbox: Sandbox | None) -> None:
         from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
 
         self.handlers["completion"] = CompletionRequests(llm, model_config)
         self.handlers["chat"] = ChatRequests(llm, model_config)
-        if self.task.tool_config is not None:
+        if sandbox is not None:
             tool_config = ToolConfig.model_validate(self.task.tool_config)
-            sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
             self.stats.sandbox = sandbox.isolation.to_dict()
             self.report(f"code_evaluator sandbox: {self.stats.sandbox}")
             self.tool_loop = CodeEvaluatorRequests(self.handlers["v1"], tool_config, llm.get_tokenizer(), sandbox)
@@ -374,6 +378,11 @@ class Checkpoint:
             fs, path = io.filesystem(self.remote)
             fs.put_file(self.local, path)
             self._last_upload = time.monotonic()
+
+
+def _private(path: str, flags: int) -> int:
+    """Open as a file only the worker's user may read (0600): another job's results are not for others."""
+    return os.open(path, flags, 0o600)
 
 
 def recover_checkpoint(results_path: str) -> set[int]:
