@@ -20,7 +20,7 @@ from batch_pipeline.launch import ShardLauncher
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, run_tags
+from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
 from batch_pipeline.shards import (
     MissingResult,
     ShardSpec,
@@ -62,6 +62,15 @@ def current_job_id(context: OpExecutionContext) -> str:
     return job_id_of(context.instance, context.instance.get_run_by_id(context.run_id) or context.run)
 
 
+def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> float:
+    """The job's deadline in epoch seconds: its expires_at, carried by every run of the job (retries copy
+    the tag). A run with no job record behind it (a test's `execute_request`) counts from its own start."""
+    run = context.instance.get_run_by_id(context.run_id) or context.run
+    if DEADLINE_TAG in run.tags:
+        return float(run.tags[DEADLINE_TAG])
+    return _run_start(context) + (max_runtime_sec or 86400)
+
+
 def metadata_path(output_data_path: str) -> str:
     return output_data_path + ".metadata.json"
 
@@ -85,7 +94,21 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource) -> 
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
     if tagged_job_id(context.instance, context.run) is None:
         _register_job(context, job_store.get_store(), request)
+    _enforce_deadline(context, request.max_runtime_sec)
     return request.model_dump(mode="json", by_alias=True)
+
+
+def _enforce_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> None:
+    """Run monitoring's limit counts from run start, the job's deadline from submission: now that the run
+    has started, its limit is set to end at the deadline (plus the grace), however long it was queued."""
+    deadline = job_deadline(context, max_runtime_sec)
+    if time.time() >= deadline:
+        raise dg.Failure(
+            "max_runtime_sec exceeded: the job's deadline "
+            f"({datetime.fromtimestamp(deadline, timezone.utc).isoformat()}) passed before this run started",
+            allow_retries=False,
+        )
+    context.instance.add_run_tags(context.run_id, {MAX_RUNTIME_TAG: max_runtime_from(deadline, _run_start(context))})
 
 
 def _register_job(context: OpExecutionContext, store: JobStore, request: CreateBatchCompletionsV2Request) -> None:
@@ -123,7 +146,7 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
         raise dg.Failure(str(exc)) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
-    deadline = _run_start(context) + (request["max_runtime_sec"] or 86400)
+    deadline = job_deadline(context, request["max_runtime_sec"])
     context.log.info(
         f"{sum(s.item_count for s in shards)} requests in {len(shards)} shards under {work_dir}: "
         + ", ".join(str(s.prompt_count) for s in shards)

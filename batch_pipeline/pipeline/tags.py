@@ -1,5 +1,5 @@
 """The tags a job's run carries: who it is for (job id, model, labels), and what Dagster enforces
-(priority in the queue, run monitoring's time limit)."""
+(priority in the queue, the job's deadline through run monitoring, retries of a crashed run)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,27 @@ from batch_pipeline.priority import run_priority
 JOB_ID_TAG = "batch_pipeline/job_id"
 LABEL_TAG_PREFIX = "batch_pipeline/label/"
 MODEL_TAG = "batch_pipeline/model"
+# The job's deadline in epoch seconds: its expires_at (submission + max_runtime_sec). Every run of the job,
+# retries included, stops at this instant, however long it waited in the queue.
+DEADLINE_TAG = "batch_pipeline/deadline"
+# Run monitoring's limit counts from run start; the run sets it from the deadline when it starts.
+MAX_RUNTIME_TAG = "dagster/max_runtime"
 # The shard workers stop at the job's deadline and fail the run with the reason; Dagster's run
 # monitoring is the backstop (a run stuck outside the workers), so it acts only after this grace.
 RUN_MONITORING_GRACE_S = 120
 # Owner of the jobs a schedule's ticks store; the tick launches their runs, not the jobs sensor.
 SCHEDULE_OWNER_PREFIX = "schedule:"
+# A run whose run worker died (a preempted node, an OOM-killed pod) is retried by the daemon (the
+# instance's `run_retries`). Every shard step is planned again, since re-executing from failure would not
+# reselect a shard that never started; finished shards find their checkpoints complete, so that costs
+# seconds. A run that failed for a reason of its own (bad input, a worker error, the deadline) would only
+# fail again: it is not retried.
+MAX_RUN_RETRIES = 2
+RUN_RETRY_TAGS = {
+    "dagster/max_retries": str(MAX_RUN_RETRIES),
+    "dagster/retry_strategy": "ALL_STEPS",
+    "dagster/retry_on_asset_or_op_failure": "false",
+}
 
 
 def run_tags(record: JobRecord) -> dict[str, str]:
@@ -22,8 +38,16 @@ def run_tags(record: JobRecord) -> dict[str, str]:
         JOB_ID_TAG: record.job_id,
         MODEL_TAG: request["model_config"]["model"],
         "dagster/priority": str(run_priority(record.priority)),
-        "dagster/max_runtime": str((request.get("max_runtime_sec") or 86400) + RUN_MONITORING_GRACE_S),
+        DEADLINE_TAG: repr(record.expires_at.timestamp()),
+        # An upper bound until the run starts and counts it from the deadline (`max_runtime_from`).
+        MAX_RUNTIME_TAG: str((request.get("max_runtime_sec") or 86400) + RUN_MONITORING_GRACE_S),
+        **RUN_RETRY_TAGS,
     }
     for key, value in record.labels.items():
         tags[LABEL_TAG_PREFIX + key] = value
     return tags
+
+
+def max_runtime_from(deadline: float, run_start: float) -> str:
+    """Run monitoring's limit for a run that started at `run_start`: the job's deadline plus the grace."""
+    return str(max(1, int(deadline - run_start) + RUN_MONITORING_GRACE_S))
