@@ -12,11 +12,23 @@ from pydantic import Field
 from batch_pipeline.launch.base import ShardLauncher, raise_if_past_deadline, worker_stats
 from batch_pipeline.shards import ShardTask
 
+# How often a step checks that its run has not ended without it (its run worker killed).
+RUN_STATUS_CHECK_S = 2.0
+
 
 def local_shard_concurrency() -> int:
     """How many shard workers may run at once on this machine: each holds a whole engine (~2.3 GiB for
     the catalog model on the CPU), and more workers than cores only share the same cores."""
     return int(os.environ.get("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", max(1, os.cpu_count() or 1)))
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Let the worker stop cleanly (it keeps its checkpoint whole), then kill it if it does not."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 class LocalShardLauncher(ShardLauncher):
@@ -40,13 +52,9 @@ class LocalShardLauncher(ShardLauncher):
                 env={**os.environ, **self._cpu_share(task), **self.env, **session.get_bootstrap_env_vars()},
             )
             try:
-                returncode = process.wait()
+                returncode = self._wait(context, process, task)
             except dg.DagsterExecutionInterruptedError:  # the run was cancelled: let the worker stop cleanly
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                _stop(process)
                 raise
         reports = session.get_custom_messages()
         if returncode != 0:
@@ -56,6 +64,23 @@ class LocalShardLauncher(ShardLauncher):
                 f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
             )
         return worker_stats(task, reports)
+
+    @staticmethod
+    def _wait(context: dg.OpExecutionContext, process: subprocess.Popen, task: ShardTask) -> int:
+        """The worker's exit code. A killed run worker leaves its step processes running (they hold its
+        forkserver open), and Dagster marks the run failed: the worker is then stopped, so that the run's
+        retry resumes the shard from its checkpoint alone, not beside it."""
+        while True:
+            try:
+                return process.wait(timeout=RUN_STATUS_CHECK_S)
+            except subprocess.TimeoutExpired:
+                run = context.instance.get_run_by_id(context.run_id)
+                if run is not None and run.is_finished:
+                    _stop(process)
+                    raise dg.Failure(
+                        f"shard {task.shard.shard_index}: the run ended ({run.status.value}) while the shard ran; "
+                        "its worker was stopped, and a retry of the run resumes it from its checkpoint"
+                    ) from None
 
     @staticmethod
     def _cpu_share(task: ShardTask) -> dict[str, str]:
