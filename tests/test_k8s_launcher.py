@@ -40,6 +40,10 @@ def test_each_shard_runs_in_the_pod_built_for_it_and_reports_through_its_log(run
         assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "8Gi", "ephemeral-storage": "11Gi"}
         assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
         assert pod["metadata"]["labels"]["batch-pipeline.io/team"] == "search-ranking"
+        # as the image's non-root user, with no capabilities and no service account token
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert pod["spec"]["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert pod["spec"]["automountServiceAccountToken"] is False
     shards = sorted(pod["metadata"]["labels"]["batch-pipeline.io/shard"] for pod in kubernetes.created)
     assert shards == ["0", "1"]
     # the workers' progress and stats came back through Pipes, from the pods' logs
