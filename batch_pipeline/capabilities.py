@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.hardware import hardware_refusals
 from batch_pipeline.paths import request_path_refusals
 from batch_pipeline.worker.code_evaluator import TOOL_NAME
 
@@ -37,6 +38,7 @@ def refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
         found.append(("model_config.trust_remote_code", "this server does not run a model's own code "
                       f"(the operator allows it with {ALLOW_REMOTE_CODE_ENV}=1)"))
     found.extend(_tool_refusals(request))
+    found.extend(hardware_refusals(request))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
     return found

@@ -67,3 +67,17 @@ def test_a_maximum_the_operator_mistyped_is_an_error_naming_the_variable(monkeyp
     monkeypatch.setenv("BATCH_PIPELINE_MAX_MEMORY", "lots")
     with pytest.raises(ValueError, match="BATCH_PIPELINE_MAX_MEMORY"):
         hardware_maxima()
+
+
+def test_the_api_refuses_hardware_no_pod_can_carry_naming_the_field_and_stores_nothing(deployment_factory, monkeypatch):
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_GPUS", "8")
+    api = deployment_factory()
+    headers = {"x-api-key": "key-alice"}
+    body = {"output_data_path": "/tmp/hardware-bounds/out.json", "model_config": {"model": "smollm2-135m-instruct"},
+            "content": {"prompts": ["x"], "max_new_tokens": 1, "temperature": 0.0}}
+    for field, value in [("cpus", "lots"), ("memory", "NaN"), ("storage", "0"), ("gpus", 9)]:
+        response = api.client.post("/v2/batch-completions", json={**body, field: value}, headers=headers)
+        assert response.status_code == 422, (field, value, response.text)
+        assert response.json()["detail"][0]["loc"] == ["body", field]
+    assert api.client.get("/v2/batch-completions", headers=headers).json()["jobs"] == []
+    assert api.client.post("/v2/batch-completions", json={**body, "gpus": 8, "memory": "16Gi"}, headers=headers).status_code == 200
