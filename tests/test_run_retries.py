@@ -143,3 +143,21 @@ def test_a_job_whose_run_starts_late_stops_at_its_expires_at_the_deadline_every_
         time.sleep(0.5)
     outputs = json.loads(output.read_text())
     assert len(outputs) == 8 and {o["error"]["code"] for o in outputs[4:]} == {"job_failed"}
+
+
+def test_a_job_failing_for_a_reason_of_its_own_is_not_retried(deployment, tmp_path):
+    api = deployment
+    api.start_daemon()
+    job_id = api.client.post(
+        "/v2/batch-completions",
+        json={"input_data_path": str(tmp_path / "nowhere.json"), "output_data_path": str(tmp_path / "output.json"),
+              "model_config": {"model": MODEL}},
+        headers=ALICE,
+    ).json()["job_id"]
+    job = api.wait_for(job_id, lambda j: j["status"] in ("completed", "failed", "cancelled"), timeout=300)
+    assert job["status"] == "failed" and "input_data_path: no file at" in job["metadata"]["failure_reason"]
+    time.sleep(10)  # the daemon had its chance to retry it
+    run = api.instance.get_run_by_id(job["metadata"]["dagster_run_id"])
+    assert run.tags.get("dagster/will_retry") == "false" and "dagster/auto_retry_run_id" not in run.tags
+    assert len(api.instance.get_runs()) == 1
+    assert api.job(job_id)["status"] == "failed"
