@@ -9,7 +9,9 @@ API holds about one copy of a body plus its model, and `/healthz` answers while 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -24,6 +26,11 @@ from batch_pipeline.contract.base import WireModel
 
 # Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file.
 SPOOL_IN_MEMORY_BYTES = 1024 * 1024
+# A parsed body costs a few times its size (its model, the stored JSON): bodies over LARGE_BODY_BYTES are
+# parsed and handled this many at a time, so concurrent large POSTs queue instead of adding up past the
+# pod's memory limit; small ones never wait.
+LARGE_BODY_BYTES = 8 * 1024 * 1024
+_large_body_slots = threading.BoundedSemaphore(int(os.environ.get("BATCH_PIPELINE_MAX_CONCURRENT_LARGE_BODIES", "1")))
 
 
 class WireBodyRoute(APIRoute):
@@ -41,13 +48,20 @@ class WireBodyRoute(APIRoute):
                 return await handler(request)  # FastAPI's answer to a body that is not JSON
             # The caller is known before the body is read: no one without a key makes the API parse 64 MB.
             request.app.state.api_keys.authenticate(request)
-            try:
-                raw = await _spooled_body(request)
-            except ClientDisconnect:
-                return Response(status_code=400)  # the client left (or the size limit answered 413)
-            parsed = await run_in_threadpool(parse_json_body, raw, model)
-            del raw
-            return await handler(_ParsedBodyRequest(request, parsed))
+            with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
+                try:
+                    size = await _receive_into(spool, request)
+                except ClientDisconnect:
+                    return Response(status_code=400)  # the client left (or the size limit answered 413)
+                slots = _large_body_slots if size > LARGE_BODY_BYTES else None
+                if slots is not None:  # waited for in a worker thread: the event loop and /healthz go on
+                    await run_in_threadpool(slots.acquire)
+                try:
+                    parsed = await run_in_threadpool(_parse_spooled, spool, model)
+                    return await handler(_ParsedBodyRequest(request, parsed))
+                finally:
+                    if slots is not None:
+                        slots.release()
 
         return parse_then_handle
 
@@ -90,12 +104,17 @@ class _ParsedBodyRequest(Request):
         return self._parsed
 
 
-async def _spooled_body(request: Request) -> bytes:
-    with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
-        async for chunk in request.stream():
-            spool.write(chunk)
-        spool.seek(0)
-        return spool.read()
+async def _receive_into(spool: Any, request: Request) -> int:
+    size = 0
+    async for chunk in request.stream():
+        spool.write(chunk)
+        size += len(chunk)
+    return size
+
+
+def _parse_spooled(spool: Any, model: type[BaseModel]) -> BaseModel:
+    spool.seek(0)
+    return parse_json_body(spool.read(), model)  # the bytes live only while they are parsed
 
 
 def _wire_body_model(route: APIRoute) -> type[BaseModel] | None:

@@ -89,8 +89,13 @@ class BatchJobService:
         run_priority(request.priority)  # InvalidPriority names the field
         if refused := refusals(request):
             raise UnservableRequest(refused)
-        record, _ = self.store.create(caller.owner, request, request.max_runtime_sec or 86400, idempotency_key)
-        return self.describe(record)
+        record, created = self.store.create(caller.owner, request, request.max_runtime_sec or 86400, idempotency_key)
+        if not created:
+            return self.describe(record)
+        # A new job is described from the request in hand rather than by parsing back what was just stored.
+        view = _StoredRequestView(input_data_path=request.input_data_path,
+                                  output_data_path=request.output_data_path, model_config=request.model_cfg)
+        return self.describe(record, view)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
         return self.describe(self._record(caller, job_id))
@@ -138,9 +143,9 @@ class BatchJobService:
             self.store.mark_cancelled(job_id)
         return cancelled
 
-    def describe(self, record: JobRecord) -> BatchCompletionsJob:
+    def describe(self, record: JobRecord, request: _StoredRequestView | None = None) -> BatchCompletionsJob:
         run = self._run(record)
-        request = _stored_request_view(record)
+        request = request or _stored_request_view(record)
         metadata: dict[str, str] = {"labels": json.dumps(record.labels)} if record.labels else {}
         completed_at = (record.cancelled_at or record.failed_at) if run is None else None
         if run is None and record.failed_at is not None:

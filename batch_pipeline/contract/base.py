@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from itertools import repeat
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
@@ -67,9 +68,20 @@ def wire_value_problem(value: Any, forbidden: re.Pattern[str] = _UNSTORABLE) -> 
                     if isinstance(key, str) and (found := forbidden.search(key)):
                         return f"{_describe(found.group())} in the key {key!a}{at}, which cannot be stored"
                     pending.append((entry, depth + 1, f"{where}[{key!a}]"))
-            else:
+            elif not _plain_ascii_strings(item, forbidden):
                 pending.extend((entry, depth + 1, f"{where}[{index}]") for index, entry in enumerate(item))
     return None
+
+
+def _plain_ascii_strings(items: list | tuple, forbidden: re.Pattern[str]) -> bool:
+    """Whether every item is an ASCII string without a forbidden character: a million prompts are checked
+    at C speed (`isascii` is a flag of the string) instead of one regular-expression search each."""
+    try:
+        if not all(map(str.isascii, items)):
+            return False
+    except TypeError:  # not all strings
+        return False
+    return forbidden is _UNENCODABLE or not any(map(str.__contains__, items, repeat("\x00")))
 
 
 def _describe(character: str) -> str:

@@ -1,0 +1,362 @@
+"""Hostile input against the real server over real sockets (uvicorn, httpx): every answer is a 4xx that
+names what is wrong, none is a 5xx, and nothing is stored that cannot run. The jobs sensor, fed a job
+that cannot become a run, marks that job failed and goes on with the others."""
+
+import json
+import os
+import stat
+import time
+
+import dagster as dg
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from batch_pipeline.jobs_store import JobStore, jobs
+from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.sensors import batch_jobs_sensor
+from batch_pipeline.pipeline.tags import JOB_ID_TAG
+from tests.api_fixtures import USER_KEY
+from tests.conftest import MODEL
+
+ALICE = {"x-api-key": USER_KEY}
+NAN, INF = float("nan"), float("inf")
+LONE_SURROGATE = "x\ud800"  # json.dumps writes it as the escape "x\\ud800", as a hostile client would
+HUGE = 10**400
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {"leaf": 1}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def _v1_body(tmp_path, **fields) -> dict:
+    return {
+        "output_data_path": str(tmp_path / "out" / "output.json"),
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0},
+        **fields,
+    }
+
+
+def _with(body: dict, path: str, value) -> dict:
+    """A deep copy of `body` with the value at a dotted path (`content.0.temperature`) set."""
+    body = json.loads(json.dumps(body))
+    *parents, last = path.split(".")
+    node = body
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return body
+
+
+@pytest.fixture
+def served(deployment_factory):
+    api = deployment_factory(max_concurrent_runs=0)
+    url = api.serve_http()
+    with httpx.Client(base_url=url, headers=ALICE, timeout=120) as client:
+        yield api, client
+
+
+def _post(client: httpx.Client, route: str, body, headers: dict | None = None) -> httpx.Response:
+    # json.dumps as a client would send it: NaN/Infinity literals, lone surrogates as \u escapes.
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(route, content=raw, headers={"content-type": "application/json", **(headers or {})})
+
+
+def _locations(response: httpx.Response) -> list[list]:
+    """Where each error is, without the tag of the content shape (`content.v1.prompts` -> `content.prompts`):
+    the v1 route has no such tag, the v2 route names the shape it judged the content to be."""
+    return [[part for i, part in enumerate(error["loc"]) if not (i == 2 and error["loc"][1] == "content" and part == "v1")]
+            for error in response.json()["detail"]]
+
+
+def test_non_finite_numbers_get_422_naming_the_field(served, tmp_path):
+    api, client = served
+    v1 = _v1_body(tmp_path)
+    completion = _v1_body(tmp_path, content=[{"prompt": "x", "max_tokens": 3}])
+    chat = _v1_body(tmp_path, content=[{"messages": [{"role": "user", "content": "x"}]}])
+    cases = [
+        ("/v1/llm/batch-completions", v1, "content.temperature", ["body", "content", "temperature"]),
+        ("/v1/llm/batch-completions", v1, "content.top_p", ["body", "content", "top_p"]),
+        ("/v2/batch-completions", v1, "model_config.gpu_memory_utilization",
+         ["body", "model_config", "gpu_memory_utilization"]),
+        ("/v2/batch-completions", v1, "cpus", ["body", "cpus"]),
+        ("/v2/batch-completions", completion, "content.0.temperature", ["body", "content", "completion", 0, "temperature"]),
+        ("/v2/batch-completions", completion, "content.0.length_penalty",
+         ["body", "content", "completion", 0, "length_penalty"]),
+        ("/v2/batch-completions", chat, "content.0.top_p", ["body", "content", "chat", 0, "top_p"]),
+        # Free-form JSON holds no non-finite number either: it could not be written as JSON again.
+        ("/v2/batch-completions", v1, "model_config.rope_scaling", ["body", "model_config", "rope_scaling"]),
+        ("/v2/batch-completions", completion, "content.0.logit_bias", ["body", "content", "completion", 0, "logit_bias"]),
+    ]
+    for value in (NAN, INF, -INF):
+        for route, body, path, location in cases:
+            if path.endswith(("rope_scaling", "logit_bias")):
+                value_at_path = {"factor": value} if path.endswith("rope_scaling") else {"42": value}
+            else:
+                value_at_path = value
+            response = _post(client, route, _with(body, path, value_at_path))
+            assert response.status_code == 422, (path, value, response.status_code, response.text)
+            assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
+    assert api.store.list() == []
+
+
+def test_lone_surrogates_and_nul_get_422_naming_the_field(served, tmp_path):
+    api, client = served
+    v1 = _v1_body(tmp_path)
+    chat = _v1_body(tmp_path, content=[{"messages": [{"role": "user", "content": "x"}]}])
+    cases = [
+        (v1, "labels.team", ["body", "labels"]),
+        (v1, "model_config.model", ["body", "model_config", "model"]),
+        (v1, "model_config.tokenizer", ["body", "model_config", "tokenizer"]),
+        (v1, "priority", ["body", "priority"]),
+        (v1, "output_data_path", ["body", "output_data_path"]),
+        (v1, "content.prompts.0", ["body", "content", "prompts"]),
+        (chat, "content.0.messages.0.content", ["body", "content", "chat", 0, "messages", 0, "content"]),
+        (v1, "model_config.rope_scaling", ["body", "model_config", "rope_scaling"]),
+    ]
+    for route in ("/v1/llm/batch-completions", "/v2/batch-completions"):
+        for body, path, location in cases:
+            if route.startswith("/v1") and body is chat:
+                continue
+            value = {"type": LONE_SURROGATE} if path.endswith("rope_scaling") else LONE_SURROGATE
+            response = _post(client, route, _with(body, path, value))
+            assert response.status_code == 422, (route, path, response.status_code, response.text)
+            assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
+    # A surrogate in a key of free-form JSON, which becomes a run tag for labels.
+    keyed = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={LONE_SURROGATE: "a"}))
+    assert keyed.status_code == 422 and ["body", "labels"] in [loc[:2] for loc in _locations(keyed)], keyed.text
+    # NUL cannot be stored in a Postgres text column or a run tag, nor name a file.
+    for path, location in [("labels.team", ["body", "labels"]), ("model_config.model", ["body", "model_config", "model"]),
+                           ("priority", ["body", "priority"]), ("output_data_path", ["body", "output_data_path"])]:
+        response = _post(client, "/v2/batch-completions", _with(v1, path, "a\x00b"))
+        assert response.status_code == 422, (path, response.status_code, response.text)
+        assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
+    assert api.store.list() == []
+    # A surrogate pair is a real character (an emoji), not a lone surrogate: accepted.
+    emoji = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={"mood": "\U0001F600"}))
+    assert emoji.status_code == 200, emoji.text
+
+
+def test_deeply_nested_json_gets_422_naming_the_field_or_the_body(served, tmp_path):
+    api, client = served
+    v1 = _v1_body(tmp_path)
+    completion = _v1_body(tmp_path, content=[{"prompt": "x"}])
+    schema_format = {"type": "json_schema", "json_schema": {"name": "deep"}}
+    cases = [
+        (v1, "model_config.rope_scaling", ["body", "model_config", "rope_scaling"]),
+        (v1, "model_config.override_neuron_config", ["body", "model_config", "override_neuron_config"]),
+        (v1, "model_config.mm_processor_kwargs", ["body", "model_config", "mm_processor_kwargs"]),
+        (completion, "content.0.guided_json", ["body", "content", "completion", 0, "guided_json"]),
+        (_with(completion, "content.0.response_format", schema_format), "content.0.response_format.json_schema.schema",
+         ["body", "content", "completion", 0, "response_format"]),
+    ]
+    for depth in (100, 900):
+        for body, path, location in cases:
+            response = _post(client, "/v2/batch-completions", _with(body, path, _nested(depth)))
+            assert response.status_code == 422, (path, depth, response.status_code, response.text)
+            if depth == 100:  # parsed, then refused by the contract's depth bound: it names the field
+                assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
+            else:  # deeper than any JSON this API parses: the body is named
+                assert all(loc[0] == "body" for loc in _locations(response)), response.text
+    whole_body = b"[" * 100_000 + b"]" * 100_000
+    response = _post(client, "/v2/batch-completions", whole_body)
+    assert response.status_code == 422 and _locations(response)[0][0] == "body", response.text
+    assert api.store.list() == []
+
+
+def test_huge_numbers_get_422_and_are_never_stored(served, tmp_path):
+    api, client = served
+    v1 = _v1_body(tmp_path)
+    completion = _v1_body(tmp_path, content=[{"prompt": "x"}])
+    cases = [
+        (v1, "content.max_new_tokens", ["body", "content", "max_new_tokens"]),
+        (v1, "gpus", ["body", "gpus"]),
+        (v1, "data_parallelism", ["body", "data_parallelism"]),
+        (v1, "max_runtime_sec", ["body", "max_runtime_sec"]),
+        (v1, "model_config.seed", ["body", "model_config", "seed"]),
+        (v1, "model_config.max_model_len", ["body", "model_config", "max_model_len"]),
+        (completion, "content.0.seed", ["body", "content", "completion", 0, "seed"]),
+        (completion, "content.0.max_tokens", ["body", "content", "completion", 0, "max_tokens"]),
+    ]
+    for value in (10**100, -(10**100), HUGE, 2**63):
+        for body, path, location in cases:
+            response = _post(client, "/v2/batch-completions", _with(body, path, value))
+            assert response.status_code == 422, (path, value, response.status_code, response.text)
+            assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
+    as_float = _post(client, "/v2/batch-completions", json.dumps(v1).replace('"temperature": 0.0', '"temperature": 1e400').encode())
+    assert as_float.status_code == 422 and ["body", "content", "temperature"] in _locations(as_float), as_float.text
+    assert api.store.list() == []
+
+
+def test_priority_is_bounded_on_create_and_update(served, tmp_path):
+    api, client = served
+    for priority in ("1" + "0" * 100, "21", "-21", "0" * 5000 + "1", "x" * 10_000):
+        response = _post(client, "/v2/batch-completions", _v1_body(tmp_path, priority=priority))
+        assert response.status_code == 422, (priority[:20], response.status_code, response.text)
+        assert _locations(response) == [["body", "priority"]]
+    assert api.store.list() == []
+    for priority in ("20", "-20", "highest", "lowest", " 7 "):
+        assert _post(client, "/v2/batch-completions", _v1_body(tmp_path, priority=priority)).status_code == 200
+    job_id = api.store.list()[0].job_id
+    for priority in ("1" + "0" * 100, "21", "0" * 5000 + "1"):
+        response = _post(client, f"/v2/batch-completions/{job_id}", {"job_id": job_id, "priority": priority})
+        assert response.status_code == 422, (priority[:20], response.status_code, response.text)
+    assert api.store.get(job_id).priority == " 7 "
+
+
+def test_idempotency_key_empty_is_refused_and_a_different_body_conflicts(served, tmp_path):
+    api, client = served
+    empty = _post(client, "/v2/batch-completions", _v1_body(tmp_path), headers={"Idempotency-Key": ""})
+    assert empty.status_code == 422 and _locations(empty) == [["header", "Idempotency-Key"]], empty.text
+    assert api.store.list() == []
+
+    key = {"Idempotency-Key": "order-1"}
+    first = _post(client, "/v2/batch-completions", _v1_body(tmp_path), headers=key)
+    assert first.status_code == 200
+    again = _post(client, "/v2/batch-completions", _v1_body(tmp_path), headers=key)
+    assert again.status_code == 200 and again.json()["job_id"] == first.json()["job_id"]
+    # The same request with a default spelled out is the same request.
+    spelled_out = _post(client, "/v2/batch-completions", _v1_body(tmp_path, data_parallelism=1), headers=key)
+    assert spelled_out.status_code == 200 and spelled_out.json()["job_id"] == first.json()["job_id"]
+    different = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={"team": "b"}), headers=key)
+    assert different.status_code == 409, different.text
+    assert "Idempotency-Key" in different.json()["detail"]
+    v1_route = _post(client, "/v1/llm/batch-completions", _v1_body(tmp_path, priority="high"), headers=key)
+    assert v1_route.status_code == 409, v1_route.text
+    assert [job.job_id for job in api.store.list()] == [first.json()["job_id"]]
+
+
+def test_malformed_job_ids_are_404_not_5xx(served):
+    _, client = served
+    for job_id in ("x%00y", "%ED%A0%80", "a" * 5000):
+        assert client.get(f"/v2/batch-completions/{job_id}").status_code == 404
+        assert client.post(f"/v2/batch-completions/{job_id}/actions/cancel").status_code == 404
+
+
+def test_the_jobs_database_is_not_readable_by_other_users(tmp_path):
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+    store.list()  # opens the database: its WAL and shared-memory files appear
+    files = [tmp_path / name for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm")]
+    assert all(path.exists() for path in files[:2])
+    for path in files:
+        if path.exists():
+            assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0, (path, oct(os.stat(path).st_mode))
+    store.engine.dispose()
+
+
+def _insert_poisoned(store: JobStore, job_id: str, request_text: str, labels_text: str = "{}") -> None:
+    """A row as an older server could have stored it, written straight into the store."""
+    from datetime import datetime, timedelta, timezone
+
+    now = datetime.now(timezone.utc) - timedelta(minutes=5)  # older than every job the API stores next
+    with store.engine.begin() as connection:
+        connection.execute(jobs.insert().values(
+            job_id=job_id, owner=_alice_owner(),
+            idempotency_key=None, request=request_text, priority=None, labels=labels_text,
+            created_at=now, expires_at=now + timedelta(days=1), run_id=None, cancelled_at=None,
+        ))
+
+
+def _alice_owner() -> str:
+    import hashlib
+
+    return hashlib.sha256(USER_KEY.encode()).hexdigest()[:24]
+
+
+def _sensor_run_requests(api) -> list[dg.RunRequest]:
+    context = dg.build_sensor_context(
+        instance=api.instance, resources={"job_store": JobStoreResource(url=str(api.store.engine.url))}
+    )
+    return list(batch_jobs_sensor(context) or [])
+
+
+def _poison(api, tmp_path) -> list[str]:
+    """Jobs that cannot become runs, all older than any good job: a request the contract refuses, a label
+    with a lone surrogate (a run tag SQLite cannot encode), a priority out of bounds, a row that is not JSON."""
+    good = _v1_body(tmp_path)
+    poisoned = {
+        "batch-poison-invalid": (json.dumps({**good, "content": {"prompts": "not a list"}}), "{}"),
+        "batch-poison-surrogate": (json.dumps({**good, "labels": {"team": LONE_SURROGATE}}),
+                                   json.dumps({"team": LONE_SURROGATE})),
+        "batch-poison-not-json": ("{not json", "{}"),
+    }
+    for job_id, (request_text, labels_text) in poisoned.items():
+        _insert_poisoned(api.store, job_id, request_text, labels_text)
+    with api.store.engine.begin() as connection:  # an out-of-bounds priority an older server accepted
+        connection.execute(jobs.update().where(jobs.c.job_id == "batch-poison-invalid").values(priority="1" + "0" * 60))
+    return list(poisoned)
+
+
+def test_a_job_that_cannot_become_a_run_is_failed_with_the_reason_and_the_others_go_on(served, tmp_path):
+    api, client = served
+    poisoned = _poison(api, tmp_path)
+    good = _post(client, "/v2/batch-completions", _v1_body(tmp_path)).json()["job_id"]
+
+    assert [request.run_key for request in _sensor_run_requests(api)] == [good]
+    for job_id in poisoned:
+        job = client.get(f"/v2/batch-completions/{job_id}")
+        assert job.status_code == 200, job.text
+        assert job.json()["job"]["status"] == "failed", job.text
+        assert job.json()["job"]["metadata"]["failure_reason"].startswith("could not start"), job.text
+    assert "labels" in client.get("/v2/batch-completions/batch-poison-surrogate").json()["job"]["metadata"]["failure_reason"]
+    listed = client.get("/v2/batch-completions")
+    assert listed.status_code == 200 and len(listed.json()["jobs"]) == 4
+    # Failed jobs are not taken again, and cannot be reprioritised or cancelled.
+    assert [request.run_key for request in _sensor_run_requests(api)] == [good]
+    assert client.post("/v2/batch-completions/batch-poison-invalid/actions/cancel").json() == {"success": False}
+
+
+def test_a_sensor_tick_is_bounded_in_size_and_the_rest_follow_next_tick(served, tmp_path, monkeypatch):
+    api, client = served
+    monkeypatch.setenv("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", str(300_000))
+    big = {"prompts": ["y" * 100_000], "max_new_tokens": 1, "temperature": 0.0}
+    job_ids = [_post(client, "/v2/batch-completions", _v1_body(tmp_path, content=big)).json()["job_id"]
+               for _ in range(5)]
+    first_tick = [request.run_key for request in _sensor_run_requests(api)]
+    assert first_tick == job_ids[:2], first_tick  # oldest first, while the next one would pass the bound
+    monkeypatch.setenv("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", "1")
+    assert [request.run_key for request in _sensor_run_requests(api)] == job_ids[:1]  # a tick takes one at least
+
+
+def test_with_the_daemon_a_poisoned_job_does_not_stop_the_queue(served, tmp_path):
+    api, client = served
+    _poison(api, tmp_path)
+    good = [_post(client, "/v2/batch-completions", _v1_body(tmp_path)).json()["job_id"] for _ in range(2)]
+    api.start_daemon()
+    deadline = time.monotonic() + 180
+    while True:
+        runs = api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))
+        if len(runs) >= 2:
+            break
+        log = (api.home / "daemon.log").read_text() if (api.home / "daemon.log").exists() else ""
+        assert time.monotonic() < deadline, f"the good jobs got no runs; daemon log tail:\n{log[-3000:]}"
+        time.sleep(1)
+    time.sleep(3)
+    runs = api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))
+    assert sorted(run.tags[JOB_ID_TAG] for run in runs) == sorted(good)
+    assert client.get("/v2/batch-completions/batch-poison-surrogate").json()["job"]["status"] == "failed"
+
+
+def test_an_older_jobs_database_gains_the_new_columns_at_start(tmp_path):
+    url = f"sqlite:///{tmp_path}/old.db"
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:  # the table as the first release created it
+        connection.exec_driver_sql(
+            "CREATE TABLE batch_jobs (job_id VARCHAR(64) PRIMARY KEY, owner VARCHAR(128) NOT NULL, "
+            "idempotency_key VARCHAR(256), request TEXT NOT NULL, priority VARCHAR(64), labels TEXT NOT NULL, "
+            "created_at DATETIME NOT NULL, expires_at DATETIME NOT NULL, run_id VARCHAR(64), cancelled_at DATETIME, "
+            "CONSTRAINT uq_owner_idempotency_key UNIQUE (owner, idempotency_key))"
+        )
+    engine.dispose()
+    store = JobStore(url)
+    record, created = store.create("owner", {"output_data_path": "/tmp/o.json", "model_config": {"model": MODEL}}, 60)
+    assert created and store.get(record.job_id).failure_reason is None
+    JobStore(url).engine.dispose()  # a second start finds the columns there
+    store.engine.dispose()
