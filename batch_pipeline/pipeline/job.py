@@ -13,10 +13,11 @@ from dagster import OpExecutionContext
 from pydantic import ValidationError
 
 from batch_pipeline import io
-from batch_pipeline.capabilities import refusals
+from batch_pipeline.capabilities import refusals, shard_model_config
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.launch import ShardLauncher
+from batch_pipeline.paths import metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
@@ -69,10 +70,6 @@ def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> fl
     if DEADLINE_TAG in run.tags:
         return float(run.tags[DEADLINE_TAG])
     return _run_start(context) + (max_runtime_sec or 86400)
-
-
-def metadata_path(output_data_path: str) -> str:
-    return output_data_path + ".metadata.json"
 
 
 @dg.op(
@@ -155,7 +152,7 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
     hardware = {field: request.get(field) for field in HARDWARE_FIELDS if request.get(field) is not None}
     for shard in shards:
         task = ShardTask(
-            shard=shard, model_config=request["model_config"], shard_count=len(shards), deadline=deadline,
+            shard=shard, model_config=shard_model_config(request["model_config"]), shard_count=len(shards), deadline=deadline,
             job_id=job_id, hardware=hardware, labels=request.get("labels") or {},
             tool_config=request.get("tool_config"),
         )
