@@ -171,7 +171,7 @@ class Sandbox:
             return Execution(output=output, error=error, timed_out=timed_out,
                              wall_s=round(time.monotonic() - started, 3))
         finally:
-            _remove_leftovers(uid, self.python)
+            _remove_leftovers(uid)
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -453,7 +453,7 @@ def _write(directory: str, name: str, value: int, optional: bool = False) -> Non
             raise
 
 
-def _remove_leftovers(uid: int, python: str) -> None:
+def _remove_leftovers(uid: int) -> None:
     """What the uid left where others could see it: files in the shared temporary directories and its
     System V IPC objects. Runs once its processes are gone, so nothing races the removal."""
     for top in SHARED_WRITABLE:
