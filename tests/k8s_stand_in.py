@@ -1,16 +1,19 @@
 """TEST DOUBLE: a stand-in for the Kubernetes API server and kubelet, the one part of production that
 cannot run here.
 
-It serves the pod endpoints dagster-k8s's Pipes client calls (create, list by name, read the log stream,
-delete) over real HTTP, and "runs" each pod by starting its container's command as a local process with
-the pod's environment: so the real shard worker runs, and its Pipes messages reach Dagster through the log
-stream exactly as from a pod. Nothing of ours is replaced.
+It serves the pod endpoints dagster-k8s's Pipes client and the launcher call (create, list by name or by
+equality-based label selector, read the log stream, delete) over real HTTP, and "runs" each pod by starting
+its container's command as a local process with the pod's environment: so the real shard worker runs, and
+its Pipes messages reach Dagster through the log stream exactly as from a pod. Deleting a running pod, as
+on a cluster, marks it terminating, sends its process SIGTERM (SIGKILL after the grace period) and removes
+the pod once the process is gone. Nothing of ours is replaced.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,16 +22,33 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
+from urllib.request import Request, urlopen
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# A pod's terminationGracePeriodSeconds when its spec names none, as in Kubernetes.
+DEFAULT_GRACE_S = 30
+
+
+def matches(selector: str, labels: dict) -> bool:
+    """Equality-based label selector (`k=v,k2==v2`); any other operator is refused, not ignored."""
+    for requirement in filter(None, selector.split(",")):
+        key, op, value = requirement.partition("==") if "==" in requirement else requirement.partition("=")
+        if not op or "!" in key:
+            raise ValueError(f"unsupported label selector requirement {requirement!r}")
+        if labels.get(key.strip()) != value.strip():
+            return False
+    return True
+
+
 class StandInPod:
     def __init__(self, body: dict) -> None:
         self.body = body
         self.name = body["metadata"]["name"]
+        self.labels = body["metadata"].get("labels") or {}
         (container,) = body["spec"]["containers"]
         self.container = container
         command = [sys.executable if part == "python" else part for part in container["command"]]
@@ -69,6 +89,8 @@ class StandInKubernetes:
     def __init__(self, directory: Path) -> None:
         self.pods: dict[str, StandInPod] = {}
         self.created: list[dict] = []
+        # ("created" | "deleting" | "gone", pod name), in order: what happened to which pod when
+        self.events: list[tuple[str, str]] = []
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -89,12 +111,21 @@ class StandInKubernetes:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stand_in.created.append(body)
                 pod = stand_in.pods[body["metadata"]["name"]] = StandInPod(body)
+                stand_in.events.append(("created", pod.name))
                 self._json(201, pod.as_json())
 
             def do_DELETE(self) -> None:
-                pod = stand_in.pods.pop(urlparse(self.path).path.rsplit("/", 1)[-1], None)
-                if pod is not None and not pod.done:
-                    pod.process.kill()
+                pod = stand_in.pods.get(urlparse(self.path).path.rsplit("/", 1)[-1])
+                if pod is None:
+                    self._json(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404})
+                    return
+                if "deletionTimestamp" not in pod.body["metadata"]:
+                    pod.body["metadata"]["deletionTimestamp"] = _now()
+                    stand_in.events.append(("deleting", pod.name))
+                    if pod.done:  # nothing to wait for: gone at once
+                        stand_in._terminate(pod)
+                    else:
+                        threading.Thread(target=stand_in._terminate, args=(pod,), daemon=True).start()
                 self._json(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
 
             def do_GET(self) -> None:
@@ -103,7 +134,13 @@ class StandInKubernetes:
                 parts = url.path.strip("/").split("/")  # api v1 namespaces NS pods [NAME [log]]
                 if parts[-1] == "pods":
                     wanted = query.get("fieldSelector", "").removeprefix("metadata.name=")
-                    items = [pod.as_json() for name, pod in stand_in.pods.items() if not wanted or name == wanted]
+                    try:
+                        items = [pod.as_json() for name, pod in list(stand_in.pods.items())
+                                 if (not wanted or name == wanted) and matches(query.get("labelSelector", ""), pod.labels)]
+                    except ValueError as exc:
+                        self._json(400, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 400,
+                                         "message": str(exc)})
+                        return
                     self._json(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
                 elif parts[-1] == "log":
                     self._stream_log(stand_in.pods.get(parts[-2]), query)
@@ -148,8 +185,27 @@ class StandInKubernetes:
         }))
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def _terminate(self, pod: StandInPod) -> None:
+        """What the kubelet does with a deleted pod: SIGTERM, SIGKILL after the grace period, then gone."""
+        if not pod.done:
+            pod.process.send_signal(signal.SIGTERM)
+            try:
+                pod.process.wait(timeout=pod.body["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+            except subprocess.TimeoutExpired:
+                pod.process.kill()
+                pod.process.wait()
+        self.pods.pop(pod.name, None)
+        self.events.append(("gone", pod.name))
+
+    def create_pod(self, body: dict) -> dict:
+        """POST a pod through the HTTP API, as any client would; the pod as the server answered."""
+        request = Request(f"{self.url}/api/v1/namespaces/batch/pods", data=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json"}, method="POST")
+        with urlopen(request) as response:
+            return json.loads(response.read())
+
     def stop(self) -> None:
-        for pod in self.pods.values():
+        for pod in list(self.pods.values()):
             if not pod.done:
                 pod.process.kill()
         self.server.shutdown()

@@ -4,6 +4,7 @@ The Kubernetes API is the one test double here (tests/k8s_stand_in.py, named as 
 worker and vLLM are real."""
 
 import json
+import signal
 
 import pytest
 
@@ -62,3 +63,43 @@ def test_a_failed_pod_fails_its_shard_with_the_workers_reason(run_job, kubernete
     # the reason the API and the UI show: the worker's own, read back from the failed pod's log
     (failure,) = [e.step_failure_data.user_failure_data.description for e in result.all_events if e.is_step_failure]
     assert failure.startswith("shard 0: the worker failed: ") and "no-model" in failure, failure
+
+
+def _sleeping_pod(name: str, job_id: str, shard: int, run_id: str) -> dict:
+    """A shard pod as an earlier run's step launched it, still working: its worker a long sleep."""
+    labels = {"batch-pipeline.io/component": "shard-worker", "batch-pipeline.io/job-id": job_id,
+              "batch-pipeline.io/shard": str(shard), "batch-pipeline.io/run-id": run_id}
+    return {"metadata": {"name": name, "labels": labels},
+            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
+                     "containers": [{"name": "dagster-pipes-execution", "image": "registry.example/w:1",
+                                     "command": ["sleep", "600"]}]}}
+
+
+def test_a_pod_left_on_the_shard_by_a_dead_run_is_stopped_before_the_new_one_starts(
+        run_job, dagster_home, kubernetes, tokenizer, tmp_path):
+    # what a killed run worker leaves behind: its shard's pod, still running (and one of another job)
+    kubernetes.create_pod(_sleeping_pod("dagster-deadrun-shard-0", "orphan-job", 0, "dead-run"))
+    kubernetes.create_pod(_sleeping_pod("dagster-otherjob-shard-0", "other-job", 0, "other-run"))
+    orphan, other = kubernetes.pods["dagster-deadrun-shard-0"], kubernetes.pods["dagster-otherjob-shard-0"]
+    output = tmp_path / "out.json"
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL}, "gpus": 1,
+                      "gpu_type": "nvidia-tesla-t4",
+                      "content": {"prompts": prompts, "max_new_tokens": 4, "temperature": 0.0}}, job_id="orphan-job")
+    assert result.success, step_failure_messages(result)
+    # the orphan was terminated, and gone before this run's pod of the shard was created
+    assert orphan.process.returncode == -signal.SIGTERM, "the dead run's pod still runs beside the new one"
+    (new_pod,) = [pod for pod in kubernetes.created if pod["metadata"]["labels"].get("batch-pipeline.io/run-id") == result.run_id]
+    new = new_pod["metadata"]["name"]
+    events = kubernetes.events
+    assert events.index(("gone", orphan.name)) < events.index(("created", new)), events
+    # another job's pod of the same shard index is none of this step's business
+    assert other.process.poll() is None and other.name in kubernetes.pods
+    assert ("deleting", other.name) not in events
+    logs = [entry.user_message for entry in dagster_home.all_logs(result.run_id)]
+    assert any("stopping pod dagster-deadrun-shard-0 (run dead-run, Running)" in message for message in logs), logs
+    # and the job's output is whole: one answer per prompt, in order
+    outputs = json.loads(output.read_text())
+    assert len(outputs) == len(prompts)
+    for prompt, answer in zip(prompts, outputs):
+        assert answer["num_prompt_tokens"] == len(tokenizer(prompt).input_ids) and answer["text"], answer

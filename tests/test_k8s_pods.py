@@ -24,9 +24,9 @@ def _task(hardware=None, labels=None, deadline=NOW + 3600):
                      job_id="batch-0123abcd", hardware=hardware or {}, labels=labels or {})
 
 
-def _pod(launcher, task) -> dict:
+def _pod(launcher, task, run_id=None) -> dict:
     """The pod as the API server receives it, validated strictly against that version's schema."""
-    meta, spec = launcher.pod_overrides(task, now=NOW)
+    meta, spec = launcher.pod_overrides(task, now=NOW, run_id=run_id)
     pod = build_pod_body(pod_name="batch-0123abcd-shard-002", image=launcher.image,
                          command=["python", "-m", "batch_pipeline.worker"], env_vars={"A": "b"},
                          base_pod_meta=meta, base_pod_spec=spec)
@@ -73,11 +73,13 @@ def test_cpus_memory_storage_deadline_account_tolerations_and_secrets_reach_the_
 
 def test_labels_with_odd_characters_become_valid_pod_labels():
     labels = {"team": "search/ranking", "cost center": "ÉQUIPE #42", "x" * 80: "y" * 80, "empty": "---"}
-    pod = _pod(LAUNCHER, _task(labels=labels))
+    pod = _pod(LAUNCHER, _task(labels=labels), run_id="5c1e8b1a-3f0d-4f5e-9c43-0f8d2a6b7e91")
     pod_labels = pod["metadata"]["labels"]
     assert pod_labels["batch-pipeline.io/team"] == "search-ranking"
+    # what an earlier pod of the same shard is found by, and whose it was
     assert pod_labels["batch-pipeline.io/job-id"] == "batch-0123abcd"
     assert pod_labels["batch-pipeline.io/shard"] == "2"
+    assert pod_labels["batch-pipeline.io/run-id"] == "5c1e8b1a-3f0d-4f5e-9c43-0f8d2a6b7e91"
     for key, value in pod_labels.items():
         prefix, _, name = key.rpartition("/")
         assert LABEL_NAME.match(name) and len(name) <= 63, key

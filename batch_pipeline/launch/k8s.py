@@ -7,6 +7,10 @@ secrets come from the deployment's config. Every pod runs with no capabilities, 
 the runtime's seccomp profile, a read-only root filesystem and no service account token; as the image's
 non-root user, except the shards of a `tool_config` job (see `pod_security`). `PipesK8sClient` rather than `execute_k8s_job`: the worker
 already speaks Pipes (progress lines, stats), and the client follows the pod and reads its log stream.
+
+A shard's pod outlives the run worker that launched it; before launching its own, a shard step stops every
+pod still working on the same job and shard (see `stop_earlier_shard_pods`), so one worker at a time writes
+the shard's checkpoint.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ SANDBOX_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETUID", "SE
 # With a read-only root filesystem, the only places the worker writes (the synced weights, vLLM's and
 # torch's caches, temp files), on the node's disk and counted in the pod's ephemeral-storage.
 SCRATCH_MOUNTS = {"tmp": "/tmp", "home": WORKER_HOME}
+JOB_ID_LABEL = LABEL_PREFIX + "job-id"
+SHARD_LABEL = LABEL_PREFIX + "shard"
+# The Dagster run that launched the pod: says whose an earlier pod of the same shard was.
+RUN_ID_LABEL = LABEL_PREFIX + "run-id"
 
 def infer_hardware(requested: dict[str, Any], weights_bytes: int | None, default_gpu_type: str,
                    default_gpus: int) -> tuple[dict[str, Any], str | None]:
@@ -132,6 +140,11 @@ class K8sShardLauncher(ShardLauncher):
     default_gpu_type: str = Field(default="nvidia-ampere-a100e", description="gpu_type of a request naming none.")
     kubeconfig_file: str | None = Field(default=None, description="Outside the cluster: the kubeconfig to use.")
     poll_interval_s: float = Field(default=10.0, description="How often the pod's state is read.")
+    earlier_pod_stop_timeout_s: float = Field(
+        default=120.0,
+        description="How long a shard step waits for an earlier pod of its shard (a dead run's) to be gone "
+                    "before failing rather than running beside it; above the pods' 30 s termination grace.",
+    )
 
     def hardware_for(self, task: ShardTask) -> tuple[dict[str, Any], str | None]:
         from batch_pipeline.models import weights_bytes
@@ -140,8 +153,8 @@ class K8sShardLauncher(ShardLauncher):
         size = weights_bytes(config["model"], config.get("checkpoint_path"))
         return infer_hardware(task.hardware, size, self.default_gpu_type, self.default_gpus)
 
-    def pod_overrides(self, task: ShardTask, now: float | None = None,
-                      hardware: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def pod_overrides(self, task: ShardTask, now: float | None = None, hardware: dict[str, Any] | None = None,
+                      run_id: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, spec) of the shard's pod, without the container's command and image, which the Pipes
         client adds. Raises InvalidHardware naming the field, for sizes no pod can carry or over the
         deployment's maxima (what was inferred from the weights too)."""
@@ -189,9 +202,57 @@ class K8sShardLauncher(ShardLauncher):
             spec["activeDeadlineSeconds"] = max(1, int(task.deadline - (now or time.time())))
         labels = {label_key(key): label_value(value) for key, value in task.labels.items()}
         labels.update(SHARD_POD_LABELS)
-        labels[LABEL_PREFIX + "job-id"] = label_value(task.job_id)
-        labels[LABEL_PREFIX + "shard"] = str(task.shard.shard_index)
+        labels.update(shard_pod_selector(task))
+        if run_id is not None:
+            labels[RUN_ID_LABEL] = label_value(run_id)
         return {"labels": labels}, spec
+
+    def _kubernetes_api(self) -> Any:
+        """The core API client, configured as the Pipes client configures its own."""
+        import kubernetes
+        from dagster_k8s.client import DagsterKubernetesClient
+
+        if self.kubeconfig_file:
+            kubernetes.config.load_kube_config(config_file=self.kubeconfig_file)
+        else:
+            kubernetes.config.load_incluster_config()
+        return DagsterKubernetesClient.production_client().core_api
+
+    def stop_earlier_shard_pods(self, context: dg.OpExecutionContext, task: ShardTask) -> list[str]:
+        """Delete every pod still on this job and shard, and wait until they are gone; their names.
+
+        Such a pod was left by a run worker that died (its retry or re-execution is this run) or by an
+        earlier attempt of this step whose process died: it would otherwise generate the same requests
+        and write the same checkpoint as the pod this step is about to start. Fails, retryably, when
+        one is not gone within `earlier_pod_stop_timeout_s`."""
+        from kubernetes.client.rest import ApiException
+
+        core_api = self._kubernetes_api()
+        selector = ",".join(f"{key}={value}" for key, value in shard_pod_selector(task).items())
+        index = task.shard.shard_index
+        stopping = core_api.list_namespaced_pod(self.namespace, label_selector=selector).items
+        for pod in stopping:
+            try:
+                core_api.delete_namespaced_pod(pod.metadata.name, self.namespace)
+            except ApiException as exc:
+                if exc.status != 404:  # 404: it went by itself meanwhile
+                    raise
+            run = (pod.metadata.labels or {}).get(RUN_ID_LABEL) or "unlabelled"
+            phase = pod.status.phase if pod.status else "unknown"
+            context.log.warning(f"shard {index}: stopping pod {pod.metadata.name} (run {run}, {phase}), "
+                                "still on this shard, before starting this run's")
+        stopped = sorted(pod.metadata.name for pod in stopping)
+        left, give_up_at = set(stopped), time.monotonic() + self.earlier_pod_stop_timeout_s
+        while left:
+            time.sleep(1.0)
+            left &= {pod.metadata.name for pod in core_api.list_namespaced_pod(self.namespace, label_selector=selector).items}
+            if left and time.monotonic() > give_up_at:
+                raise dg.Failure(f"shard {index}: earlier pods of this shard still not gone after "
+                                 f"{self.earlier_pod_stop_timeout_s:.0f} s: {', '.join(sorted(left))}; "
+                                 "not starting another beside them")
+        if stopped:
+            context.log.info(f"shard {index}: stopped earlier pods {', '.join(stopped)}")
+        return stopped
 
     def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
         from dagster_k8s import PipesK8sClient
@@ -201,9 +262,10 @@ class K8sShardLauncher(ShardLauncher):
             context.log.info(f"shard {task.shard.shard_index}: {inferred}")
         task = engine_spread_over_gpus(task, hardware)
         try:
-            meta, spec = self.pod_overrides(task, hardware=hardware)
+            meta, spec = self.pod_overrides(task, hardware=hardware, run_id=context.run_id)
         except InvalidHardware as exc:
             raise dg.Failure(str(exc), allow_retries=False) from None
+        self.stop_earlier_shard_pods(context, task)
         try:
             client = PipesK8sClient(
                 env=self.env,
@@ -227,6 +289,11 @@ class K8sShardLauncher(ShardLauncher):
         # The job's metadata says what each shard ran on, and what of it was inferred.
         stats = worker_stats(task, completed.get_custom_messages())
         return {**stats, "pod_hardware": hardware, "pod_hardware_inferred": inferred}
+
+
+def shard_pod_selector(task: ShardTask) -> dict[str, str]:
+    """The labels every pod of this job and shard carries, whichever run launched it."""
+    return {JOB_ID_LABEL: label_value(task.job_id), SHARD_LABEL: str(task.shard.shard_index)}
 
 
 def engine_spread_over_gpus(task: ShardTask, hardware: dict[str, Any]) -> ShardTask:
