@@ -142,6 +142,10 @@ def test_lone_surrogates_and_nul_get_422_naming_the_field(served, tmp_path):
     # A surrogate pair is a real character (an emoji), not a lone surrogate: accepted.
     emoji = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={"mood": "\U0001F600"}))
     assert emoji.status_code == 200, emoji.text
+    # In text for the model a NUL is stored escaped (JSON) and is the model's business: accepted.
+    for body, path in [(v1, "content.prompts.0"), (chat, "content.0.messages.0.content")]:
+        response = _post(client, "/v2/batch-completions", _with(body, path, "a\x00b"))
+        assert response.status_code == 200, (path, response.text)
 
 
 def test_deeply_nested_json_gets_422_naming_the_field_or_the_body(served, tmp_path):

@@ -87,6 +87,8 @@ class _OpenAISampling(WireModel):
 class FilteredCompletionV2Request(_VllmSamplingExtras, _OpenAISampling):
     """One OpenAI-style completion request."""
 
+    text_fields = frozenset({"prompt", "suffix", "stop"})
+
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -96,6 +98,8 @@ class FilteredCompletionV2Request(_VllmSamplingExtras, _OpenAISampling):
 
 
 class ContentPartText(WireModel):
+    text_fields = frozenset({"text"})
+
     type: Literal["text"]
     text: str
 
@@ -103,6 +107,8 @@ class ContentPartText(WireModel):
 class ChatMessage(WireModel):
     """One message of a conversation. Content is text or a list of content parts; parts other than text
     (images, audio, files) are accepted here and refused per request by the worker, which names them."""
+
+    text_fields = frozenset({"content"})
 
     role: Literal["developer", "system", "user", "assistant", "tool", "function"]
     content: str | list[ContentPartText | dict[str, Any]] | None = None

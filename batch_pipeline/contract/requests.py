@@ -45,6 +45,8 @@ class ToolConfig(WireModel):
 class CreateBatchCompletionsV1RequestContent(WireModel):
     """Prompts sharing one set of sampling parameters."""
 
+    text_fields = frozenset({"prompts", "stop_sequences"})
+
     prompts: list[str]
     max_new_tokens: int
     temperature: float = Field(ge=0.0, le=1.0)
