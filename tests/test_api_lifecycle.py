@@ -2,11 +2,12 @@
 
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from batch_pipeline.pipeline.tags import JOB_ID_TAG
+from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG
 from batch_pipeline.pipeline.tags import LABEL_TAG_PREFIX, MODEL_TAG, RUN_MONITORING_GRACE_S
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL, worker_pids
@@ -72,7 +73,11 @@ def test_v1_and_v2_jobs_run_to_completed_with_their_results(deployment_factory, 
     assert run.tags[MODEL_TAG] == MODEL
     assert run.tags[LABEL_TAG_PREFIX + "team"] == "search"
     assert run.tags["dagster/priority"] == "10"
-    assert run.tags["dagster/max_runtime"] == str(86400 + RUN_MONITORING_GRACE_S)
+    # Every run of the job stops at its expires_at; run monitoring's limit, set when the run starts, ends there too.
+    expires_at = datetime.fromisoformat(api.job(v1_id)["expires_at"]).timestamp()
+    assert float(run.tags[DEADLINE_TAG]) == expires_at
+    started = api.instance.get_run_record_by_id(run.run_id).start_time
+    assert abs(started + int(run.tags["dagster/max_runtime"]) - RUN_MONITORING_GRACE_S - expires_at) <= 1.5
     # A finished job can no longer be reprioritised or cancelled.
     update = api.client.post(f"/v2/batch-completions/{v1_id}", json={"job_id": v1_id, "priority": "low"}, headers=ALICE)
     assert update.json()["success"] is False

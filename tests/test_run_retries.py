@@ -92,6 +92,8 @@ def test_a_killed_run_worker_is_retried_by_the_daemon_and_the_job_completes_with
     assert retry.run_id != first_run_id and retry.root_run_id == first_run_id
     assert retry.tags["dagster/retry_number"] == "1" and retry.status == dg.DagsterRunStatus.SUCCESS
     assert retry.tags[DEADLINE_TAG] == first_run.tags[DEADLINE_TAG]  # a retry keeps the job's deadline
+    # No partial output was written for the run the daemon was about to retry.
+    assert "batch_pipeline/partial_results" not in first_run.tags
 
     outputs = json.loads(output.read_text())
     assert len(outputs) == len(prompts)

@@ -157,15 +157,20 @@ class BatchJobService:
             status = _STATUS.get(run.status, BatchCompletionsJobStatus.UNKNOWN)
             metadata["dagster_run_id"] = run.run_id
             metadata.update(self._progress(record))
-            if run.is_finished:
-                completed_at = self._end_time(run.run_id)
-                metadata.update(self._results(request.output_data_path))
-            if run.status == DagsterRunStatus.FAILURE:
-                metadata["failure_reason"] = self._failure_reason(run.run_id)
-            elif status == BatchCompletionsJobStatus.CANCELLED and self._stopped_by_deadline(record, completed_at):
-                # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
-                status = BatchCompletionsJobStatus.FAILED
-                metadata["failure_reason"] = "max_runtime_sec exceeded: the run was stopped by run monitoring"
+            if run.is_complete_and_waiting_to_retry:
+                # Its run worker died and the daemon is about to retry it: the job goes on.
+                status = BatchCompletionsJobStatus.RUNNING
+                metadata["retrying_after"] = self._failure_reason(run.run_id)
+            else:
+                if run.is_finished:
+                    completed_at = self._end_time(run.run_id)
+                    metadata.update(self._results(request.output_data_path))
+                if run.status == DagsterRunStatus.FAILURE:
+                    metadata["failure_reason"] = self._failure_reason(run.run_id)
+                elif status == BatchCompletionsJobStatus.CANCELLED and self._stopped_by_deadline(record, completed_at):
+                    # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
+                    status = BatchCompletionsJobStatus.FAILED
+                    metadata["failure_reason"] = "max_runtime_sec exceeded: the run was stopped by run monitoring"
         return BatchCompletionsJob(
             job_id=record.job_id,
             input_data_path=request.input_data_path,
@@ -208,10 +213,13 @@ class BatchJobService:
 
     def _results(self, output_data_path: str) -> dict[str, str]:
         path = metadata_path(output_data_path)
-        if not io.exists(path):
+        try:
+            if not io.exists(path):
+                return {}
+            with io.open_file(path, "r") as handle:
+                written = json.load(handle)
+        except (OSError, ValueError):  # e.g. a job stored before the path policy, naming what cannot be read
             return {}
-        with io.open_file(path, "r") as handle:
-            written = json.load(handle)
         return {key: str(written[key]) for key in _RESULT_FIELDS if written.get(key) is not None}
 
     def _end_time(self, run_id: str) -> datetime | None:

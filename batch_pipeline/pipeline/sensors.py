@@ -20,6 +20,7 @@ from batch_pipeline.shards import partial_outputs, progress, write_output_array
 
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"
 ROOT_RUN_ID_TAG = "dagster/root_run_id"  # Dagster's tag on every re-execution
+WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
 SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
 
 
@@ -138,6 +139,9 @@ def keep_results_of_cancelled_runs(context: RunStatusSensorContext, job_storage:
     description="A failed run's finished results are merged into its output; the rest are marked.",
 )
 def keep_results_of_failed_runs(context: dg.RunFailureSensorContext, job_storage: JobStorage):
+    run = context.instance.get_run_by_id(context.dagster_run.run_id) or context.dagster_run
+    if run.tags.get(WILL_RETRY_TAG) == "true":
+        return  # the daemon retries it: the retry writes the whole output, or keeps these results if it fails too
     reason = context.failure_event.message or "the job failed"
     try:
         _keep_partial_results(context, job_storage, "job_failed", f"the job failed before this request finished: {reason}")
