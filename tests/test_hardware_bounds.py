@@ -81,3 +81,11 @@ def test_the_api_refuses_hardware_no_pod_can_carry_naming_the_field_and_stores_n
         assert response.json()["detail"][0]["loc"] == ["body", field]
     assert api.client.get("/v2/batch-completions", headers=headers).json()["jobs"] == []
     assert api.client.post("/v2/batch-completions", json={**body, "gpus": 8, "memory": "16Gi"}, headers=headers).status_code == 200
+
+
+def test_a_mistyped_maximum_stops_the_api_at_start_naming_the_variable(monkeypatch):
+    from batch_pipeline.api.app import create_app
+
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_MEMORY", "lots")
+    with pytest.raises(ValueError, match="BATCH_PIPELINE_MAX_MEMORY"):
+        create_app(service=object())

@@ -29,6 +29,7 @@ from batch_pipeline.contract import (
     UpdateBatchCompletionsV2Request,
     UpdateBatchCompletionsV2Response,
 )
+from batch_pipeline.hardware import hardware_maxima
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.priority import InvalidPriority
@@ -131,6 +132,7 @@ def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
 
 
 def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = None) -> FastAPI:
+    hardware_maxima()  # a mistyped BATCH_PIPELINE_MAX_* fails the deployment, not every request with hardware
     if service is None:
         service = BatchJobService(
             JobStore(),
