@@ -26,6 +26,7 @@ bench: model
 	$(PY) bench/sample_vs_raw.py
 	$(PY) bench/structured_mix.py
 	$(PY) bench/control_plane.py
+	$(PY) bench/api_memory.py
 	$(PY) bench/sharding.py
 	$(PY) bench/plots.py
 

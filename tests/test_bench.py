@@ -88,3 +88,18 @@ def test_plots_draws_a_png_per_benchmark(tmp_path):
                                check=True, capture_output=True, text=True, timeout=300)
     for name in ("engine_overhead", "data_plane", "sharding"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", completed.stdout
+
+
+def test_the_api_memory_benchmark_posts_to_our_api_and_fastapis_default(tmp_path):
+    out = tmp_path / "api_memory.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "api_memory.py"), "--body-mb", "1", "--concurrency", "2", "--repeat", "1",
+         "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    result = json.loads(out.read_text())
+    assert {system: [run["codes"] for run in runs] for system, runs in result["runs"].items()} == {
+        "ours": [[200, 200]], "fastapi_default": [[200, 200]]}
+    assert all(run["peak_rss_mb"] > 0 and run["healthz_calls"] >= 1 for runs in result["runs"].values() for run in runs)
+    assert set(result["ratios_ours_over_fastapi_default"]) >= {"held_per_body_byte", "healthz_max_s"}
+    assert "| ours |" in completed.stdout
