@@ -472,8 +472,9 @@ def _remove_leftovers(uid: int) -> None:
 
 
 def _remove_files_of(uid: int, top: str) -> None:
-    # The uid can only have made entries in directories others may write, reached through directories
-    # others may enter: the walk goes no further (a job's 0700 work dirs, for instance, are skipped).
+    # The uid can only have made entries in directories others may write: the walk follows those (and
+    # what the uid made, removed whole) and no others, so its cost does not grow with what else lies in
+    # /tmp. A world-writable directory below one others may not write is not reached (said in the README).
     for directory, subdirectories, files in os.walk(top, onerror=lambda _: None):
         try:
             writable = os.stat(directory).st_mode & stat.S_IWOTH
@@ -489,7 +490,7 @@ def _remove_files_of(uid: int, top: str) -> None:
                     shutil.rmtree(path, ignore_errors=True)
                 elif status.st_uid == uid:  # a symbolic link to a directory: the link goes, not its target
                     os.unlink(path)
-                elif stat.S_ISDIR(status.st_mode) and status.st_mode & stat.S_IXOTH:
+                elif stat.S_ISDIR(status.st_mode) and status.st_mode & stat.S_IWOTH and status.st_mode & stat.S_IXOTH:
                     entered.append(name)
         subdirectories[:] = entered
         if writable:
