@@ -123,15 +123,16 @@ def test_a_job_whose_run_starts_late_stops_at_its_expires_at_the_deadline_every_
         headers=ALICE,
     ).json()["job_id"]
     expires_at = datetime.fromisoformat(api.job(job_id)["expires_at"])
-    time.sleep(35)  # nothing launches it yet: its run starts 35 s or more after submission
+    time.sleep(45)  # nothing launches it yet: its run starts 45 s or more after submission
     api.start_daemon()
 
     job = api.wait_for(job_id, lambda j: _settled(api, j), timeout=400)
     assert job["status"] == "failed", job
     assert "max_runtime_sec exceeded" in job["metadata"]["failure_reason"], job
-    # Stopped at expires_at (the run's own start + max_runtime_sec would be 35 s or more later).
+    # Stopped at expires_at (the run's own start + max_runtime_sec would be 45 s or more later); the margin
+    # is for a shared, loaded machine: the workers check the deadline at every engine step.
     stopped_after = (datetime.fromisoformat(job["completed_at"]) - expires_at).total_seconds()
-    assert 0 <= stopped_after < 20, stopped_after
+    assert 0 <= stopped_after < 35, stopped_after
     run = api.instance.get_run_by_id(job["metadata"]["dagster_run_id"])
     record = api.instance.get_run_record_by_id(run.run_id)
     assert float(run.tags[DEADLINE_TAG]) == expires_at.timestamp()
