@@ -20,7 +20,6 @@ bench/results/api_memory-<time>.json (or `--out`).
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+from served import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -82,12 +82,6 @@ def proc_status_mb(pid: int, field: str) -> float:
     raise KeyError(field)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def measure(system: str, body: bytes, concurrency: int) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-api-memory-{system}-") as home:  # its jobs DB holds the bodies
         return measure_in(system, body, concurrency, home)
@@ -107,16 +101,7 @@ def measure_in(system: str, body: bytes, concurrency: int, home: str) -> dict:
     try:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
                               headers={"content-type": "application/json"})
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{system} did not come up:\n{Path(home, 'server.log').read_text()[-4000:]}")
-            time.sleep(0.2)
+        wait_until_healthy(client, server, Path(home, "server.log"), system)
         warm_up = client.post("/v2/batch-completions", content=request_body(home, 10, 16)).status_code
         time.sleep(0.5)
         idle_mb = proc_status_mb(server.pid, "VmRSS")

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,14 +22,9 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+from served import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _body(out_dir: str, i: int) -> dict:
@@ -53,7 +47,7 @@ def main() -> None:
         "  config:\n    max_concurrent_runs: 1\n    dequeue_interval_seconds: 1\n"
         "telemetry:\n  enabled: false\n"
     )
-    api_port, dagster_port = _free_port(), _free_port()
+    api_port, dagster_port = free_port(), free_port()
     env = {**os.environ, "DAGSTER_HOME": home, "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1"}
     serve = subprocess.Popen(
         [sys.executable, "-m", "batch_pipeline.serve", "--port", str(api_port), "--dagster-port", str(dagster_port)],
@@ -63,16 +57,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{api_port}"
     try:
         client = httpx.Client(base_url=base, timeout=30)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if client.get("/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the deployment did not come up")
-            time.sleep(0.5)
+        wait_until_healthy(client, serve, Path(home, "serve.log"), "the deployment", interval_s=0.5)
 
         from dagster import DagsterInstance, RunsFilter
 
