@@ -219,7 +219,7 @@ class ShardRunner:
         from batch_pipeline.worker.engine import build_llm
 
         model_config = BatchCompletionsModelConfig.model_validate(self.task.model_config)
-        sandbox = None
+        tool_config = sandbox = None
         if self.task.tool_config is not None:  # before the engine: a sandbox that cannot hold fails the shard now
             tool_config = ToolConfig.model_validate(self.task.tool_config)
             sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
@@ -229,7 +229,7 @@ class ShardRunner:
         self.report(f"engine ready in {self.stats.engine_start_s:.1f}s")
         engine = llm.llm_engine
 
-        self._add_engine_handlers(llm, model_config, sandbox)
+        self._add_engine_handlers(llm, model_config, tool_config, sandbox)
         tool_loop = self.tool_loop
         in_flight = InFlight()
         t0 = last_report = time.monotonic()
@@ -300,13 +300,12 @@ class ShardRunner:
         )
 
     def _add_engine_handlers(self, llm: Any, model_config: BatchCompletionsModelConfig,
-                             sandbox: Sandbox | None) -> None:
+                             tool_config: ToolConfig | None, sandbox: Sandbox | None) -> None:
         from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
 
         self.handlers["completion"] = CompletionRequests(llm, model_config)
         self.handlers["chat"] = ChatRequests(llm, model_config)
-        if sandbox is not None:
-            tool_config = ToolConfig.model_validate(self.task.tool_config)
+        if tool_config is not None and sandbox is not None:
             self.stats.sandbox = sandbox.isolation.to_dict()
             self.report(f"code_evaluator sandbox: {self.stats.sandbox}")
             self.tool_loop = CodeEvaluatorRequests(self.handlers["v1"], tool_config, llm.get_tokenizer(), sandbox)
