@@ -160,6 +160,9 @@ class JobStore:
         return JobRecord.from_row(SimpleNamespace(**row, failed_at=None, failure_reason=None)), True
 
     def get(self, job_id: str) -> JobRecord | None:
+        # Not an id the store makes (longer than its column, a NUL Postgres cannot compare): absent, not an error.
+        if len(job_id) > jobs.c.job_id.type.length or "\x00" in job_id:
+            return None
         return self._one(jobs.c.job_id == job_id)
 
     def list(self, owner: str | None = None, limit: int = 1000) -> list[JobRecord]:
