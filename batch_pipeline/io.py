@@ -32,7 +32,7 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 def is_local(path: str) -> bool:
     """Judged from the URL alone: no filesystem (or its driver, e.g. s3fs) is needed to answer."""
-    return get_protocol(path) in ("file", "local")
+    return get_protocol(path) in LocalFileSystem.protocol
 
 
 def exists(path: str) -> bool:

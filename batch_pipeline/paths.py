@@ -22,6 +22,7 @@ import fsspec
 from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
 
+from batch_pipeline import io
 from batch_pipeline.models import CATALOG
 
 ALLOWED_PROTOCOLS_ENV = "BATCH_PIPELINE_ALLOWED_PROTOCOLS"
@@ -57,8 +58,8 @@ class PathPolicy:
         """Why fsspec must not open `path` for this request, or None."""
         if why := _unreadable(path) or self._url_refusal(path):
             return why
-        if _protocol(path) not in LOCAL_PROTOCOLS:
-            return None if _object_key(path) else "a remote path names a file (s3://bucket/key)"
+        if not io.is_local(path):
+            return None if _bucket_and_key(path)[1] else "a remote path names a file (s3://bucket/key)"
         if not self.roots:
             return None
         # The relative or ~ form is judged before fsspec makes it absolute against this process's directory,
@@ -76,7 +77,7 @@ class PathPolicy:
             # vLLM opens no URL but its object stores; a local URL would be an odd relative path to it.
             if why := self._url_refusal(name):
                 return why
-            if _protocol(name) not in LOCAL_PROTOCOLS:
+            if not io.is_local(name):
                 return None
         elif _is_hub_id(name) and not os.path.isdir(name):
             return None
@@ -147,10 +148,10 @@ def _protocol(path: str) -> str:
     return split_protocol(path)[0] or "file"
 
 
-def _object_key(path: str) -> str:
-    """The key of an object store URL (`s3://bucket/key` -> `key`), as its filesystem strips it."""
-    stripped = fsspec.get_filesystem_class(_protocol(path))._strip_protocol(path)
-    return stripped.partition("/")[2].strip("/")
+def _bucket_and_key(path: str) -> tuple[str, str]:
+    """An object store URL's bucket and key (`s3://bucket/key`), as its filesystem strips the URL."""
+    bucket, _, key = fsspec.get_filesystem_class(_protocol(path))._strip_protocol(path).partition("/")
+    return bucket, key.strip("/")
 
 
 def _s3_bucket_refusal(path: str) -> str | None:
@@ -158,7 +159,7 @@ def _s3_bucket_refusal(path: str) -> str | None:
     from botocore.exceptions import ParamValidationError
     from botocore.handlers import validate_bucket_name
 
-    bucket = fsspec.get_filesystem_class(_protocol(path))._strip_protocol(path).partition("/")[0]
+    bucket, _ = _bucket_and_key(path)
     try:
         validate_bucket_name({"Bucket": bucket})
     except ParamValidationError:
