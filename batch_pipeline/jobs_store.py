@@ -1,28 +1,37 @@
-"""The job store: one table of batch jobs, shared by the API (which writes requests) and the sensor (which
-turns them into Dagster runs). SQLite in dagster_home/ by default; any SQLAlchemy URL (Postgres) in
-production.
+"""The job store: batch jobs as rows, shared by the API (which stores requests and reads status), the
+sensors (which launch runs and record how they ended) and the pipeline (which records progress).
+
+A job's status, progress, counts and tokens are data in its row, written as they change, so that a
+status read is an indexed query whatever the job's size. SQLite in dagster_home/ by default; any
+SQLAlchemy URL (Postgres) in production. The schema is versioned (Alembic, `store_migrations/`) and
+upgraded once per process; one engine per process and URL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from functools import cached_property
-from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
-from batch_pipeline.contract import CreateBatchCompletionsV2Request
-
 metadata = sa.MetaData()
+# Not Alembic's default name: the job store may share a database with Dagster's own storage.
+SCHEMA_VERSION_TABLE = "batch_pipeline_schema_version"
+
+QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
+FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 jobs = sa.Table(
     "batch_jobs",
@@ -30,19 +39,61 @@ jobs = sa.Table(
     sa.Column("job_id", sa.String(64), primary_key=True),
     sa.Column("owner", sa.String(128), nullable=False, index=True),
     sa.Column("idempotency_key", sa.String(256), nullable=True),
+    # The request as stored: inline content is not in it but in the file `content_path` names.
     sa.Column("request", sa.Text, nullable=False),
+    sa.Column("request_sha256", sa.String(64), nullable=True),  # what an Idempotency-Key was first used for
+    sa.Column("content_path", sa.Text, nullable=True),
+    sa.Column("model", sa.String(256), nullable=True),
     sa.Column("priority", sa.String(64), nullable=True),
     sa.Column("labels", sa.Text, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, index=True),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("run_id", sa.String(64), nullable=True, index=True),
+    sa.Column("run_id", sa.String(64), nullable=True, index=True),  # the newest run of the job
+    sa.Column("status", sa.String(16), nullable=False, server_default=QUEUED),
+    sa.Column("status_detail", sa.Text, nullable=True),  # e.g. why a run is being retried
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("queue_wait_s", sa.Float, nullable=True),  # submission to first run start
+    sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("cancelled_at", sa.DateTime(timezone=True), nullable=True),
-    # Added after the first release; `_add_missing_columns` brings older databases up to date.
-    sa.Column("request_sha256", sa.String(64), nullable=True),  # what an Idempotency-Key was first used for
     sa.Column("failed_at", sa.DateTime(timezone=True), nullable=True),  # the job could not become a run
     sa.Column("failure_reason", sa.Text, nullable=True),
+    # Totals over the shards, kept with each progress report; final figures when the job completes.
+    sa.Column("requests_total", sa.BigInteger, nullable=True),
+    sa.Column("requests_done", sa.BigInteger, nullable=True),
+    sa.Column("errors", sa.BigInteger, nullable=True),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=True),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=True),
+    sa.Column("results", sa.Text, nullable=True),  # the finished job's summary (JSON), as in its metadata file
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
+    sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
+    sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
 )
+
+job_labels = sa.Table(
+    "batch_job_labels",
+    metadata,
+    sa.Column("job_id", sa.String(64), primary_key=True),
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+    # Keys and values have no bound: the index holds their digest, the query compares both.
+    sa.Column("digest", sa.String(64), nullable=False),
+    sa.Index("ix_batch_job_labels_digest", "digest", "job_id"),
+)
+
+job_shards = sa.Table(
+    "batch_job_shards",
+    metadata,
+    sa.Column("job_id", sa.String(64), primary_key=True),
+    sa.Column("shard_index", sa.Integer, primary_key=True),
+    sa.Column("requests_total", sa.BigInteger, nullable=False),
+    sa.Column("requests_done", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("errors", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=True),
+)
+
+_SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens")
 
 
 class IdempotencyConflict(ValueError):
@@ -61,13 +112,30 @@ class JobRecord:
     run_id: str | None
     cancelled_at: datetime | None
     idempotency_key: str | None
+    status: str = QUEUED
+    model: str | None = None
+    content_path: str | None = None
+    status_detail: str | None = None
+    started_at: datetime | None = None
+    queue_wait_s: float | None = None
+    completed_at: datetime | None = None
     failed_at: datetime | None = None
     failure_reason: str | None = None
+    requests_total: int | None = None
+    requests_done: int | None = None
+    errors: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    results: dict[str, Any] | None = None
 
     @cached_property
     def request(self) -> dict[str, Any]:
         """The stored request, parsed when first asked for: a status read needs only a few of its fields."""
         return json.loads(self.request_json)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED
 
     @classmethod
     def from_row(cls, row: Any) -> JobRecord:
@@ -80,11 +148,53 @@ class JobRecord:
             created_at=_utc(row.created_at),
             expires_at=_utc(row.expires_at),
             run_id=row.run_id,
-            cancelled_at=_utc(row.cancelled_at) if row.cancelled_at else None,
+            cancelled_at=_utc(row.cancelled_at),
             idempotency_key=row.idempotency_key,
-            failed_at=_utc(row.failed_at) if row.failed_at else None,
+            status=row.status,
+            model=row.model,
+            content_path=row.content_path,
+            status_detail=row.status_detail,
+            started_at=_utc(row.started_at),
+            queue_wait_s=row.queue_wait_s,
+            completed_at=_utc(row.completed_at),
+            failed_at=_utc(row.failed_at),
             failure_reason=row.failure_reason,
+            requests_total=row.requests_total,
+            requests_done=row.requests_done,
+            errors=row.errors,
+            prompt_tokens=row.prompt_tokens,
+            completion_tokens=row.completion_tokens,
+            results=json.loads(row.results) if row.results else None,
         )
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """A job as the submission path hands it to the store: the request as stored (without inline content,
+    which `content_path` names), and the fields the store indexes."""
+
+    job_id: str
+    owner: str
+    request_json: str
+    request_sha256: str  # of the request as sent, inline content included: what an Idempotency-Key means
+    model: str
+    priority: str | None
+    labels: dict[str, str]
+    max_runtime_sec: int
+    content_path: str | None = None
+    idempotency_key: str | None = None
+    # A job registered by the run that already executes it (a launchpad run) is never launched again.
+    run_id: str | None = None
+
+    @staticmethod
+    def new_id() -> str:
+        return f"batch-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Page:
+    jobs: list[JobRecord]
+    next_after: str | None  # the cursor of the next page; None on the last one
 
 
 def default_store_url() -> str:
@@ -92,72 +202,137 @@ def default_store_url() -> str:
     return os.environ.get("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{os.path.abspath(home)}/batch_jobs.db")
 
 
+_engines: dict[str, sa.Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(url: str) -> sa.Engine:
+    """The process's one engine for a URL (a connection pool), its schema upgraded when first made."""
+    with _engines_lock:
+        engine = _engines.get(url)
+        if engine is None:
+            engine = _engines[url] = _create_engine(url)
+            upgrade_schema(engine)
+        return engine
+
+
+def _create_engine(url: str) -> sa.Engine:
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("sqlite"):
+        # The API's threads, the daemon's sensors and the run's steps write the same file: wait for the
+        # lock, don't fail.
+        options["connect_args"] = {"timeout": 30, "check_same_thread": False}
+        _create_private(make_url(url).database)
+    engine = sa.create_engine(url, **options)
+    if url.startswith("sqlite"):
+        sa.event.listen(engine, "connect", _sqlite_wal)
+    return engine
+
+
+def _forget_inherited_connections() -> None:
+    for engine in _engines.values():
+        engine.dispose(close=False)
+
+
+# Step processes fork from a server that may hold pooled connections: a child opens its own.
+os.register_at_fork(after_in_child=_forget_inherited_connections)
+
+
+def upgrade_schema(engine: sa.Engine) -> None:
+    """Bring the database to the newest schema, whichever release made it. Processes starting together
+    (the API, the daemon) take turns: a lock on Postgres, a lock file beside a SQLite database."""
+    from alembic import command
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", "batch_pipeline:store_migrations")
+    head = ScriptDirectory.from_config(config).get_current_head()
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": SCHEMA_VERSION_TABLE})
+        if context.get_current_revision() == head:
+            return
+    with _migration_lock(engine), engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('batch_pipeline_schema'))"))
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: sa.Engine) -> Iterator[None]:
+    database = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        yield
+        return
+    with open(f"{database}.migrate-lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def label_digest(key: str, value: str) -> str:
+    return hashlib.sha256(json.dumps([key, value]).encode()).hexdigest()
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
 class JobStore:
     def __init__(self, url: str | None = None) -> None:
-        url = url or default_store_url()
-        options: dict[str, Any] = {}
-        if url.startswith("sqlite"):
-            # The API's threads and the daemon's sensor write the same file: wait for the lock, don't fail.
-            options["connect_args"] = {"timeout": 30, "check_same_thread": False}
-            _create_private(make_url(url).database)
-        self.engine = sa.create_engine(url, **options)
-        if url.startswith("sqlite"):
-            sa.event.listen(self.engine, "connect", _sqlite_wal)
-        metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+        self.engine = engine_for(url or default_store_url())
 
-    def create(
-        self,
-        owner: str,
-        request: CreateBatchCompletionsV2Request | dict[str, Any],
-        max_runtime_sec: int,
-        idempotency_key: str | None = None,
-        run_id: str | None = None,
-    ) -> tuple[JobRecord, bool]:
+    # --- submission -------------------------------------------------------------------------------------
+
+    def create(self, job: NewJob) -> tuple[JobRecord, bool]:
         """Store a new job in one transaction; with an idempotency key already used by this owner, return
         that job instead, or raise IdempotencyConflict if it was used for a different request. The second
-        value says whether a job was created. A job stored with the run that already executes it (a
-        launchpad run) is never launched again."""
-        if isinstance(request, CreateBatchCompletionsV2Request):
-            # Serialized by pydantic straight to JSON: no dict copy of a large inline request.
-            request_json = request.model_dump_json(by_alias=True, exclude_none=True)
-            priority, labels = request.priority, request.labels
-        else:
-            request_json = json.dumps(request)
-            priority, labels = request.get("priority"), request.get("labels") or {}
-        now = datetime.now(timezone.utc)
+        value says whether a job was created."""
+        now = _now()
         row = {
-            "job_id": f"batch-{uuid.uuid4().hex}",
-            "owner": owner,
-            "idempotency_key": idempotency_key,
-            "request": request_json,
-            "request_sha256": _sha256(request_json) if idempotency_key is not None else None,
-            "priority": priority,
-            "labels": json.dumps(labels),
+            "job_id": job.job_id,
+            "owner": job.owner,
+            "idempotency_key": job.idempotency_key,
+            "request": job.request_json,
+            "request_sha256": job.request_sha256,
+            "content_path": job.content_path,
+            "model": job.model[:256],
+            "priority": job.priority,
+            "labels": json.dumps(job.labels),
             "created_at": now,
-            "expires_at": now + timedelta(seconds=max_runtime_sec),
-            "run_id": run_id,
-            "cancelled_at": None,
+            "expires_at": now + timedelta(seconds=job.max_runtime_sec),
+            "run_id": job.run_id,
+            "status": QUEUED,
         }
         try:
             with self.engine.begin() as connection:
                 connection.execute(jobs.insert().values(**row))
+                if job.labels:
+                    connection.execute(job_labels.insert(), [
+                        {"job_id": job.job_id, "key": key, "value": value, "digest": label_digest(key, value)}
+                        for key, value in job.labels.items()
+                    ])
         except IntegrityError:
-            if idempotency_key is None:
+            if job.idempotency_key is None:
                 raise
-            existing = self._one(sa.and_(jobs.c.owner == owner, jobs.c.idempotency_key == idempotency_key))
+            existing = self._one(sa.and_(jobs.c.owner == job.owner, jobs.c.idempotency_key == job.idempotency_key))
             if existing is None:
                 raise
             stored_sha256 = self._request_sha256(existing.job_id)
             # Rows stored before the hash was kept have none: they keep the old answer, the first job.
             if stored_sha256 is not None and stored_sha256 != row["request_sha256"]:
                 raise IdempotencyConflict(
-                    f"Idempotency-Key {idempotency_key!a} was already used for a different request "
+                    f"Idempotency-Key {job.idempotency_key!a} was already used for a different request "
                     f"(job {existing.job_id}); use a new key for a new request"
                 ) from None
             return existing, False
-        # The record as stored, without reading back (and parsing) a request that may be tens of MB.
-        return JobRecord.from_row(SimpleNamespace(**row, failed_at=None, failure_reason=None)), True
+        return JobRecord.from_row(_Row(row)), True
+
+    # --- reads ------------------------------------------------------------------------------------------
 
     def get(self, job_id: str) -> JobRecord | None:
         # Not an id the store makes (longer than its column, a NUL Postgres cannot compare): absent, not an error.
@@ -165,59 +340,205 @@ class JobStore:
             return None
         return self._one(jobs.c.job_id == job_id)
 
-    def list(self, owner: str | None = None, limit: int = 1000) -> list[JobRecord]:
-        query = sa.select(jobs).order_by(jobs.c.created_at.desc()).limit(limit)
+    def list(
+        self,
+        owner: str | None = None,
+        status: str | None = None,
+        labels: dict[str, str] | None = None,
+        limit: int = 1000,
+        after: str | None = None,
+    ) -> Page:
+        """Jobs newest first, filtered in SQL, one page of `limit`; `after` is the last job id of the page
+        before (an unknown cursor gives an empty page)."""
+        query = sa.select(jobs)
         if owner is not None:
             query = query.where(jobs.c.owner == owner)
+        if status is not None:
+            query = query.where(jobs.c.status == status)
+        for key, value in (labels or {}).items():
+            query = query.where(sa.exists().where(
+                job_labels.c.job_id == jobs.c.job_id, job_labels.c.digest == label_digest(key, value),
+                job_labels.c.key == key, job_labels.c.value == value,
+            ))
+        if after is not None:
+            cursor = self.get(after)
+            if cursor is None:
+                return Page([], None)
+            query = query.where(sa.or_(
+                jobs.c.created_at < cursor.created_at,
+                sa.and_(jobs.c.created_at == cursor.created_at, jobs.c.job_id < cursor.job_id),
+            ))
+        query = query.order_by(jobs.c.created_at.desc(), jobs.c.job_id.desc()).limit(limit + 1)
         with self.engine.connect() as connection:
-            return [JobRecord.from_row(row) for row in connection.execute(query)]
+            records = [JobRecord.from_row(row) for row in connection.execute(query)]
+        more = len(records) > limit
+        records = records[:limit]
+        return Page(records, records[-1].job_id if more and records else None)
 
     def awaiting_launch(self) -> Iterator[str]:
-        """Ids of the jobs without a Dagster run that nobody cancelled and that did not fail, oldest first;
-        the caller reads each record when it gets to it, so large requests are not all held at once."""
+        """Ids of the queued jobs without a Dagster run, oldest first; the caller reads each record when
+        it gets to it."""
         query = (
             sa.select(jobs.c.job_id)
-            .where(jobs.c.run_id.is_(None), jobs.c.cancelled_at.is_(None), jobs.c.failed_at.is_(None))
+            .where(jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
             .order_by(jobs.c.created_at)
         )
         with self.engine.connect() as connection:
             job_ids = connection.execute(query).scalars().all()
         return iter(job_ids)
 
+    def unfinished_with_runs(self) -> list[tuple[str, str]]:
+        """(job id, run id) of every job whose row says a run has it and that has not finished."""
+        query = sa.select(jobs.c.job_id, jobs.c.run_id).where(
+            jobs.c.status.in_((QUEUED, RUNNING)), jobs.c.run_id.is_not(None)
+        )
+        with self.engine.connect() as connection:
+            return [(row.job_id, row.run_id) for row in connection.execute(query)]
+
+    # --- lifecycle, as the API, the sensors and the pipeline see it --------------------------------------
+
     def mark_failed(self, job_id: str, reason: str) -> None:
         """A job that cannot become a run: it is never taken again, and reads `failed` with the reason."""
-        with self.engine.begin() as connection:
-            connection.execute(
-                jobs.update()
-                .where(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.failed_at.is_(None))
-                .values(failed_at=datetime.now(timezone.utc), failure_reason=reason)
-            )
+        now = _now()
+        self._update(
+            sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == QUEUED),
+            status=FAILED, failed_at=now, completed_at=now, failure_reason=reason,
+        )
 
     def link_run(self, job_id: str, run_id: str) -> None:
-        with self.engine.begin() as connection:
-            connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(run_id=run_id))
+        self._update(jobs.c.job_id == job_id, run_id=run_id)
 
     def set_priority(self, job_id: str, priority: str | None) -> None:
-        with self.engine.begin() as connection:
-            connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(priority=priority))
+        self._update(jobs.c.job_id == job_id, priority=priority)
 
     def cancel_before_launch(self, job_id: str) -> bool:
         """Mark a job cancelled if no run was made for it yet; False when a run already exists."""
-        with self.engine.begin() as connection:
-            result = connection.execute(
-                jobs.update()
-                .where(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.cancelled_at.is_(None))
-                .values(cancelled_at=datetime.now(timezone.utc))
-            )
-        return result.rowcount == 1
+        now = _now()
+        return self._update(
+            sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == QUEUED),
+            status=CANCELLED, cancelled_at=now, completed_at=now,
+        )
 
     def mark_cancelled(self, job_id: str) -> None:
+        """The job's run was asked to stop: it reads cancelled now; its end is recorded when the run ends."""
+        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED)),
+                     status=CANCELLED, cancelled_at=_now())
+
+    def mark_started(self, job_id: str, run_id: str) -> bool:
+        """A run of the job started (its first, a retry, or a re-execution from the UI): it is the job's
+        run now, and the job runs. False, and nothing changes, for a job cancelled before any run of it
+        started: a run asked for just before the cancel must not run."""
+        now = _now()
+        with self.engine.begin() as connection:
+            row = connection.execute(
+                sa.select(jobs.c.created_at, jobs.c.started_at, jobs.c.status).where(jobs.c.job_id == job_id)
+            ).first()
+            if row is None:
+                return True  # a run with no job behind it (`execute_request` with an id of its own)
+            if row.status == CANCELLED and row.started_at is None:
+                return False
+            values: dict[str, Any] = {"run_id": run_id, "status": RUNNING, "status_detail": None,
+                                      "completed_at": None, "failure_reason": None}
+            if row.started_at is None:
+                values |= {"started_at": now, "queue_wait_s": (now - _utc(row.created_at)).total_seconds()}
+            connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(**values))
+        return True
+
+    def mark_retrying(self, job_id: str, run_id: str, reason: str) -> None:
+        """The run failed and Dagster retries it: the job still runs, and says why it starts again."""
+        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), status=RUNNING, status_detail=reason)
+
+    def mark_run_ended(self, job_id: str, run_id: str, status: str, ended_at: datetime, reason: str | None = None,
+                       results: dict[str, Any] | None = None) -> None:
+        """How the job's run ended, unless a newer run took the job over."""
+        # A job someone cancelled reads cancelled however its run then ended.
+        values: dict[str, Any] = {"status": sa.case((jobs.c.cancelled_at.is_not(None), CANCELLED), else_=status),
+                                  "completed_at": ended_at, "status_detail": None}
+        if reason is not None:
+            values["failure_reason"] = reason
+        if results is not None:
+            values["results"] = json.dumps(results)
+            for name in ("requests_total", "requests_done", "errors", "prompt_tokens", "completion_tokens"):
+                if results.get(name) is not None:
+                    values[name] = results[name]
+        self._update(sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, jobs.c.run_id.is_(None))),
+                     run_id=run_id, **values)
+
+    def record_results(self, job_id: str, run_id: str, results: dict[str, Any]) -> None:
+        """The summary of what the job's run left (e.g. the partial results of a stopped run)."""
+        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), results=json.dumps(results))
+
+    def record_shards(self, job_id: str, requests_per_shard: dict[int, int]) -> None:
+        """The job's shards as planned (again, on a retry): progress is counted against these totals."""
+        with self.engine.begin() as connection:
+            connection.execute(job_shards.delete().where(job_shards.c.job_id == job_id))
+            connection.execute(job_shards.insert(), [
+                {"job_id": job_id, "shard_index": index, "requests_total": total, "updated_at": _now()}
+                for index, total in requests_per_shard.items()
+            ])
+            self._total_shards(connection, job_id)
+
+    def record_shard_progress(self, job_id: str, shard_index: int, figures: dict[str, int]) -> None:
+        """A shard worker's latest counts (absolute, not increments), and the job's totals with them."""
+        values = {name: int(figures[name]) for name in _SHARD_FIGURES if name in figures}
         with self.engine.begin() as connection:
             connection.execute(
-                jobs.update()
-                .where(jobs.c.job_id == job_id, jobs.c.cancelled_at.is_(None))
-                .values(cancelled_at=datetime.now(timezone.utc))
+                job_shards.update()
+                .where(job_shards.c.job_id == job_id, job_shards.c.shard_index == shard_index)
+                .values(**values, updated_at=_now())
             )
+            self._total_shards(connection, job_id)
+
+    def shard_progress(self, job_id: str) -> list[dict[str, int]]:
+        query = sa.select(job_shards).where(job_shards.c.job_id == job_id).order_by(job_shards.c.shard_index)
+        with self.engine.connect() as connection:
+            return [dict(row._mapping) for row in connection.execute(query)]
+
+    @staticmethod
+    def _total_shards(connection: sa.Connection, job_id: str) -> None:
+        def total(name: str) -> Any:
+            return sa.select(sa.func.coalesce(sa.func.sum(job_shards.c[name]), 0)).where(
+                job_shards.c.job_id == job_id).scalar_subquery()
+
+        connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(
+            requests_total=total("requests_total"), **{name: total(name) for name in _SHARD_FIGURES}
+        ))
+
+    # --- figures for /metrics ---------------------------------------------------------------------------
+
+    def counts_by_status_and_model(self) -> list[tuple[str, str, int, int, int]]:
+        """(status, model, jobs, requests done, completion tokens) over every job."""
+        query = sa.select(
+            jobs.c.status, sa.func.coalesce(jobs.c.model, ""), sa.func.count(),
+            sa.func.coalesce(sa.func.sum(jobs.c.requests_done), 0),
+            sa.func.coalesce(sa.func.sum(jobs.c.completion_tokens), 0),
+        ).group_by(jobs.c.status, jobs.c.model)
+        with self.engine.connect() as connection:
+            return [tuple(row) for row in connection.execute(query)]
+
+    def oldest_queued_created_at(self) -> datetime | None:
+        query = sa.select(sa.func.min(jobs.c.created_at)).where(jobs.c.status == QUEUED)
+        with self.engine.connect() as connection:
+            return _utc(connection.execute(query).scalar())
+
+    def queue_wait_buckets(self, bounds: Iterable[float]) -> tuple[list[int], int, float]:
+        """Jobs whose run started, counted at or under each bound of their wait from submission to start;
+        with the count and the sum of all waits (a Prometheus histogram's figures)."""
+        bounds = list(bounds)
+        started = jobs.c.queue_wait_s.is_not(None)
+        query = sa.select(
+            *(sa.func.coalesce(sa.func.sum(sa.case((jobs.c.queue_wait_s <= b, 1), else_=0)), 0) for b in bounds),
+            sa.func.count(), sa.func.coalesce(sa.func.sum(jobs.c.queue_wait_s), 0.0),
+        ).where(started)
+        with self.engine.connect() as connection:
+            row = connection.execute(query).one()
+        return [int(v) for v in row[:len(bounds)]], int(row[-2]), float(row[-1])
+
+    # --- internals --------------------------------------------------------------------------------------
+
+    def _update(self, condition: Any, **values: Any) -> bool:
+        with self.engine.begin() as connection:
+            return connection.execute(jobs.update().where(condition).values(**values)).rowcount > 0
 
     def _request_sha256(self, job_id: str) -> str | None:
         with self.engine.connect() as connection:
@@ -229,12 +550,12 @@ class JobStore:
         return JobRecord.from_row(row) if row else None
 
 
-def _sha256(text: str, chunk_chars: int = 1 << 20) -> str:
-    """The hash of a text's UTF-8 bytes, encoded a slice at a time rather than copied whole."""
-    digest = hashlib.sha256()
-    for start in range(0, len(text), chunk_chars):
-        digest.update(text[start:start + chunk_chars].encode())
-    return digest.hexdigest()
+class _Row(dict):
+    """A row as inserted, read like a database row: the record of a new job without reading it back (and
+    parsing a request that may be large)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self.get(name)
 
 
 def _create_private(database: str | None) -> None:
@@ -248,28 +569,13 @@ def _create_private(database: str | None) -> None:
             os.chmod(path, 0o600)  # made by an older release with the umask's mode
 
 
-def _add_missing_columns(engine: sa.Engine) -> None:
-    """Columns added since a database was created, added to it (idempotent; Alembic will take this over)."""
-    present = {column["name"] for column in sa.inspect(engine).get_columns(jobs.name)}
-    missing = [column for column in jobs.columns if column.name not in present]
-    if not missing:
-        return
-    for column in missing:
-        column_type = column.type.compile(dialect=engine.dialect)
-        try:
-            with engine.begin() as connection:
-                connection.exec_driver_sql(f"ALTER TABLE {jobs.name} ADD COLUMN {column.name} {column_type}")
-        except sa.exc.DBAPIError:
-            # Another process (the API, the daemon) starting at the same moment may have added it first.
-            if column.name not in {c["name"] for c in sa.inspect(engine).get_columns(jobs.name)}:
-                raise
-
-
 def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
 
 
-def _utc(value: datetime) -> datetime:
+def _utc(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

@@ -25,8 +25,6 @@ from batch_pipeline.contract.records import InputRecord, RecordKind, parse_recor
 INPUT_FILE = "input.jsonl"
 RESULTS_FILE = "results.tsv"
 OUTPUT_FILE = "output.tsv"
-# The worker's running token count, for rates while a job runs (counts in the checkpoint need no file).
-TOKENS_FILE = "tokens.json"
 
 
 @dataclass(frozen=True)
@@ -66,10 +64,6 @@ class ShardSpec:
     @property
     def output_path(self) -> str:
         return io.join(self.directory, OUTPUT_FILE)
-
-    @property
-    def tokens_path(self) -> str:
-        return io.join(self.directory, TOKENS_FILE)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,28 +186,13 @@ def shard_directories(work_dir: str) -> list[str]:
 
 
 def progress(work_dir: str) -> tuple[int, int]:
-    """(requests finished, requests planned) of a job, read from its shards' checkpoints."""
+    """(requests finished, requests planned) of a job, read from its shards' checkpoints (for merging what
+    a stopped run finished; status reads take the job store's counts)."""
     done = total = 0
     for directory in shard_directories(work_dir):
         total += count_lines(io.join(directory, INPUT_FILE))
         done += count_lines(io.join(directory, RESULTS_FILE))
     return done, total
-
-
-def write_generated_tokens(path: str, completion_tokens: int) -> None:
-    with io.atomic_write(path, "w") as handle:
-        json.dump({"completion_tokens": completion_tokens}, handle)
-
-
-def generated_tokens(work_dir: str) -> int:
-    """Completion tokens the job's workers have generated so far, as they last reported."""
-    total = 0
-    for directory in shard_directories(work_dir):
-        path = io.join(directory, TOKENS_FILE)
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            with io.open_file(path, "r") as handle:
-                total += json.load(handle)["completion_tokens"]
-    return total
 
 
 def partial_outputs(work_dir: str, missing: Callable[[int], str]) -> Iterator[tuple[int, str]]:

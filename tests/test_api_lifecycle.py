@@ -1,10 +1,12 @@
 """Jobs through their whole life over the API: the real daemon launches runs, real vLLM generates."""
 
 import json
+import shutil
 import time
 from datetime import datetime
 from pathlib import Path
 
+import dagster as dg
 import pytest
 
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG
@@ -68,6 +70,12 @@ def test_v1_and_v2_jobs_run_to_completed_with_their_results(deployment_factory, 
         outputs = json.loads(output.read_text())
         assert [o["num_completion_tokens"] > 0 for o in outputs] == [True, True]
 
+    # Status is data in the job's row: with the job's files gone, a read still says what the job did.
+    before = api.job(v1_id)
+    Path(str(v1_out) + ".metadata.json").unlink()
+    shutil.rmtree(api.home / "work" / v1_id)
+    assert api.job(v1_id) == before
+
     run = api.instance.get_run_by_id(api.job(v1_id)["metadata"]["dagster_run_id"])
     assert run.tags[JOB_ID_TAG] == v1_id
     assert run.tags[MODEL_TAG] == MODEL
@@ -103,6 +111,11 @@ def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(d
     assert {o["error"]["code"] for o in unfinished} == {"cancelled"}
     metadata = json.loads(Path(str(output) + ".metadata.json").read_text())
     assert metadata["status"] == "cancelled" and metadata["num_finished"] == len(finished)
+    # Merged by a run of keep_partial_results (visible in the UI), whose counts the job reads.
+    kept = api.wait_for(job_id, lambda j: "num_finished" in j["metadata"], timeout=60)["metadata"]
+    assert (kept["num_finished"], kept["num_requests"]) == (str(len(finished)), "48")
+    (merge_run,) = api.instance.get_runs(filters=dg.RunsFilter(job_name="keep_partial_results"))
+    assert merge_run.status == dg.DagsterRunStatus.SUCCESS
     deadline = time.monotonic() + 60
     while worker_pids():
         assert time.monotonic() < deadline, "shard workers still running after cancel"

@@ -20,9 +20,10 @@ REQUEST = {
 
 def test_every_definition_loads():
     repository = defs.get_repository_def()
-    assert [job.name for job in repository.get_all_jobs()] == ["batch_completions"]
+    assert sorted(job.name for job in repository.get_all_jobs()) == ["batch_completions", "keep_partial_results"]
     job = batch_completions_job()
-    assert {"shard_launcher", "job_storage"} <= set(job.resource_defs)
+    assert {"shard_launcher", "job_storage", "job_store"} <= set(job.resource_defs)
+    assert {"job_storage", "job_store"} <= set(defs.get_job_def("keep_partial_results").resource_defs)
 
 
 def test_a_request_is_a_valid_run_config_and_gets_the_spec_defaults():

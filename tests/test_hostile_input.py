@@ -10,7 +10,6 @@ import time
 import dagster as dg
 import httpx
 import pytest
-import sqlalchemy as sa
 
 from batch_pipeline.jobs_store import JobStore, jobs
 from batch_pipeline.pipeline.resources import JobStoreResource
@@ -104,7 +103,7 @@ def test_non_finite_numbers_get_422_naming_the_field(served, tmp_path):
             response = _post(client, route, _with(body, path, value_at_path))
             assert response.status_code == 422, (path, value, response.status_code, response.text)
             assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
 
 
 def test_lone_surrogates_and_nul_get_422_naming_the_field(served, tmp_path):
@@ -138,7 +137,7 @@ def test_lone_surrogates_and_nul_get_422_naming_the_field(served, tmp_path):
         response = _post(client, "/v2/batch-completions", _with(v1, path, "a\x00b"))
         assert response.status_code == 422, (path, response.status_code, response.text)
         assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
     # A surrogate pair is a real character (an emoji), not a lone surrogate: accepted.
     emoji = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={"mood": "\U0001F600"}))
     assert emoji.status_code == 200, emoji.text
@@ -172,7 +171,7 @@ def test_deeply_nested_json_gets_422_naming_the_field_or_the_body(served, tmp_pa
     whole_body = b"[" * 100_000 + b"]" * 100_000
     response = _post(client, "/v2/batch-completions", whole_body)
     assert response.status_code == 422 and _locations(response)[0][0] == "body", response.text
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
 
 
 def test_huge_numbers_get_422_and_are_never_stored(served, tmp_path):
@@ -196,7 +195,7 @@ def test_huge_numbers_get_422_and_are_never_stored(served, tmp_path):
             assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
     as_float = _post(client, "/v2/batch-completions", json.dumps(v1).replace('"temperature": 0.0', '"temperature": 1e400').encode())
     assert as_float.status_code == 422 and ["body", "content", "temperature"] in _locations(as_float), as_float.text
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
 
 
 def test_priority_is_bounded_on_create_and_update(served, tmp_path):
@@ -205,10 +204,10 @@ def test_priority_is_bounded_on_create_and_update(served, tmp_path):
         response = _post(client, "/v2/batch-completions", _v1_body(tmp_path, priority=priority))
         assert response.status_code == 422, (priority[:20], response.status_code, response.text)
         assert _locations(response) == [["body", "priority"]]
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
     for priority in ("20", "-20", "highest", "lowest", " 7 "):
         assert _post(client, "/v2/batch-completions", _v1_body(tmp_path, priority=priority)).status_code == 200
-    job_id = api.store.list()[0].job_id
+    job_id = api.store.list().jobs[0].job_id
     for priority in ("1" + "0" * 100, "21", "0" * 5000 + "1"):
         response = _post(client, f"/v2/batch-completions/{job_id}", {"job_id": job_id, "priority": priority})
         assert response.status_code == 422, (priority[:20], response.status_code, response.text)
@@ -219,7 +218,7 @@ def test_idempotency_key_empty_is_refused_and_a_different_body_conflicts(served,
     api, client = served
     empty = _post(client, "/v2/batch-completions", _v1_body(tmp_path), headers={"Idempotency-Key": ""})
     assert empty.status_code == 422 and _locations(empty) == [["header", "Idempotency-Key"]], empty.text
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
 
     key = {"Idempotency-Key": "order-1"}
     first = _post(client, "/v2/batch-completions", _v1_body(tmp_path), headers=key)
@@ -234,7 +233,7 @@ def test_idempotency_key_empty_is_refused_and_a_different_body_conflicts(served,
     assert "Idempotency-Key" in different.json()["detail"]
     v1_route = _post(client, "/v1/llm/batch-completions", _v1_body(tmp_path, priority="high"), headers=key)
     assert v1_route.status_code == 409, v1_route.text
-    assert [job.job_id for job in api.store.list()] == [first.json()["job_id"]]
+    assert [job.job_id for job in api.store.list().jobs] == [first.json()["job_id"]]
 
 
 def test_malformed_job_ids_are_404_not_5xx(served):
@@ -246,7 +245,7 @@ def test_malformed_job_ids_are_404_not_5xx(served):
 
 def test_the_jobs_database_is_not_readable_by_other_users(tmp_path):
     store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
-    store.list()  # opens the database: its WAL and shared-memory files appear
+    store.list().jobs  # opens the database: its WAL and shared-memory files appear
     files = [tmp_path / name for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm")]
     assert all(path.exists() for path in files[:2])
     for path in files:
@@ -317,16 +316,34 @@ def test_a_job_that_cannot_become_a_run_is_failed_with_the_reason_and_the_others
     assert client.post("/v2/batch-completions/batch-poison-invalid/actions/cancel").json() == {"success": False}
 
 
-def test_a_sensor_tick_is_bounded_in_size_and_the_rest_follow_next_tick(served, tmp_path, monkeypatch):
+def test_a_sensor_tick_stays_small_whatever_the_jobs_sizes_their_content_is_by_reference(served, tmp_path):
+    api, client = served
+    big = {"prompts": ["y" * 1_000_000], "max_new_tokens": 1, "temperature": 0.0}
+    job_ids = [_post(client, "/v2/batch-completions", _v1_body(tmp_path, content=big)).json()["job_id"]
+               for _ in range(5)]
+    tick = _sensor_run_requests(api)
+    assert [request.run_key for request in tick] == job_ids  # every job in one tick, oldest first
+    for request in tick:
+        config = request.run_config["ops"]["validate_input"]["config"]
+        assert "content" not in config and len(json.dumps(request.run_config)) < 4096
+        with open(config["content_path"]) as handle:  # the content as sent, in the job's own work dir
+            stored = json.load(handle)
+        assert {key: stored[key] for key in big} == big
+        assert os.stat(config["content_path"]).st_mode & 0o077 == 0
+    assert len(api.store.get(job_ids[0]).request_json) < 4096
+
+
+def test_rows_an_older_release_stored_with_inline_content_are_bounded_per_tick(served, tmp_path, monkeypatch):
     api, client = served
     monkeypatch.setenv("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", str(300_000))
     big = {"prompts": ["y" * 100_000], "max_new_tokens": 1, "temperature": 0.0}
-    job_ids = [_post(client, "/v2/batch-completions", _v1_body(tmp_path, content=big)).json()["job_id"]
-               for _ in range(5)]
+    job_ids = [f"batch-legacy-{i}" for i in range(5)]
+    for job_id in job_ids:
+        _insert_poisoned(api.store, job_id, json.dumps(_v1_body(tmp_path, content=big)))
     first_tick = [request.run_key for request in _sensor_run_requests(api)]
-    assert first_tick == job_ids[:2], first_tick  # oldest first, while the next one would pass the bound
+    assert len(first_tick) == 2, first_tick  # while the next would pass the bound
     monkeypatch.setenv("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", "1")
-    assert [request.run_key for request in _sensor_run_requests(api)] == job_ids[:1]  # a tick takes one at least
+    assert len(_sensor_run_requests(api)) == 1  # a tick takes one at least
 
 
 def test_with_the_daemon_a_poisoned_job_does_not_stop_the_queue(served, tmp_path):
@@ -346,21 +363,3 @@ def test_with_the_daemon_a_poisoned_job_does_not_stop_the_queue(served, tmp_path
     runs = api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))
     assert sorted(run.tags[JOB_ID_TAG] for run in runs) == sorted(good)
     assert client.get("/v2/batch-completions/batch-poison-surrogate").json()["job"]["status"] == "failed"
-
-
-def test_an_older_jobs_database_gains_the_new_columns_at_start(tmp_path):
-    url = f"sqlite:///{tmp_path}/old.db"
-    engine = sa.create_engine(url)
-    with engine.begin() as connection:  # the table as the first release created it
-        connection.exec_driver_sql(
-            "CREATE TABLE batch_jobs (job_id VARCHAR(64) PRIMARY KEY, owner VARCHAR(128) NOT NULL, "
-            "idempotency_key VARCHAR(256), request TEXT NOT NULL, priority VARCHAR(64), labels TEXT NOT NULL, "
-            "created_at DATETIME NOT NULL, expires_at DATETIME NOT NULL, run_id VARCHAR(64), cancelled_at DATETIME, "
-            "CONSTRAINT uq_owner_idempotency_key UNIQUE (owner, idempotency_key))"
-        )
-    engine.dispose()
-    store = JobStore(url)
-    record, created = store.create("owner", {"output_data_path": "/tmp/o.json", "model_config": {"model": MODEL}}, 60)
-    assert created and store.get(record.job_id).failure_reason is None
-    JobStore(url).engine.dispose()  # a second start finds the columns there
-    store.engine.dispose()

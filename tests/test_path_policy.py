@@ -55,7 +55,7 @@ def test_chained_aliased_and_unknown_fsspec_urls_cannot_leave_the_data_roots(dep
             if field == "output_data_path":
                 body["content"] = CONTENT
             assert _refused_fields(_post(api, body)) == [field], (field, path)
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
     assert victim.read_text() == "[]"
     # The local spellings fsspec reads as the same file are honoured when they stay inside.
     for output in (f"file://{root}/a.json", f"local://{root}/b.json", f"file:{root}/c.json", f"{root}/d.json"):
@@ -101,7 +101,7 @@ def test_a_nul_byte_or_lone_surrogate_in_any_path_is_a_422_naming_the_field(depl
     }
     for field, body in cases.items():
         assert _refused_fields(_post(api, body)) == [field], field
-    assert api.store.list() == []
+    assert api.store.list().jobs == []
 
 
 def test_model_tokenizer_and_checkpoint_paths_are_held_to_the_data_roots(deployment_factory, data_root):

@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.jobs_store import JobStore
-from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.schedules import ScheduleFileError, load_schedule_specs, schedule_for
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX
@@ -70,7 +70,8 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
     with dg.instance_for_test() as instance:
         def evaluate(at: datetime) -> dg.RunRequest:
             context = dg.build_schedule_context(
-                instance=instance, scheduled_execution_time=at, resources={"job_store": JobStoreResource(url=url)}
+                instance=instance, scheduled_execution_time=at, resources={"job_store": JobStoreResource(url=url),
+                                                            "job_storage": JobStorage(work_dir_base=str(tmp_path / "work"))}
             )
             (request,) = schedule.evaluate_tick(context).run_requests
             return request
@@ -81,7 +82,7 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
         sensor_requests = batch_jobs_sensor.evaluate_tick(sensor_context).run_requests
 
     assert first.run_key == again.run_key != next_night.run_key
-    jobs = JobStore(url).list()
+    jobs = JobStore(url).list().jobs
     assert sorted(job.job_id for job in jobs) == sorted({first.run_key, next_night.run_key})
     job = JobStore(url).get(first.run_key)
     assert job.request["output_data_path"] == f"{tmp_path}/2026-11-28/out.json"

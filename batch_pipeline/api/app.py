@@ -10,12 +10,14 @@ from typing import Annotated
 import dagster as dg
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.limits import BodySizeLimit
+from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.service import BatchJobService, IdempotencyConflict, JobNotFound, UnservableRequest
 from batch_pipeline.contract import (
     BatchCompletionsJob,
@@ -33,6 +35,7 @@ from batch_pipeline.hardware import hardware_maxima
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.priority import InvalidPriority
+from batch_pipeline.submission import from_v1
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -78,14 +81,22 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/metrics", response_class=Response, responses={403: {"model": ErrorBody, "description": "Not an admin key"}})
+def metrics(who: CallerDep, service: ServiceDep) -> Response:
+    """Prometheus' text format: jobs by status and model, queue depth and age, start latency, requests and
+    tokens generated. Every tenant's figures: admin keys only (Prometheus sends one as basic_auth's user)."""
+    if not who.is_admin:
+        raise HTTPException(status_code=403, detail="an admin key is required")
+    return Response(metrics_text(service.store), media_type=CONTENT_TYPE_LATEST)
+
+
 @router.post(
     "/v1/llm/batch-completions", response_model=CreateBatchCompletionsV1Response, responses=_TOO_LARGE | _CONFLICT
 )
 def create_v1(
     body: CreateBatchCompletionsV1Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
 ):
-    request = CreateBatchCompletionsV2Request.model_validate(body.model_dump(by_alias=True, exclude_none=True))
-    return CreateBatchCompletionsV1Response(job_id=service.create(who, request, idempotency_key).job_id)
+    return CreateBatchCompletionsV1Response(job_id=service.create(who, from_v1(body), idempotency_key).job_id)
 
 
 @router.post("/v2/batch-completions", response_model=BatchCompletionsJob, responses=_TOO_LARGE | _CONFLICT)
@@ -101,6 +112,8 @@ def list_jobs(
     service: ServiceDep,
     status: BatchCompletionsJobStatus | None = None,
     label: Annotated[list[str] | None, Query(description="KEY:VALUE; repeat to require several")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000, description="jobs per page")] = 100,
+    after: Annotated[str | None, Query(description="the last_id of the previous page")] = None,
 ):
     wanted = {}
     for item in label or []:
@@ -108,7 +121,8 @@ def list_jobs(
         if not sep:
             raise HTTPException(422, detail=[{"loc": ["query", "label"], "msg": "expected KEY:VALUE", "type": "value_error"}])
         wanted[key] = value
-    return ListBatchCompletionV2Response(jobs=service.list(who, status, wanted))
+    jobs, next_after = service.list(who, status, wanted, limit, after)
+    return ListBatchCompletionV2Response(jobs=jobs, has_more=next_after is not None, last_id=jobs[-1].job_id if jobs else None)
 
 
 @router.get("/v2/batch-completions/{job_id}", response_model=GetBatchCompletionV2Response, responses=_NOT_FOUND)

@@ -1,20 +1,19 @@
-"""What the routes do: jobs in the store, their status read from the store and the Dagster run.
+"""What the routes do: jobs made through the submission path, their status read from their rows.
 
-Knows nothing of HTTP; raises domain errors that the routes map to status codes.
+A status read is one indexed query: the pipeline writes status, progress and results into the job's row
+as they change, so no file and no Dagster event log is read. Knows nothing of HTTP; raises domain errors
+that the routes map to status codes.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 
 import dagster as dg
-from dagster import DagsterEventType, DagsterRunStatus
+from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
-from batch_pipeline import io
 from batch_pipeline.api.auth import Caller
-from batch_pipeline.capabilities import refusals
 from batch_pipeline.contract import (
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
@@ -22,26 +21,16 @@ from batch_pipeline.contract import (
     CreateBatchCompletionsV2Request,
 )
 from batch_pipeline.contract.base import WireModel
-from batch_pipeline.jobs_store import IdempotencyConflict, JobRecord, JobStore
-from batch_pipeline.pipeline.job import metadata_path
+from batch_pipeline.jobs_store import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.sensors import find_run
 from batch_pipeline.priority import run_priority
-from batch_pipeline.shards import generated_tokens, progress
+from batch_pipeline.submission import UnservableRequest, submit
 
-_STATUS = {
-    DagsterRunStatus.QUEUED: BatchCompletionsJobStatus.QUEUED,
-    DagsterRunStatus.NOT_STARTED: BatchCompletionsJobStatus.QUEUED,
-    DagsterRunStatus.STARTING: BatchCompletionsJobStatus.QUEUED,
-    DagsterRunStatus.STARTED: BatchCompletionsJobStatus.RUNNING,
-    DagsterRunStatus.SUCCESS: BatchCompletionsJobStatus.COMPLETED,
-    DagsterRunStatus.FAILURE: BatchCompletionsJobStatus.FAILED,
-    DagsterRunStatus.CANCELING: BatchCompletionsJobStatus.CANCELLED,
-    DagsterRunStatus.CANCELED: BatchCompletionsJobStatus.CANCELLED,
-}
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
-# Metadata of the finished job copied into the API's view of it.
-_RESULT_FIELDS = ("num_requests", "num_errors", "prompt_tokens", "completion_tokens", "completion_tokens_per_s", "wall_s")
+# The finished job's summary (as in its metadata file) copied into the API's view of it.
+_RESULT_FIELDS = ("num_requests", "num_errors", "prompt_tokens", "completion_tokens", "completion_tokens_per_s",
+                  "wall_s", "num_finished", "num_unfinished")
 
 
 __all__ = ["BatchJobService", "IdempotencyConflict", "JobNotFound", "UnservableRequest"]
@@ -53,7 +42,7 @@ class JobNotFound(LookupError):
 
 class _StoredRequestView(WireModel):
     """What a status read needs of a stored request; pydantic reads it from the stored JSON without
-    building the rest (inline content can be tens of MB)."""
+    building the rest."""
 
     input_data_path: str | None = None
     output_data_path: str
@@ -69,14 +58,6 @@ def _stored_request_view(record: JobRecord) -> _StoredRequestView:
         return _StoredRequestView(output_data_path="", model_config=BatchCompletionsModelConfig(model=""))
 
 
-class UnservableRequest(ValueError):
-    """A request the contract accepts but this deployment cannot run: `(field, why)` for each part."""
-
-    def __init__(self, refused: list[tuple[str, str]]) -> None:
-        super().__init__("; ".join(f"{field}: {why}" for field, why in refused))
-        self.refused = refused
-
-
 class BatchJobService:
     def __init__(self, store: JobStore, instance: dg.DagsterInstance, job_storage: JobStorage) -> None:
         self.store = store
@@ -86,37 +67,34 @@ class BatchJobService:
     def create(
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
     ) -> BatchCompletionsJob:
-        run_priority(request.priority)  # InvalidPriority names the field
-        if refused := refusals(request):
-            raise UnservableRequest(refused)
-        record, created = self.store.create(caller.owner, request, request.max_runtime_sec or 86400, idempotency_key)
-        if not created:
-            return self.describe(record)
-        # A new job is described from the request in hand rather than by parsing back what was just stored.
-        view = _StoredRequestView(input_data_path=request.input_data_path,
-                                  output_data_path=request.output_data_path, model_config=request.model_cfg)
-        return self.describe(record, view)
+        record, _ = submit(self.store, self.job_storage.work_dir, caller.owner, request, idempotency_key)
+        return self.describe(record)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
         return self.describe(self._record(caller, job_id))
 
     def list(
-        self, caller: Caller, status: BatchCompletionsJobStatus | None = None, label: dict[str, str] | None = None
-    ) -> list[BatchCompletionsJob]:
-        records = self.store.list(owner=None if caller.is_admin else caller.owner)
-        if label:
-            records = [r for r in records if all(r.labels.get(k) == v for k, v in label.items())]
-        described = [self.describe(record) for record in records]
-        return [job for job in described if status is None or job.status == status]
+        self,
+        caller: Caller,
+        status: BatchCompletionsJobStatus | None = None,
+        label: dict[str, str] | None = None,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> tuple[list[BatchCompletionsJob], str | None]:
+        """One page of the caller's jobs (everyone's for an admin), newest first; and the cursor of the
+        next page, if there is one."""
+        page = self.store.list(owner=None if caller.is_admin else caller.owner,
+                               status=status.value if status else None, labels=label, limit=limit, after=after)
+        return [self.describe(record) for record in page.jobs], page.next_after
 
     def update_priority(self, caller: Caller, job_id: str, priority: str | None) -> tuple[BatchCompletionsJob, bool]:
         """Reprioritise a job that has not started: in the store before launch, on the queued run after."""
         run_priority(priority)
         record = self._record(caller, job_id)
-        run = self._run(record)
-        if record.cancelled_at is not None or record.failed_at is not None or (
-            run is not None and run.status not in _NOT_STARTED
-        ):
+        if record.status != QUEUED:
+            return self.describe(record), False
+        run = find_run(self.instance, job_id)
+        if run is not None and run.status not in _NOT_STARTED:
             return self.describe(record), False
         if run is not None:
             self.instance.add_run_tags(run.run_id, {"dagster/priority": str(run_priority(priority))})
@@ -125,14 +103,15 @@ class BatchJobService:
 
     def cancel(self, caller: Caller, job_id: str) -> bool:
         record = self._record(caller, job_id)
-        if record.cancelled_at is not None:
+        if record.status == CANCELLED:
             return True
-        run = self._run(record)
-        if run is None and record.failed_at is not None:
-            return False  # it never became a run, and is finished
+        if record.is_finished:
+            return False
+        run = find_run(self.instance, job_id)
         if run is None:
             cancelled_before_launch = self.store.cancel_before_launch(job_id)
-            # The sensor may have asked for the run just before: look again, and stop that run too.
+            # The sensor may have asked for the run just before: look again, and stop that run too. (A run
+            # created later still never starts: a job cancelled before any run started refuses to.)
             run = find_run(self.instance, job_id)
             if run is None:
                 return cancelled_before_launch
@@ -143,34 +122,26 @@ class BatchJobService:
             self.store.mark_cancelled(job_id)
         return cancelled
 
-    def describe(self, record: JobRecord, request: _StoredRequestView | None = None) -> BatchCompletionsJob:
-        run = self._run(record)
-        request = request or _stored_request_view(record)
+    def describe(self, record: JobRecord) -> BatchCompletionsJob:
+        """The job as its row has it: no file, no run and no event log is read."""
+        request = _stored_request_view(record)
         metadata: dict[str, str] = {"labels": json.dumps(record.labels)} if record.labels else {}
-        completed_at = (record.cancelled_at or record.failed_at) if run is None else None
-        if run is None and record.failed_at is not None:
-            status = BatchCompletionsJobStatus.FAILED
-            metadata["failure_reason"] = record.failure_reason or "the job could not start"
-        elif run is None:
-            status = BatchCompletionsJobStatus.CANCELLED if record.cancelled_at else BatchCompletionsJobStatus.QUEUED
-        else:
-            status = _STATUS.get(run.status, BatchCompletionsJobStatus.UNKNOWN)
-            metadata["dagster_run_id"] = run.run_id
-            metadata.update(self._progress(record))
-            if run.is_complete_and_waiting_to_retry:
-                # Its run worker died and the daemon is about to retry it: the job goes on.
-                status = BatchCompletionsJobStatus.RUNNING
-                metadata["retrying_after"] = self._failure_reason(run.run_id)
-            else:
-                if run.is_finished:
-                    completed_at = self._end_time(run.run_id)
-                    metadata.update(self._results(request.output_data_path))
-                if run.status == DagsterRunStatus.FAILURE:
-                    metadata["failure_reason"] = self._failure_reason(run.run_id)
-                elif status == BatchCompletionsJobStatus.CANCELLED and self._stopped_by_deadline(record, completed_at):
-                    # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
-                    status = BatchCompletionsJobStatus.FAILED
-                    metadata["failure_reason"] = "max_runtime_sec exceeded: the run was stopped by run monitoring"
+        if record.run_id is not None:
+            metadata["dagster_run_id"] = record.run_id
+        if record.requests_total:
+            metadata |= {"requests_done": str(record.requests_done or 0), "requests_total": str(record.requests_total),
+                         "completion_tokens_generated": str(record.completion_tokens or 0)}
+        if record.status_detail:
+            metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
+        for key in _RESULT_FIELDS:
+            if record.results and record.results.get(key) is not None:
+                metadata[key] = str(record.results[key])
+        if record.status == FAILED:
+            metadata["failure_reason"] = record.failure_reason or "the job failed"
+        try:
+            status = BatchCompletionsJobStatus(record.status)
+        except ValueError:
+            status = BatchCompletionsJobStatus.UNKNOWN
         return BatchCompletionsJob(
             job_id=record.job_id,
             input_data_path=request.input_data_path,
@@ -180,13 +151,9 @@ class BatchJobService:
             status=status,
             created_at=record.created_at.isoformat(),
             expires_at=record.expires_at.isoformat(),
-            completed_at=completed_at.isoformat() if completed_at else None,
+            completed_at=record.completed_at.isoformat() if record.completed_at else None,
             metadata=metadata,
         )
-
-    @staticmethod
-    def _stopped_by_deadline(record: JobRecord, ended_at: datetime | None) -> bool:
-        return record.cancelled_at is None and ended_at is not None and ended_at >= record.expires_at
 
     def _record(self, caller: Caller, job_id: str) -> JobRecord:
         record = self.store.get(job_id)
@@ -194,48 +161,3 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
-
-    def _run(self, record: JobRecord) -> dg.DagsterRun | None:
-        """The job's newest run: a re-execution from the UI carries the job id too and supersedes the first."""
-        run = find_run(self.instance, record.job_id)
-        if run is not None and record.run_id is None:
-            self.store.link_run(record.job_id, run.run_id)
-        return run
-
-    def _progress(self, record: JobRecord) -> dict[str, str]:
-        work_dir = self.job_storage.work_dir(record.job_id)
-        done, total = progress(work_dir)
-        if not total:
-            return {}
-        return {"requests_done": str(done), "requests_total": str(total),
-                "completion_tokens_generated": str(generated_tokens(work_dir))}
-
-    def _results(self, output_data_path: str) -> dict[str, str]:
-        path = metadata_path(output_data_path)
-        try:
-            if not io.exists(path):
-                return {}
-            with io.open_file(path, "r") as handle:
-                written = json.load(handle)
-        except (OSError, ValueError):  # e.g. a job stored before the path policy, naming what cannot be read
-            return {}
-        return {key: str(written[key]) for key in _RESULT_FIELDS if written.get(key) is not None}
-
-    def _end_time(self, run_id: str) -> datetime | None:
-        records = self.instance.get_run_records(filters=dg.RunsFilter(run_ids=[run_id]), limit=1)
-        if records and records[0].end_time:
-            return datetime.fromtimestamp(records[0].end_time, tz=timezone.utc)
-        return None
-
-    def _failure_reason(self, run_id: str) -> str:
-        failures = self.instance.all_logs(run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE})
-        for entry in failures:
-            event = entry.dagster_event
-            if event and event.is_step_failure:
-                # A dg.Failure carries the sentence meant for users; anything else, the error's message.
-                user_failure = event.step_failure_data.user_failure_data
-                if user_failure and user_failure.description:
-                    return user_failure.description
-                if event.step_failure_data.error:
-                    return event.step_failure_data.error.message.strip()
-        return failures[-1].message if failures else "the run failed"

@@ -45,7 +45,12 @@ class GetBatchCompletionV2Response(WireModel):
 
 
 class ListBatchCompletionV2Response(WireModel):
+    """Not a route of the spec: a page of jobs, newest first, paged as OpenAI's lists are (`after` =
+    the previous page's `last_id`)."""
+
     jobs: list[BatchCompletionsJob]
+    has_more: bool = False
+    last_id: str | None = None
 
 
 class UpdateBatchCompletionsV2Request(WireModel):

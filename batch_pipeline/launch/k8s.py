@@ -26,7 +26,13 @@ import dagster as dg
 from pydantic import Field
 
 from batch_pipeline.hardware import InvalidHardware, hardware_problems, kubernetes_quantity
-from batch_pipeline.launch.base import ShardLauncher, raise_if_past_deadline, worker_stats
+from batch_pipeline.launch.base import (
+    ForwardsProgress,
+    ProgressCallback,
+    ShardLauncher,
+    raise_if_past_deadline,
+    worker_stats,
+)
 from batch_pipeline.shards import ShardTask
 
 # NVIDIA GPU feature discovery's product label, per GPU type of the spec; MIG types also name their slice.
@@ -254,8 +260,16 @@ class K8sShardLauncher(ShardLauncher):
             context.log.info(f"shard {index}: stopped earlier pods {', '.join(stopped)}")
         return stopped
 
-    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
+    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask,
+                  on_progress: ProgressCallback | None = None) -> dict[str, Any]:
         from dagster_k8s import PipesK8sClient
+        from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
+
+        class PodLogsMessageReader(ForwardsProgress, PipesK8sPodLogsMessageReader):
+            pass
+
+        reader = PodLogsMessageReader()
+        reader.on_progress = on_progress
 
         hardware, inferred = self.hardware_for(task)
         if inferred:
@@ -272,6 +286,7 @@ class K8sShardLauncher(ShardLauncher):
                 kubeconfig_file=self.kubeconfig_file,
                 load_incluster_config=not self.kubeconfig_file,
                 poll_interval=self.poll_interval_s,
+                message_reader=reader,
             )
             completed = client.run(
                 context=context,

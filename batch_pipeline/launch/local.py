@@ -9,7 +9,13 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline.launch.base import ShardLauncher, raise_if_past_deadline, worker_stats
+from batch_pipeline.launch.base import (
+    ForwardsProgress,
+    ProgressCallback,
+    ShardLauncher,
+    raise_if_past_deadline,
+    worker_stats,
+)
 from batch_pipeline.shards import ShardTask
 
 # How often a step checks that its run has not ended without it (its run worker killed).
@@ -31,6 +37,10 @@ def _stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
+class _TempFileMessageReader(ForwardsProgress, dg.PipesTempFileMessageReader):
+    pass
+
+
 class LocalShardLauncher(ShardLauncher):
     """The shard worker as a subprocess of the step, on this machine."""
 
@@ -39,12 +49,15 @@ class LocalShardLauncher(ShardLauncher):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
 
-    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask) -> dict[str, Any]:
+    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask,
+                  on_progress: ProgressCallback | None = None) -> dict[str, Any]:
+        reader = _TempFileMessageReader()
+        reader.on_progress = on_progress
         # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
         with dg.open_pipes_session(
             context=context,
             context_injector=dg.PipesEnvContextInjector(),
-            message_reader=dg.PipesTempFileMessageReader(),
+            message_reader=reader,
             extras={"task": task.to_dict()},
         ) as session:
             process = subprocess.Popen(

@@ -12,11 +12,8 @@ from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.schedules import schedules_from_environment
-from batch_pipeline.pipeline.sensors import (
-    batch_jobs_sensor,
-    keep_results_of_cancelled_runs,
-    keep_results_of_failed_runs,
-)
+from batch_pipeline.pipeline.partial_results import keep_partial_results
+from batch_pipeline.pipeline.sensors import batch_jobs_sensor, record_failed_runs, record_stopped_runs
 
 
 def shard_launcher_from_environment() -> ShardLauncher:
@@ -51,8 +48,8 @@ local_executor = dg.multiprocess_executor.configured(
 )
 
 defs = dg.Definitions(
-    jobs=[batch_completions],
-    sensors=[batch_jobs_sensor, keep_results_of_cancelled_runs, keep_results_of_failed_runs],
+    jobs=[batch_completions, keep_partial_results],
+    sensors=[batch_jobs_sensor, record_stopped_runs, record_failed_runs],
     schedules=schedules_from_environment(),
     resources={
         "job_store": JobStoreResource(url=os.environ.get("BATCH_PIPELINE_JOBS_DB", "")),

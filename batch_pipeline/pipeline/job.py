@@ -13,15 +13,15 @@ from dagster import OpExecutionContext
 from pydantic import ValidationError
 
 from batch_pipeline import io
-from batch_pipeline.capabilities import refusals, shard_model_config
-from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.capabilities import shard_model_config
 from batch_pipeline.contract.records import RecordError, describe_validation_error
+from batch_pipeline.jobs_store import COMPLETED
 from batch_pipeline.launch import ShardLauncher
 from batch_pipeline.paths import metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
-from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
+from batch_pipeline.priority import InvalidPriority
 from batch_pipeline.shards import (
     MissingResult,
     ShardSpec,
@@ -31,6 +31,7 @@ from batch_pipeline.shards import (
     write_output_array,
     write_shards,
 )
+from batch_pipeline.submission import StoredRequest, UnservableRequest, check_servable, submit
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
@@ -73,24 +74,38 @@ def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> fl
 
 
 @dg.op(
-    config_schema=config_schema_for(CreateBatchCompletionsV2Request),
+    config_schema=config_schema_for(StoredRequest),
     description="Check the request (the run config) against the contract and the paths it names.",
 )
-def validate_input(context: OpExecutionContext, job_store: JobStoreResource) -> dict:
+def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> dict:
     try:
-        request = CreateBatchCompletionsV2Request.model_validate(context.op_config)
+        request = StoredRequest.model_validate(context.op_config)
     except ValidationError as exc:
         raise dg.Failure(f"invalid request: {describe_validation_error(exc)}") from None
-    if refused := refusals(request):
-        raise dg.Failure("; ".join(f"{field}: {why}" for field, why in refused))
+    try:
+        check_servable(request)
+    except UnservableRequest as exc:
+        raise dg.Failure(str(exc)) from None
+    except InvalidPriority as exc:
+        raise dg.Failure(f"priority: {exc}") from None
     if request.input_data_path is not None and not io.exists(request.input_data_path):
         raise dg.Failure(f"input_data_path: no file at {request.input_data_path}")
     try:
         io.check_writable(request.output_data_path)
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
-    if tagged_job_id(context.instance, context.run) is None:
-        _register_job(context, job_store.get_store(), request)
+    store = job_store.get_store()
+    job_id = tagged_job_id(context.instance, context.run)
+    if job_id is None:
+        job_id = _register_job(context, job_store, job_storage, request)
+    elif request.content_path is not None:
+        record = store.get(job_id)
+        # Only the submission path names a content file: the one it wrote for this job.
+        if record is None or record.content_path != request.content_path:
+            raise dg.Failure("content_path: set by the submission path only, to the file it wrote for the job; "
+                             "send content or input_data_path instead", allow_retries=False)
+    if not store.mark_started(job_id, context.run_id):
+        raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
     _enforce_deadline(context, request.max_runtime_sec)
     return request.model_dump(mode="json", by_alias=True)
 
@@ -108,30 +123,37 @@ def _enforce_deadline(context: OpExecutionContext, max_runtime_sec: int | None) 
     context.instance.add_run_tags(context.run_id, {MAX_RUNTIME_TAG: max_runtime_from(deadline, _run_start(context))})
 
 
-def _register_job(context: OpExecutionContext, store: JobStore, request: CreateBatchCompletionsV2Request) -> None:
+def _register_job(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage,
+                  request: StoredRequest) -> str:
     """A run launched outside the API (the launchpad, a re-execution of one, `batch-pipeline run`) becomes
-    a job too, so the API lists it, reports its status and can cancel it. Later steps, and re-executions
-    (which copy the run's tags), use the job id's work dir."""
-    record, _ = store.create(
-        DAGSTER_OWNER,
-        request.model_dump(mode="json", by_alias=True, exclude_none=True),
-        request.max_runtime_sec or 86400,
-        idempotency_key=f"run:{context.run.root_run_id or context.run_id}",
-        run_id=context.run_id,
+    a job too, through the same submission path, so the API lists it, reports its status and can cancel
+    it. Later steps, and re-executions (which copy the run's tags), use the job id's work dir."""
+    if request.content_path is not None:
+        raise dg.Failure("content_path: set by the submission path only; send content or input_data_path instead",
+                         allow_retries=False)
+    record, _ = submit(
+        job_store.get_store(), job_storage.work_dir, DAGSTER_OWNER, request,
+        idempotency_key=f"run:{context.run.root_run_id or context.run_id}", run_id=context.run_id,
     )
     context.instance.add_run_tags(context.run_id, run_tags(record))
     context.log.info(f"registered as job {record.job_id}")
+    return record.job_id
 
 
 @dg.op(
     out=dg.DynamicOut(dict),
     description="Stream the prompts into `data_parallelism` shard inputs, balanced by prompt count.",
 )
-def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage):
+def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage, job_store: JobStoreResource):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
     content = request.get("content")
-    if content is None:
+    if request.get("content_path"):  # content sent inline, written at submission
+        records = (
+            (f"content.{position}", record)
+            for position, (_, record) in enumerate(io.iter_json_records(request["content_path"]))
+        )
+    elif content is None:
         records = io.iter_json_records(request["input_data_path"])
     elif isinstance(content, dict):
         records = iter([("content", content)])
@@ -143,6 +165,7 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
         raise dg.Failure(str(exc)) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
+    job_store.get_store().record_shards(job_id, {shard.shard_index: shard.item_count for shard in shards})
     deadline = job_deadline(context, request["max_runtime_sec"])
     context.log.info(
         f"{sum(s.item_count for s in shards)} requests in {len(shards)} shards under {work_dir}: "
@@ -164,9 +187,17 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
     retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
     description="Run the shard worker (vLLM) on one shard; a retry resumes from its checkpoint.",
 )
-def run_shard(context: OpExecutionContext, task: dict, shard_launcher: ShardLauncher) -> dict:
+def run_shard(context: OpExecutionContext, task: dict, shard_launcher: ShardLauncher,
+              job_store: JobStoreResource) -> dict:
     shard_task = ShardTask.from_dict(task)
-    stats = shard_launcher.run_shard(context, shard_task)
+    store = job_store.get_store()
+
+    def record_progress(figures: dict[str, int]) -> None:
+        store.record_shard_progress(shard_task.job_id, shard_task.shard.shard_index, figures)
+
+    stats = shard_launcher.run_shard(context, shard_task, on_progress=record_progress)
+    record_progress({"requests_done": stats["items"], "errors": stats["errors"],
+                     "prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"]})
     context.add_output_metadata(
         {
             "requests": stats["items"],
@@ -201,7 +232,8 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
 
 
 @dg.op(description="Write the job's counts, tokens and timings beside the output, and as run metadata.")
-def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict, shard_results: list[dict]) -> dict:
+def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict, shard_results: list[dict],
+                       job_store: JobStoreResource) -> dict:
     shards = sorted((result["stats"] for result in shard_results), key=lambda stats: stats["shard_index"])
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s["completion_tokens"] for s in shards)
@@ -228,6 +260,13 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
     )
     summary = {key: metadata[key] for key in ("job_id", "model", "num_requests", "num_errors", "completion_tokens",
                                               "completion_tokens_per_s", "wall_s")}
+    job_store.get_store().mark_run_ended(
+        metadata["job_id"], context.run_id, COMPLETED, datetime.now(timezone.utc),
+        results={key: metadata[key] for key in ("num_requests", "num_errors", "prompt_tokens", "completion_tokens",
+                                                "completion_tokens_per_s", "wall_s", "merge_s")}
+        | {"requests_total": metadata["num_requests"], "requests_done": metadata["num_requests"],
+           "errors": metadata["num_errors"]},
+    )
     context.log_event(
         dg.AssetMaterialization(
             asset_key=OUTPUTS_ASSET,

@@ -1,7 +1,7 @@
 """Recurring batches, declared in a YAML file (`BATCH_PIPELINE_SCHEDULES`; see examples/schedules.yaml).
 
-Each tick stores a job through the same job store as the API (so the API lists it, reports it and can
-cancel it) and launches its run. The job's idempotency key is the tick, so a tick evaluated twice (a
+Each tick makes a job through the same submission path as the API (so the API lists it, reports it and
+can cancel it) and launches its run. The job's idempotency key is the tick, so a tick evaluated twice (a
 daemon restarted mid-tick) makes one job and one run. An invalid file fails the code location's load,
 naming the file, the line and the field.
 """
@@ -20,10 +20,11 @@ from pydantic import Field, ValidationError, field_validator
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.base import WireModel
-from batch_pipeline.pipeline.execute import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
-from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.sensors import run_config_for_stored
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, run_tags
+from batch_pipeline.submission import stored_request, submit
 
 SCHEDULES_ENV = "BATCH_PIPELINE_SCHEDULES"
 SCHEDULE_LABEL = "schedule"
@@ -164,17 +165,15 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
         description=spec.description or f"a batch job from the template {spec.name} of the schedules file",
         default_status=dg.DefaultScheduleStatus.RUNNING if spec.status == "running" else dg.DefaultScheduleStatus.STOPPED,
     )
-    def _tick(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource):
+    def _tick(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage):
         tick = context.scheduled_execution_time or datetime.now(timezone.utc)
-        request = spec.request_at(tick)
-        record, created = job_store.get_store().create(
-            SCHEDULE_OWNER_PREFIX + spec.name,
-            request.model_dump(mode="json", by_alias=True, exclude_none=True),
-            request.max_runtime_sec or 86400,
+        record, created = submit(
+            job_store.get_store(), job_storage.work_dir, SCHEDULE_OWNER_PREFIX + spec.name, spec.request_at(tick),
             idempotency_key=f"{spec.name}@{tick.astimezone(timezone.utc).isoformat()}",
         )
         context.log.info(f"{'stored' if created else 'found'} job {record.job_id} for the tick at {tick.isoformat()}")
-        return dg.RunRequest(run_key=record.job_id, run_config=run_config_for(request), tags=run_tags(record))
+        return dg.RunRequest(run_key=record.job_id, run_config=run_config_for_stored(stored_request(record)),
+                             tags=run_tags(record))
 
     return _tick
 

@@ -1,27 +1,35 @@
-"""Sensors: jobs in the store become runs; runs stopped early keep the results they finished."""
+"""Sensors launch and record; jobs do the work.
 
-import json
+- `batch_jobs_sensor`: each job the submission path stored becomes exactly one run (run_key = job id).
+- `record_stopped_runs`, `record_failed_runs`: how a run ended goes into its job's row, and a run stopped
+  before the end launches `keep_partial_results` (a small job, retried and visible in the UI) to merge the
+  results its shards finished. No sensor reads results.
+"""
+
+from __future__ import annotations
+
 import os
+from datetime import datetime, timezone
 
 import dagster as dg
-from dagster import RunStatusSensorContext, SensorEvaluationContext
+from dagster import DagsterEventType, RunStatusSensorContext, SensorEvaluationContext
 from pydantic import ValidationError
 
-from batch_pipeline import io
-from batch_pipeline.contract import CreateBatchCompletionsV2Request, ErrorDetail, ErrorOutput
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
-from batch_pipeline.jobs_store import JobRecord
-from batch_pipeline.pipeline.execute import run_config_for
-from batch_pipeline.pipeline.job import batch_completions, job_id_of, metadata_path
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.jobs_store import CANCELLED, FAILED, JobRecord, JobStore
+from batch_pipeline.pipeline.job import batch_completions, job_id_of
+from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
+from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
-from batch_pipeline.shards import partial_outputs, progress, write_output_array
+from batch_pipeline.submission import StoredRequest
 
-PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"
 ROOT_RUN_ID_TAG = "dagster/root_run_id"  # Dagster's tag on every re-execution
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
 SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
+# A row still unfinished this long after its run ended missed the status sensors (they were stopped, or
+# the row was written by a release before them): the jobs sensor sets it from the run.
+RECONCILE_AFTER_S = 60
 
 
 def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:
@@ -36,8 +44,8 @@ def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:
     return reexecutions[0] if reexecutions else runs[0]
 
 
-# One tick's run requests travel to the daemon as one gRPC message, capped by Dagster at 100 MB: a tick
-# stops taking jobs once their requests reach this many bytes (it takes one at least); the rest follow.
+# One tick's run requests travel to the daemon as one gRPC message, capped by Dagster at 100 MB. Requests
+# name their content by reference, so this bounds only rows an older release stored with inline content.
 DEFAULT_MAX_TICK_BYTES = 32 * 1024 * 1024
 
 
@@ -57,7 +65,7 @@ def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResou
     budget, taken = _max_tick_bytes(), 0
     for job_id in store.awaiting_launch():
         record = store.get(job_id)
-        if record is None or record.run_id is not None or record.cancelled_at is not None:
+        if record is None or record.run_id is not None or record.status != "queued":
             continue  # changed since the list was read
         run = find_run(context.instance, record.job_id)
         if run is not None:
@@ -77,6 +85,7 @@ def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResou
             continue
         taken += size
         yield run_request
+    _reconcile(context.instance, store)
 
 
 def _run_request(record: JobRecord) -> dg.RunRequest:
@@ -86,15 +95,38 @@ def _run_request(record: JobRecord) -> dg.RunRequest:
     try:
         # From Python's parse of the row, not pydantic's JSON: it reads what an older release stored (a lone
         # surrogate escape) and the contract then names the field.
-        request = CreateBatchCompletionsV2Request.model_validate(record.request)
+        request = StoredRequest.model_validate(record.request)
     except ValidationError as exc:
         raise ValueError(f"invalid request: {describe_validation_error(exc)}") from None
     tags = run_tags(record)
     if problem := wire_value_problem(tags):
         raise ValueError(f"run tags (labels, model): {problem}")
-    run_config = run_config_for(request)
+    run_config = run_config_for_stored(request)
     dg.validate_run_config(batch_completions, run_config)  # DagsterInvalidConfigError names the field
     return dg.RunRequest(run_key=record.job_id, run_config=run_config, tags=tags)
+
+
+def run_config_for_stored(request: StoredRequest) -> dict:
+    """The run config of a stored job: its request, which names its content by reference."""
+    return {"ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}}
+
+
+def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
+    unfinished = dict(store.unfinished_with_runs())
+    if not unfinished:
+        return
+    now = datetime.now(timezone.utc).timestamp()
+    for record in instance.get_run_records(filters=dg.RunsFilter(run_ids=list(unfinished.values()))):
+        run = record.dagster_run
+        if not run.is_finished or not record.end_time or now - record.end_time < RECONCILE_AFTER_S:
+            continue
+        if run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) == "true":
+            continue
+        job_id = next(job for job, run_id in unfinished.items() if run_id == run.run_id)
+        ended_at = datetime.fromtimestamp(record.end_time, timezone.utc)
+        status = {dg.DagsterRunStatus.SUCCESS: "completed", dg.DagsterRunStatus.CANCELED: CANCELLED}.get(run.status, FAILED)
+        store.mark_run_ended(job_id, run.run_id, status, ended_at,
+                             reason=failure_reason(instance, run.run_id) if status == FAILED else None)
 
 
 def _shortened(exc: Exception) -> str:
@@ -102,48 +134,70 @@ def _shortened(exc: Exception) -> str:
     return text if len(text) <= 2000 else text[:2000] + "..."
 
 
-def _keep_partial_results(context: RunStatusSensorContext, job_storage: JobStorage, code: str, why: str) -> None:
-    run = context.dagster_run
-    if run.tags.get(PARTIAL_RESULTS_TAG):
-        return
-    job_id = job_id_of(context.instance, run)
-    work_dir = job_storage.work_dir(job_id)
-    done, total = progress(work_dir)
-    if total == 0:
-        return
-    output_path = run.run_config["ops"]["validate_input"]["config"]["output_data_path"]
-    missing = json.dumps(ErrorOutput(error=ErrorDetail(code=code, message=why)).model_dump())
-    write_output_array(output_path, partial_outputs(work_dir, lambda _: missing), total)
-    with io.atomic_write(metadata_path(output_path), "w") as handle:
-        json.dump({"job_id": job_id, "dagster_run_id": run.run_id, "status": code, "num_requests": total,
-                   "num_finished": done, "num_unfinished": total - done, "reason": why}, handle, indent=2)
-    context.instance.add_run_tags(run.run_id, {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
-    context.log.info(f"{job_id}: kept {done} of {total} results in {output_path}")
+def failure_reason(instance: dg.DagsterInstance, run_id: str) -> str:
+    """Why a run failed, as its users should read it: a dg.Failure's description, else the error."""
+    failures = instance.all_logs(run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE})
+    for entry in failures:
+        event = entry.dagster_event
+        if event and event.is_step_failure:
+            user_failure = event.step_failure_data.user_failure_data
+            if user_failure and user_failure.description:
+                return user_failure.description
+            if event.step_failure_data.error:
+                return event.step_failure_data.error.message.strip()
+    return failures[-1].message if failures else "the run failed"
+
+
+def _end_time(instance: dg.DagsterInstance, run_id: str) -> datetime:
+    record = instance.get_run_record_by_id(run_id)
+    if record is not None and record.end_time:
+        return datetime.fromtimestamp(record.end_time, timezone.utc)
+    return datetime.now(timezone.utc)
 
 
 @dg.run_status_sensor(
     run_status=dg.DagsterRunStatus.CANCELED,
     monitored_jobs=[batch_completions],
+    request_job=keep_partial_results,
     default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=SENSOR_INTERVAL_S,
-    description="A cancelled run's finished results are merged into its output; the rest are marked.",
+    description="A cancelled run's job reads cancelled (or failed, when its deadline stopped it), and the "
+    "results its shards finished are merged into its output by keep_partial_results.",
 )
-def keep_results_of_cancelled_runs(context: RunStatusSensorContext, job_storage: JobStorage):
-    _keep_partial_results(context, job_storage, "cancelled", "the job was cancelled before this request finished")
+def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
+    run = context.dagster_run
+    job_id = job_id_of(context.instance, run)
+    store = job_store.get_store()
+    record = store.get(job_id)
+    ended_at = _end_time(context.instance, run.run_id)
+    if record is not None and record.cancelled_at is None and ended_at >= record.expires_at:
+        # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
+        why = "max_runtime_sec exceeded: the run was stopped by run monitoring"
+        store.mark_run_ended(job_id, run.run_id, FAILED, ended_at, reason=why)
+        return partial_results_run_request(record, run.run_id, "job_failed",
+                                           f"the job failed before this request finished: {why}")
+    store.mark_run_ended(job_id, run.run_id, CANCELLED, ended_at)
+    return partial_results_run_request(record, run.run_id, "cancelled",
+                                       "the job was cancelled before this request finished")
 
 
 @dg.run_failure_sensor(
     monitored_jobs=[batch_completions],
+    request_job=keep_partial_results,
     default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=SENSOR_INTERVAL_S,
-    description="A failed run's finished results are merged into its output; the rest are marked.",
+    description="A failed run's job reads failed with the reason (or running, while Dagster retries the "
+    "run), and the results its shards finished are merged into its output by keep_partial_results.",
 )
-def keep_results_of_failed_runs(context: dg.RunFailureSensorContext, job_storage: JobStorage):
+def record_failed_runs(context: dg.RunFailureSensorContext, job_store: JobStoreResource):
     run = context.instance.get_run_by_id(context.dagster_run.run_id) or context.dagster_run
+    job_id = job_id_of(context.instance, run)
+    store = job_store.get_store()
+    reason = failure_reason(context.instance, run.run_id)
     if run.tags.get(WILL_RETRY_TAG) == "true":
-        return  # the daemon retries it: the retry writes the whole output, or keeps these results if it fails too
-    reason = context.failure_event.message or "the job failed"
-    try:
-        _keep_partial_results(context, job_storage, "job_failed", f"the job failed before this request finished: {reason}")
-    except OSError as exc:  # e.g. the output location itself is what failed the job
-        context.log.warning(f"could not keep partial results: {exc}")
+        # The daemon retries it: the retry writes the whole output, or keeps these results if it fails too.
+        store.mark_retrying(job_id, run.run_id, reason)
+        return None
+    store.mark_run_ended(job_id, run.run_id, FAILED, _end_time(context.instance, run.run_id), reason=reason)
+    return partial_results_run_request(store.get(job_id), run.run_id, "job_failed",
+                                       f"the job failed before this request finished: {reason}")

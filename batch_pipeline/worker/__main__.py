@@ -1,7 +1,8 @@
 """The shard worker: `python -m batch_pipeline.worker`.
 
 Launched by Dagster Pipes (a local subprocess or a Kubernetes pod), it reads its task from the Pipes
-extras, reports progress as Pipes log lines and its stats as a Pipes custom message. Started by hand,
+extras, reports progress as Pipes log lines and as `{"progress": ...}` custom messages (the orchestrator
+writes them into the job store), and its stats as the last custom message. Started by hand,
 `--task FILE` names a JSON task instead. It knows nothing of HTTP or of the job store.
 """
 
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         task = ShardTask.from_dict(pipes.get_extra("task"))
         prefix = f"shard {task.shard.shard_index:03d}: "
         try:
-            stats = ShardRunner(task, report=lambda line: pipes.log.info(prefix + line)).run()
+            runner = ShardRunner(task, report=lambda line: pipes.log.info(prefix + line),
+                                 report_progress=lambda figures: pipes.report_custom_message({"progress": figures}))
+            stats = runner.run()
         except Exception as exc:  # the step's failure message, e.g. a full disk under the checkpoint
             pipes.report_custom_message({"failure": f"{type(exc).__name__}: {exc}"})
             raise

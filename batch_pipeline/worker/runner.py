@@ -6,7 +6,6 @@ so a killed shard loses at most the requests that were in flight.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import json
@@ -27,7 +26,7 @@ from batch_pipeline.contract import (
     ErrorOutput,
     ToolConfig,
 )
-from batch_pipeline.shards import ShardTask, WorkItem, format_result, read_work_items, write_generated_tokens
+from batch_pipeline.shards import ShardTask, WorkItem, format_result, read_work_items
 from batch_pipeline.worker.code_evaluator import CodeEvaluatorRequests
 from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
 
@@ -179,10 +178,12 @@ class ShardRunner:
         task: ShardTask,
         report: Callable[[str], None] = logger.info,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        report_progress: Callable[[dict[str, int]], None] | None = None,
     ) -> None:
         self.task = task
         self.shard = task.shard
         self.report = report
+        self.report_progress = report_progress or (lambda figures: None)
         self.max_in_flight = max_in_flight
         self.handlers: dict[str, Any] = {"v1": V1Requests()}
         self.tool_loop: CodeEvaluatorRequests | None = None  # v1 prompts under tool_config; set with the engine
@@ -196,6 +197,7 @@ class ShardRunner:
             self.stats.resumed = len(done)
             if done:
                 self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
+            self.report_progress({"requests_done": len(done)})
             pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
             first = next(pending, None)
             if first is not None:
@@ -287,13 +289,17 @@ class ShardRunner:
         results.flush()
         self.stats.generated += 1
         self.stats.errors += "error" in output
-        self.stats.completion_tokens += token_counts(output)[1]
+        prompt_tokens, completion_tokens = token_counts(output)
+        self.stats.prompt_tokens += prompt_tokens  # running figures for progress; _finalize counts them all
+        self.stats.completion_tokens += completion_tokens
 
     def _report_progress(self, already_done: int, elapsed: float) -> None:
         finished = already_done + self.stats.generated
         rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
-        with contextlib.suppress(OSError):  # a progress figure never fails a shard; the checkpoint does
-            write_generated_tokens(self.shard.tokens_path, self.stats.completion_tokens)
+        # Counts of this attempt's requests, plus those a resumed shard found done (their tokens are
+        # counted when the shard completes).
+        self.report_progress({"requests_done": finished, "errors": self.stats.errors,
+                              "prompt_tokens": self.stats.prompt_tokens, "completion_tokens": self.stats.completion_tokens})
         self.report(
             f"progress {finished}/{self.shard.item_count} requests, "
             f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"

@@ -1,0 +1,79 @@
+"""`keep_partial_results`: the job a run-status sensor launches when a batch run stops before the end
+(cancelled, failed, out of time), so that the results its shards finished are not lost: they are merged
+into the output in input order, each unfinished request an error entry at its index, with a metadata file
+saying how many finished. A job rather than sensor code: retried, visible in the UI, and never under a
+sensor's timeout however large the job.
+"""
+
+
+import json
+
+import dagster as dg
+from dagster import OpExecutionContext
+
+from batch_pipeline import io
+from batch_pipeline.contract import ErrorDetail, ErrorOutput
+from batch_pipeline.jobs_store import JobRecord
+from batch_pipeline.paths import metadata_path
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.shards import partial_outputs, progress, write_output_array
+
+PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"  # on the stopped run: "finished/planned"
+STOPPED_RUN_TAG = "batch_pipeline/stopped_run_id"
+# Ahead of queued batch runs: it is short, and the user waits for these results.
+PARTIAL_RESULTS_PRIORITY = "100"
+
+
+@dg.op(
+    config_schema={
+        "job_id": dg.Field(str, description="the job whose run stopped"),
+        "run_id": dg.Field(str, description="the run that stopped"),
+        "code": dg.Field(str, description="error code of each unfinished request's entry"),
+        "reason": dg.Field(str, description="message of each unfinished request's entry"),
+    },
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    description="Merge the finished results of a stopped run into its output; mark the rest.",
+)
+def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> dict:
+    config = context.op_config
+    store = job_store.get_store()
+    record = store.get(config["job_id"])
+    if record is None:
+        raise dg.Failure(f"no job {config['job_id']} in the job store")
+    if record.run_id != config["run_id"]:
+        context.log.info(f"{record.job_id}: a newer run ({record.run_id}) has the job; its output is that run's")
+        return {}
+    work_dir = job_storage.work_dir(record.job_id)
+    done, total = progress(work_dir)
+    output_path = record.request["output_data_path"]
+    missing = json.dumps(ErrorOutput(error=ErrorDetail(code=config["code"], message=config["reason"])).model_dump())
+    write_output_array(output_path, partial_outputs(work_dir, lambda _: missing), total)
+    summary = {"job_id": record.job_id, "dagster_run_id": config["run_id"], "status": config["code"],
+               "num_requests": total, "num_finished": done, "num_unfinished": total - done, "reason": config["reason"]}
+    with io.atomic_write(metadata_path(output_path), "w") as handle:
+        json.dump(summary, handle, indent=2)
+    store.record_results(record.job_id, config["run_id"], summary)
+    context.instance.add_run_tags(config["run_id"], {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
+    context.log.info(f"{record.job_id}: kept {done} of {total} results in {output_path}")
+    context.add_output_metadata({"output_data_path": output_path, "finished": done, "planned": total})
+    return summary
+
+
+@dg.job(
+    executor_def=dg.in_process_executor,
+    description="The finished results of a stopped batch run, merged into its output (launched by sensors).",
+)
+def keep_partial_results():
+    merge_finished_results()
+
+
+def partial_results_run_request(record: JobRecord | None, run_id: str, code: str, reason: str) -> dg.RunRequest | None:
+    """The run that keeps a stopped run's finished results; None when it planned no shards."""
+    if record is None or not record.requests_total:
+        return None
+    return dg.RunRequest(
+        run_key=f"partial-results:{run_id}",
+        run_config={"ops": {"merge_finished_results": {"config": {
+            "job_id": record.job_id, "run_id": run_id, "code": code, "reason": reason}}}},
+        tags={"dagster/priority": PARTIAL_RESULTS_PRIORITY, STOPPED_RUN_TAG: run_id},
+    )

@@ -1,0 +1,162 @@
+"""The control plane over HTTP: one submission path (nothing of a v1 request lost), lists paged and filtered
+in SQL, status read from job rows, and Prometheus metrics of the same rows."""
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import dagster as dg
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from tests.api_fixtures import ADMIN_KEY, USER_KEY
+from tests.conftest import MODEL
+
+ALICE = {"x-api-key": USER_KEY}
+ADMIN = {"x-api-key": ADMIN_KEY}
+
+
+def _body(tmp_path, **fields):
+    return {
+        "output_data_path": str(tmp_path / "out" / "output.json"),
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0},
+        **fields,
+    }
+
+
+def test_v1_model_config_labels_are_the_jobs_labels(deployment_factory, tmp_path):
+    api = deployment_factory()
+    body = _body(tmp_path, labels={"team": "search"})
+    body["model_config"]["labels"] = {"project": "atlas", "team": "overridden"}
+    job_id = api.client.post("/v1/llm/batch-completions", json=body, headers=ALICE).json()["job_id"]
+
+    labels = json.loads(api.job(job_id)["metadata"]["labels"])
+    assert labels == {"project": "atlas", "team": "search"}  # the request's own labels win a clash
+    listed = api.client.get("/v2/batch-completions", params={"label": "project:atlas"}, headers=ALICE).json()["jobs"]
+    assert [job["job_id"] for job in listed] == [job_id]
+
+
+def test_lists_are_paged_newest_first_and_filtered_by_status_and_labels(deployment_factory, tmp_path):
+    api = deployment_factory()
+    made = [api.client.post("/v2/batch-completions", json=_body(tmp_path, labels={"n": str(i), "odd": str(i % 2)}),
+                            headers=ALICE).json()["job_id"] for i in range(5)]
+    api.client.post(f"/v2/batch-completions/{made[1]}/actions/cancel", headers=ALICE)
+
+    seen, after = [], None
+    while True:
+        params = {"limit": 2, **({"after": after} if after else {})}
+        page = api.client.get("/v2/batch-completions", params=params, headers=ALICE).json()
+        seen.append([job["job_id"] for job in page["jobs"]])
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert seen == [made[4:2:-1], made[2:0:-1], made[:1]]
+    queued = api.client.get("/v2/batch-completions", params={"status": "queued", "label": "odd:1"}, headers=ALICE)
+    assert [job["job_id"] for job in queued.json()["jobs"]] == [made[3]]
+    cancelled = api.client.get("/v2/batch-completions", params={"status": "cancelled"}, headers=ALICE).json()["jobs"]
+    assert [job["job_id"] for job in cancelled] == [made[1]]
+    assert api.client.get("/v2/batch-completions", params={"limit": 0}, headers=ALICE).status_code == 422
+    assert api.client.get("/v2/batch-completions", params={"limit": 1001}, headers=ALICE).status_code == 422
+
+
+def _metrics(api, headers=ADMIN) -> dict[str, list]:
+    response = api.client.get("/metrics", headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    return {family.name: family.samples for family in text_string_to_metric_families(response.text)}
+
+
+def test_metrics_count_jobs_by_status_and_model_and_the_queue_for_admins_only(deployment_factory, tmp_path):
+    api = deployment_factory()
+    made = [api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+            for _ in range(3)]
+    api.client.post(f"/v2/batch-completions/{made[0]}/actions/cancel", headers=ALICE)
+    api.store.mark_started(made[1], "run-1")  # as the run's first step records it
+    api.store.record_shards(made[1], {0: 4})
+    api.store.record_shard_progress(made[1], 0, {"requests_done": 3, "completion_tokens": 12})
+
+    metrics = _metrics(api)
+    jobs = {(s.labels["status"], s.labels["model"]): s.value for s in metrics["batch_pipeline_jobs"]}
+    assert jobs == {("cancelled", MODEL): 1, ("running", MODEL): 1, ("queued", MODEL): 1}
+    assert [s.value for s in metrics["batch_pipeline_queue_depth"]] == [1]
+    assert metrics["batch_pipeline_oldest_queued_job_age_seconds"][0].value >= 0
+    assert {s.labels["model"]: s.value for s in metrics["batch_pipeline_completion_tokens"]
+            if s.name.endswith("_total")} == {MODEL: 12}
+    assert {s.labels["model"]: s.value for s in metrics["batch_pipeline_requests_generated"]
+            if s.name.endswith("_total")} == {MODEL: 3}
+    latency = {s.name: s.value for s in metrics["batch_pipeline_job_start_latency_seconds"] if "le" not in s.labels}
+    assert latency["batch_pipeline_job_start_latency_seconds_count"] == 1
+    assert api.client.get("/metrics", headers=ALICE).status_code == 403
+
+
+def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deployment_factory, tmp_path):
+    """keep_partial_results, run as the run-status sensors launch it: the finished results in input order,
+    the rest error entries, the counts in the job's row."""
+    api = deployment_factory()
+    output = tmp_path / "out" / "output.json"
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    stopped = api.instance.add_run(dg.DagsterRun(job_name="batch_completions", status=dg.DagsterRunStatus.CANCELED))
+    api.store.mark_started(job_id, stopped.run_id)
+    work_dir = JobStorage().work_dir(job_id)
+    for shard, (items, results) in enumerate([([0, 2], {0: "a"}), ([1], {1: "b"})]):
+        directory = Path(work_dir) / "shards" / f"{shard:03d}"  # as plan_shards and a worker leave them
+        directory.mkdir(parents=True)
+        (directory / "input.jsonl").write_text("".join(
+            json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in items))
+        (directory / "results.tsv").write_text("".join(
+            f"{i}\t{json.dumps({'text': text})}\n" for i, text in results.items()))
+    api.store.record_shards(job_id, {0: 2, 1: 1})
+
+    result = keep_partial_results.execute_in_process(
+        run_config={"ops": {"merge_finished_results": {"config": {
+            "job_id": job_id, "run_id": stopped.run_id, "code": "cancelled", "reason": "stopped"}}}},
+        instance=api.instance,
+        resources={"job_store": JobStoreResource(url=str(api.store.engine.url)), "job_storage": JobStorage()},
+    )
+    assert result.success
+    assert json.loads(output.read_text()) == [
+        {"text": "a"}, {"text": "b"}, {"error": {"code": "cancelled", "message": "stopped"}}]
+    metadata = api.job(job_id)["metadata"]
+    assert (metadata["num_requests"], metadata["num_finished"], metadata["num_unfinished"]) == ("3", "2", "1")
+    assert api.instance.get_run_by_id(stopped.run_id).tags[PARTIAL_RESULTS_TAG] == "2/3"
+
+
+@pytest.mark.slow
+def test_two_60_mb_inline_jobs_submitted_together_both_complete(deployment_factory, tmp_path):
+    """Inline content is written to the job's work dir at submission: runs, ticks and rows stay small, and
+    two such jobs at once (a 120 MB tick before) run side by side."""
+    api = deployment_factory(max_concurrent_runs=2)
+    url = api.serve_http()
+    api.start_daemon()
+    # 600 prompts of 100 KB: each longer than the model's context, so vLLM refuses it at once (an error
+    # entry at its index) instead of spending minutes of CPU on it; a real prompt at each end.
+    filler = "word " * 20_000
+    prompts = ["The capital of France is"] + [filler] * 600 + ["1, 2, 3, 4,"]
+
+    def post(name: str) -> str:
+        body = {"output_data_path": str(tmp_path / f"{name}.json"), "model_config": {"model": MODEL},
+                "content": {"prompts": prompts, "max_new_tokens": 4, "temperature": 0.0}}
+        raw = json.dumps(body).encode()
+        assert len(raw) > 60_000_000
+        response = httpx.post(f"{url}/v1/llm/batch-completions", content=raw, timeout=300,
+                              headers={**ALICE, "content-type": "application/json"})
+        assert response.status_code == 200, response.text
+        return response.json()["job_id"]
+
+    with ThreadPoolExecutor(2) as pool:
+        job_ids = list(pool.map(post, ["first", "second"]))
+    for job_id in job_ids:
+        assert len(api.store.get(job_id).request_json) < 4096
+    for job_id, name in zip(job_ids, ["first", "second"]):
+        job = api.wait_for(job_id, lambda j: j["status"] in ("completed", "failed", "cancelled"), timeout=900)
+        assert job["status"] == "completed", job
+        assert (job["metadata"]["num_requests"], job["metadata"]["num_errors"]) == ("602", "600")
+        outputs = json.loads((tmp_path / f"{name}.json").read_text())
+        assert len(outputs) == 602 and outputs[0]["num_completion_tokens"] > 0 < outputs[-1]["num_completion_tokens"]
+        assert all("error" in output for output in outputs[1:-1])
+    assert os.path.exists(api.store.get(job_ids[0]).content_path)
