@@ -375,9 +375,9 @@ class JobStore:
         records = records[:limit]
         return Page(records, records[-1].job_id if more and records else None)
 
-    def awaiting_launch(self) -> Iterator[str]:
-        """Ids of the queued jobs without a Dagster run, oldest first; the caller reads each record when
-        it gets to it."""
+    def awaiting_launch(self, chunk: int = 200) -> Iterator[list[JobRecord]]:
+        """The queued jobs without a Dagster run, oldest first, a chunk of records at a time (one query
+        each): a caller that stops early reads no more."""
         query = (
             sa.select(jobs.c.job_id)
             .where(jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
@@ -385,7 +385,13 @@ class JobStore:
         )
         with self.engine.connect() as connection:
             job_ids = connection.execute(query).scalars().all()
-        return iter(job_ids)
+        for start in range(0, len(job_ids), chunk):
+            wanted = job_ids[start:start + chunk]
+            with self.engine.connect() as connection:
+                rows = connection.execute(sa.select(jobs).where(
+                    jobs.c.job_id.in_(wanted), jobs.c.status == QUEUED, jobs.c.run_id.is_(None)))
+                by_id = {row.job_id: JobRecord.from_row(row) for row in rows}
+            yield [by_id[job_id] for job_id in wanted if job_id in by_id]
 
     def unfinished_with_runs(self) -> list[tuple[str, str]]:
         """(job id, run id) of every job whose row says a run has it and that has not finished."""
@@ -424,11 +430,11 @@ class JobStore:
         self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED)),
                      status=CANCELLED, cancelled_at=_now())
 
-    def mark_started(self, job_id: str, run_id: str) -> bool:
-        """A run of the job started (its first, a retry, or a re-execution from the UI): it is the job's
-        run now, and the job runs. False, and nothing changes, for a job cancelled before any run of it
-        started: a run asked for just before the cancel must not run."""
-        now = _now()
+    def mark_started(self, job_id: str, run_id: str, started_at: datetime | None = None) -> bool:
+        """A run of the job started at `started_at` (its first, a retry, or a re-execution from the UI): it
+        is the job's run now, and the job runs. False, and nothing changes, for a job cancelled before any
+        run of it started: a run asked for just before the cancel must not run."""
+        now = started_at or _now()
         with self.engine.begin() as connection:
             row = connection.execute(
                 sa.select(jobs.c.created_at, jobs.c.started_at, jobs.c.status).where(jobs.c.job_id == job_id)

@@ -53,7 +53,7 @@ def test_a_first_release_database_is_upgraded_with_its_rows_given_a_status_and_t
     assert cancelled.status == "cancelled" and cancelled.completed_at == cancelled.cancelled_at
     assert store.get("batch-queued").model == MODEL
     assert [job.job_id for job in store.list(labels={"team": "batch-cancelled"}).jobs] == ["batch-cancelled"]
-    assert list(store.awaiting_launch()) == ["batch-queued"]
+    assert [[job.job_id for job in chunk] for chunk in store.awaiting_launch()] == [["batch-queued"]]
     with store.engine.connect() as connection:
         assert connection.execute(sa.text(f"SELECT version_num FROM {SCHEMA_VERSION_TABLE}")).scalar() == "0003"
     created, _ = store.create(_new_job(key="k"))

@@ -104,7 +104,8 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
         if record is None or record.content_path != request.content_path:
             raise dg.Failure("content_path: set by the submission path only, to the file it wrote for the job; "
                              "send content or input_data_path instead", allow_retries=False)
-    if not store.mark_started(job_id, context.run_id):
+    # Started when Dagster started the run, not when this first step got going (~2 s later here).
+    if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), timezone.utc)):
         raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
     _enforce_deadline(context, request.max_runtime_sec)
     return request.model_dump(mode="json", by_alias=True)

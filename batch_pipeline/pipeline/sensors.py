@@ -63,29 +63,36 @@ def _max_tick_bytes() -> int:
 def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResource):
     store = job_store.get_store()
     budget, taken = _max_tick_bytes(), 0
-    for job_id in store.awaiting_launch():
-        record = store.get(job_id)
-        if record is None or record.run_id is not None or record.status != "queued":
-            continue  # changed since the list was read
-        run = find_run(context.instance, record.job_id)
-        if run is not None:
-            store.link_run(record.job_id, run.run_id)
-            continue
-        if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
-            continue  # its tick launches it; launching here too could race that into a second run
-        size = len(record.request_json)
-        if taken and taken + size > budget:
-            break
-        try:
-            run_request = _run_request(record)
-        except Exception as exc:  # _run_request reads only the record: whatever fails, fails for this job alone
-            reason = f"could not start: {_shortened(exc)}"
-            context.log.warning(f"{record.job_id}: {reason}")
-            store.mark_failed(record.job_id, reason)
-            continue
-        taken += size
-        yield run_request
+    for records in store.awaiting_launch():
+        runs = _tagged_runs(context.instance, [record.job_id for record in records])
+        for record in records:
+            if record.job_id in runs:  # the daemon made its run since the last tick
+                store.link_run(record.job_id, runs[record.job_id])
+                continue
+            if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
+                continue  # its tick launches it; launching here too could race that into a second run
+            size = len(record.request_json)
+            if taken and taken + size > budget:
+                _reconcile(context.instance, store)
+                return
+            try:
+                run_request = _run_request(record)
+            except Exception as exc:  # _run_request reads only the record: whatever fails, fails for this job alone
+                reason = f"could not start: {_shortened(exc)}"
+                context.log.warning(f"{record.job_id}: {reason}")
+                store.mark_failed(record.job_id, reason)
+                continue
+            taken += size
+            yield run_request
     _reconcile(context.instance, store)
+
+
+def _tagged_runs(instance: dg.DagsterInstance, job_ids: list[str]) -> dict[str, str]:
+    """The id of a run of each of these jobs that has one, in one query."""
+    if not job_ids:
+        return {}
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: job_ids}))
+    return {run.tags[JOB_ID_TAG]: run.run_id for run in reversed(runs)}  # newest last: it wins
 
 
 def _run_request(record: JobRecord) -> dg.RunRequest:
