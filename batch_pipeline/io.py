@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import tempfile
@@ -73,6 +74,18 @@ def check_writable(path: str) -> None:
     fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe-")
     os.close(fd)
     os.unlink(probe)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on a local lock file (made if missing) for the block: processes of this
+    machine that share a file (a model conversion, a database migration) take turns."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ upgraded once per process; one engine per process and URL.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -25,6 +24,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
+
+from batch_pipeline import io
 
 metadata = sa.MetaData()
 # Not Alembic's default name: the job store may share a database with Dagster's own storage.
@@ -266,12 +267,8 @@ def _migration_lock(engine: sa.Engine) -> Iterator[None]:
     if not database or database == ":memory:" or database.startswith("file:"):
         yield
         return
-    with open(f"{database}.migrate-lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with io.file_lock(f"{database}.migrate-lock"):
+        yield
 
 
 def label_digest(key: str, value: str) -> str:

@@ -6,16 +6,15 @@ CPU, so a catalog model is dequantized once by transformers into a plain Hugging
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from batch_pipeline import io
 
 
 @dataclass(frozen=True)
@@ -76,13 +75,12 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".tiktoken", "
 def sync_remote_checkpoint(url: str, trust_remote_code: bool = False) -> Path:
     """A checkpoint on an object store (`s3://bucket/prefix`) as a local directory in the cache; files already
     there with the same size are reused, so the next shard on this machine downloads nothing."""
-    from batch_pipeline import io
 
     fs, root = io.filesystem(url)
     root = root.rstrip("/")
     target = cache_dir() / "remote" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     target.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with io.file_lock(target.parent / f".{target.name}.lock"):
         found = fs.find(root, detail=True)
         if not found:
             raise FileNotFoundError(f"model_config.checkpoint_path: nothing at {url}")
@@ -118,7 +116,6 @@ def _relative_checkpoint_file(url: str, root: str, path: str, target: Path) -> s
 def weights_bytes(model: str, checkpoint_path: str | None = None) -> int | None:
     """Bytes of the model's weight files (what GPU memory must hold), where they can be listed: a catalog
     model once prepared, a local directory, or an object-store checkpoint. None for a hub id."""
-    from batch_pipeline import io
 
     entry = CATALOG.get(model.lower())
     location = checkpoint_path or (str(cache_dir() / entry.name) if entry else model)
@@ -142,7 +139,7 @@ def prepare_catalog_model(entry: CatalogModel) -> Path:
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{entry.name}.lock"):
+    with io.file_lock(target.parent / f".{entry.name}.lock"):
         if (target / "config.json").exists():
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=target.parent))
@@ -152,16 +149,6 @@ def prepare_catalog_model(entry: CatalogModel) -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _dequantize_gguf(gguf_path: Path, out_dir: Path) -> None:
