@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     listing = commands.add_parser("list", help="list jobs")
     listing.add_argument("--status", choices=("queued", "running", "completed", "failed", "cancelled"))
     listing.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    listing.add_argument("--limit", type=int, default=100, help="at most this many jobs, newest first (default 100)")
     cancel = commands.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job_id")
     wait = commands.add_parser("wait", help="follow a job to its end with a progress bar")
@@ -123,7 +124,9 @@ def _status(client, args, parser) -> int:
 
 
 def _list(client, args, parser) -> int:
-    jobs = client.list(args.status, _labels(args.label, parser))
+    if args.limit < 1:
+        parser.error("--limit must be at least 1")
+    jobs = client.list(args.status, _labels(args.label, parser), args.limit)
     for job in jobs:
         metadata = job.get("metadata") or {}
         done = f"{metadata['requests_done']}/{metadata['requests_total']}" if "requests_total" in metadata else "-"

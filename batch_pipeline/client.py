@@ -29,10 +29,21 @@ class BatchClient:
     def get(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v2/batch-completions/{job_id}")["job"]
 
-    def list(self, status: str | None = None, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    def list(self, status: str | None = None, labels: dict[str, str] | None = None,
+             limit: int = 100, page_size: int = 1000) -> list[dict[str, Any]]:
+        """Up to `limit` jobs, newest first, following the API's pages of `page_size` (at most 1000)."""
         params: list[tuple[str, str]] = [("status", status)] if status else []
         params += [("label", f"{key}:{value}") for key, value in (labels or {}).items()]
-        return self._call("GET", "/v2/batch-completions", params=params)["jobs"]
+        jobs: list[dict[str, Any]] = []
+        after: list[tuple[str, str]] = []
+        while len(jobs) < limit:
+            size = [("limit", str(min(limit - len(jobs), page_size)))]
+            page = self._call("GET", "/v2/batch-completions", params=params + size + after)
+            jobs += page["jobs"]
+            if not page.get("has_more"):
+                break
+            after = [("after", page["last_id"])]
+        return jobs
 
     def cancel(self, job_id: str) -> bool:
         return self._call("POST", f"/v2/batch-completions/{job_id}/actions/cancel")["success"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from batch_pipeline.client import BatchClient
 from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL
 
@@ -82,6 +83,10 @@ def test_api_commands_submit_follow_list_and_cancel_jobs_on_a_real_server(deploy
     listed = cli("list", "--label", "team=cli").stdout.splitlines()
     assert [line.split()[:2] for line in listed] == [[job_id, "completed"]]
     assert {line.split()[0] for line in cli("list").stdout.splitlines()} == {job_id, second}
+    assert [line.split()[0] for line in cli("list", "--limit", "1").stdout.splitlines()] == [second]  # newest
+    # the client follows the API's pages: one job a page here
+    paged = BatchClient(url, USER_KEY).list(limit=5, page_size=1)
+    assert [job["job_id"] for job in paged] == [second, job_id]
 
     # errors name what is wrong and exit non-zero
     other = cli("status", job_id, key=OTHER_KEY)
