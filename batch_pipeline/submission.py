@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from typing import Any
+from collections.abc import Callable
 
 from pydantic import Field, TypeAdapter, model_validator
 
@@ -74,7 +74,7 @@ def check_servable(request: CreateBatchCompletionsV2Request) -> None:
 
 def submit(
     store: JobStore,
-    work_dir_of: Any,
+    work_dir_of: Callable[[str], str],
     owner: str,
     request: CreateBatchCompletionsV2Request,
     idempotency_key: str | None = None,
@@ -94,22 +94,32 @@ def submit(
         digest.update(content)
         _write_content(content_path, content)
         fields["content_path"] = content_path
-    record, created = store.create(NewJob(
-        job_id=job_id, owner=owner, request_json=json.dumps(fields), request_sha256=digest.hexdigest(),
-        model=request.model_cfg.model, priority=request.priority, labels=request.labels,
-        max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC, content_path=content_path,
-        idempotency_key=idempotency_key, run_id=run_id,
-    ))
-    if not created and content_path is not None:  # the key's first job has its own copy
-        with contextlib.suppress(OSError):
-            fs, resolved = io.filesystem(content_path)
-            fs.rm(resolved)
+    try:
+        record, created = store.create(NewJob(
+            job_id=job_id, owner=owner, request_json=json.dumps(fields), request_sha256=digest.hexdigest(),
+            model=request.model_cfg.model, priority=request.priority, labels=request.labels,
+            max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC, content_path=content_path,
+            idempotency_key=idempotency_key, run_id=run_id,
+        ))
+    except BaseException:
+        _remove(content_path)  # no job, no file
+        raise
+    if not created:
+        _remove(content_path)  # the key's first job has its own copy
     return record, created
 
 
 def stored_request(record: JobRecord) -> StoredRequest:
     """The job's request as stored, checked against the contract again (a row an older release wrote)."""
     return StoredRequest.model_validate(record.request)
+
+
+def _remove(path: str | None) -> None:
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        fs, resolved = io.filesystem(path)
+        fs.rm(resolved)
 
 
 def _write_content(path: str, content: bytes) -> None:

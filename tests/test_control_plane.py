@@ -11,6 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batch_pipeline.jobs_store import NewJob
+from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from tests.api_fixtures import ADMIN_KEY, USER_KEY
@@ -124,6 +126,51 @@ def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deploymen
     metadata = api.job(job_id)["metadata"]
     assert (metadata["num_requests"], metadata["num_finished"], metadata["num_unfinished"]) == ("3", "2", "1")
     assert api.instance.get_run_by_id(stopped.run_id).tags[PARTIAL_RESULTS_TAG] == "2/3"
+
+
+@dg.op
+def _succeed() -> None:
+    pass
+
+
+@dg.op
+def _fail() -> None:
+    raise dg.Failure("the disk is full")
+
+
+@dg.job
+def _finishes():
+    _succeed()
+
+
+@dg.job
+def _breaks():
+    _fail()
+
+
+def test_rows_an_older_release_left_running_are_set_from_their_finished_runs_by_the_jobs_sensor(
+        deployment_factory, monkeypatch):
+    """Migration 0003 reads a row with a run as running; its run may have ended long ago."""
+    api = deployment_factory()
+    monkeypatch.setattr(sensors, "RECONCILE_AFTER_S", 0)
+    finished = _finishes.execute_in_process(instance=api.instance).run_id
+    failed = _breaks.execute_in_process(instance=api.instance, raise_on_error=False).run_id
+    for job_id, run_id in (("batch-legacy-finished", finished), ("batch-legacy-failed", failed)):
+        api.store.create(NewJob(job_id=job_id, owner="legacy", request_json=json.dumps(_body_stored()),
+                                request_sha256="0" * 64, model=MODEL, priority=None, labels={}, max_runtime_sec=60))
+        api.store.mark_started(job_id, run_id)
+    context = dg.build_sensor_context(instance=api.instance,
+                                      resources={"job_store": JobStoreResource(url=str(api.store.engine.url))})
+    assert list(sensors.batch_jobs_sensor(context) or []) == []
+
+    assert api.job("batch-legacy-finished", ADMIN_KEY)["status"] == "completed"
+    failure = api.job("batch-legacy-failed", ADMIN_KEY)
+    assert failure["status"] == "failed" and failure["metadata"]["failure_reason"] == "the disk is full"
+    assert failure["completed_at"] is not None
+
+
+def _body_stored() -> dict:
+    return {"output_data_path": "/tmp/legacy.json", "model_config": {"model": MODEL}, "input_data_path": "/tmp/in.json"}
 
 
 @pytest.mark.slow
