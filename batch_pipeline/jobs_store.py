@@ -492,11 +492,6 @@ class JobStore:
             )
             self._total_shards(connection, job_id)
 
-    def shard_progress(self, job_id: str) -> list[dict[str, int]]:
-        query = sa.select(job_shards).where(job_shards.c.job_id == job_id).order_by(job_shards.c.shard_index)
-        with self.engine.connect() as connection:
-            return [dict(row._mapping) for row in connection.execute(query)]
-
     @staticmethod
     def _total_shards(connection: sa.Connection, job_id: str) -> None:
         def total(name: str) -> Any:
