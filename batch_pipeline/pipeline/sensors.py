@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
-from batch_pipeline.jobs_store import CANCELLED, FAILED, JobRecord, JobStore
+from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, JobRecord, JobStore
 from batch_pipeline.pipeline.job import batch_completions, job_id_of
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
 from batch_pipeline.pipeline.resources import JobStoreResource
@@ -119,19 +119,19 @@ def run_config_for_stored(request: StoredRequest) -> dict:
 
 
 def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
-    unfinished = dict(store.unfinished_with_runs())
-    if not unfinished:
+    job_of_run = {run_id: job_id for job_id, run_id in store.unfinished_with_runs()}
+    if not job_of_run:
         return
     now = datetime.now(timezone.utc).timestamp()
-    for record in instance.get_run_records(filters=dg.RunsFilter(run_ids=list(unfinished.values()))):
+    for record in instance.get_run_records(filters=dg.RunsFilter(run_ids=list(job_of_run))):
         run = record.dagster_run
         if not run.is_finished or not record.end_time or now - record.end_time < RECONCILE_AFTER_S:
             continue
         if run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) == "true":
             continue
-        job_id = next(job for job, run_id in unfinished.items() if run_id == run.run_id)
+        job_id = job_of_run[run.run_id]
         ended_at = datetime.fromtimestamp(record.end_time, timezone.utc)
-        status = {dg.DagsterRunStatus.SUCCESS: "completed", dg.DagsterRunStatus.CANCELED: CANCELLED}.get(run.status, FAILED)
+        status = {dg.DagsterRunStatus.SUCCESS: COMPLETED, dg.DagsterRunStatus.CANCELED: CANCELLED}.get(run.status, FAILED)
         store.mark_run_ended(job_id, run.run_id, status, ended_at,
                              reason=failure_reason(instance, run.run_id) if status == FAILED else None)
 
