@@ -16,14 +16,13 @@ from pydantic import Field, TypeAdapter, model_validator
 from batch_pipeline import io
 from batch_pipeline.capabilities import refusals
 from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request
-from batch_pipeline.contract.requests import BatchContent
+from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent
 from batch_pipeline.jobs_store import JobRecord, JobStore, NewJob
 from batch_pipeline.priority import run_priority
 from batch_pipeline.shards import make_private_directory
 
 # A job's inline content, as written at submission: a JSON array of records, as an input file holds them.
 CONTENT_FILE = "content.json"
-DEFAULT_MAX_RUNTIME_SEC = 86400  # the spec's default: one day
 _CONTENT = TypeAdapter(BatchContent)
 
 

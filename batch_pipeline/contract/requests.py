@@ -78,6 +78,9 @@ _HARDWARE_DESCRIPTIONS = {
 }
 
 
+# The spec's default max_runtime_sec: one day.
+DEFAULT_MAX_RUNTIME_SEC = 86400
+
 InputDataPath = Annotated[
     str | None,
     Field(
@@ -104,7 +107,7 @@ class _BatchCompletionsRequestBase(WireModel):
         "faster to inference.",
     )
     max_runtime_sec: int | None = Field(
-        86400,
+        DEFAULT_MAX_RUNTIME_SEC,
         ge=1,
         le=172800,
         description="Maximum runtime of the batch inference in seconds. Default to one day.",

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from batch_pipeline import io
 from batch_pipeline.capabilities import shard_model_config
 from batch_pipeline.contract.records import RecordError, describe_validation_error
+from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.jobs_store import COMPLETED
 from batch_pipeline.launch import ShardLauncher
 from batch_pipeline.paths import metadata_path
@@ -70,7 +71,7 @@ def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> fl
     run = context.instance.get_run_by_id(context.run_id) or context.run
     if DEADLINE_TAG in run.tags:
         return float(run.tags[DEADLINE_TAG])
-    return _run_start(context) + (max_runtime_sec or 86400)
+    return _run_start(context) + (max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC)
 
 
 @dg.op(

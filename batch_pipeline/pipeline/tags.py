@@ -40,7 +40,7 @@ def run_tags(record: JobRecord) -> dict[str, str]:
         "dagster/priority": str(run_priority(record.priority)),
         DEADLINE_TAG: repr(record.expires_at.timestamp()),
         # An upper bound until the run starts and counts it from the deadline (`max_runtime_from`).
-        MAX_RUNTIME_TAG: str((request.get("max_runtime_sec") or 86400) + RUN_MONITORING_GRACE_S),
+        MAX_RUNTIME_TAG: str(int((record.expires_at - record.created_at).total_seconds()) + RUN_MONITORING_GRACE_S),
         **RUN_RETRY_TAGS,
     }
     for key, value in record.labels.items():
