@@ -48,4 +48,4 @@ model: install
 	$(VENV)/bin/batch-pipeline models --prepare $(MODEL)
 
 clean:
-	rm -rf $(VENV) outputs dagster_home/storage dagster_home/work dagster_home/*.db dagster_home/history dagster_home/schedules dagster_home/logs
+	rm -rf $(VENV) outputs dagster_home/storage dagster_home/work dagster_home/*.db dagster_home/*.db-* dagster_home/*.migrate-lock dagster_home/history dagster_home/schedules dagster_home/logs
