@@ -93,6 +93,15 @@ class Deployment:
         assert response.status_code == 200, response.text
         return response.json()["job"]
 
+    def finished_run(self, run_id: str, timeout: float = 60) -> dg.DagsterRun:
+        """The run once Dagster has recorded its end (a job reads completed once its output and metadata
+        are written, a moment before its run ends)."""
+        deadline = time.monotonic() + timeout
+        while not (run := self.instance.get_run_by_id(run_id)).is_finished:
+            assert time.monotonic() < deadline, f"run {run_id} still {run.status}"
+            time.sleep(0.2)
+        return run
+
     def wait_for(self, job_id: str, predicate, timeout: float = 300, key: str = USER_KEY) -> dict:
         deadline = time.monotonic() + timeout
         while True:
