@@ -62,6 +62,14 @@ def _max_tick_bytes() -> int:
 )
 def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResource):
     store = job_store.get_store()
+    yield from _run_requests(context, store)
+    try:
+        _reconcile(context.instance, store)
+    except Exception as exc:  # a safety net for stale rows: it never costs the jobs above their runs
+        context.log.warning(f"could not reconcile finished runs with their jobs: {_shortened(exc)}")
+
+
+def _run_requests(context: SensorEvaluationContext, store: JobStore):
     budget, taken = _max_tick_bytes(), 0
     for records in store.awaiting_launch():
         runs = _tagged_runs(context.instance, [record.job_id for record in records])
@@ -73,7 +81,6 @@ def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResou
                 continue  # its tick launches it; launching here too could race that into a second run
             size = len(record.request_json)
             if taken and taken + size > budget:
-                _reconcile(context.instance, store)
                 return
             try:
                 run_request = _run_request(record)
@@ -84,7 +91,6 @@ def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResou
                 continue
             taken += size
             yield run_request
-    _reconcile(context.instance, store)
 
 
 def _tagged_runs(instance: dg.DagsterInstance, job_ids: list[str]) -> dict[str, str]:
