@@ -346,7 +346,10 @@ class JobStore:
         after: str | None = None,
     ) -> Page:
         """Jobs newest first, filtered in SQL, one page of `limit`; `after` is the last job id of the page
-        before (an unknown cursor gives an empty page)."""
+        before (an unknown cursor, or another owner's job, gives an empty page)."""
+        # No stored label holds a NUL (the contract refuses it), and Postgres cannot compare one.
+        if any("\x00" in text for pair in (labels or {}).items() for text in pair):
+            return Page([], None)
         query = sa.select(jobs)
         if owner is not None:
             query = query.where(jobs.c.owner == owner)
@@ -359,7 +362,7 @@ class JobStore:
             ))
         if after is not None:
             cursor = self.get(after)
-            if cursor is None:
+            if cursor is None or (owner is not None and cursor.owner != owner):
                 return Page([], None)
             query = query.where(sa.or_(
                 jobs.c.created_at < cursor.created_at,
@@ -451,25 +454,25 @@ class JobStore:
         """The run failed and Dagster retries it: the job still runs, and says why it starts again."""
         self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), status=RUNNING, status_detail=reason)
 
-    def mark_run_ended(self, job_id: str, run_id: str, status: str, ended_at: datetime, reason: str | None = None,
-                       results: dict[str, Any] | None = None) -> None:
+    def mark_run_ended(self, job_id: str, run_id: str, status: str, ended_at: datetime,
+                       reason: str | None = None) -> None:
         """How the job's run ended, unless a newer run took the job over."""
         # A job someone cancelled reads cancelled however its run then ended.
         values: dict[str, Any] = {"status": sa.case((jobs.c.cancelled_at.is_not(None), CANCELLED), else_=status),
                                   "completed_at": ended_at, "status_detail": None}
         if reason is not None:
             values["failure_reason"] = reason
-        if results is not None:
-            values["results"] = json.dumps(results)
-            for name in ("requests_total", "requests_done", "errors", "prompt_tokens", "completion_tokens"):
-                if results.get(name) is not None:
-                    values[name] = results[name]
         self._update(sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, jobs.c.run_id.is_(None))),
                      run_id=run_id, **values)
 
     def record_results(self, job_id: str, run_id: str, results: dict[str, Any]) -> None:
-        """The summary of what the job's run left (e.g. the partial results of a stopped run)."""
-        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), results=json.dumps(results))
+        """The summary of what the job's run wrote (its output's metadata, or the partial results of a
+        stopped run), with the counts it gives."""
+        values: dict[str, Any] = {"results": json.dumps(results)}
+        for name in ("requests_total", "requests_done", "errors", "prompt_tokens", "completion_tokens"):
+            if results.get(name) is not None:
+                values[name] = results[name]
+        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), **values)
 
     def record_shards(self, job_id: str, requests_per_shard: dict[int, int]) -> None:
         """The job's shards as planned (again, on a retry): progress is counted against these totals."""

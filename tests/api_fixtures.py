@@ -94,8 +94,7 @@ class Deployment:
         return response.json()["job"]
 
     def finished_run(self, run_id: str, timeout: float = 60) -> dg.DagsterRun:
-        """The run once Dagster has recorded its end (a job reads completed once its output and metadata
-        are written, a moment before its run ends)."""
+        """The run once Dagster has recorded its end (a run's op can record what it did a moment before)."""
         deadline = time.monotonic() + timeout
         while not (run := self.instance.get_run_by_id(run_id)).is_finished:
             assert time.monotonic() < deadline, f"run {run_id} still {run.status}"

@@ -15,10 +15,11 @@ from batch_pipeline.jobs_store import NewJob
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
-from tests.api_fixtures import ADMIN_KEY, USER_KEY
+from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
 from tests.conftest import MODEL
 
 ALICE = {"x-api-key": USER_KEY}
+BOB = {"x-api-key": OTHER_KEY}
 ADMIN = {"x-api-key": ADMIN_KEY}
 
 
@@ -62,6 +63,9 @@ def test_lists_are_paged_newest_first_and_filtered_by_status_and_labels(deployme
     assert [job["job_id"] for job in queued.json()["jobs"]] == [made[3]]
     cancelled = api.client.get("/v2/batch-completions", params={"status": "cancelled"}, headers=ALICE).json()["jobs"]
     assert [job["job_id"] for job in cancelled] == [made[1]]
+    # another key's job is no cursor into this key's jobs
+    bobs = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=BOB).json()["job_id"]
+    assert api.client.get("/v2/batch-completions", params={"after": bobs}, headers=ALICE).json()["jobs"] == []
     assert api.client.get("/v2/batch-completions", params={"limit": 0}, headers=ALICE).status_code == 422
     assert api.client.get("/v2/batch-completions", params={"limit": 1001}, headers=ALICE).status_code == 422
 

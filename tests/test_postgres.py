@@ -65,6 +65,10 @@ def test_api_sensor_and_job_run_on_postgres_with_the_shipped_instance_config(pos
         job = api.wait_for(job_id, lambda j: j["status"] in ("completed", "failed"), timeout=400)
         assert job["status"] == "completed", job
         assert len(json.loads(output.read_text())) == 1
+        # Filters Postgres cannot compare (a NUL) match nothing, rather than fail the list.
+        for params in ({"label": "team\x00:x"}, {"label": "team:\x00"}, {"after": "batch-\x00"}, {"after": "x" * 10_000}):
+            listed = api.client.get("/v2/batch-completions", params=params, headers={"x-api-key": USER_KEY})
+            assert listed.status_code == 200 and listed.json()["jobs"] == [], (params, listed.text)
     finally:
         api.stop()
     engine = sa.create_engine(jobs_db)

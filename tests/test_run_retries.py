@@ -88,7 +88,7 @@ def test_a_killed_run_worker_is_retried_by_the_daemon_and_the_job_completes_with
     first_run = api.instance.get_run_by_id(first_run_id)
     assert first_run.status == dg.DagsterRunStatus.FAILURE
     # The job is reported by the daemon's retry of the first run, not by the run that failed.
-    retry = api.finished_run(job["metadata"]["dagster_run_id"])
+    retry = api.instance.get_run_by_id(job["metadata"]["dagster_run_id"])
     assert retry.run_id != first_run_id and retry.root_run_id == first_run_id
     assert retry.tags["dagster/retry_number"] == "1" and retry.status == dg.DagsterRunStatus.SUCCESS
     assert retry.tags[DEADLINE_TAG] == first_run.tags[DEADLINE_TAG]  # a retry keeps the job's deadline

@@ -13,7 +13,12 @@ from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.schedules import schedules_from_environment
 from batch_pipeline.pipeline.partial_results import keep_partial_results
-from batch_pipeline.pipeline.sensors import batch_jobs_sensor, record_failed_runs, record_stopped_runs
+from batch_pipeline.pipeline.sensors import (
+    batch_jobs_sensor,
+    record_failed_runs,
+    record_stopped_runs,
+    record_succeeded_runs,
+)
 
 
 def shard_launcher_from_environment() -> ShardLauncher:
@@ -49,7 +54,7 @@ local_executor = dg.multiprocess_executor.configured(
 
 defs = dg.Definitions(
     jobs=[batch_completions, keep_partial_results],
-    sensors=[batch_jobs_sensor, record_stopped_runs, record_failed_runs],
+    sensors=[batch_jobs_sensor, record_succeeded_runs, record_stopped_runs, record_failed_runs],
     schedules=schedules_from_environment(),
     resources={
         "job_store": JobStoreResource(url=os.environ.get("BATCH_PIPELINE_JOBS_DB", "")),

@@ -24,16 +24,20 @@ def execute_request(
     request: CreateBatchCompletionsV2Request,
     instance: dg.DagsterInstance,
     job_id: str | None = None,
-    raise_on_error: bool = False,
     log_level: str | None = None,
 ) -> dg.JobExecutionResult:
+    from batch_pipeline.jobs_store import JobStore
     from batch_pipeline.pipeline.definitions import batch_completions_job
+    from batch_pipeline.pipeline.sensors import record_run_end
 
     tags = {JOB_ID_TAG: job_id} if job_id else None
-    return dg.execute_job(
+    result = dg.execute_job(
         dg.reconstructable(batch_completions_job),
         instance=instance,
         run_config=run_config_for(request, log_level),
         tags=tags,
-        raise_on_error=raise_on_error,
+        raise_on_error=False,
     )
+    # No daemon runs the status sensors here: how the run ended goes into its job's row now.
+    record_run_end(instance, JobStore(), instance.get_run_by_id(result.run_id))
+    return result

@@ -16,7 +16,6 @@ from batch_pipeline import io
 from batch_pipeline.capabilities import shard_model_config
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
-from batch_pipeline.jobs_store import COMPLETED
 from batch_pipeline.launch import ShardLauncher
 from batch_pipeline.paths import metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
@@ -262,12 +261,13 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
     )
     summary = {key: metadata[key] for key in ("job_id", "model", "num_requests", "num_errors", "completion_tokens",
                                               "completion_tokens_per_s", "wall_s")}
-    job_store.get_store().mark_run_ended(
-        metadata["job_id"], context.run_id, COMPLETED, datetime.now(timezone.utc),
-        results={key: metadata[key] for key in ("num_requests", "num_errors", "prompt_tokens", "completion_tokens",
-                                                "completion_tokens_per_s", "wall_s", "merge_s")}
-        | {"requests_total": metadata["num_requests"], "requests_done": metadata["num_requests"],
-           "errors": metadata["num_errors"]},
+    # The job reads completed when Dagster records the run's success (`record_run_end`), not before.
+    results = {key: metadata[key] for key in ("num_requests", "num_errors", "prompt_tokens", "completion_tokens",
+                                              "completion_tokens_per_s", "wall_s", "merge_s")}
+    job_store.get_store().record_results(
+        metadata["job_id"], context.run_id,
+        results | {"requests_total": metadata["num_requests"], "requests_done": metadata["num_requests"],
+                   "errors": metadata["num_errors"]},
     )
     context.log_event(
         dg.AssetMaterialization(

@@ -1,8 +1,8 @@
 """Sensors launch and record; jobs do the work.
 
 - `batch_jobs_sensor`: each job the submission path stored becomes exactly one run (run_key = job id).
-- `record_stopped_runs`, `record_failed_runs`: how a run ended goes into its job's row, and a run stopped
-  before the end launches `keep_partial_results` (a small job, retried and visible in the UI) to merge the
+- `record_succeeded_runs`, `record_stopped_runs`, `record_failed_runs`: how a run ended goes into its job's
+  row, and a run stopped before the end launches `keep_partial_results` (a small job, retried and visible in the UI) to merge the
   results its shards finished. No sensor reads results.
 """
 
@@ -130,16 +130,9 @@ def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
         return
     now = datetime.now(timezone.utc).timestamp()
     for record in instance.get_run_records(filters=dg.RunsFilter(run_ids=list(job_of_run))):
-        run = record.dagster_run
-        if not run.is_finished or not record.end_time or now - record.end_time < RECONCILE_AFTER_S:
-            continue
-        if run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(WILL_RETRY_TAG) == "true":
-            continue
-        job_id = job_of_run[run.run_id]
-        ended_at = datetime.fromtimestamp(record.end_time, timezone.utc)
-        status = {dg.DagsterRunStatus.SUCCESS: COMPLETED, dg.DagsterRunStatus.CANCELED: CANCELLED}.get(run.status, FAILED)
-        store.mark_run_ended(job_id, run.run_id, status, ended_at,
-                             reason=failure_reason(instance, run.run_id) if status == FAILED else None)
+        if record.dagster_run.is_finished and record.end_time and now - record.end_time >= RECONCILE_AFTER_S:
+            # Too late to keep partial results by a job; the row names the run, so the job is the row's.
+            record_run_end(instance, store, record.dagster_run, job_of_run[record.dagster_run.run_id])
 
 
 def _shortened(exc: Exception) -> str:
@@ -168,21 +161,27 @@ def _end_time(instance: dg.DagsterInstance, run_id: str) -> datetime:
     return datetime.now(timezone.utc)
 
 
-@dg.run_status_sensor(
-    run_status=dg.DagsterRunStatus.CANCELED,
-    monitored_jobs=[batch_completions],
-    request_job=keep_partial_results,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=SENSOR_INTERVAL_S,
-    description="A cancelled run's job reads cancelled (or failed, when its deadline stopped it), and the "
-    "results its shards finished are merged into its output by keep_partial_results.",
-)
-def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
-    run = context.dagster_run
-    job_id = job_id_of(context.instance, run)
-    store = job_store.get_store()
+def record_run_end(instance: dg.DagsterInstance, store: JobStore, run: dg.DagsterRun,
+                   job_id: str | None = None) -> dg.RunRequest | None:
+    """How a finished run of a job (the run's own, unless given) ended, into the job's row: completed;
+    failed with the step's reason (or still running, when Dagster retries the run); cancelled, or failed
+    when run monitoring stopped it at its deadline. Returns the run that keeps a stopped run's finished
+    results, if one is needed."""
+    job_id = job_id or job_id_of(instance, run)
+    ended_at = _end_time(instance, run.run_id)
+    if run.status == dg.DagsterRunStatus.SUCCESS:
+        store.mark_run_ended(job_id, run.run_id, COMPLETED, ended_at)
+        return None
+    if run.status == dg.DagsterRunStatus.FAILURE:
+        reason = failure_reason(instance, run.run_id)
+        if run.tags.get(WILL_RETRY_TAG) == "true":
+            # The daemon retries it: the retry writes the whole output, or keeps these results if it fails too.
+            store.mark_retrying(job_id, run.run_id, reason)
+            return None
+        store.mark_run_ended(job_id, run.run_id, FAILED, ended_at, reason=reason)
+        return partial_results_run_request(store.get(job_id), run.run_id, "job_failed",
+                                           f"the job failed before this request finished: {reason}")
     record = store.get(job_id)
-    ended_at = _end_time(context.instance, run.run_id)
     if record is not None and record.cancelled_at is None and ended_at >= record.expires_at:
         # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
         why = "max_runtime_sec exceeded: the run was stopped by run monitoring"
@@ -194,6 +193,30 @@ def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreReso
                                        "the job was cancelled before this request finished")
 
 
+@dg.run_status_sensor(
+    run_status=dg.DagsterRunStatus.SUCCESS,
+    monitored_jobs=[batch_completions],
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    description="A succeeded run's job reads completed (its results were recorded by write_job_metadata).",
+)
+def record_succeeded_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
+    record_run_end(context.instance, job_store.get_store(), context.dagster_run)
+
+
+@dg.run_status_sensor(
+    run_status=dg.DagsterRunStatus.CANCELED,
+    monitored_jobs=[batch_completions],
+    request_job=keep_partial_results,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    description="A cancelled run's job reads cancelled (or failed, when its deadline stopped it), and the "
+    "results its shards finished are merged into its output by keep_partial_results.",
+)
+def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
+    return record_run_end(context.instance, job_store.get_store(), context.dagster_run)
+
+
 @dg.run_failure_sensor(
     monitored_jobs=[batch_completions],
     request_job=keep_partial_results,
@@ -203,14 +226,5 @@ def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreReso
     "run), and the results its shards finished are merged into its output by keep_partial_results.",
 )
 def record_failed_runs(context: dg.RunFailureSensorContext, job_store: JobStoreResource):
-    run = context.instance.get_run_by_id(context.dagster_run.run_id) or context.dagster_run
-    job_id = job_id_of(context.instance, run)
-    store = job_store.get_store()
-    reason = failure_reason(context.instance, run.run_id)
-    if run.tags.get(WILL_RETRY_TAG) == "true":
-        # The daemon retries it: the retry writes the whole output, or keeps these results if it fails too.
-        store.mark_retrying(job_id, run.run_id, reason)
-        return None
-    store.mark_run_ended(job_id, run.run_id, FAILED, _end_time(context.instance, run.run_id), reason=reason)
-    return partial_results_run_request(store.get(job_id), run.run_id, "job_failed",
-                                       f"the job failed before this request finished: {reason}")
+    run = context.instance.get_run_by_id(context.dagster_run.run_id) or context.dagster_run  # with will_retry
+    return record_run_end(context.instance, job_store.get_store(), run)
