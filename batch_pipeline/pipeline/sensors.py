@@ -2,8 +2,8 @@
 
 - `batch_jobs_sensor`: each job the submission path stored becomes exactly one run (run_key = job id).
 - `record_succeeded_runs`, `record_stopped_runs`, `record_failed_runs`: how a run ended goes into its job's
-  row, and a run stopped before the end launches `keep_partial_results` (a small job, retried and visible in the UI) to merge the
-  results its shards finished. No sensor reads results.
+  row, and a run stopped before the end launches `keep_partial_results` (a small job, retried and visible
+  in the UI) to merge the results its shards finished. No sensor reads results.
 """
 
 from __future__ import annotations
