@@ -81,7 +81,10 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/metrics", response_class=Response, responses={403: {"model": ErrorBody, "description": "Not an admin key"}})
+_FORBIDDEN = {403: {"model": ErrorBody, "description": "Not an admin key"}}
+
+
+@router.get("/metrics", response_class=Response, responses=_FORBIDDEN)
 def metrics(who: CallerDep, service: ServiceDep) -> Response:
     """Prometheus' text format: jobs by status and model, queue depth and age, start latency, requests and
     tokens generated. Every tenant's figures: admin keys only (Prometheus sends one as basic_auth's user)."""
@@ -122,7 +125,8 @@ def list_jobs(
             raise HTTPException(422, detail=[{"loc": ["query", "label"], "msg": "expected KEY:VALUE", "type": "value_error"}])
         wanted[key] = value
     jobs, next_after = service.list(who, status, wanted, limit, after)
-    return ListBatchCompletionV2Response(jobs=jobs, has_more=next_after is not None, last_id=jobs[-1].job_id if jobs else None)
+    last_id = jobs[-1].job_id if jobs else None
+    return ListBatchCompletionV2Response(jobs=jobs, has_more=next_after is not None, last_id=last_id)
 
 
 @router.get("/v2/batch-completions/{job_id}", response_model=GetBatchCompletionV2Response, responses=_NOT_FOUND)

@@ -39,7 +39,8 @@ class JobStoreCollector(Collector):
             requests.add_metric([model], requests_done)
             tokens.add_metric([model], completion_tokens)
         yield from (jobs, requests, tokens)
-        yield GaugeMetricFamily("batch_pipeline_queue_depth", "Jobs waiting for their first run to start.", value=queued)
+        yield GaugeMetricFamily("batch_pipeline_queue_depth", "Jobs waiting for their first run to start.",
+                                value=queued)
         oldest = self.store.oldest_queued_created_at()
         age = (datetime.now(timezone.utc) - oldest).total_seconds() if oldest else 0.0
         yield GaugeMetricFamily("batch_pipeline_oldest_queued_job_age_seconds",
