@@ -67,6 +67,7 @@ class ErrorBody(BaseModel):
 _UNAUTHORIZED = {401: {"model": ErrorBody, "description": "API keys are configured and none valid was sent"}}
 _NOT_FOUND = {404: {"model": ErrorBody, "description": "No such job, or not one of the caller's"}}
 _TOO_LARGE = {413: {"model": ErrorBody, "description": "The body exceeds BATCH_PIPELINE_MAX_BODY_BYTES"}}
+_FORBIDDEN = {403: {"model": ErrorBody, "description": "Not an admin key"}}
 _CONFLICT = {409: {"model": ErrorBody, "description": "The Idempotency-Key was used before with a different request"}}
 
 CallerDep = Annotated[Caller, Depends(current_caller)]
@@ -79,9 +80,6 @@ router = APIRouter(responses=_UNAUTHORIZED, route_class=WireBodyRoute)
 async def healthz() -> dict[str, str]:
     # On the event loop itself: it answers even while every worker thread is busy with large bodies.
     return {"status": "ok"}
-
-
-_FORBIDDEN = {403: {"model": ErrorBody, "description": "Not an admin key"}}
 
 
 @router.get("/metrics", response_class=Response, responses=_FORBIDDEN)
