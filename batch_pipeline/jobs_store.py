@@ -113,6 +113,7 @@ class JobRecord:
     run_id: str | None
     cancelled_at: datetime | None
     idempotency_key: str | None
+    request_sha256: str | None = None  # what an Idempotency-Key was first used for
     status: str = QUEUED
     model: str | None = None
     content_path: str | None = None
@@ -151,6 +152,7 @@ class JobRecord:
             run_id=row.run_id,
             cancelled_at=_utc(row.cancelled_at),
             idempotency_key=row.idempotency_key,
+            request_sha256=row.request_sha256,
             status=row.status,
             model=row.model,
             content_path=row.content_path,
@@ -319,9 +321,8 @@ class JobStore:
             existing = self._one(sa.and_(jobs.c.owner == job.owner, jobs.c.idempotency_key == job.idempotency_key))
             if existing is None:
                 raise
-            stored_sha256 = self._request_sha256(existing.job_id)
             # Rows stored before the hash was kept have none: they keep the old answer, the first job.
-            if stored_sha256 is not None and stored_sha256 != row["request_sha256"]:
+            if existing.request_sha256 is not None and existing.request_sha256 != job.request_sha256:
                 raise IdempotencyConflict(
                     f"Idempotency-Key {job.idempotency_key!a} was already used for a different request "
                     f"(job {existing.job_id}); use a new key for a new request"
@@ -540,10 +541,6 @@ class JobStore:
     def _update(self, condition: Any, **values: Any) -> bool:
         with self.engine.begin() as connection:
             return connection.execute(jobs.update().where(condition).values(**values)).rowcount > 0
-
-    def _request_sha256(self, job_id: str) -> str | None:
-        with self.engine.connect() as connection:
-            return connection.execute(sa.select(jobs.c.request_sha256).where(jobs.c.job_id == job_id)).scalar()
 
     def _one(self, condition: Any) -> JobRecord | None:
         with self.engine.connect() as connection:

@@ -108,11 +108,6 @@ def submit(
     return record, created
 
 
-def stored_request(record: JobRecord) -> StoredRequest:
-    """The job's request as stored, checked against the contract again (a row an older release wrote)."""
-    return StoredRequest.model_validate(record.request)
-
-
 def _remove(path: str | None) -> None:
     if path is None:
         return

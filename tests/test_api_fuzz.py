@@ -14,7 +14,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from schemathesis.checks import not_a_server_error
 
-from batch_pipeline.pipeline.sensors import _run_request
+from batch_pipeline.pipeline.sensors import run_request_for
 from tests.api_fixtures import USER_KEY, Deployment
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -111,4 +111,4 @@ def test_hostile_values_anywhere_in_a_body_get_4xx(deployment):
 
         fuzz()
     for record in deployment.store.list().jobs:
-        assert _run_request(record).run_key == record.job_id  # raises for a job that could not run
+        assert run_request_for(record).run_key == record.job_id  # raises for a job that could not run

@@ -96,14 +96,14 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
     store = job_store.get_store()
     job_id = tagged_job_id(context.instance, context.run)
-    if job_id is None:
-        job_id = _register_job(context, job_store, job_storage, request)
-    elif request.content_path is not None:
-        record = store.get(job_id)
+    if request.content_path is not None:
+        record = store.get(job_id) if job_id is not None else None
         # Only the submission path names a content file: the one it wrote for this job.
         if record is None or record.content_path != request.content_path:
             raise dg.Failure("content_path: set by the submission path only, to the file it wrote for the job; "
                              "send content or input_data_path instead", allow_retries=False)
+    if job_id is None:
+        job_id = _register_job(context, job_store, job_storage, request)
     # Started when Dagster started the run, not when this first step got going (~2 s later here).
     if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), timezone.utc)):
         raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
@@ -129,9 +129,6 @@ def _register_job(context: OpExecutionContext, job_store: JobStoreResource, job_
     """A run launched outside the API (the launchpad, a re-execution of one, `batch-pipeline run`) becomes
     a job too, through the same submission path, so the API lists it, reports its status and can cancel
     it. Later steps, and re-executions (which copy the run's tags), use the job id's work dir."""
-    if request.content_path is not None:
-        raise dg.Failure("content_path: set by the submission path only; send content or input_data_path instead",
-                         allow_retries=False)
     record, _ = submit(
         job_store.get_store(), job_storage.work_dir, DAGSTER_OWNER, request,
         idempotency_key=f"run:{context.run.root_run_id or context.run_id}", run_id=context.run_id,

@@ -22,9 +22,9 @@ from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
-from batch_pipeline.pipeline.sensors import run_config_for_stored
-from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, run_tags
-from batch_pipeline.submission import stored_request, submit
+from batch_pipeline.pipeline.sensors import run_request_for
+from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
+from batch_pipeline.submission import submit
 
 SCHEDULES_ENV = "BATCH_PIPELINE_SCHEDULES"
 SCHEDULE_LABEL = "schedule"
@@ -172,8 +172,7 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
             idempotency_key=f"{spec.name}@{tick.astimezone(timezone.utc).isoformat()}",
         )
         context.log.info(f"{'stored' if created else 'found'} job {record.job_id} for the tick at {tick.isoformat()}")
-        return dg.RunRequest(run_key=record.job_id, run_config=run_config_for_stored(stored_request(record)),
-                             tags=run_tags(record))
+        return run_request_for(record)
 
     return _tick
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, JobRecord, JobStore
+from batch_pipeline.pipeline.execute import run_config_for
 from batch_pipeline.pipeline.job import batch_completions, job_id_of
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
 from batch_pipeline.pipeline.resources import JobStoreResource
@@ -83,8 +84,8 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore):
             if taken and taken + size > budget:
                 return
             try:
-                run_request = _run_request(record)
-            except Exception as exc:  # _run_request reads only the record: whatever fails, fails for this job alone
+                run_request = run_request_for(record)
+            except Exception as exc:  # run_request_for reads only the record: whatever fails, fails for this job alone
                 reason = f"could not start: {_shortened(exc)}"
                 context.log.warning(f"{record.job_id}: {reason}")
                 store.mark_failed(record.job_id, reason)
@@ -101,10 +102,10 @@ def _tagged_runs(instance: dg.DagsterInstance, job_ids: list[str]) -> dict[str, 
     return {run.tags[JOB_ID_TAG]: run.run_id for run in reversed(runs)}  # newest last: it wins
 
 
-def _run_request(record: JobRecord) -> dg.RunRequest:
-    """The job's run request, checked as the daemon will check it when it creates the run (the request by
-    the contract, the run config by the job's config schema, the tags as storable text), so that what is
-    yielded cannot fail the tick for every job."""
+def run_request_for(record: JobRecord) -> dg.RunRequest:
+    """The job's run request (this sensor's, and a schedule tick's), checked as the daemon will check it
+    when it creates the run (the request by the contract, the run config by the job's config schema, the
+    tags as storable text), so that what is yielded cannot fail the tick for every job."""
     try:
         # From Python's parse of the row, not pydantic's JSON: it reads what an older release stored (a lone
         # surrogate escape) and the contract then names the field.
@@ -114,14 +115,9 @@ def _run_request(record: JobRecord) -> dg.RunRequest:
     tags = run_tags(record)
     if problem := wire_value_problem(tags):
         raise ValueError(f"run tags (labels, model): {problem}")
-    run_config = run_config_for_stored(request)
+    run_config = run_config_for(request)
     dg.validate_run_config(batch_completions, run_config)  # DagsterInvalidConfigError names the field
     return dg.RunRequest(run_key=record.job_id, run_config=run_config, tags=tags)
-
-
-def run_config_for_stored(request: StoredRequest) -> dict:
-    """The run config of a stored job: its request, which names its content by reference."""
-    return {"ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}}
 
 
 def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
