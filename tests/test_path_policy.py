@@ -178,6 +178,25 @@ def test_a_launchpad_run_is_held_to_the_same_policy(run_job, data_root, monkeypa
     assert "model_config.trust_remote_code: this server does not run a model's own code" in message
 
 
+def test_a_launchpad_run_cannot_name_a_content_file_only_the_submission_path_may(dagster_home, tmp_path):
+    """`content_path` is how a stored job names the content it was sent; a run from the launchpad that
+    names one (another job's prompts, say) fails before reading it."""
+    from batch_pipeline.pipeline.execute import execute_request
+    from batch_pipeline.submission import StoredRequest
+
+    others = tmp_path / "work" / "batch-someone-else" / "content.json"
+    others.parent.mkdir(parents=True)
+    others.write_text(json.dumps({"prompts": ["someone else's secret"], "max_new_tokens": 1, "temperature": 0.0}))
+    output = tmp_path / "o.json"
+    request = StoredRequest.model_validate({"output_data_path": str(output), "model_config": {"model": MODEL},
+                                            "content_path": str(others)})
+    result = execute_request(request, dagster_home)
+    assert not result.success
+    (message,) = step_failure_messages(result)
+    assert "content_path: set by the submission path only" in message
+    assert not output.exists()
+
+
 def test_the_metadata_path_the_policy_checks_is_the_one_the_job_writes():
     from batch_pipeline.paths import metadata_path
     from batch_pipeline.pipeline.job import metadata_path as written_by_the_job
