@@ -265,6 +265,12 @@ def _run(path: Path, show: int) -> int:
         f"{metadata['prompt_tokens']} prompt + {metadata['completion_tokens']} completion tokens, "
         f"{metadata['wall_s']:.1f}s wall, {metadata['completion_tokens_per_s']} completion tokens/s"
     )
+    plan = metadata["data_parallelism"]
+    if plan["reason"]:
+        print(f"{plan['used']} of the {plan['requested']} shards asked: {plan['reason']}")
+    if metadata["num_deduplicated"]:
+        print(f"{metadata['num_deduplicated']} requests repeated an earlier deterministic one and share its output")
+    print(f"computed in {metadata['dtype']}: {metadata['shards'][0]['dtype_reason']}")
     for index, output in enumerate(outputs[:show]):
         text = output.get("text") if "text" in output else json.dumps(output)
         print(f"[{index}] {text.strip()[:200]!r}")

@@ -2,6 +2,8 @@
 
 A shard lives in a directory of the job's work dir:
   input.jsonl   one work item per line, `{"index": i, "kind": ..., "request": {...}}`, ascending index
+  copies.tsv    `<index>\t<source index>\n` per request that repeats an earlier deterministic one of the
+                shard: it is not generated again; its output is its source's (absent when none)
   results.tsv   appended by the worker as requests finish: `<index>\\t<output JSON>\\n`, in finishing order;
                 the checkpoint a restarted worker resumes from
   output.tsv    the same lines sorted by index, written once the shard is complete
@@ -12,7 +14,9 @@ Tab-separated lines let the merge copy each output without parsing it (JSON text
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import heapq
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -23,8 +27,16 @@ from batch_pipeline import io
 from batch_pipeline.contract.records import InputRecord, RecordKind, parse_record
 
 INPUT_FILE = "input.jsonl"
+COPIES_FILE = "copies.tsv"
 RESULTS_FILE = "results.tsv"
 OUTPUT_FILE = "output.tsv"
+# Estimating a request's cost without its tokenizer: characters per token of English text, and the output
+# of a request that sets no limit (chat; a completion's default is 16, as in the OpenAI API).
+CHARS_PER_TOKEN = 4
+UNBOUNDED_OUTPUT_ESTIMATE = 256
+# Distinct deterministic requests remembered to find repeats: ~150 B each, so the planner stays small on
+# any input; past it, repeats of requests first seen later are generated again.
+DEDUP_TABLE_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -45,17 +57,31 @@ class WorkItem:
 
 
 @dataclass(frozen=True)
+class ItemSize:
+    """What a work item weighs: its prompts (times `n`), and the tokens it reads and writes, estimated."""
+
+    prompts: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class ShardSpec:
     """What the orchestrator hands to a shard launcher."""
 
     shard_index: int
     directory: str
-    item_count: int
+    item_count: int  # outputs the shard owes, copies included
     prompt_count: int
+    estimated_tokens: int = 0
+    copy_count: int = 0  # of item_count: repeats filled from their source's output, listed in copies.tsv
 
     @property
     def input_path(self) -> str:
         return io.join(self.directory, INPUT_FILE)
+
+    @property
+    def copies_path(self) -> str:
+        return io.join(self.directory, COPIES_FILE)
 
     @property
     def results_path(self) -> str:
@@ -69,56 +95,176 @@ class ShardSpec:
         return asdict(self)
 
 
-def work_items(records: Iterable[tuple[str, Any]]) -> Iterator[tuple[WorkItem, int]]:
-    """Typed work items and their weight in prompts, from raw records; v1 content fans out per prompt."""
+def work_items(records: Iterable[tuple[str, Any]]) -> Iterator[tuple[WorkItem, ItemSize]]:
+    """Typed work items and their size, from raw records; v1 content fans out per prompt."""
     index = 0
     for where, raw in records:
         kind, record = parse_record(raw, where)
-        for request, weight in _split(kind, record):
-            yield WorkItem(index=index, kind=kind, request=request), weight
+        for request, size in _split(kind, record):
+            yield WorkItem(index=index, kind=kind, request=request), size
             index += 1
 
 
-def _split(kind: RecordKind, record: InputRecord) -> Iterator[tuple[dict[str, Any], int]]:
+def _split(kind: RecordKind, record: InputRecord) -> Iterator[tuple[dict[str, Any], ItemSize]]:
     if kind == "v1":
         shared = record.model_dump(exclude={"prompts"}, exclude_none=True)
         for prompt in record.prompts:
-            yield {"prompt": prompt, **shared}, 1
+            yield {"prompt": prompt, **shared}, ItemSize(1, _text_tokens(prompt) + record.max_new_tokens)
         return
     request = record.model_dump(exclude_none=True, by_alias=True)
-    prompts = getattr(record, "prompt", None)
-    many = isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))
-    yield request, (len(prompts) if many else 1) * (record.n or 1)
+    if kind == "chat":
+        prompts = [record.messages]
+    else:
+        prompt = record.prompt
+        many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        prompts = prompt if many else [prompt]
+    output = expected_output_tokens(kind, request)
+    yield request, ItemSize(len(prompts) * (record.n or 1), sum(_prompt_tokens(prompt) + output for prompt in prompts))
 
 
-def write_shards(items: Iterable[tuple[WorkItem, int]], num_shards: int, work_dir: str) -> list[ShardSpec]:
-    """Stream items into `num_shards` shard inputs, each item to the least-loaded shard by prompt weight.
+def expected_output_tokens(kind: RecordKind, request: dict[str, Any]) -> int:
+    """The most tokens one prompt of a request may generate, all its `n` candidates together; an estimate
+    where the request sets no limit."""
+    if kind == "v1":
+        return request["max_new_tokens"]
+    if kind == "chat":
+        limit = request.get("max_completion_tokens") or request.get("max_tokens") or UNBOUNDED_OUTPUT_ESTIMATE
+    else:
+        limit = request.get("max_tokens", 16)
+    return limit * (request.get("n") or 1)
 
-    One pass, constant memory; shards with nothing to do are not returned.
+
+def _prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return _text_tokens(prompt)
+    if prompt and isinstance(prompt[0], int):  # token ids
+        return len(prompt)
+    return sum(_message_tokens(message) for message in prompt)
+
+
+def _message_tokens(message: Any) -> int:
+    content = message.content
+    if isinstance(content, str):
+        return _text_tokens(content)
+    return sum(_text_tokens(getattr(part, "text", "")) for part in content or [])
+
+
+def _text_tokens(text: str) -> int:
+    return len(text) // CHARS_PER_TOKEN + 1
+
+
+def repeat_key(item: WorkItem) -> bytes | None:
+    """A digest that two work items share when they are the same request with a deterministic output
+    (greedy, or a fixed seed), so that one generation can answer both; None for any other request."""
+    request = item.request
+    if request.get("temperature") != 0 and request.get("seed") is None:
+        return None
+    text = json.dumps([item.kind, request], sort_keys=True, ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How many shards a job runs in, against the `data_parallelism` it asked for, and why fewer."""
+
+    requested: int
+    used: int
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_shard_count(
+    items: Iterator[tuple[WorkItem, ItemSize]], requested: int, slots: int | None, min_tokens_per_shard: int,
+) -> tuple[ShardPlan, Iterator[tuple[WorkItem, ItemSize]]]:
+    """Shards for a job: as many as asked, but no more than the deployment runs at once (`slots`; None for
+    no limit) and no more than the work fills at `min_tokens_per_shard` estimated tokens each, since every
+    shard pays a whole engine start (10-20 s on the CPU) before its first token.
+
+    Reads ahead only as far as the decision needs (at most the tokens of the shards it may use); returns the
+    plan and the items, those read ahead included.
+    """
+    used, reason = requested, None
+    if slots is not None and slots < used:
+        used, reason = slots, f"this deployment runs at most {slots} shard workers at once"
+    if used > 1 and min_tokens_per_shard > 0:
+        read_ahead: list[tuple[WorkItem, ItemSize]] = []
+        tokens = 0
+        for entry in items:
+            read_ahead.append(entry)
+            tokens += entry[1].tokens
+            if tokens >= used * min_tokens_per_shard:
+                break
+        else:
+            fits = max(1, tokens // min_tokens_per_shard)
+            if fits < used:
+                used = fits
+                reason = (f"the job's ~{tokens} tokens fill {fits} shard{'s' if fits > 1 else ''} of at least "
+                          f"{min_tokens_per_shard} (each shard starts an engine of its own)")
+        items = itertools.chain(read_ahead, items)
+    return ShardPlan(requested=requested, used=used, reason=reason), items
+
+
+def write_shards(items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, work_dir: str,
+                 deduplicate: bool = False) -> list[ShardSpec]:
+    """Stream items into `num_shards` shard inputs, each item to the least-loaded shard by estimated tokens.
+
+    With `deduplicate`, a request that repeats an earlier deterministic one goes to its source's shard as a
+    copy (copies.tsv), weighing nothing. One pass; memory bounded by DEDUP_TABLE_LIMIT. Shards with
+    nothing to do are not returned.
     """
     directories = [io.join(work_dir, "shards", f"{k:03d}") for k in range(num_shards)]
-    loads = [(0, k) for k in range(num_shards)]  # heap of (prompts assigned, shard)
+    loads = [(0, k) for k in range(num_shards)]  # heap of (estimated tokens assigned, shard)
     item_counts = [0] * num_shards
     prompt_counts = [0] * num_shards
+    token_counts = [0] * num_shards
+    copy_counts = [0] * num_shards
+    sources: dict[bytes, tuple[int, int]] = {}  # repeat key -> (shard, index) of its first request
     if io.is_local(work_dir):  # the job's prompts and outputs: for the worker's user alone
         for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
             make_private_directory(directory)
     with contextlib.ExitStack() as stack:
         writers = []
+        copy_writers: dict[int, IO[str]] = {}
         for directory in directories:
             io.makedirs(directory)
             writers.append(stack.enter_context(io.atomic_write(io.join(directory, INPUT_FILE))))
-        for item, weight in items:
-            load, k = heapq.heappop(loads)
-            writers[k].write(item.to_line() + "\n")
+        for item, size in items:
+            key = repeat_key(item) if deduplicate else None
+            if key is not None and key in sources:
+                k, source = sources[key]
+                if k not in copy_writers:
+                    copy_writers[k] = stack.enter_context(io.atomic_write(io.join(directories[k], COPIES_FILE)))
+                copy_writers[k].write(f"{item.index}\t{source}\n")
+                copy_counts[k] += 1
+            else:
+                load, k = heapq.heappop(loads)
+                writers[k].write(item.to_line() + "\n")
+                token_counts[k] += size.tokens
+                heapq.heappush(loads, (load + size.tokens, k))
+                if key is not None and len(sources) < DEDUP_TABLE_LIMIT:
+                    sources[key] = (k, item.index)
             item_counts[k] += 1
-            prompt_counts[k] += weight
-            heapq.heappush(loads, (load + weight, k))
+            prompt_counts[k] += size.prompts
     return [
-        ShardSpec(shard_index=k, directory=directories[k], item_count=item_counts[k], prompt_count=prompt_counts[k])
+        ShardSpec(shard_index=k, directory=directories[k], item_count=item_counts[k], prompt_count=prompt_counts[k],
+                  estimated_tokens=token_counts[k], copy_count=copy_counts[k])
         for k in range(num_shards)
         if item_counts[k]
     ]
+
+
+def read_copies(path: str) -> dict[int, list[int]]:
+    """A shard's copies, by source index: `{source: [copy index, ...]}`; empty when it has none."""
+    copies: dict[int, list[int]] = {}
+    if not io.exists(path):
+        return copies
+    with io.open_file(path, "r", encoding="utf-8") as handle:
+        for line in handle:
+            index, _, source = line.partition("\t")
+            copies.setdefault(int(source), []).append(int(index))
+    return copies
 
 
 def make_private_directory(path: str) -> None:
@@ -190,7 +336,7 @@ def progress(work_dir: str) -> tuple[int, int]:
     a stopped run finished; status reads take the job store's counts)."""
     done = total = 0
     for directory in shard_directories(work_dir):
-        total += count_lines(io.join(directory, INPUT_FILE))
+        total += count_lines(io.join(directory, INPUT_FILE)) + count_lines(io.join(directory, COPIES_FILE))
         done += count_lines(io.join(directory, RESULTS_FILE))
     return done, total
 
@@ -207,8 +353,10 @@ def partial_outputs(work_dir: str, missing: Callable[[int], str]) -> Iterator[tu
         if io.exists(results_path):
             with io.open_file(results_path, "r", encoding="utf-8") as handle:
                 results = dict(iter_result_lines(handle))
-        for item in read_work_items(io.join(directory, INPUT_FILE)):
-            yield item.index, results.get(item.index) or missing(item.index)
+        copies = sorted(index for indices in read_copies(io.join(directory, COPIES_FILE)).values() for index in indices)
+        generated = (item.index for item in read_work_items(io.join(directory, INPUT_FILE)))
+        for index in heapq.merge(generated, copies):
+            yield index, results.get(index) or missing(index)
 
     yield from heapq.merge(*(shard_stream(d) for d in shard_directories(work_dir)), key=lambda pair: pair[0])
 

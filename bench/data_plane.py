@@ -44,7 +44,7 @@ def plan(input_path: str, work_dir: str, shards: int) -> dict:
     from batch_pipeline.shards import work_items, write_shards
 
     started = time.perf_counter()
-    specs = write_shards(work_items(io.iter_json_records(input_path)), shards, work_dir)
+    specs = write_shards(work_items(io.iter_json_records(input_path)), shards, work_dir, deduplicate=True)
     return {"seconds": time.perf_counter() - started, "items": sum(spec.item_count for spec in specs)}
 
 

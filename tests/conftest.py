@@ -12,6 +12,10 @@ MODEL = "smollm2-135m-instruct"
 pytest_plugins = ["tests.api_fixtures"]
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# Each test's job runs in the shards it asks for: the jobs are small, and what many tests check spans shards.
+# How a job's shard count is planned has tests of its own (test_shard_planning.py).
+os.environ.setdefault("BATCH_PIPELINE_MIN_SHARD_TOKENS", "0")
+os.environ.setdefault("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "64")
 
 
 @pytest.fixture(autouse=True)

@@ -191,7 +191,7 @@ def test_a_killed_run_worker_is_re_executed_from_failure_without_redoing_finishe
     # The run's own process (the executor and every step and worker under it), one shard at a time.
     run_worker = subprocess.Popen(
         [sys.executable, "-c", RUN_WORKER, str(tmp_path / "request.json")],
-        env={**os.environ, "BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY": "1"},
+        env={**os.environ, "BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY": "1", "BATCH_PIPELINE_MAX_SHARDS_PER_JOB": "2"},
         stdout=open(tmp_path / "run.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     # Killed once one shard has finished and the other has results on disk and more in flight.

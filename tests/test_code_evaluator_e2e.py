@@ -39,11 +39,16 @@ def ask_to_run(code: str) -> str:
     return f"{ask_to_close(code)}```\n>>>\n"
 
 
+# What the model writes is asserted: float32 on every machine, since greedy text follows the dtype's
+# numerics, and unset the dtype would be bfloat16 on some CPUs and float32 on others.
+MODEL_CONFIG = {"model": MODEL, "dtype": "float32"}
+
+
 def run_tool_job(run_job, tmp_path: Path, prompts: list[str], max_new_tokens: int = 48, **tool_config) -> tuple:
     output = tmp_path / "output.json"
     result = run_job({
         "output_data_path": str(output),
-        "model_config": {"model": MODEL},
+        "model_config": MODEL_CONFIG,
         "content": {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": 0.0},
         "tool_config": {"name": "code_evaluator", "execution_timeout_seconds": 5, **tool_config},
     })

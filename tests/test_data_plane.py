@@ -65,7 +65,7 @@ def test_empty_or_scalar_input_is_refused(tmp_path, text):
 
 def test_v1_content_fans_out_one_item_per_prompt_in_order():
     items = list(work_items([("content", CONTENT), ("element 1", {**CONTENT, "prompts": ["d"]})]))
-    assert [(item.index, item.request["prompt"], weight) for item, weight in items] == [
+    assert [(item.index, item.request["prompt"], size.prompts) for item, size in items] == [
         (0, "a", 1), (1, "b", 1), (2, "c", 1), (3, "d", 1)
     ]
     assert items[0][0].request == {
@@ -142,18 +142,21 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
-def test_work_is_ordered_so_shared_prefixes_run_together_within_each_window():
+def test_work_is_ordered_longest_outputs_first_and_shared_prefixes_together_within_each_window():
     from batch_pipeline.shards import WorkItem
-    from batch_pipeline.worker.runner import prefix_ordered
+    from batch_pipeline.worker.runner import engine_order
 
     prompts = ["FEW-SHOT A\nq1", "other 1", "FEW-SHOT A\nq2", "other 2", "FEW-SHOT A\nq3", "other 3"]
-    items = [WorkItem(index=i, kind="v1", request={"prompt": p}) for i, p in enumerate(prompts)]
-    ordered = [item.index for item in prefix_ordered(iter(items), window=4)]
+    items = [WorkItem(index=i, kind="v1", request={"prompt": p, "max_new_tokens": 8}) for i, p in enumerate(prompts)]
+    ordered = [item.index for item in engine_order(iter(items), window=4)]
     assert ordered[:4] == [0, 2, 1, 3]  # the first window, shared prefix first and together
     assert sorted(ordered) == list(range(6)) and set(ordered[4:]) == {4, 5}
     chats = [
-        WorkItem(index=0, kind="chat", request={"messages": [{"role": "system", "content": "B"}]}),
-        WorkItem(index=1, kind="chat", request={"messages": [{"role": "system", "content": "A"}]}),
-        WorkItem(index=2, kind="chat", request={"messages": [{"role": "system", "content": "B"}]}),
+        WorkItem(index=0, kind="chat", request={"messages": [{"role": "system", "content": "B"}], "max_tokens": 16}),
+        WorkItem(index=1, kind="chat", request={"messages": [{"role": "system", "content": "A"}], "max_tokens": 16}),
+        WorkItem(index=2, kind="chat", request={"messages": [{"role": "system", "content": "B"}], "max_tokens": 16}),
+        WorkItem(index=3, kind="chat", request={"messages": [{"role": "system", "content": "C"}], "max_tokens": 512}),
+        WorkItem(index=4, kind="chat", request={"messages": [{"role": "system", "content": "D"}], "max_tokens": 16,
+                                                "n": 64}),
     ]
-    assert [item.index for item in prefix_ordered(iter(chats), window=10)] == [1, 0, 2]
+    assert [item.index for item in engine_order(iter(chats), window=10)] == [4, 3, 1, 0, 2]

@@ -58,6 +58,7 @@ def test_a_killed_run_worker_is_retried_by_the_daemon_and_the_job_completes_with
     # One shard at a time, so the second shard has never started when the run worker dies: re-executing
     # from failure would not select it again.
     monkeypatch.setenv("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", "1")
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "2")  # two shards, one after the other
     api.start_daemon()
     # echo: each output starts with its own prompt, so the output says which request it answers. Lengths
     # differ, so a shard finishes its requests one after another, not all at once.

@@ -78,3 +78,8 @@ class ShardLauncher(dg.ConfigurableResource):
     def run_shard(self, context: dg.OpExecutionContext, task: ShardTask,
                   on_progress: ProgressCallback | None = None) -> dict[str, Any]:
         raise NotImplementedError
+
+    def shard_slots(self) -> int | None:
+        """How many shard workers of one job can compute at once; None where the cluster decides (pods
+        wait for nodes). A job is not split into more shards than this."""
+        return None

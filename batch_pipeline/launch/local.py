@@ -78,6 +78,9 @@ class LocalShardLauncher(ShardLauncher):
             )
         return worker_stats(task, reports)
 
+    def shard_slots(self) -> int | None:
+        return local_shard_concurrency()
+
     @staticmethod
     def _wait(context: dg.OpExecutionContext, process: subprocess.Popen, task: ShardTask) -> int:
         """The worker's exit code. A killed run worker leaves its step processes running (they hold its

@@ -5,6 +5,7 @@ The ops orchestrate; inference happens in the shard workers the launcher starts.
 
 
 import json
+import os
 import time
 from datetime import datetime, timezone
 
@@ -27,6 +28,7 @@ from batch_pipeline.shards import (
     ShardSpec,
     ShardTask,
     merge_sorted_outputs,
+    plan_shard_count,
     work_items,
     write_output_array,
     write_shards,
@@ -138,11 +140,30 @@ def _register_job(context: OpExecutionContext, job_store: JobStoreResource, job_
     return record.job_id
 
 
+# A shard is worth its engine start (10-20 s here) when it has this much to do: on 2 CPU cores, ~20 s of
+# generation. GPU deployments generate far faster per engine start and should raise it.
+DEFAULT_MIN_SHARD_TOKENS = 8192
+
+
+def shard_planning_settings(shard_launcher: ShardLauncher) -> tuple[int | None, int, bool]:
+    """(most shards a job is split into, least estimated tokens per shard, whether repeats are generated
+    once), from BATCH_PIPELINE_MAX_SHARDS_PER_JOB (default: what the launcher runs at once),
+    BATCH_PIPELINE_MIN_SHARD_TOKENS (default 8192; 0: any) and BATCH_PIPELINE_DEDUPLICATE (default 1)."""
+    most = os.environ.get("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "").strip()
+    return (
+        int(most) if most else shard_launcher.shard_slots(),
+        int(os.environ.get("BATCH_PIPELINE_MIN_SHARD_TOKENS", DEFAULT_MIN_SHARD_TOKENS)),
+        os.environ.get("BATCH_PIPELINE_DEDUPLICATE", "1") != "0",
+    )
+
+
 @dg.op(
-    out=dg.DynamicOut(dict),
-    description="Stream the prompts into `data_parallelism` shard inputs, balanced by prompt count.",
+    out={"shards": dg.DynamicOut(dict), "plan": dg.Out(dict)},
+    description="Stream the prompts into shard inputs balanced by estimated tokens: `data_parallelism` of them, "
+    "or fewer where the deployment cannot run them at once or the work is too small to pay for their engines.",
 )
-def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage, job_store: JobStoreResource):
+def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage, job_store: JobStoreResource,
+                shard_launcher: ShardLauncher):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
     content = request.get("content")
@@ -157,19 +178,25 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
         records = iter([("content", content)])
     else:
         records = ((f"content.{position}", record) for position, record in enumerate(content))
+    slots, min_tokens, deduplicate = shard_planning_settings(shard_launcher)
     try:
-        shards = write_shards(work_items(records), request["data_parallelism"] or 1, work_dir)
+        plan, items = plan_shard_count(work_items(records), request["data_parallelism"] or 1, slots, min_tokens)
+        # A tool loop runs code whose output may change between runs: its requests are never merged.
+        shards = write_shards(items, plan.used, work_dir, deduplicate=deduplicate and not request.get("tool_config"))
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
     job_store.get_store().record_shards(job_id, {shard.shard_index: shard.item_count for shard in shards})
     deadline = job_deadline(context, request["max_runtime_sec"])
+    copies = sum(s.copy_count for s in shards)
     context.log.info(
         f"{sum(s.item_count for s in shards)} requests in {len(shards)} shards under {work_dir}: "
-        + ", ".join(str(s.prompt_count) for s in shards)
-        + " prompts"
+        + ", ".join(f"{s.prompt_count} prompts (~{s.estimated_tokens} tokens)" for s in shards)
+        + (f"; {copies} repeat an earlier deterministic request and take its output" if copies else "")
+        + (f"; {plan.used} shards of the {plan.requested} asked: {plan.reason}" if plan.reason else "")
     )
+    yield dg.Output(plan.to_dict() | {"deduplicated": copies}, "plan")
     hardware = {field: request.get(field) for field in HARDWARE_FIELDS if request.get(field) is not None}
     for shard in shards:
         task = ShardTask(
@@ -177,7 +204,7 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
             job_id=job_id, hardware=hardware, labels=request.get("labels") or {},
             tool_config=request.get("tool_config"),
         )
-        yield dg.DynamicOutput(task.to_dict(), mapping_key=f"shard_{shard.shard_index:03d}")
+        yield dg.DynamicOutput(task.to_dict(), output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
 
 
 @dg.op(
@@ -231,7 +258,7 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
 
 @dg.op(description="Write the job's counts, tokens and timings beside the output, and as run metadata.")
 def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict, shard_results: list[dict],
-                       job_store: JobStoreResource) -> dict:
+                       plan: dict, job_store: JobStoreResource) -> dict:
     shards = sorted((result["stats"] for result in shard_results), key=lambda stats: stats["shard_index"])
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s["completion_tokens"] for s in shards)
@@ -248,6 +275,11 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
         "completion_tokens_per_s": round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
         "merge_s": merged["merge_s"],
         "finished_at": datetime.now(timezone.utc).isoformat(),
+        # How the job ran where it differed from what it asked: fewer shards, outputs shared by repeats,
+        # the dtype chosen for the hardware (each shard's choice and reason are in `shards`).
+        "data_parallelism": {key: plan[key] for key in ("requested", "used", "reason")},
+        "num_deduplicated": plan["deduplicated"],
+        "dtype": ", ".join(sorted({s["dtype"] for s in shards if s.get("dtype")})) or None,
         "shards": shards,
     }
     with io.atomic_write(metadata_path(merged["output_data_path"]), "w") as handle:
@@ -287,6 +319,7 @@ def _run_start(context: OpExecutionContext) -> float:
 )
 def batch_completions():
     request = validate_input()
-    shard_results = plan_shards(request).map(run_shard).collect()
+    shards, plan = plan_shards(request)
+    shard_results = shards.map(run_shard).collect()
     merged = merge_outputs(request, shard_results)
-    write_job_metadata(request, merged, shard_results)
+    write_job_metadata(request, merged, shard_results, plan)

@@ -26,7 +26,15 @@ from batch_pipeline.contract import (
     ErrorOutput,
     ToolConfig,
 )
-from batch_pipeline.shards import ShardTask, WorkItem, format_result, read_work_items
+from batch_pipeline.shards import (
+    ShardTask,
+    WorkItem,
+    expected_output_tokens,
+    format_result,
+    iter_result_lines,
+    read_copies,
+    read_work_items,
+)
 from batch_pipeline.worker.code_evaluator import CodeEvaluatorRequests
 from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
 
@@ -50,6 +58,7 @@ class ShardStats:
     items: int
     resumed: int = 0
     generated: int = 0
+    deduplicated: int = 0  # requests answered by an identical deterministic request's output
     errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -57,6 +66,8 @@ class ShardStats:
     generate_s: float = 0.0
     wall_s: float = 0.0
     unsupported_engine_args: list[str] = field(default_factory=list)
+    dtype: str | None = None  # what the engine computed in, and why (the request's, the model's, or the CPU's)
+    dtype_reason: str | None = None
     # code_evaluator runs: executions, how many failed or ran out of time, and the sandbox's isolation
     tool_executions: int = 0
     tool_failed_executions: int = 0
@@ -113,21 +124,31 @@ def token_counts(output: dict[str, Any]) -> tuple[int, int]:
     return output.get("num_prompt_tokens", 0), output.get("num_completion_tokens", 0)
 
 
-def prefix_ordered(items: Iterator[WorkItem], window: int) -> Iterator[WorkItem]:
-    """Each window of items with the requests that share a prompt prefix side by side.
+def engine_order(items: Iterator[WorkItem], window: int) -> Iterator[WorkItem]:
+    """Each window of items, the longest possible outputs first, and among equals those sharing a prompt
+    prefix side by side. Outputs go back to their index, so the order of work is free.
 
-    Batch inputs often repeat a long prefix (few-shot templates, system prompts) far apart; submitted
-    together, the later requests find the prefix in vLLM's cache instead of computing it again. Outputs
-    go back to their index, so the order of work is free.
+    A long generation started last finishes alone, long after the rest (the engine runs at most
+    `max_num_seqs` at once): started first, it runs beside the short ones. Batch inputs often repeat a long
+    prefix (few-shot templates, system prompts) far apart; submitted together, the later requests find the
+    prefix in vLLM's cache instead of computing it again.
     """
     while chunk := list(itertools.islice(items, window)):
-        yield from sorted(chunk, key=_prompt_key)
+        yield from sorted(chunk, key=lambda item: (-expected_output_tokens(item.kind, item.request), _prompt_key(item)))
 
 
 def _prompt_key(item: WorkItem) -> str:
     request = item.request
     prompt = request.get("messages", request.get("prompt"))
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def output_for_copy(output: dict[str, Any], index: int) -> dict[str, Any]:
+    """The output of a request that repeats another: the other's, under an id of its own (an OpenAI
+    object's id ends with its request's index, see openai_requests)."""
+    if "id" not in output:
+        return output
+    return {**output, "id": f"{output['id'].rpartition('-')[0]}-{index}"}
 
 
 def error_output(code: str, message: str) -> dict[str, Any]:
@@ -188,6 +209,8 @@ class ShardRunner:
         self.handlers: dict[str, Any] = {"v1": V1Requests()}
         self.tool_loop: CodeEvaluatorRequests | None = None  # v1 prompts under tool_config; set with the engine
         self.stats = ShardStats(shard_index=self.shard.shard_index, items=self.shard.item_count)
+        self.copies: dict[int, list[int]] = {}  # source index -> indices answered by its output
+        self._copies_written = 0
 
     def run(self) -> ShardStats:
         started = time.monotonic()
@@ -198,14 +221,21 @@ class ShardRunner:
             if done:
                 self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
             self.report_progress({"requests_done": len(done)})
+            self.copies = read_copies(self.shard.copies_path)
+            unfilled = {source: [index for index in indices if index not in done]
+                        for source, indices in self.copies.items() if source in done}
+            unfilled = {source: indices for source, indices in unfilled.items() if indices}
             pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
             first = next(pending, None)
-            if first is not None:
-                self._check_deadline()  # a retry past the deadline must not start an engine
+            if first is not None or unfilled:
                 try:
                     with open(self.checkpoint.local, "a", encoding="utf-8", opener=_private) as results:
-                        work = prefix_ordered(itertools.chain([first], pending), self.max_in_flight)
-                        self._generate(work, results, already_done=len(done))
+                        if unfilled:  # a worker stopped between writing a source's output and its copies'
+                            self._fill_copies(unfilled, results)
+                        if first is not None:
+                            self._check_deadline()  # a retry past the deadline must not start an engine
+                            work = engine_order(itertools.chain([first], pending), self.max_in_flight)
+                            self._generate(work, results, already_done=len(done))
                 except OSError as exc:
                     if exc.filename is None and exc.errno in _WRITE_ERRORS:  # name the file a full disk stopped
                         raise OSError(exc.errno, exc.strerror, self.checkpoint.local) from None
@@ -226,9 +256,12 @@ class ShardRunner:
             tool_config = ToolConfig.model_validate(self.task.tool_config)
             sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
         t0 = time.monotonic()
-        llm, self.stats.unsupported_engine_args = build_llm(model_config)
+        built = build_llm(model_config)
+        llm = built.llm
+        self.stats.unsupported_engine_args = built.unsupported
+        self.stats.dtype, self.stats.dtype_reason = built.dtype, built.dtype_reason
         self.stats.engine_start_s = round(time.monotonic() - t0, 3)
-        self.report(f"engine ready in {self.stats.engine_start_s:.1f}s")
+        self.report(f"engine ready in {self.stats.engine_start_s:.1f}s, computing in {built.dtype}: {built.dtype_reason}")
         engine = llm.llm_engine
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
@@ -284,17 +317,29 @@ class ShardRunner:
             self._write(results, item.index, error_output(_error_code(exc), str(exc)))
 
     def _write(self, results: IO[str], index: int, output: dict[str, Any]) -> None:
-        # One write and a flush per result: a killed worker leaves whole lines, plus at most one torn one.
-        results.write(format_result(index, output))
+        # One write and a flush per result and its copies: a killed worker leaves whole lines, plus at most
+        # one torn one.
+        copies = self.copies.get(index, ())
+        results.write(format_result(index, output)
+                      + "".join(format_result(copy, output_for_copy(output, copy)) for copy in copies))
         results.flush()
+        self._copies_written += len(copies)
         self.stats.generated += 1
         self.stats.errors += "error" in output
         prompt_tokens, completion_tokens = token_counts(output)
         self.stats.prompt_tokens += prompt_tokens  # running figures for progress; _finalize counts them all
         self.stats.completion_tokens += completion_tokens
 
+    def _fill_copies(self, unfilled: dict[int, list[int]], results: IO[str]) -> None:
+        with open(self.checkpoint.local, encoding="utf-8") as finished:
+            sources = [(index, payload) for index, payload in iter_result_lines(finished) if index in unfilled]
+        for source, payload in sources:
+            output = json.loads(payload)
+            results.write("".join(format_result(copy, output_for_copy(output, copy)) for copy in unfilled[source]))
+        results.flush()
+
     def _report_progress(self, already_done: int, elapsed: float) -> None:
-        finished = already_done + self.stats.generated
+        finished = already_done + self.stats.generated + self._copies_written
         rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
         # Counts of this attempt's requests, plus those a resumed shard found done (their tokens are
         # counted when the shard completes).
@@ -352,6 +397,7 @@ class ShardRunner:
                     output_file.write(results.read(length))
         self.stats.prompt_tokens, self.stats.completion_tokens, self.stats.errors = (
             prompt_tokens, completion_tokens, errors)
+        self.stats.deduplicated = self.shard.copy_count
 
 
 class Checkpoint:
