@@ -103,3 +103,26 @@ def test_the_api_memory_benchmark_posts_to_our_api_and_fastapis_default(tmp_path
     assert all(run["peak_rss_mb"] > 0 and run["healthz_calls"] >= 1 for runs in result["runs"].values() for run in runs)
     assert set(result["ratios_ours_over_fastapi_default"]) >= {"held_per_body_byte", "healthz_max_s"}
     assert "| ours |" in completed.stdout
+
+
+@pytest.mark.slow
+def test_the_real_batches_benchmark_runs_the_job_with_and_without_deduplication(tmp_path):
+    out = tmp_path / "real_batches.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "real_batches.py"), "--sections", "dedup", "--scale", "0.05",
+         "--repeat", "1", "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    result = json.loads(out.read_text())
+    assert result["workloads"]["dedup"]["requests"] == 6 and result["workloads"]["dedup"]["distinct"] == 3
+    runs = result["runs"]["dedup"]
+    assert {system: len(of_system) for system, of_system in runs.items()} == {"job": 1, "job_no_dedup": 1}
+    assert all(run["wall_s"] > 0 and run["entries"] == 6 and run["num_errors"] == 0
+               for of_system in runs.values() for run in of_system)
+    assert [run["num_deduplicated"] for run in runs["job"]] == [3]
+    assert [run["num_deduplicated"] for run in runs["job_no_dedup"]] == [0]
+    assert all(run["copy_mismatches"] == 0 for run in runs["job"])
+    summary = result["summary"]["dedup"]
+    assert summary["entries_equal"] and summary["job_over_no_dedup"] > 0
+    assert result["code_root"] == str(REPO) and result["code_commit"]
+    assert "| dedup | job / job with BATCH_PIPELINE_DEDUPLICATE=0 |" in completed.stdout
