@@ -28,6 +28,7 @@ bench: model
 	$(PY) bench/control_plane.py
 	$(PY) bench/api_memory.py
 	$(PY) bench/sharding.py
+	$(PY) bench/real_batches.py
 	$(PY) bench/plots.py
 
 install: $(VENV)/.installed

@@ -34,8 +34,8 @@ OUTPUT_FILE = "output.tsv"
 # of a request that sets no limit (chat; a completion's default is 16, as in the OpenAI API).
 CHARS_PER_TOKEN = 4
 UNBOUNDED_OUTPUT_ESTIMATE = 256
-# Distinct deterministic requests remembered to find repeats: ~150 B each, so the planner stays small on
-# any input; past it, repeats of requests first seen later are generated again.
+# Distinct deterministic requests remembered to find repeats (~120 MB of the planner's memory when full);
+# past it, repeats of requests first seen later are generated again.
 DEDUP_TABLE_LIMIT = 1_000_000
 
 
@@ -153,14 +153,14 @@ def _text_tokens(text: str) -> int:
     return len(text) // CHARS_PER_TOKEN + 1
 
 
-def repeat_key(item: WorkItem) -> bytes | None:
-    """A digest that two work items share when they are the same request with a deterministic output
-    (greedy, or a fixed seed), so that one generation can answer both; None for any other request."""
+def repeat_key(item: WorkItem) -> int | None:
+    """A 128-bit digest that two work items share when they are the same request with a deterministic
+    output (greedy, or a fixed seed), so that one generation can answer both; None for any other request."""
     request = item.request
     if request.get("temperature") != 0 and request.get("seed") is None:
         return None
     text = json.dumps([item.kind, request], sort_keys=True, ensure_ascii=False)
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def write_shards(items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, wo
     prompt_counts = [0] * num_shards
     token_counts = [0] * num_shards
     copy_counts = [0] * num_shards
-    sources: dict[bytes, tuple[int, int]] = {}  # repeat key -> (shard, index) of its first request
+    sources: dict[int, int] = {}  # repeat key -> index * num_shards + shard of its first request
     if io.is_local(work_dir):  # the job's prompts and outputs: for the worker's user alone
         for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
             make_private_directory(directory)
@@ -233,7 +233,7 @@ def write_shards(items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, wo
         for item, size in items:
             key = repeat_key(item) if deduplicate else None
             if key is not None and key in sources:
-                k, source = sources[key]
+                source, k = divmod(sources[key], num_shards)
                 if k not in copy_writers:
                     copy_writers[k] = stack.enter_context(io.atomic_write(io.join(directories[k], COPIES_FILE)))
                 copy_writers[k].write(f"{item.index}\t{source}\n")
@@ -244,7 +244,7 @@ def write_shards(items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, wo
                 token_counts[k] += size.tokens
                 heapq.heappush(loads, (load + size.tokens, k))
                 if key is not None and len(sources) < DEDUP_TABLE_LIMIT:
-                    sources[key] = (k, item.index)
+                    sources[key] = item.index * num_shards + k
             item_counts[k] += 1
             prompt_counts[k] += size.prompts
     return [
