@@ -261,7 +261,8 @@ def _run(path: Path, show: int) -> int:
     print(f"output:   {request.output_data_path}")
     print(f"metadata: {metadata_path(request.output_data_path)}")
     print(
-        f"{metadata['num_requests']} requests ({metadata['num_errors']} errors) in {len(metadata['shards'])} shards, "
+        f"{metadata['num_requests']} requests ({metadata['num_errors']} errors) in {len(metadata['shards'])} "
+        f"shard{'s' if len(metadata['shards']) != 1 else ''}, "
         f"{metadata['prompt_tokens']} prompt + {metadata['completion_tokens']} completion tokens, "
         f"{metadata['wall_s']:.1f}s wall, {metadata['completion_tokens_per_s']} completion tokens/s"
     )
@@ -270,7 +271,8 @@ def _run(path: Path, show: int) -> int:
         print(f"{plan['used']} of the {plan['requested']} shards asked: {plan['reason']}")
     if metadata["num_deduplicated"]:
         print(f"{metadata['num_deduplicated']} requests repeated an earlier deterministic one and share its output")
-    print(f"computed in {metadata['dtype']}: {metadata['shards'][0]['dtype_reason']}")
+    for reason in sorted({shard["dtype_reason"] for shard in metadata["shards"] if shard.get("dtype_reason")}):
+        print(f"computed in {metadata['dtype']}: {reason}")
     for index, output in enumerate(outputs[:show]):
         text = output.get("text") if "text" in output else json.dumps(output)
         print(f"[{index}] {text.strip()[:200]!r}")

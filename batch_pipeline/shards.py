@@ -2,7 +2,7 @@
 
 A shard lives in a directory of the job's work dir:
   input.jsonl   one work item per line, `{"index": i, "kind": ..., "request": {...}}`, ascending index
-  copies.tsv    `<index>\t<source index>\n` per request that repeats an earlier deterministic one of the
+  copies.tsv    `<index>\\t<source index>\\n` per request that repeats an earlier deterministic one of the
                 shard: it is not generated again; its output is its source's (absent when none)
   results.tsv   appended by the worker as requests finish: `<index>\\t<output JSON>\\n`, in finishing order;
                 the checkpoint a restarted worker resumes from

@@ -2,6 +2,7 @@
 API commands against a real server (uvicorn over TCP, the real daemon, real vLLM)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,13 @@ pytestmark = pytest.mark.slow
 
 def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dagster_home):
     shutil.copy(REPO / "examples" / "sample_request.json", tmp_path / "request.json")
+    # As a user runs it: the planning settings the other tests set are left out.
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("BATCH_PIPELINE_MIN_SHARD_TOKENS", "BATCH_PIPELINE_MAX_SHARDS_PER_JOB")}
     completed = subprocess.run(
         [sys.executable, "-m", "batch_pipeline.cli", "run", "request.json", "--show", "2"],
         cwd=tmp_path,
+        env=environment,
         capture_output=True,
         text=True,
         timeout=600,
@@ -34,7 +39,10 @@ def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dags
     outputs = json.loads(output_path.read_text())
     assert len(outputs) == len(sample["content"]["prompts"]) == 20
     assert f"output:   {output_path}" in completed.stdout
-    assert "20 requests (0 errors) in 2 shards" in completed.stdout
+    # It asks for 2 shards; 20 short prompts do not pay for a second engine, and the output says so.
+    assert "20 requests (0 errors) in 1 shard," in completed.stdout
+    assert "1 of the 2 shards asked: the job's ~" in completed.stdout
+    assert "computed in " in completed.stdout
     assert f"[0] {outputs[0]['text'].strip()[:200]!r}" in completed.stdout
 
 

@@ -336,6 +336,7 @@ class ShardRunner:
         for source, payload in sources:
             output = json.loads(payload)
             results.write("".join(format_result(copy, output_for_copy(output, copy)) for copy in unfilled[source]))
+            self._copies_written += len(unfilled[source])
         results.flush()
 
     def _report_progress(self, already_done: int, elapsed: float) -> None:
