@@ -54,7 +54,8 @@ REQUESTS = {
     "logprobs": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "logprobs": 3},
     "n_and_prompts": {"prompt": ["Roses are red,", "1, 2, 3,"], "max_tokens": 5, "n": 2, "temperature": 0.9},
     "seed_a": {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11},
-    "seed_b": {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11},
+    # A field the job ignores keeps seed_b from being a repeat of seed_a: the engine samples it again.
+    "seed_b": {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11, "user": "b"},
     "seed_c": {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 12},
     "stop": {"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": [" 7"]},
     "stop_kept": {"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": " 7",
@@ -67,6 +68,7 @@ REQUESTS = {
     "token_ids": {"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 4, "temperature": 0},
     "suffix": {"prompt": "x", "suffix": "y"},
     "best_of": {"prompt": "x", "n": 1, "best_of": 3},
+    "best_of_sdk": {"prompt": "Roses are red,", "max_tokens": 4, "n": 2, "best_of": 1, "temperature": 0.9},
     "chat": {"messages": CHAT, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2},
     "chat_image": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     "chat_continue": {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}],
@@ -179,6 +181,10 @@ def test_n_and_prompt_lists_give_every_choice_in_order(outputs):
     choices = outputs[0]["n_and_prompts"]["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert all(c["finish_reason"] == "length" for c in choices)
+
+
+def test_best_of_up_to_n_is_served_as_scales_sdk_sends_it(outputs):
+    assert [choice["index"] for choice in outputs[0]["best_of_sdk"]["choices"]] == [0, 1]
 
 
 def test_a_seed_reproduces_a_sample_and_another_seed_does_not(outputs):

@@ -51,9 +51,11 @@ def _refuse_unsupported(request: Any, refused: dict[str, str]) -> None:
     if request.length_penalty not in (None, 1.0):
         raise RequestRefused("unsupported_field", "length_penalty: a beam search parameter; beam search is not supported")
     n, best_of = request.n or 1, request.best_of
-    if best_of is not None and best_of != n:
+    # best_of <= n asks for no candidate beyond the n returned (Scale's SDK always sends best_of: 1).
+    if best_of is not None and best_of > n:
         raise RequestRefused(
-            "unsupported_field", f"best_of: this engine returns every candidate it samples; use n (best_of={best_of}, n={n})"
+            "unsupported_field",
+            f"best_of: this engine returns every candidate it samples; use n (best_of={best_of} > n={n})",
         )
 
 
