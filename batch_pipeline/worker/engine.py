@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -51,17 +52,18 @@ def set_engine_environment() -> None:
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+@functools.cache  # read once a process: engine_arguments and build_llm both ask
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """The feature flags of this machine's CPU (`flags` on x86, `Features` on Arm); empty if unknown."""
     try:
         with open(cpuinfo, encoding="utf-8") as handle:
             for line in handle:
                 name, _, value = line.partition(":")
                 if name.strip() in ("flags", "Features"):
-                    return set(value.split())
+                    return frozenset(value.split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def choose_dtype(model_config: BatchCompletionsModelConfig, on_cpu: bool,

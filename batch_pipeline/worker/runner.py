@@ -143,12 +143,13 @@ def _prompt_key(item: WorkItem) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
-def output_for_copy(output: dict[str, Any], index: int) -> dict[str, Any]:
-    """The output of a request that repeats another: the other's, under an id of its own (an OpenAI
-    object's id ends with its request's index, see openai_requests)."""
+def copy_lines(output: dict[str, Any], copies: list[int]) -> str:
+    """Checkpoint lines of the requests that repeat the one answered by `output`: its output, under an id
+    of each one's own (an OpenAI object's id ends with its request's index, see openai_requests)."""
     if "id" not in output:
-        return output
-    return {**output, "id": f"{output['id'].rpartition('-')[0]}-{index}"}
+        return "".join(format_result(index, output) for index in copies)
+    prefix = output["id"].rpartition("-")[0]
+    return "".join(format_result(index, {**output, "id": f"{prefix}-{index}"}) for index in copies)
 
 
 def error_output(code: str, message: str) -> dict[str, Any]:
@@ -222,9 +223,8 @@ class ShardRunner:
                 self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
             self.report_progress({"requests_done": len(done)})
             self.copies = read_copies(self.shard.copies_path)
-            unfilled = {source: [index for index in indices if index not in done]
-                        for source, indices in self.copies.items() if source in done}
-            unfilled = {source: indices for source, indices in unfilled.items() if indices}
+            unfilled = {source: owed for source, indices in self.copies.items() if source in done
+                        if (owed := [index for index in indices if index not in done])}
             pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
             first = next(pending, None)
             if first is not None or unfilled:
@@ -321,7 +321,7 @@ class ShardRunner:
         # one torn one.
         copies = self.copies.get(index, ())
         results.write(format_result(index, output)
-                      + "".join(format_result(copy, output_for_copy(output, copy)) for copy in copies))
+                      + copy_lines(output, copies))
         results.flush()
         self._copies_written += len(copies)
         self.stats.generated += 1
@@ -334,8 +334,7 @@ class ShardRunner:
         with open(self.checkpoint.local, encoding="utf-8") as finished:
             sources = [(index, payload) for index, payload in iter_result_lines(finished) if index in unfilled]
         for source, payload in sources:
-            output = json.loads(payload)
-            results.write("".join(format_result(copy, output_for_copy(output, copy)) for copy in unfilled[source]))
+            results.write(copy_lines(json.loads(payload), unfilled[source]))
             self._copies_written += len(unfilled[source])
         results.flush()
 
