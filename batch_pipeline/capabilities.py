@@ -45,15 +45,14 @@ def refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
 
 
 def _tool_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
+    # With a list of requests the tool is accepted, as Scale's server does, and not applied: the shard
+    # workers run the requests without it and the job's metadata says so (`tool_config`).
     tool_config = request.tool_config
     if tool_config is None:
         return []
     found = []
     if tool_config.name != TOOL_NAME:
         found.append(("tool_config.name", f"unknown tool {tool_config.name!r}; the one tool is {TOOL_NAME!r}"))
-    if isinstance(request.content, list):
-        found.append(("tool_config", "the code_evaluator loop serves v1 content (prompts); v2 chat requests "
-                                     "declare functions in `tools` instead"))
     timeout = tool_config.execution_timeout_seconds
     if timeout is not None and timeout > MAX_EXECUTION_TIMEOUT_S:
         found.append(("tool_config.execution_timeout_seconds", f"at most {MAX_EXECUTION_TIMEOUT_S} s an execution"))

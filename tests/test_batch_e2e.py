@@ -156,6 +156,7 @@ def test_a_10_mb_prompt_fails_alone_and_the_rest_complete(run_job, tmp_path):
     first, too_big, last = _read_output(output_path)
     assert first["text"] and last["text"]
     assert too_big["error"]["code"] == "prompt_too_long", too_big
+    assert (too_big["error"]["type"], too_big["error"]["param"]) == ("invalid_request_error", "prompts")
 
 
 def _session_of(pid: int) -> int | None:

@@ -65,6 +65,7 @@ def test_a_model_written_computation_comes_back_and_generation_continues(run_job
     # Only generated tokens count; the tool's "56088\n" does not.
     assert answer["num_completion_tokens"] < len(tokenizer.encode(text, add_special_tokens=False))
     (shard,) = metadata["shards"]
+    assert shard["tool_config"] == "applied"
     assert shard["tool_executions"] >= 1 and shard["tool_failed_executions"] == 0
     assert shard["sandbox"]["network"].startswith("no network")
     assert shard["sandbox"]["user"].startswith("uids 61000") and "together" in shard["sandbox"]["memory"]
@@ -161,3 +162,28 @@ def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, 
     assert outputs[0]["num_completion_tokens"] > 0  # generation went on after the run
     assert not sandbox_processes()
 
+
+
+def test_with_a_list_of_requests_the_tool_is_not_applied_and_the_job_says_so(run_job, tmp_path):
+    """Scale's server accepts tool_config with chat and completion requests; the loop serves v1 prompts
+    only, so the requests run as they would without it, and the shard's stats (in the job's metadata) say so."""
+    requests = [
+        {"prompt": ask_to_run("print(123 * 456)"), "max_tokens": 8, "temperature": 0},
+        {"messages": [{"role": "user", "content": ask_to_run("print(123 * 456)")}], "max_tokens": 8, "temperature": 0},
+    ]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(request) + "\n" for request in requests))
+    output = tmp_path / "output.json"
+    result = run_job({
+        "input_data_path": str(tmp_path / "requests.jsonl"), "output_data_path": str(output),
+        "model_config": MODEL_CONFIG, "tool_config": {"name": "code_evaluator", "execution_timeout_seconds": 5},
+    })
+    assert result.success
+    completion, chat = json.loads(output.read_text())
+    assert completion["object"] == "text_completion" and chat["object"] == "chat.completion"
+    assert completion["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"] == 8
+    assert not completion["choices"][0]["text"].startswith("56088")  # no code ran for it
+    metadata = json.loads(Path(str(output) + ".metadata.json").read_text())
+    assert metadata["tool_config"].startswith("not applied: the code_evaluator loop serves v1 content")
+    (shard,) = metadata["shards"]
+    assert shard["tool_config"] == metadata["tool_config"]
+    assert shard["tool_executions"] == 0 and shard["sandbox"] is None

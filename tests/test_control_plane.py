@@ -126,7 +126,8 @@ def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deploymen
     )
     assert result.success
     assert json.loads(output.read_text()) == [
-        {"text": "a"}, {"text": "b"}, {"error": {"code": "cancelled", "message": "stopped"}}]
+        {"text": "a"}, {"text": "b"},
+        {"error": {"message": "stopped", "type": "server_error", "param": None, "code": "cancelled"}}]
     metadata = api.job(job_id)["metadata"]
     assert (metadata["num_requests"], metadata["num_finished"], metadata["num_unfinished"]) == ("3", "2", "1")
     assert api.instance.get_run_by_id(stopped.run_id).tags[PARTIAL_RESULTS_TAG] == "2/3"

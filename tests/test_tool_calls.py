@@ -35,6 +35,7 @@ def test_tools_that_cannot_be_served_are_refused_naming_the_field(tokenizer, mod
     with pytest.raises(RequestRefused) as refused:
         _plan(tokenizer, model_config, **request_fields)
     assert str(refused.value).startswith(field)
+    assert refused.value.param == field.partition(":")[0]  # the error entry's `param`
 
 
 def test_tool_choice_none_and_no_tools_need_no_parser(tokenizer):

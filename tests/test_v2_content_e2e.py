@@ -122,6 +122,9 @@ REQUESTS = {
                      "max_tokens": 4, "temperature": 0},
     "tool_unknown": {"messages": ASK_WEATHER, "tools": [WEATHER],
                      "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
+    # ~9000 tokens, past the model's 8192
+    "too_long_prompt": {"prompt": "hi " * 9000, "max_tokens": 4},
+    "too_long_chat": {"messages": [{"role": "user", "content": "hi " * 9000}], "max_tokens": 4},
 }
 
 
@@ -157,7 +160,7 @@ def test_completion_objects_carry_usage_equal_to_the_tokenizers_counts(outputs, 
         assert result["usage"]["total_tokens"] == result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"]
     completion_tokens = sum(r["usage"]["completion_tokens"] for r in results.values() if "usage" in r)
     assert metadata["completion_tokens"] == completion_tokens
-    assert metadata["num_errors"] == 4 + len(REFUSED_FIELDS)
+    assert metadata["num_errors"] == 6 + len(REFUSED_FIELDS)
 
 
 def test_logprobs_are_log_probabilities_with_sorted_top_k(outputs):
@@ -229,11 +232,23 @@ def test_chat_uses_the_models_template(outputs, tokenizer):
 
 
 def test_requests_that_cannot_be_served_fail_alone_naming_the_field(outputs):
-    assert outputs[0]["suffix"]["error"]["message"].startswith("suffix:")
-    assert outputs[0]["best_of"]["error"]["message"].startswith("best_of:")
-    assert outputs[0]["chat_image"]["error"]["message"].startswith("messages.0.content.0:")
-    assert outputs[0]["tool_unknown"]["error"]["message"].startswith("tool_choice:")
+    for name, param in [("suffix", "suffix"), ("best_of", "best_of"), ("chat_image", "messages.0.content.0"),
+                        ("tool_unknown", "tool_choice")]:
+        error = outputs[0][name]["error"]
+        assert error["param"] == param and error["message"].startswith(f"{param}:"), error
+        assert error["type"] == "invalid_request_error"
     assert "get_news" in outputs[0]["tool_unknown"]["error"]["message"]
+
+
+@pytest.mark.parametrize(("name", "param"), [("too_long_prompt", "prompt"), ("too_long_chat", "messages")])
+def test_error_entries_are_openais_error_object_naming_the_field(outputs, name, param):
+    from openai.types.shared import ErrorObject
+
+    error = outputs[0][name]["error"]
+    assert list(error) == ["message", "type", "param", "code"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, "prompt_too_long")
+    assert "8192" in error["message"]
+    assert ErrorObject.model_validate(error).param == param  # the openai SDK's own type reads it
 
 
 def _calls(result):
@@ -333,4 +348,6 @@ def test_fields_the_job_decides_are_accepted_and_ignored(outputs):
 
 @pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
 def test_fields_no_request_can_use_fail_that_request_naming_the_field(outputs, field):
-    assert outputs[0][f"refused_{field}"]["error"]["message"].startswith(f"{field}:")
+    error = outputs[0][f"refused_{field}"]["error"]
+    assert error["message"].startswith(f"{field}:")
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", field, "unsupported_field")

@@ -280,6 +280,8 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
         "data_parallelism": {key: plan[key] for key in ("requested", "used", "reason")},
         "num_deduplicated": plan["deduplicated"],
         "dtype": ", ".join(sorted({s["dtype"] for s in shards if s.get("dtype")})) or None,
+        # Whether the job's tool_config was applied (the code_evaluator loop serves v1 prompts only).
+        "tool_config": next((s["tool_config"] for s in shards if s.get("tool_config")), None),
         "shards": shards,
     }
     with io.atomic_write(metadata_path(merged["output_data_path"]), "w") as handle:

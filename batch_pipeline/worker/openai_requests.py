@@ -11,6 +11,9 @@ import time
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from batch_pipeline.contract import (
@@ -43,45 +46,75 @@ _CHAT_REFUSED = {
 }
 
 
+class ServerDefaults:
+    """Sampling values a request leaves unset, as `vllm serve` fills them (and Scale's batch server, which
+    calls vLLM's serving classes): the model's generation config (`generation_config.json`, through vLLM's
+    own reading of it, the one its OpenAI server uses), else vLLM's OpenAI defaults for the request type.
+    One prompt then gets one answer here and there."""
+
+    def __init__(self, engine_model_config: Any, request_type: type) -> None:
+        self.model = engine_model_config.get_diff_sampling_param()
+        # vLLM's table (temperature 1.0, top_p 1.0, penalties off...), a pydantic private attribute on the class.
+        table = request_type._DEFAULT_SAMPLING_PARAMS
+        self.fallbacks: dict[str, Any] = getattr(table, "default", table)
+
+    def sampling(self, request: Any) -> dict[str, Any]:
+        return {name: value if (value := getattr(request, name)) is not None else self.model.get(name, fallback)
+                for name, fallback in self.fallbacks.items()}
+
+    def stop_token_ids(self, request: Any) -> list[int] | None:
+        """The request's, and the model's where it names some (as vLLM's server merges them)."""
+        merged = [*(request.stop_token_ids or []), *self.model.get("stop_token_ids", [])]
+        return list(dict.fromkeys(merged)) or None
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The model's `max_new_tokens`; None leaves the engine to fill the context."""
+        return self.model.get("max_tokens")
+
+
 def _refuse_unsupported(request: Any, refused: dict[str, str]) -> None:
     for field, why in refused.items():
         value = getattr(request, field, None)
         if value not in (None, False):
-            raise RequestRefused("unsupported_field", f"{field}: {why}")
+            raise RequestRefused("unsupported_field", field, why)
     if request.length_penalty not in (None, 1.0):
-        raise RequestRefused("unsupported_field", "length_penalty: a beam search parameter; beam search is not supported")
+        raise RequestRefused(
+            "unsupported_field", "length_penalty", "a beam search parameter; beam search is not supported"
+        )
     n, best_of = request.n or 1, request.best_of
     # best_of <= n asks for no candidate beyond the n returned (Scale's SDK always sends best_of: 1).
     if best_of is not None and best_of > n:
         raise RequestRefused(
-            "unsupported_field",
-            f"best_of: this engine returns every candidate it samples; use n (best_of={best_of} > n={n})",
+            "unsupported_field", "best_of",
+            f"this engine returns every candidate it samples; use n (best_of={best_of} > n={n})",
         )
 
 
 def _structured_outputs(request: Any) -> StructuredOutputsParams | None:
-    fields: dict[str, Any] = {}
+    asked: list[tuple[str, str, Any]] = []  # (request field, vLLM's name, value)
     response_format = request.response_format
     if response_format is not None and response_format.type == "json_schema":
-        fields["json"] = response_format.json_schema.schema_ or {}
+        asked.append(("response_format", "json", response_format.json_schema.schema_ or {}))
     elif response_format is not None and response_format.type == "json_object":
-        fields["json_object"] = True
+        asked.append(("response_format", "json_object", True))
     for source, target in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
         value = getattr(request, source)
         if value is not None:
-            if target in fields:
-                raise RequestRefused("invalid_request", f"{source}: only one structured output per request")
-            fields[target] = value
-    if not fields:
+            asked.append((source, target, value))
+    if not asked:
         return None
-    if len(fields) > 1:
-        raise RequestRefused("invalid_request", f"only one structured output per request, got {sorted(fields)}")
-    return StructuredOutputsParams(**fields)
+    if len(asked) > 1:
+        (first, _, _), (second, _, _) = asked[:2]
+        raise RequestRefused("invalid_request", second, f"only one structured output per request; {first} is set too")
+    [(_, target, value)] = asked
+    return StructuredOutputsParams(**{target: value})
 
 
 def _sampling_params(
     request: Any,
+    defaults: ServerDefaults,
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
@@ -90,32 +123,26 @@ def _sampling_params(
     try:
         logit_bias = {int(token): bias for token, bias in (request.logit_bias or {}).items()}
     except ValueError:
-        raise RequestRefused("invalid_request", "logit_bias: keys must be token ids") from None
+        raise RequestRefused("invalid_request", "logit_bias", "keys must be token ids") from None
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     structured_outputs = _structured_outputs(request)
     if tool_outputs is not None:
         if structured_outputs is not None:
             raise RequestRefused(
-                "invalid_request", "response_format: cannot be combined with tool_choice 'required' or a named tool"
+                "invalid_request", "response_format", "cannot be combined with tool_choice 'required' or a named tool"
             )
         structured_outputs = tool_outputs
     try:
         return SamplingParams(
             n=request.n or 1,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k is None else request.top_k,
-            min_p=request.min_p or 0.0,
+            **defaults.sampling(request),
             seed=request.seed,
             stop=stop,
-            stop_token_ids=request.stop_token_ids,
+            stop_token_ids=defaults.stop_token_ids(request),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             ignore_eos=bool(request.ignore_eos),
             max_tokens=max_tokens,
             min_tokens=request.min_tokens or 0,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             logit_bias=logit_bias or None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -126,8 +153,9 @@ def _sampling_params(
             structured_outputs=structured_outputs,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-    except ValueError as exc:  # vLLM's own checks, e.g. a stop_token_id outside the vocabulary
-        raise RequestRefused("invalid_request", str(exc)) from None
+    except (ValueError, VLLMValidationError) as exc:  # vLLM's own checks of the values
+        param = getattr(exc, "parameter", None)  # vLLM names the field for most
+        raise RequestRefused("invalid_request", param, exc.args[0] if param and exc.args else str(exc)) from None
 
 
 def _add_all(engine: Any, item: WorkItem, prompts: list[Any], params: SamplingParams, tokenization: dict) -> list[str]:
@@ -153,10 +181,13 @@ def _usage(results: list[Any]) -> dict[str, int]:
 
 
 class _OpenAIRequests:
+    request_type: type  # vLLM's request type of the same shape, whose defaults this one takes
+
     def __init__(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
         self.tokenizer = llm.get_tokenizer()
         self.model_config = model_config
         self.model_name = model_config.served_model_name or model_config.model
+        self.defaults = ServerDefaults(llm.llm_engine.model_config, self.request_type)
 
     def _decoded(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -173,13 +204,16 @@ class _OpenAIRequests:
 
 
 class CompletionRequests(_OpenAIRequests):
+    request_type = CompletionRequest
+
     def submit(self, engine: Any, item: WorkItem) -> list[str]:
         request = FilteredCompletionV2Request.model_validate(item.request)
         _refuse_unsupported(request, _COMPLETION_REFUSED)
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        params = _sampling_params(
-            request, 16 if request.max_tokens is None else request.max_tokens, request.logprobs, echo_logprobs
-        )
+        # vLLM's completion request defaults max_tokens to 16, before the model's max_new_tokens could apply
+        # (and Scale's server drops null fields, so an unset max_tokens is always 16 there).
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        params = _sampling_params(request, self.defaults, max_tokens, request.logprobs, echo_logprobs)
         tokenization = {"add_special_tokens": True if request.add_special_tokens is None else request.add_special_tokens}
         return _add_all(engine, item, _prompts(request.prompt), params, tokenization)
 
@@ -232,6 +266,8 @@ def _prompts(prompt: Any) -> list[Any]:
 
 
 class ChatRequests(_OpenAIRequests):
+    request_type = ChatCompletionRequest
+
     def __init__(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
         super().__init__(llm, model_config)
         self.tool_calling = ToolCalling(self.tokenizer, model_config, self.model_name)
@@ -240,13 +276,16 @@ class ChatRequests(_OpenAIRequests):
         request = FilteredChatCompletionV2Request.model_validate(item.request)
         _refuse_unsupported(request, _CHAT_REFUSED)
         if request.modalities and set(request.modalities) != {"text"}:
-            raise RequestRefused("unsupported_field", "modalities: only text output is supported")
+            raise RequestRefused("unsupported_field", "modalities", "only text output is supported")
         tool_plan = self.tool_calling.plan(request)
         prompt = self.render(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is None:  # the model's max_new_tokens, else the rest of the context (the engine's default)
+            max_tokens = self.defaults.max_tokens
         params = _sampling_params(
-            request, max_tokens, logprobs, tool_outputs=tool_plan.structured_outputs if tool_plan else None
+            request, self.defaults, max_tokens, logprobs,
+            tool_outputs=tool_plan.structured_outputs if tool_plan else None,
         )
         # The chat template writes the special tokens itself.
         tokenization = {"add_special_tokens": bool(request.add_special_tokens)}
@@ -263,15 +302,17 @@ class ChatRequests(_OpenAIRequests):
                     kind = part.get("type") if isinstance(part, dict) else part.type
                     if kind != "text":
                         raise RequestRefused(
-                            "unsupported_field",
-                            f"messages.{position}.content.{part_position}: only text parts are supported, got {kind!r}",
+                            "unsupported_field", f"messages.{position}.content.{part_position}",
+                            f"only text parts are supported, got {kind!r}",
                         )
                     texts.append(part["text"] if isinstance(part, dict) else part.text)
                 rendered["content"] = "\n".join(texts)
             messages.append(rendered)
         add_generation_prompt = True if request.add_generation_prompt is None else request.add_generation_prompt
         if request.continue_final_message and request.add_generation_prompt:
-            raise RequestRefused("invalid_request", "continue_final_message: cannot be used with add_generation_prompt")
+            raise RequestRefused(
+                "invalid_request", "continue_final_message", "cannot be used with add_generation_prompt"
+            )
         if request.continue_final_message:
             add_generation_prompt = False
         try:
@@ -286,7 +327,7 @@ class ChatRequests(_OpenAIRequests):
                 **(request.chat_template_kwargs or {}),
             )
         except Exception as exc:  # a template that does not render is this request's problem only
-            raise RequestRefused("invalid_request", f"chat_template: {exc}") from None
+            raise RequestRefused("invalid_request", "chat_template", str(exc)) from None
 
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
         request = FilteredChatCompletionV2Request.model_validate(item.request)

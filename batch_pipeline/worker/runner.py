@@ -40,6 +40,12 @@ from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
 
 logger = logging.getLogger(__name__)
 
+# A job's content is v1 prompts or a list of requests, never both; the tool loop serves the prompts (as
+# Scale's batch server does), and a list of requests runs as it would without tool_config.
+TOOL_APPLIED = "applied"
+TOOL_NOT_APPLIED = ("not applied: the code_evaluator loop serves v1 content (prompts); these chat/completion "
+                    "requests ran without it (chat requests can declare functions in `tools`)")
+
 # Requests handed to the engine ahead of the scheduler: enough to keep every batch slot busy, few enough
 # that a shard of a million prompts does not hold them all in memory.
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -73,17 +79,20 @@ class ShardStats:
     tool_failed_executions: int = 0
     tool_timed_out_executions: int = 0
     sandbox: dict[str, str] | None = None
+    tool_config: str | None = None  # with a tool_config: TOOL_APPLIED, or TOOL_NOT_APPLIED and why
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class RequestRefused(ValueError):
-    """A request of the batch that cannot be served as asked; the message names the field."""
+    """A request of the batch that cannot be served as asked: `param` is the request field to blame (None
+    where none is), and the message starts with it."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, code: str, param: str | None, why: str) -> None:
+        super().__init__(f"{param}: {why}" if param else why)
         self.code = code
+        self.param = param
 
 
 class InFlight:
@@ -152,8 +161,27 @@ def copy_lines(output: dict[str, Any], copies: list[int]) -> str:
     return "".join(format_result(index, {**output, "id": f"{prefix}-{index}"}) for index in copies)
 
 
-def error_output(code: str, message: str) -> dict[str, Any]:
-    return ErrorOutput(error=ErrorDetail(code=code, message=message)).model_dump()
+def error_output(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """An error entry in OpenAI's shape; its `type` follows from the code (see ErrorDetail)."""
+    return ErrorOutput(error=ErrorDetail(code=code, message=message, param=param)).model_dump()
+
+
+# The field holding the prompt, by kind of request: what a prompt past the context blames.
+_PROMPT_FIELDS = {"v1": "prompts", "completion": "prompt", "chat": "messages"}
+
+
+def engine_error_output(exc: Exception, kind: str) -> dict[str, Any]:
+    """The error entry of a request the engine refused or failed on: a request vLLM judges invalid (past
+    the context, a value out of range) is the request's error, naming the field where vLLM names one;
+    anything else is the engine's."""
+    from vllm.exceptions import VLLMClientError
+
+    if not isinstance(exc, (VLLMClientError, ValueError, TypeError)):
+        return error_output("engine_error", f"{type(exc).__name__}: {exc}")
+    message = str(exc)
+    if "maximum context length" in message or "maximum model length" in message:
+        return error_output("prompt_too_long", message, _PROMPT_FIELDS.get(kind))
+    return error_output("invalid_request", message, getattr(exc, "parameter", None))
 
 
 class V1Requests:
@@ -225,7 +253,12 @@ class ShardRunner:
             self.copies = read_copies(self.shard.copies_path)
             unfilled = {source: owed for source, indices in self.copies.items() if source in done
                         if (owed := [index for index in indices if index not in done])}
-            pending = (item for item in read_work_items(self.shard.input_path) if item.index not in done)
+            items = read_work_items(self.shard.input_path)
+            head = next(items, None)
+            if self.task.tool_config is not None and head is not None:  # said also when resumed with nothing left
+                self.stats.tool_config = TOOL_APPLIED if head.kind == "v1" else TOOL_NOT_APPLIED
+                self.report(f"tool_config: {self.stats.tool_config}")
+            pending = (item for item in itertools.chain([head] if head else [], items) if item.index not in done)
             first = next(pending, None)
             if first is not None or unfilled:
                 try:
@@ -252,7 +285,7 @@ class ShardRunner:
 
         model_config = BatchCompletionsModelConfig.model_validate(self.task.model_config)
         tool_config = sandbox = None
-        if self.task.tool_config is not None:  # before the engine: a sandbox that cannot hold fails the shard now
+        if self.stats.tool_config == TOOL_APPLIED:  # before the engine: a sandbox that cannot hold fails the shard now
             tool_config = ToolConfig.model_validate(self.task.tool_config)
             sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
         t0 = time.monotonic()
@@ -308,13 +341,11 @@ class ShardRunner:
 
     def _submit(self, engine: Any, item: WorkItem, in_flight: InFlight, results: IO[str]) -> None:
         try:
-            if self.tool_loop is not None and item.kind != "v1":
-                raise RequestRefused("unsupported_field", _TOOLS_ON_V2)
             in_flight.add(item, self.handlers[item.kind].submit(engine, item))
         except RequestRefused as exc:
-            self._write(results, item.index, error_output(exc.code, str(exc)))
+            self._write(results, item.index, error_output(exc.code, str(exc), exc.param))
         except Exception as exc:  # vLLM refuses the single request (e.g. prompt too long)
-            self._write(results, item.index, error_output(_error_code(exc), str(exc)))
+            self._write(results, item.index, engine_error_output(exc, item.kind))
 
     def _write(self, results: IO[str], index: int, output: dict[str, Any]) -> None:
         # One write and a flush per result and its copies: a killed worker leaves whole lines, plus at most
@@ -450,14 +481,3 @@ def recover_checkpoint(results_path: str) -> set[int]:
             whole_bytes += len(line)
         handle.truncate(whole_bytes)
     return done
-
-
-_TOOLS_ON_V2 = (
-    "tool_config: the code_evaluator loop serves v1 prompts; v2 chat requests declare functions in `tools`"
-)
-
-
-def _error_code(exc: Exception) -> str:
-    message = str(exc)
-    too_long = "maximum context length" in message or "maximum model length" in message
-    return "prompt_too_long" if too_long else "invalid_request"

@@ -52,7 +52,7 @@ class ToolCalling:
         """None when the output is plain content: no tools, or tool_choice 'none'."""
         if not request.tools:
             if request.tool_choice not in (None, "none"):
-                raise RequestRefused("invalid_request", "tool_choice: set only together with tools")
+                raise RequestRefused("invalid_request", "tool_choice", "set only together with tools")
             return None
         tool_choice = request.tool_choice or "auto"
         if tool_choice == "none":
@@ -60,14 +60,15 @@ class ToolCalling:
         auto = tool_choice == "auto"
         if auto and not self.auto_enabled:
             raise RequestRefused(
-                "unsupported_field", "tool_choice: 'auto' needs model_config.enable_auto_tool_choice"
+                "unsupported_field", "tool_choice", "'auto' needs model_config.enable_auto_tool_choice"
             )
         if isinstance(tool_choice, dict):
             named = (tool_choice.get("function") or {}).get("name")
             offered = [tool.function.name for tool in request.tools]
             if named not in offered:
                 raise RequestRefused(
-                    "invalid_request", f"tool_choice: function {named!r} is not among the tools ({', '.join(offered)})"
+                    "invalid_request", "tool_choice",
+                    f"function {named!r} is not among the tools ({', '.join(offered)})",
                 )
         parser_cls = self._parser()
         try:
@@ -79,7 +80,7 @@ class ToolCalling:
                 parallel_tool_calls=request.parallel_tool_calls,
             )
         except ValueError as exc:  # vLLM's own checks of the tool fields (pydantic's errors are ValueErrors)
-            raise RequestRefused("invalid_request", f"tool_choice: {exc}") from None
+            raise RequestRefused("invalid_request", "tool_choice", str(exc)) from None
         adjusted = self._new_parser(parser_cls, vllm_request, request).adjust_request(vllm_request)
         return ToolCallPlan(adjusted, parser_cls, adjusted.structured_outputs, auto)
 
@@ -97,8 +98,8 @@ class ToolCalling:
     def _parser(self) -> type:
         if self.parser_name is None:
             raise RequestRefused(
-                "unsupported_field",
-                "tools: set model_config.tool_call_parser (the vLLM parser of this model's tool-call format)",
+                "unsupported_field", "tools",
+                "set model_config.tool_call_parser (the vLLM parser of this model's tool-call format)",
             )
         if self._parser_cls is None and self._parser_error is None:
             try:
@@ -109,9 +110,10 @@ class ToolCalling:
                     tokenizer=self.tokenizer,
                 )
             except Exception as exc:  # unknown parser, or one this tokenizer cannot serve
-                self._parser_error = f"model_config.tool_call_parser: {exc}"
+                self._parser_error = str(exc)
         if self._parser_error is not None:
-            raise RequestRefused("invalid_request", self._parser_error)
+            # The job's model_config is to blame, not a field of the request.
+            raise RequestRefused("invalid_request", "model_config.tool_call_parser", self._parser_error)
         return self._parser_cls
 
     def _new_parser(self, parser_cls: type, vllm_request: ChatCompletionRequest, request: Any) -> Any:
@@ -131,6 +133,6 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     function["arguments"] = json.loads(function["arguments"])
                 except json.JSONDecodeError:
                     raise RequestRefused(
-                        "invalid_request", f"messages.{position}.tool_calls: arguments are not valid JSON"
+                        "invalid_request", f"messages.{position}.tool_calls", "arguments are not valid JSON"
                     ) from None
     return messages
