@@ -402,6 +402,19 @@ class JobStore:
         with self.engine.connect() as connection:
             return [(row.job_id, row.run_id) for row in connection.execute(query)]
 
+    def completed_figures(self, model: str, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest `limit` completed jobs of a model, newest first: each one's `results` (its
+        completion_tokens, completion_tokens_per_s, wall_s, num_requests, ...) with `shards`, the shard
+        workers it ran in. Every owner's jobs: throughput is the deployment's, and no job is named."""
+        shards = (sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id)
+                  .correlate(jobs).scalar_subquery())
+        # created_at, not completed_at: the (status, created_at) index serves the order.
+        query = (sa.select(jobs.c.results, shards.label("shards"))
+                 .where(jobs.c.status == COMPLETED, jobs.c.model == model[:256], jobs.c.results.is_not(None))
+                 .order_by(jobs.c.created_at.desc()).limit(limit))
+        with self.engine.connect() as connection:
+            return [json.loads(row.results) | {"shards": row.shards} for row in connection.execute(query)]
+
     # --- lifecycle, as the API, the sensors and the pipeline see it --------------------------------------
 
     def mark_failed(self, job_id: str, reason: str) -> None:

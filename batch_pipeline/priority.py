@@ -1,11 +1,15 @@
 """The spec's free-form `priority` string as Dagster's run priority (`dagster/priority`: higher runs first).
 
-An integer string is taken as given ("5", "-3") within the range of the named levels, so no caller can
-set a priority above `highest` and jump every queue; names map to fixed levels. Anything else is refused at
-submission, naming the field, rather than silently treated as the default.
+The spec lets a client send any string, so any string is accepted and read, and the job says how it was
+read: a name maps to a fixed level; an integer ("5", "-3") is taken as given, clamped to the range of the
+named levels, so no caller can rank above `highest` and jump every queue; anything else runs at the normal
+level (0). Only a priority longer than the job store keeps is refused, naming the field.
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 NAMED_PRIORITIES = {
     "lowest": -20,
@@ -21,27 +25,46 @@ NAMED_PRIORITIES = {
 
 
 MIN_PRIORITY, MAX_PRIORITY = min(NAMED_PRIORITIES.values()), max(NAMED_PRIORITIES.values())
-MAX_PRIORITY_CHARS = 32
+# The job store's column (`batch_jobs.priority`, String(64)): Postgres refuses a longer value.
+MAX_PRIORITY_CHARS = 64
+# ASCII digits only: int() also takes "1_000" and other scripts' digits, which no client means as a level.
+_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 
 class InvalidPriority(ValueError):
     pass
 
 
-def run_priority(priority: str | None) -> int:
-    if priority is None or not priority.strip():
-        return 0
-    text = priority.strip().lower()
+@dataclass(frozen=True)
+class PriorityReading:
+    """The run priority a `priority` string gives, and how it was read (for the job's metadata)."""
+
+    level: int
+    reading: str
+
+
+def read_priority(priority: str | None) -> PriorityReading:
+    """How a `priority` is run; raises InvalidPriority only for one longer than the store keeps."""
+    if priority is not None and len(priority) > MAX_PRIORITY_CHARS:
+        # Not echoed: it is the one thing here that is too long to show.
+        raise InvalidPriority(f"at most {MAX_PRIORITY_CHARS} characters (got {len(priority)})")
+    text = (priority or "").strip().lower()
+    if not text:
+        return PriorityReading(0, "0 (normal: no priority given)")
     if text in NAMED_PRIORITIES:
-        return NAMED_PRIORITIES[text]
-    try:
-        level = int(text) if len(text) <= MAX_PRIORITY_CHARS else None
-    except ValueError:
-        level = None
-    if level is None or not MIN_PRIORITY <= level <= MAX_PRIORITY:
-        shown = priority if len(priority) <= MAX_PRIORITY_CHARS else priority[:MAX_PRIORITY_CHARS] + "..."
-        raise InvalidPriority(
-            f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY} or one of "
-            f"{', '.join(NAMED_PRIORITIES)}; got {shown!a}"
-        )
-    return level
+        level = NAMED_PRIORITIES[text]
+        return PriorityReading(level, f"{level} ({text})")
+    if _INTEGER.fullmatch(text):
+        given = int(text)  # at most 64 digits
+        level = min(max(given, MIN_PRIORITY), MAX_PRIORITY)
+        if level == given:
+            return PriorityReading(level, f"{level} (an integer, as given)")
+        side = "above the highest" if given > level else "below the lowest"
+        return PriorityReading(level, f"{level} ({given} is {side} priority, {level})")
+    return PriorityReading(0, f"0 (normal: {priority.strip()!a} is not a known priority; known are integers "
+                              f"{MIN_PRIORITY}..{MAX_PRIORITY} and {', '.join(NAMED_PRIORITIES)})")
+
+
+def run_priority(priority: str | None) -> int:
+    """The `dagster/priority` of a job's runs."""
+    return read_priority(priority).level

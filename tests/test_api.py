@@ -74,7 +74,7 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         (_body(tmp_path, data_parallelism=65), ["body", "data_parallelism"]),
         ({"model_config": {"model": MODEL}, "content": {"prompts": [], "max_new_tokens": 1, "temperature": 0}},
          ["body", "output_data_path"]),
-        (_body(tmp_path, priority="whenever"), ["body", "priority"]),
+        (_body(tmp_path, priority="x" * 65), ["body", "priority"]),  # longer than the store keeps
         (_body(tmp_path, tool_config={"name": "web_browser"}), ["body", "tool_config", "name"]),
         (_body(tmp_path, tool_config={"name": "code_evaluator", "max_iterations": 0}),
          ["body", "tool_config", "max_iterations"]),
@@ -166,7 +166,7 @@ def test_priority_update_before_launch_reaches_the_run_tags(deployment_factory, 
     (run_request,) = _sensor_run_requests(api)
     assert run_request.tags["dagster/priority"] == "10"
     assert run_request.tags[JOB_ID_TAG] == job_id
-    bad = api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "soonish"}, headers=ALICE)
+    bad = api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "x" * 65}, headers=ALICE)
     assert bad.status_code == 422
 
 

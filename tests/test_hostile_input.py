@@ -14,7 +14,7 @@ import pytest
 from batch_pipeline.jobs_store import JobStore, jobs
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
-from batch_pipeline.pipeline.tags import JOB_ID_TAG
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, run_tags
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL
 
@@ -200,15 +200,21 @@ def test_huge_numbers_get_422_and_are_never_stored(served, tmp_path):
 
 def test_priority_is_bounded_on_create_and_update(served, tmp_path):
     api, client = served
-    for priority in ("1" + "0" * 100, "21", "-21", "0" * 5000 + "1", "x" * 10_000):
+    # Longer than the store keeps: refused, naming the field.
+    for priority in ("1" + "0" * 100, "0" * 5000 + "1", "x" * 10_000):
         response = _post(client, "/v2/batch-completions", _v1_body(tmp_path, priority=priority))
         assert response.status_code == 422, (priority[:20], response.status_code, response.text)
         assert _locations(response) == [["body", "priority"]]
     assert api.store.list().jobs == []
-    for priority in ("20", "-20", "highest", "lowest", " 7 "):
+    # Integers past the named levels run at the bound: no key jumps ahead of `highest`.
+    for priority in ("21", "-21", "20", "-20", "highest", "lowest", "9" * 64, " 7 "):
         assert _post(client, "/v2/batch-completions", _v1_body(tmp_path, priority=priority)).status_code == 200
+    levels = {record.priority: tags["dagster/priority"] for record in api.store.list().jobs
+              for tags in [run_tags(record)]}
+    assert levels == {"21": "20", "-21": "-20", "20": "20", "-20": "-20", "highest": "20", "lowest": "-20",
+                      "9" * 64: "20", " 7 ": "7"}
     job_id = api.store.list().jobs[0].job_id
-    for priority in ("1" + "0" * 100, "21", "0" * 5000 + "1"):
+    for priority in ("1" + "0" * 100, "0" * 5000 + "1"):
         response = _post(client, f"/v2/batch-completions/{job_id}", {"job_id": job_id, "priority": priority})
         assert response.status_code == 422, (priority[:20], response.status_code, response.text)
     assert api.store.get(job_id).priority == " 7 "
@@ -282,7 +288,8 @@ def _sensor_run_requests(api) -> list[dg.RunRequest]:
 
 def _poison(api, tmp_path) -> list[str]:
     """Jobs that cannot become runs, all older than any good job: a request the contract refuses, a label
-    with a lone surrogate (a run tag SQLite cannot encode), a priority out of bounds, a row that is not JSON."""
+    with a lone surrogate (a run tag SQLite cannot encode), a priority longer than the store keeps, a row
+    that is not JSON."""
     good = _v1_body(tmp_path)
     poisoned = {
         "batch-poison-invalid": (json.dumps({**good, "content": {"prompts": "not a list"}}), "{}"),
@@ -292,8 +299,8 @@ def _poison(api, tmp_path) -> list[str]:
     }
     for job_id, (request_text, labels_text) in poisoned.items():
         _insert_poisoned(api.store, job_id, request_text, labels_text)
-    with api.store.engine.begin() as connection:  # an out-of-bounds priority an older server accepted
-        connection.execute(jobs.update().where(jobs.c.job_id == "batch-poison-invalid").values(priority="1" + "0" * 60))
+    with api.store.engine.begin() as connection:  # a priority longer than its column (SQLite keeps it)
+        connection.execute(jobs.update().where(jobs.c.job_id == "batch-poison-invalid").values(priority="1" + "0" * 70))
     return list(poisoned)
 
 

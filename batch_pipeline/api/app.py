@@ -31,6 +31,8 @@ from batch_pipeline.contract import (
     UpdateBatchCompletionsV2Request,
     UpdateBatchCompletionsV2Response,
 )
+from batch_pipeline.contract import BatchCompletionsEstimate
+from batch_pipeline.estimate import DryRunsBusy
 from batch_pipeline.hardware import hardware_maxima
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
@@ -100,10 +102,29 @@ def create_v1(
     return CreateBatchCompletionsV1Response(job_id=service.create(who, from_v1(body), idempotency_key).job_id)
 
 
-@router.post("/v2/batch-completions", response_model=BatchCompletionsJob, responses=_TOO_LARGE | _CONFLICT)
+@router.post(
+    "/v2/batch-completions",
+    response_model=BatchCompletionsJob | BatchCompletionsEstimate,
+    responses=_TOO_LARGE | _CONFLICT | {429: {"model": ErrorBody, "description": "dry_run: as many dry runs as "
+                                                "the server takes at once are in progress; retry shortly"}},
+)
 def create_v2(
-    body: CreateBatchCompletionsV2Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
+    body: CreateBatchCompletionsV2Request,
+    who: CallerDep,
+    service: ServiceDep,
+    idempotency_key: IdempotencyKey = None,
+    dry_run: Annotated[bool, Query(description=(
+        "Create nothing: check the request as a submission is checked, read and tokenize its prompts as the "
+        "job would, and answer a BatchCompletionsEstimate: the requests and prompt tokens, the requests that "
+        "cannot run (with their index and why), the most output tokens, and the wall time and machine hours "
+        "at the throughput this deployment measured on the model's completed jobs (or why there is none)."
+    ))] = False,
 ):
+    if dry_run:
+        try:
+            return service.estimate(who, body)
+        except DryRunsBusy as exc:
+            raise HTTPException(status_code=429, detail=str(exc), headers={"Retry-After": "5"}) from None
     return service.create(who, body, idempotency_key)
 
 

@@ -15,17 +15,19 @@ from pydantic import Field, ValidationError
 
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract import (
+    BatchCompletionsEstimate,
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
     BatchCompletionsModelConfig,
     CreateBatchCompletionsV2Request,
 )
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.jobs_store import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.sensors import find_run
-from batch_pipeline.priority import run_priority
-from batch_pipeline.submission import UnservableRequest, submit
+from batch_pipeline.priority import InvalidPriority, read_priority, run_priority
+from batch_pipeline.submission import UnservableRequest, check_servable, submit
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # The finished job's summary (as in its metadata file) copied into the API's view of it.
@@ -69,6 +71,12 @@ class BatchJobService:
     ) -> BatchCompletionsJob:
         record, _ = submit(self.store, self.job_storage.work_dir, caller.owner, request, idempotency_key)
         return self.describe(record)
+
+    def estimate(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> BatchCompletionsEstimate:
+        """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
+        submission may not read is read; then the request read and tokenized; no job, no file."""
+        check_servable(request)
+        return estimate(request, self.store.completed_figures(request.model_cfg.model, HISTORY_JOBS))
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
         return self.describe(self._record(caller, job_id))
@@ -138,6 +146,8 @@ class BatchJobService:
                 metadata[key] = str(record.results[key])
         if record.status == FAILED:
             metadata["failure_reason"] = record.failure_reason or "the job failed"
+        if record.priority is not None:
+            metadata["priority_read_as"] = _priority_read_as(record.priority)
         try:
             status = BatchCompletionsJobStatus(record.status)
         except ValueError:
@@ -161,3 +171,10 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
+
+
+def _priority_read_as(priority: str) -> str:
+    try:
+        return read_priority(priority).reading
+    except InvalidPriority as exc:  # a row an older release stored: described, never a failed read
+        return f"not read: {exc}"

@@ -1,6 +1,7 @@
 """The wire contract: every type of the batch completions API (see shared/spec). Nothing else in the
 package knows the wire format; everything else imports it from here."""
 
+from batch_pipeline.contract.estimate import BatchCompletionsEstimate
 from batch_pipeline.contract.jobs import (
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
@@ -31,6 +32,7 @@ from batch_pipeline.contract.requests import (
 )
 
 __all__ = [
+    "BatchCompletionsEstimate",
     "BatchCompletionsJob",
     "BatchCompletionsJobStatus",
     "BatchCompletionsModelConfig",

@@ -1,0 +1,332 @@
+"""A dry run: a request read, checked and tokenized as its job would be, and what it would cost here,
+with nothing launched, stored or written.
+
+The records are read as `plan_shards` reads them (inline content, or the input file streamed), and each
+request goes through the shard worker's own request handlers, with a recorder standing where the engine
+stands: so a field the worker refuses, a chat template that does not render, and the prompt the engine
+would get (chat through the template) are exactly the worker's. The prompts are counted with the model's
+tokenizer against its context. The time is estimated from the throughput this deployment measured on its
+latest completed jobs of the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from batch_pipeline import io
+from batch_pipeline.contract import BatchCompletionsModelConfig, CreateBatchCompletionsV2Request
+from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestProblem, RuntimeEstimate
+from batch_pipeline.contract.requests import BatchContent
+from batch_pipeline.hardware import kubernetes_quantity
+from batch_pipeline.models import _relative_checkpoint_file, cache_dir
+from batch_pipeline.shards import WorkItem, expected_output_tokens, work_items
+from batch_pipeline.submission import UnservableRequest
+
+# Problems listed per kind (all are counted): a million-prompt job's answer stays small.
+MAX_LISTED = 100
+# Completed jobs of the model whose throughput the estimate takes the median of.
+HISTORY_JOBS = 20
+# Dry runs at once in this process: each holds a thread for as long as its input takes to read.
+MAX_CONCURRENT_ENV = "BATCH_PIPELINE_MAX_CONCURRENT_DRY_RUNS"
+_CONTENT = TypeAdapter(BatchContent)
+# What a dry run needs of an object-store checkpoint: its configs and tokenizer, never its weights.
+_TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
+
+_MAX_CONCURRENT = int(os.environ.get(MAX_CONCURRENT_ENV, "2"))
+_slots = threading.BoundedSemaphore(_MAX_CONCURRENT)
+
+
+class DryRunsBusy(RuntimeError):
+    """As many dry runs as this process takes at once are in progress."""
+
+
+def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]]) -> BatchCompletionsEstimate:
+    """The dry run of a request whose paths and fields `check_servable` accepted. `history` is the model's
+    completed jobs' figures, newest first (`JobStore.completed_figures`). Raises UnservableRequest naming
+    the field for what makes the whole job fail (an unreadable input, a model with no tokenizer here), and
+    DryRunsBusy when the process runs as many dry runs as it takes."""
+    if not _slots.acquire(blocking=False):
+        raise DryRunsBusy(f"{_MAX_CONCURRENT} dry runs are in progress here; try again shortly")
+    try:
+        model = _model_of(request.model_cfg)
+        records, source = _records(request)
+        with model.lock:  # a tokenizer is not safe to share between threads
+            counts = _count(request, model, records, source)
+    finally:
+        _slots.release()
+    return BatchCompletionsEstimate(
+        model=request.model_cfg.model, context_length=model.context_length, num_requests=counts.requests,
+        num_prompts=counts.prompts, prompt_tokens=counts.prompt_tokens, max_output_tokens=counts.output_tokens,
+        num_cannot_run=counts.cannot_run, cannot_run=counts.cannot_run_listed,
+        num_cut_at_context=counts.cut, cut_at_context=counts.cut_listed,
+        **_runtime(request, counts, history),
+    )
+
+
+# --- reading the requests --------------------------------------------------------------------------------
+
+def _records(request: CreateBatchCompletionsV2Request) -> tuple[Iterator[tuple[str, Any]], str]:
+    """The raw records as the job's plan_shards step reads them, and the field they come from."""
+    if request.content is None:
+        path = request.input_data_path
+        if not _exists(path):
+            raise UnservableRequest([("input_data_path", f"no file at {path}")])
+        return io.iter_json_records(path), "input_data_path"
+    # As written to content.json at submission and read back from there.
+    content = _CONTENT.dump_python(request.content, mode="json", by_alias=True, exclude_none=True)
+    if isinstance(content, dict):
+        return iter([("content", content)]), "content"
+    return ((f"content.{position}", record) for position, record in enumerate(content)), "content"
+
+
+def _exists(path: str) -> bool:
+    try:
+        return io.exists(path)
+    except Exception as exc:  # an object store's errors are not all OSErrors
+        raise UnservableRequest([("input_data_path", f"cannot read {path}: {_short(exc)}")]) from None
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    prompts: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cannot_run: int = 0
+    cannot_run_listed: list[RequestProblem] = field(default_factory=list)
+    cut: int = 0
+    cut_listed: list[RequestProblem] = field(default_factory=list)
+
+    def refuse(self, index: int, code: str, message: str) -> None:
+        self.cannot_run += 1
+        if len(self.cannot_run_listed) < MAX_LISTED:
+            self.cannot_run_listed.append(RequestProblem(index=index, code=code, message=message))
+
+    def cut_short(self, index: int, message: str) -> None:
+        self.cut += 1
+        if len(self.cut_listed) < MAX_LISTED:
+            self.cut_listed.append(RequestProblem(index=index, code="output_past_context", message=message))
+
+
+class _Recorder:
+    """Stands where the engine stands for the worker's request handlers: keeps what they would give it."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[Any, Any, dict[str, Any]]] = []
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, tokenization_kwargs: dict | None = None) -> None:
+        self.added.append((prompt, params, tokenization_kwargs or {}))
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        pass
+
+
+def _count(request: CreateBatchCompletionsV2Request, model: _Model, records: Iterator[tuple[str, Any]],
+           source: str) -> _Counts:
+    # The worker's handlers import vLLM: loaded on the first dry run, not when the API starts.
+    from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
+    from batch_pipeline.worker.runner import RequestRefused, V1Requests
+
+    handlers = {"v1": V1Requests(), "completion": CompletionRequests(model, request.model_cfg),
+                "chat": ChatRequests(model, request.model_cfg)}
+    counts = _Counts()
+    items = work_items(records)
+    while True:
+        try:
+            entry = next(items, None)
+        except Exception as exc:  # malformed, unreadable: the whole job would fail on it
+            raise UnservableRequest([(source, _short(exc))]) from None
+        if entry is None:
+            return counts
+        item, _ = entry
+        counts.requests += 1
+        recorder = _Recorder()
+        try:
+            handlers[item.kind].submit(recorder, item)
+        except RequestRefused as exc:
+            counts.refuse(item.index, exc.code, str(exc))
+            continue
+        except Exception as exc:  # as the worker: this request is an error entry, the rest run
+            counts.refuse(item.index, "invalid_request", _short(exc))
+            continue
+        _measure(item, recorder.added, model, counts)
+
+
+def _measure(item: WorkItem, added: list[tuple[Any, Any, dict[str, Any]]], model: _Model, counts: _Counts) -> None:
+    """One request's prompts against the context, as vLLM checks them when they are added."""
+    context = model.context_length
+    if not added:
+        return
+    lengths = []
+    for position, (prompt, _, tokenization) in enumerate(added):
+        length = (len(prompt["prompt_token_ids"]) if isinstance(prompt, dict)
+                  else len(model.tokenizer.encode(prompt, add_special_tokens=tokenization.get("add_special_tokens", True))))
+        which = f"prompt {position}: " if len(added) > 1 else ""
+        if length == 0:
+            counts.refuse(item.index, "invalid_request", f"{which}the prompt is empty")
+            return
+        if length >= context:  # vLLM needs room for one generated token at least
+            counts.refuse(item.index, "prompt_too_long",
+                          f"{which}the prompt is {length} tokens; the model's context of {context} must hold it "
+                          "and at least one generated token")
+            return
+        lengths.append(length)
+    params = added[0][1]  # one request's prompts share their sampling parameters
+    n = getattr(params, "n", None) or 1
+    limit = params.max_tokens  # None: the engine fills the context; the job's planning assumes a bound
+    per_candidate = limit if limit is not None else expected_output_tokens(item.kind, item.request) // n
+    for length in lengths:
+        counts.prompts += 1
+        counts.prompt_tokens += length
+        counts.output_tokens += min(per_candidate, context - length) * n
+    longest = max(lengths)
+    if limit is not None and longest + limit > context:
+        counts.cut_short(item.index, f"the prompt ({longest} tokens) and max tokens ({limit}) exceed the context "
+                                     f"of {context}: generation stops after {context - longest} tokens")
+
+
+# --- the model: tokenizer and context --------------------------------------------------------------------
+
+@dataclass
+class _Model:
+    """What the worker's request handlers read of their vLLM `LLM` (`get_tokenizer()`,
+    `llm_engine.model_config`), built by vLLM from the engine arguments the worker would pass."""
+
+    model_config: Any  # vLLM's ModelConfig: the context, the model's generation defaults
+    tokenizer: Any
+    lock: threading.Lock  # one per tokenizer: dry runs of one model take turns with it
+
+    @property
+    def llm_engine(self) -> _Model:
+        return self
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.model_config.max_model_len
+
+
+_tokenizer_locks: dict[int, threading.Lock] = {}
+_tokenizer_locks_guard = threading.Lock()
+
+
+def _model_of(model_config: BatchCompletionsModelConfig) -> _Model:
+    """The model as a shard worker builds it (worker/engine.py), short of loading weights. Never with the
+    model's own code: the API process holds every tenant's keys and jobs, whatever the operator lets
+    shard workers run."""
+    from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+    from batch_pipeline.worker.engine import engine_arguments
+
+    config = model_config.model_copy(update={"trust_remote_code": False})
+    weights = "model_config.checkpoint_path" if model_config.checkpoint_path else "model_config.model"
+    failing = weights
+    try:
+        for name in ("checkpoint_path", "tokenizer"):  # an object store's: its configs and tokenizer only
+            value = getattr(config, name)
+            if value and not io.is_local(value):
+                failing = f"model_config.{name}"
+                config = config.model_copy(update={name: str(_sync_tokenizer_files(value))})
+        failing = weights
+        arguments, _ = engine_arguments(config)
+        engine_config = _engine_model_config(json.dumps(arguments, sort_keys=True, default=str))
+        failing = "model_config.tokenizer" if model_config.tokenizer else weights
+        tokenizer = cached_tokenizer_from_config(engine_config)
+    except Exception as exc:  # whatever stops it here stops the job's engine too
+        if "max_model_len" in str(exc) and (model_config.max_model_len or model_config.max_context_length):
+            failing = "model_config.max_model_len" if model_config.max_model_len else "model_config.max_context_length"
+        raise UnservableRequest([(failing, f"the model cannot be read here: {_short(exc)}")]) from None
+    with _tokenizer_locks_guard:
+        lock = _tokenizer_locks.setdefault(id(tokenizer), threading.Lock())  # vLLM keeps its tokenizers
+    return _Model(engine_config, tokenizer, lock)
+
+
+@functools.lru_cache(maxsize=32)  # per process; vLLM caches the tokenizers itself
+def _engine_model_config(arguments_json: str) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(**json.loads(arguments_json)).create_model_config()
+
+
+def _sync_tokenizer_files(url: str) -> Path:
+    """The configs and tokenizer of an object-store checkpoint (the files at its top, where they are) in a
+    local cache directory; files already there with the same size are kept. Keys are checked as a
+    checkpoint sync checks them."""
+    fs, root = io.filesystem(url)
+    root = root.rstrip("/")
+    target = cache_dir() / "tokenizers" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    target.mkdir(parents=True, exist_ok=True)
+    with io.file_lock(target.parent / f".{target.name}.lock"):
+        found = fs.find(root, maxdepth=1, detail=True)  # a prefix of many files costs one listing
+        if not found:
+            raise FileNotFoundError(f"nothing at {url}")
+        wanted = {_relative_checkpoint_file(url, root, path, target): (path, info) for path, info in found.items()}
+        for relative, (path, info) in wanted.items():
+            local = target / relative
+            if not relative.endswith(_TOKENIZER_SUFFIXES) or (local.exists() and local.stat().st_size == info["size"]):
+                continue
+            local.parent.mkdir(parents=True, exist_ok=True)
+            partial = local.with_name(f".{local.name}.partial")
+            fs.get_file(path, str(partial))
+            partial.rename(local)
+    return target
+
+
+# --- time and cost -----------------------------------------------------------------------------------------
+
+def _runtime(request: CreateBatchCompletionsV2Request, counts: _Counts, history: list[dict[str, Any]]) -> dict:
+    rates = [figures["completion_tokens_per_s"] / max(1, figures.get("shards") or 1)
+             for figures in history if (figures.get("completion_tokens_per_s") or 0) > 0]
+    if not rates:
+        model = request.model_cfg.model
+        why = (f"no history: no job of {model!a} has completed on this deployment yet"
+               if not history else f"no history: no completed job of {model!a} here generated any tokens")
+        return {"no_history": why + ", so there is no throughput to estimate from"}
+    rate = statistics.median(rates)
+    workers = _workers(request, counts.prompt_tokens + counts.output_tokens)
+    wall_s = counts.output_tokens / (rate * workers)
+    worker_hours = wall_s * workers / 3600
+    cpus = float(kubernetes_quantity("cpus", request.cpus)[1]) if request.cpus is not None else None
+    return {"estimate": RuntimeEstimate(
+        completion_tokens_per_s=round(rate, 2), from_jobs=len(rates), workers=workers, wall_s=round(wall_s, 1),
+        worker_hours=round(worker_hours, 4),
+        gpu_hours=round(worker_hours * request.gpus, 4) if request.gpus else None,
+        cpu_hours=round(worker_hours * cpus, 4) if cpus else None,
+    )}
+
+
+def _workers(request: CreateBatchCompletionsV2Request, tokens: int) -> int:
+    """Shard workers the job would run in, as plan_shards decides it, with the settings it reads (the
+    launcher's own limit on workers at once is not known here)."""
+    from batch_pipeline.pipeline.job import DEFAULT_MIN_SHARD_TOKENS
+
+    workers = request.data_parallelism or 1
+    most = os.environ.get("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "").strip()
+    if most.isdigit() and int(most) > 0:
+        workers = min(workers, int(most))
+    least = os.environ.get("BATCH_PIPELINE_MIN_SHARD_TOKENS", "").strip()
+    least_tokens = int(least) if least.isdigit() else DEFAULT_MIN_SHARD_TOKENS
+    if least_tokens > 0:
+        workers = min(workers, max(1, tokens // least_tokens))
+    return workers
+
+
+def _short(exc: BaseException, limit: int = 500) -> str:
+    if isinstance(exc, ValidationError):  # vLLM's configs: the messages, never the input they echo
+        text = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors(include_url=False))
+    else:
+        text = str(exc) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
