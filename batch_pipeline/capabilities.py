@@ -31,9 +31,10 @@ def shard_model_config(model_config: dict) -> dict:
     return {**model_config, "trust_remote_code": trusted}
 
 
-def refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
-    """`(field, why)` for each part of the request this deployment cannot honour."""
-    found = request_path_refusals(request)
+def refusals(request: CreateBatchCompletionsV2Request, own_dir: str | None = None) -> list[tuple[str, str]]:
+    """`(field, why)` for each part of the request this deployment cannot honour (`own_dir`: the job's work
+    dir, see request_path_refusals)."""
+    found = request_path_refusals(request, own_dir)
     if request.model_cfg.trust_remote_code and not remote_code_allowed():
         found.append(("model_config.trust_remote_code", "this server does not run a model's own code "
                       f"(the operator allows it with {ALLOW_REMOTE_CODE_ENV}=1)"))

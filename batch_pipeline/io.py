@@ -45,6 +45,25 @@ def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
 
 
+def size(path: str) -> int:
+    fs, resolved = filesystem(path)
+    return fs.size(resolved)
+
+
+def remove(path: str) -> None:
+    """Remove a file if it is there."""
+    fs, resolved = filesystem(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(resolved)
+
+
+def remove_tree(path: str) -> None:
+    """Remove a directory and everything in it, if it is there."""
+    fs, resolved = filesystem(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(resolved, recursive=True)
+
+
 def makedirs(path: str) -> None:
     fs, resolved = filesystem(path)
     fs.makedirs(resolved, exist_ok=True)

@@ -188,6 +188,8 @@ class NewJob:
     idempotency_key: str | None = None
     # A job registered by the run that already executes it (a launchpad run) is never launched again.
     run_id: str | None = None
+    # A job stored as failed (an OpenAI batch whose input did not validate): listed, never launched.
+    failure_reason: str | None = None
 
     @staticmethod
     def new_id() -> str:
@@ -307,6 +309,8 @@ class JobStore:
             "run_id": job.run_id,
             "status": QUEUED,
         }
+        if job.failure_reason is not None:
+            row |= {"status": FAILED, "failed_at": now, "completed_at": now, "failure_reason": job.failure_reason}
         try:
             with self.engine.begin() as connection:
                 connection.execute(jobs.insert().values(**row))

@@ -112,16 +112,18 @@ class PathPolicy:
         return None
 
 
-def request_path_refusals(request) -> list[tuple[str, str]]:
-    """`(field, why)` for each path a request names that the policy refuses."""
+def request_path_refusals(request, own_dir: str | None = None) -> list[tuple[str, str]]:
+    """`(field, why)` for each path a request names that the policy refuses. `own_dir` is the job's own work
+    dir: the service may place a job's files there (an OpenAI batch's output), outside the data roots, and no
+    requester can name it (a job's id is made after its request is sent)."""
     policy = PathPolicy.from_environment()
     found = []
     data_paths = [("input_data_path", request.input_data_path), ("output_data_path", request.output_data_path)]
     for field, path in data_paths:
-        if path is not None and (why := policy.data_path_refusal(path)):
+        if path is not None and not _inside(path, own_dir) and (why := policy.data_path_refusal(path)):
             found.append((field, why))
     output = request.output_data_path
-    if not any(field == "output_data_path" for field, _ in found):
+    if not any(field == "output_data_path" for field, _ in found) and not _inside(output, own_dir):
         if why := policy.data_path_refusal(metadata_path(output)):
             found.append(("output_data_path", f"its metadata file: {why}"))
     model_config = request.model_cfg
@@ -130,6 +132,13 @@ def request_path_refusals(request) -> list[tuple[str, str]]:
         if value is not None and (why := policy.model_refusal(value)):
             found.append((f"model_config.{field}", why))
     return found
+
+
+def _inside(path: str, directory: str | None) -> bool:
+    """Whether `path` names a file under `directory`, as written: no `..`, no other spelling of it."""
+    if directory is None or _unreadable(path) or "::" in path:
+        return False
+    return path.startswith(directory.rstrip("/") + "/") and ".." not in path.split("/")
 
 
 def _unreadable(path: str) -> str | None:

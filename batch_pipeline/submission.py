@@ -64,10 +64,11 @@ def from_v1(body: CreateBatchCompletionsV1Request) -> CreateBatchCompletionsV2Re
     })
 
 
-def check_servable(request: CreateBatchCompletionsV2Request) -> None:
-    """Raise InvalidPriority or UnservableRequest, naming the field, for what this deployment cannot run."""
+def check_servable(request: CreateBatchCompletionsV2Request, own_dir: str | None = None) -> None:
+    """Raise InvalidPriority or UnservableRequest, naming the field, for what this deployment cannot run
+    (`own_dir`: the job's work dir, where the service may place the job's own files)."""
     run_priority(request.priority)
-    if refused := refusals(request):
+    if refused := refusals(request, own_dir):
         raise UnservableRequest(refused)
 
 
@@ -78,15 +79,20 @@ def submit(
     request: CreateBatchCompletionsV2Request,
     idempotency_key: str | None = None,
     run_id: str | None = None,
+    job_id: str | None = None,
+    failure_reason: str | None = None,
 ) -> tuple[JobRecord, bool]:
     """Make a job of a request; with an idempotency key this owner used before, the job made then (or
     IdempotencyConflict). `work_dir_of(job_id)` is where the job's files go; `run_id` registers a job for
-    a run that already executes it. Returns the record and whether it was created."""
-    check_servable(request)
-    job_id = NewJob.new_id()
+    a run that already executes it. The service's own callers may give the job's id and a StoredRequest
+    whose content it already wrote in the job's work dir, or store a job that failed before it could run
+    (`failure_reason`). Returns the record and whether it was created."""
+    job_id = job_id or NewJob.new_id()
+    if failure_reason is None:
+        check_servable(request, own_dir=work_dir_of(job_id))
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
-    content_path = None
+    content_path = getattr(request, "content_path", None)
     if request.content is not None:
         content_path = io.join(work_dir_of(job_id), CONTENT_FILE)
         content = _CONTENT.dump_json(request.content, by_alias=True, exclude_none=True)
@@ -98,7 +104,7 @@ def submit(
             job_id=job_id, owner=owner, request_json=json.dumps(fields), request_sha256=digest.hexdigest(),
             model=request.model_cfg.model, priority=request.priority, labels=request.labels,
             max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC, content_path=content_path,
-            idempotency_key=idempotency_key, run_id=run_id,
+            idempotency_key=idempotency_key, run_id=run_id, failure_reason=failure_reason,
         ))
     except BaseException:
         _remove(content_path)  # no job, no file

@@ -55,7 +55,10 @@ def test_a_first_release_database_is_upgraded_with_its_rows_given_a_status_and_t
     assert [job.job_id for job in store.list(labels={"team": "batch-cancelled"}).jobs] == ["batch-cancelled"]
     assert [[job.job_id for job in chunk] for chunk in store.awaiting_launch()] == [["batch-queued"]]
     with store.engine.connect() as connection:
-        assert connection.execute(sa.text(f"SELECT version_num FROM {SCHEMA_VERSION_TABLE}")).scalar() == "0003"
+        assert connection.execute(sa.text(f"SELECT version_num FROM {SCHEMA_VERSION_TABLE}")).scalar() == "0004"
+        # OpenAI's Batch API tables came with the upgrade, empty.
+        assert connection.execute(sa.text("SELECT count(*) FROM openai_batches")).scalar() == 0
+        assert connection.execute(sa.text("SELECT count(*) FROM openai_files")).scalar() == 0
     created, _ = store.create(_new_job(key="k"))
     assert store.get(created.job_id).status == "queued"
 

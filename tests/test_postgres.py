@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,27 @@ def test_api_sensor_and_job_run_on_postgres_with_the_shipped_instance_config(pos
         for params in ({"label": "team\x00:x"}, {"label": "team:\x00"}, {"after": "batch-\x00"}, {"after": "x" * 10_000}):
             listed = api.client.get("/v2/batch-completions", params=params, headers={"x-api-key": USER_KEY})
             assert listed.status_code == 200 and listed.json()["jobs"] == [], (params, listed.text)
+        # An OpenAI batch, its files and its rows in the same database; ids Postgres cannot compare are absent.
+        bearer = {"Authorization": f"Bearer {USER_KEY}"}
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                "body": {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}}
+        file_id = api.client.post("/v1/files", headers=bearer, data={"purpose": "batch"},
+                                  files={"file": ("in.jsonl", json.dumps(line).encode())}).json()["id"]
+        batch = api.client.post("/v1/batches", headers=bearer, json={
+            "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+        finished = api.wait_for(batch["id"], lambda j: j["status"] in ("completed", "failed"), timeout=400)
+        assert finished["status"] == "completed", finished
+        deadline = time.monotonic() + 30
+        while (batch := api.client.get(f"/v1/batches/{batch['id']}", headers=bearer).json())["status"] != "completed":
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.5)
+        output = api.client.get(f"/v1/files/{batch['output_file_id']}/content", headers=bearer).json()
+        assert output["custom_id"] == "a" and output["response"]["body"]["object"] == "text_completion"
+        for path in ("/v1/files/file-%00", "/v1/batches/batch-%00", "/v1/files/" + "x" * 10_000):
+            assert api.client.get(path, headers=bearer).status_code == 404, path
+        for path in ("/v1/batches", "/v1/files"):
+            listed = api.client.get(path, params={"after": "x\x00"}, headers=bearer)
+            assert listed.status_code == 200 and listed.json()["data"] == [], listed.text
     finally:
         api.stop()
     engine = sa.create_engine(jobs_db)

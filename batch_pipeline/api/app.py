@@ -9,17 +9,22 @@ from typing import Annotated
 
 import dagster as dg
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batch_pipeline.api import openai_routes
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.limits import BodySizeLimit
 from batch_pipeline.api.metrics import metrics_text
+from batch_pipeline.api.openai_service import OpenAIBatchService, max_file_bytes
 from batch_pipeline.api.service import BatchJobService, IdempotencyConflict, JobNotFound, UnservableRequest
 from batch_pipeline.contract import (
+    BatchCompletionsEstimate,
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
     CancelBatchCompletionsV2Response,
@@ -31,7 +36,6 @@ from batch_pipeline.contract import (
     UpdateBatchCompletionsV2Request,
     UpdateBatchCompletionsV2Response,
 )
-from batch_pipeline.contract import BatchCompletionsEstimate
 from batch_pipeline.estimate import DryRunsBusy
 from batch_pipeline.hardware import hardware_maxima
 from batch_pipeline.jobs_store import JobStore
@@ -178,15 +182,31 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
         )
     app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")
     app.state.job_service = service
+    app.state.openai_service = OpenAIBatchService(service)
     app.state.api_keys = keys or ApiKeys.from_environment()
     app.include_router(router)
-    app.add_middleware(BodySizeLimit)
+    app.include_router(openai_routes.router)
+    app.add_middleware(BodySizeLimit, larger={"/v1/files": max_file_bytes()})
+    openai_routes.add_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         # FastAPI's default echoes the input, which may be a whole body or a value JSON cannot hold (NaN).
         detail = [{"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]} for error in exc.errors()]
+        if openai_routes.is_openai_path(request):  # as OpenAI answers an invalid parameter
+            first = detail[0]
+            param = ".".join(str(part) for part in first["loc"][1:]) or None
+            return openai_routes.openai_error(400, f"{param or 'the request'}: {first['msg']}", param=param)
         return AsciiJSONResponse(status_code=422, content={"detail": detail})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if openai_routes.is_openai_path(request):
+            kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error"
+            response = openai_routes.openai_error(exc.status_code, str(exc.detail), kind=kind)
+            response.headers.update(exc.headers or {})
+            return response
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(IdempotencyConflict)
     async def _conflict(_: Request, exc: IdempotencyConflict) -> JSONResponse:

@@ -1,7 +1,8 @@
 """API keys: from BATCH_PIPELINE_API_KEYS (comma-separated) or BATCH_PIPELINE_API_KEYS_FILE (one per line).
 
-An entry is `KEY` or `KEY:admin`. Clients send the key as `x-api-key` or as the user name of HTTP basic
-auth (Scale's llmengine SDK sends both). With no key configured the API is open: every caller is the
+An entry is `KEY` or `KEY:admin`. Clients send the key as `x-api-key`, as the user name of HTTP basic
+auth (Scale's llmengine SDK sends both), or as a bearer token (`Authorization: Bearer KEY`, the `openai`
+SDK's way). With no key configured the API is open: every caller is the
 same admin user, and a warning says so at start-up.
 """
 
@@ -53,7 +54,8 @@ class ApiKeys:
     def authenticate(self, request: Request) -> Caller:
         if not self._keys:
             return OPEN_ACCESS
-        presented = request.headers.get("x-api-key") or _basic_auth_user(request.headers.get("authorization"))
+        authorization = request.headers.get("authorization")
+        presented = request.headers.get("x-api-key") or _basic_auth_user(authorization) or _bearer(authorization)
         if presented:
             for key, is_admin in self._keys.items():
                 if hmac.compare_digest(key.encode(), presented.encode()):
@@ -69,3 +71,9 @@ def _basic_auth_user(header: str | None) -> str | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return decoded.partition(":")[0] or None
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header or not header.lower().startswith("bearer "):
+        return None
+    return header[7:].strip() or None

@@ -18,6 +18,7 @@ from batch_pipeline.capabilities import shard_model_config
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.launch import ShardLauncher
+from batch_pipeline.openai_batches import finalize_batch
 from batch_pipeline.paths import metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
@@ -84,8 +85,9 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
         request = StoredRequest.model_validate(context.op_config)
     except ValidationError as exc:
         raise dg.Failure(f"invalid request: {describe_validation_error(exc)}") from None
+    job_id = tagged_job_id(context.instance, context.run)
     try:
-        check_servable(request)
+        check_servable(request, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
     except UnservableRequest as exc:
         raise dg.Failure(str(exc)) from None
     except InvalidPriority as exc:
@@ -97,7 +99,6 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
     store = job_store.get_store()
-    job_id = tagged_job_id(context.instance, context.run)
     if request.content_path is not None:
         record = store.get(job_id) if job_id is not None else None
         # Only the submission path names a content file: the one it wrote for this job.
@@ -256,6 +257,22 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
     return {"output_data_path": output_path, "results": written, "merge_s": merge_s}
 
 
+@dg.op(description="For a job that is an OpenAI batch: its output and error files (JSONL by custom_id), from "
+       "the merged output. Other jobs have nothing to do here.")
+def write_batch_files(context: OpExecutionContext, merged: dict, job_store: JobStoreResource,
+                      job_storage: JobStorage) -> dict:
+    job_id = current_job_id(context)
+    results = finalize_batch(job_store.get_store(), job_id, merged["output_data_path"], job_storage.work_dir(job_id),
+                             job_storage.files_dir())
+    if results is None:
+        return {}
+    summary = {"completed": results.completed, "failed": results.failed,
+               "output_file_id": results.output_file.file_id if results.output_file else None,
+               "error_file_id": results.error_file.file_id if results.error_file else None}
+    context.add_output_metadata(summary)
+    return summary
+
+
 @dg.op(description="Write the job's counts, tokens and timings beside the output, and as run metadata.")
 def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict, shard_results: list[dict],
                        plan: dict, job_store: JobStoreResource) -> dict:
@@ -324,4 +341,5 @@ def batch_completions():
     shards, plan = plan_shards(request)
     shard_results = shards.map(run_shard).collect()
     merged = merge_outputs(request, shard_results)
+    write_batch_files(merged)
     write_job_metadata(request, merged, shard_results, plan)

@@ -14,6 +14,7 @@ from dagster import OpExecutionContext
 from batch_pipeline import io
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
 from batch_pipeline.jobs_store import JobRecord
+from batch_pipeline.openai_batches import expired, finalize_batch
 from batch_pipeline.paths import metadata_path
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.shards import partial_outputs, progress, write_output_array
@@ -53,6 +54,7 @@ def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResou
     with io.atomic_write(metadata_path(output_path), "w") as handle:
         json.dump(summary, handle, indent=2)
     store.record_results(record.job_id, config["run_id"], summary)
+    finalize_batch(store, record.job_id, output_path, work_dir, job_storage.files_dir(), expired=expired(record))
     context.instance.add_run_tags(config["run_id"], {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
     context.log.info(f"{record.job_id}: kept {done} of {total} results in {output_path}")
     context.add_output_metadata({"output_data_path": output_path, "finished": done, "planned": total})

@@ -20,11 +20,16 @@ class JobStorage(dg.ConfigurableResource):
         default="", description="Base path or URL of job work dirs; empty = $DAGSTER_HOME/work."
     )
 
-    def work_dir(self, job_id: str) -> str:
+    def base(self) -> str:
         base = self.work_dir_base or os.path.join(os.environ.get("DAGSTER_HOME", "dagster_home"), "work")
-        if io.is_local(base):
-            base = os.path.abspath(base)
-        return io.join(base, job_id)
+        return os.path.abspath(base) if io.is_local(base) else base
+
+    def work_dir(self, job_id: str) -> str:
+        return io.join(self.base(), job_id)
+
+    def files_dir(self) -> str:
+        """Where the OpenAI Batch API's files are kept (uploads, batch outputs): beside the work dirs."""
+        return io.join(self.base(), "files")
 
 
 class JobStoreResource(dg.ConfigurableResource):

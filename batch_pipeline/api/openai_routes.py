@@ -1,0 +1,158 @@
+"""OpenAI's Batch API (files and batches) as thin routes over `OpenAIBatchService`, answering errors in
+OpenAI's shape so the `openai` SDK reads them (`OpenAI(base_url=".../v1", api_key=KEY)`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from batch_pipeline.api.auth import Caller
+from batch_pipeline.api.body import WireBodyRoute
+from batch_pipeline.api.openai_service import BatchNotFound, FileNotFound, InvalidOpenAIRequest, OpenAIBatchService
+from batch_pipeline.contract import BatchCompletionsEstimate
+from batch_pipeline.contract.openai_batch import (
+    Batch,
+    BatchList,
+    CreateBatchRequest,
+    FileDeleted,
+    FileList,
+    FilePurpose,
+    OpenAIErrorBody,
+    OpenAIFile,
+)
+from batch_pipeline.estimate import DryRunsBusy
+
+PATH_PREFIXES = ("/v1/files", "/v1/batches")
+
+
+def _caller(request: Request) -> Caller:
+    return request.app.state.api_keys.authenticate(request)
+
+
+def _service(request: Request) -> OpenAIBatchService:
+    return request.app.state.openai_service
+
+
+CallerDep = Annotated[Caller, Depends(_caller)]
+ServiceDep = Annotated[OpenAIBatchService, Depends(_service)]
+_ERRORS = {status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413)}
+router = APIRouter(prefix="/v1", tags=["OpenAI Batch API"], responses=_ERRORS, route_class=WireBodyRoute)
+
+_UPLOAD_BODY = {
+    "required": True,
+    "content": {"multipart/form-data": {"schema": {
+        "type": "object",
+        "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary", "description": "the JSONL input"},
+                       "purpose": {"type": "string", "enum": ["batch"]}},
+    }}},
+}
+
+
+@router.post("/files", response_model=OpenAIFile, openapi_extra={"requestBody": _UPLOAD_BODY})
+async def upload_file(request: Request, who: CallerDep, service: ServiceDep):
+    """Upload a batch input file (multipart `file` and `purpose=batch`), at most
+    BATCH_PIPELINE_MAX_FILE_BYTES (200 MB); spooled to disk as it arrives, never held whole."""
+    # The caller was authenticated (a dependency) before any of the body was read.
+    async with request.form(max_files=1, max_fields=8) as form:
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise InvalidOpenAIRequest("file", "a multipart field `file` holding the JSONL is required")
+        if not isinstance(purpose, str):
+            raise InvalidOpenAIRequest("purpose", "a multipart field `purpose` (batch) is required")
+        return await run_in_threadpool(service.upload, who, upload.filename or "", purpose, upload.file)
+
+
+@router.get("/files", response_model=FileList)
+def list_files(
+    who: CallerDep, service: ServiceDep, purpose: FilePurpose | None = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000, after: str | None = None,
+):
+    files, more = service.list_files(who, purpose, limit, after)
+    return FileList(data=files, first_id=files[0].id if files else None, last_id=files[-1].id if files else None,
+                    has_more=more)
+
+
+@router.get("/files/{file_id}", response_model=OpenAIFile)
+def get_file(file_id: str, who: CallerDep, service: ServiceDep):
+    return service.get_file(who, file_id)
+
+
+@router.get("/files/{file_id}/content", response_class=StreamingResponse)
+def file_content(file_id: str, who: CallerDep, service: ServiceDep):
+    """The file's bytes, streamed."""
+    file, chunks = service.file_chunks(who, file_id)
+    return StreamingResponse(chunks, media_type="application/octet-stream",
+                             headers={"Content-Length": str(file.bytes)})
+
+
+@router.delete("/files/{file_id}", response_model=FileDeleted)
+def delete_file(file_id: str, who: CallerDep, service: ServiceDep):
+    return service.delete_file(who, file_id)
+
+
+@router.post("/batches", response_model=Batch | BatchCompletionsEstimate,
+             responses={429: {"model": OpenAIErrorBody, "description": "dry_run: too many dry runs at once"}})
+def create_batch(
+    body: CreateBatchRequest, who: CallerDep, service: ServiceDep,
+    dry_run: Annotated[bool, Query(description=(
+        "Create nothing: check the input file as a batch's is checked (a file that does not validate is a 400 "
+        "naming its lines), read and tokenize its requests as the job would, and answer a "
+        "BatchCompletionsEstimate (requests, prompt tokens, the requests that cannot run, the most output "
+        "tokens, the wall time and machine hours at this deployment's measured throughput for the model)."
+    ))] = False,
+):
+    """Check the input file (each error in the batch's `errors`, with its line) and queue its job."""
+    if dry_run:
+        try:
+            return service.estimate_batch(who, body)
+        except DryRunsBusy as exc:
+            return openai_error(429, str(exc), code="rate_limit_exceeded")
+    return service.create_batch(who, body)
+
+
+@router.get("/batches", response_model=BatchList)
+def list_batches(
+    who: CallerDep, service: ServiceDep, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
+):
+    batches, more = service.list_batches(who, limit, after)
+    return BatchList(data=batches, first_id=batches[0].id if batches else None,
+                     last_id=batches[-1].id if batches else None, has_more=more)
+
+
+@router.get("/batches/{batch_id}", response_model=Batch)
+def get_batch(batch_id: str, who: CallerDep, service: ServiceDep):
+    return service.get_batch(who, batch_id)
+
+
+@router.post("/batches/{batch_id}/cancel", response_model=Batch)
+def cancel_batch(batch_id: str, who: CallerDep, service: ServiceDep):
+    return service.cancel_batch(who, batch_id)
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: Literal["invalid_request_error", "authentication_error"] = "invalid_request_error") -> Response:
+    body = OpenAIErrorBody.model_validate({"error": {"message": message, "type": kind, "param": param, "code": code}})
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+def is_openai_path(request: Request) -> bool:
+    return request.url.path.startswith(PATH_PREFIXES)
+
+
+def add_error_handlers(app) -> None:
+    @app.exception_handler(FileNotFound)
+    async def _no_file(_: Request, exc: FileNotFound) -> Response:
+        return openai_error(404, f"No such File object: {exc.args[0][:100]!a}", param="file_id")
+
+    @app.exception_handler(BatchNotFound)
+    async def _no_batch(_: Request, exc: BatchNotFound) -> Response:
+        return openai_error(404, f"No such Batch object: {exc.args[0][:100]!a}", param="batch_id")
+
+    @app.exception_handler(InvalidOpenAIRequest)
+    async def _invalid(_: Request, exc: InvalidOpenAIRequest) -> Response:
+        return openai_error(400, str(exc), param=exc.param)

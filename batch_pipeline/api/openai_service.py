@@ -1,0 +1,337 @@
+"""What the OpenAI Batch API's routes do: files kept in the file store, batches made as jobs through the
+submission path (the same store, the same Dagster job) and described from their job's row. Knows nothing of
+HTTP; raises domain errors that the routes map to OpenAI's error bodies."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import IO
+
+from pydantic import ValidationError
+
+from batch_pipeline import io
+from batch_pipeline.api.auth import Caller
+from batch_pipeline.api.service import BatchJobService
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.contract import BatchCompletionsEstimate
+from batch_pipeline.contract.openai_batch import (
+    Batch,
+    BatchError,
+    BatchErrors,
+    BatchRequestCounts,
+    CreateBatchRequest,
+    FileDeleted,
+    OpenAIFile,
+)
+from batch_pipeline.contract.records import describe_validation_error
+from batch_pipeline.estimate import HISTORY_JOBS, estimate
+from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobRecord, NewJob
+from batch_pipeline.openai_batches import (
+    CUSTOM_IDS_FILE,
+    OUTPUT_FILE,
+    CheckedInput,
+    check_input_file,
+    expired,
+    keep_results,
+    model_config_for,
+    write_result_files,
+)
+from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
+from batch_pipeline.shards import make_private_directory
+from batch_pipeline.submission import CONTENT_FILE, StoredRequest, UnservableRequest, check_servable, submit
+
+DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+_CHUNK = 1024 * 1024
+
+
+def max_file_bytes() -> int:
+    """The largest upload (BATCH_PIPELINE_MAX_FILE_BYTES): its multipart body may be this plus a little."""
+    return int(os.environ.get("BATCH_PIPELINE_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES))
+
+
+class FileNotFound(LookupError):
+    pass
+
+
+class BatchNotFound(LookupError):
+    pass
+
+
+class InvalidOpenAIRequest(ValueError):
+    """A request OpenAI would answer with 400 `invalid_request_error`: the message names `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class OpenAIBatchService:
+    def __init__(self, jobs: BatchJobService, store: OpenAIStore | None = None) -> None:
+        self.jobs = jobs
+        self.store = store or OpenAIStore(engine=jobs.store.engine)
+        self.files_dir = jobs.job_storage.files_dir()
+
+    # --- files ------------------------------------------------------------------------------------------
+
+    def upload(self, caller: Caller, filename: str, purpose: str, content: IO[bytes]) -> OpenAIFile:
+        """Store an uploaded file, copied a chunk at a time from the spooled upload."""
+        if purpose != "batch":
+            raise InvalidOpenAIRequest("purpose", f"purpose must be 'batch' (got {purpose[:64]!a}): files here are "
+                                                  "inputs of batches")
+        # Shown back as sent, but stored as text any database holds: no NUL, no lone surrogate, no control.
+        filename = "".join(character for character in filename if character.isprintable())[:256]
+        record = FileRecord(file_id=FileRecord.new_id(), owner=caller.owner, filename=filename or "upload.jsonl",
+                            purpose=purpose, bytes=0, created_at=datetime.now(timezone.utc), path="")
+        path = io.join(self.files_dir, record.file_id)
+        _make_work_dir(self.files_dir)
+        with io.atomic_write(path, "wb") as stored:
+            shutil.copyfileobj(content, stored, _CHUNK)
+        size = io.size(path)
+        if size == 0:
+            io.remove(path)
+            raise InvalidOpenAIRequest("file", "the file is empty")
+        record = FileRecord(**{**record.__dict__, "bytes": size, "path": path})
+        self.store.add_file(record)
+        return describe_file(record)
+
+    def get_file(self, caller: Caller, file_id: str) -> OpenAIFile:
+        return describe_file(self._file(caller, file_id))
+
+    def list_files(self, caller: Caller, purpose: str | None, limit: int, after: str | None) -> tuple[list[OpenAIFile], bool]:
+        records, more = self.store.list_files(None if caller.is_admin else caller.owner, purpose, limit, after)
+        return [describe_file(record) for record in records], more
+
+    def delete_file(self, caller: Caller, file_id: str) -> FileDeleted:
+        record = self._file(caller, file_id)
+        deleted = self.store.delete_file(record.file_id)
+        io.remove(record.path)
+        return FileDeleted(id=record.file_id, deleted=deleted)
+
+    def file_chunks(self, caller: Caller, file_id: str) -> tuple[OpenAIFile, Iterator[bytes]]:
+        """The file and its content, a chunk at a time (opened now, so a missing file fails here)."""
+        record = self._file(caller, file_id)
+        try:
+            handle = io.open_file(record.path, "rb")
+        except FileNotFoundError:
+            raise FileNotFound(file_id) from None
+
+        def chunks() -> Iterator[bytes]:
+            with handle:
+                while chunk := handle.read(_CHUNK):
+                    yield chunk
+
+        return describe_file(record), chunks()
+
+    def _file(self, caller: Caller, file_id: str) -> FileRecord:
+        record = self.store.get_file(file_id)
+        # Someone else's file is reported as absent, as their jobs are.
+        if record is None or (record.owner != caller.owner and not caller.is_admin):
+            raise FileNotFound(file_id)
+        return record
+
+    # --- batches ----------------------------------------------------------------------------------------
+
+    def create_batch(self, caller: Caller, body: CreateBatchRequest) -> Batch:
+        """Check the input file now (OpenAI's `validating`, done before answering) and make the batch's job:
+        queued when every line is valid, else stored failed with the errors by line, never launched."""
+        input_file = self._input_file(caller, body.input_file_id)
+        job_id = NewJob.new_id()
+        work_dir = self.jobs.job_storage.work_dir(job_id)
+        _make_work_dir(work_dir)
+        checked = self._check(input_file, body, work_dir)
+        errors = list(checked.errors)
+        request = None
+        if not errors:
+            try:
+                request = StoredRequest(
+                    content_path=io.join(work_dir, CONTENT_FILE),
+                    output_data_path=io.join(work_dir, OUTPUT_FILE),
+                    model_config=model_config_for(checked.model),
+                    max_runtime_sec=body.window_seconds,
+                    labels=body.metadata or {},
+                )
+                check_servable(request, own_dir=work_dir)
+            except (ValidationError, ValueError, OSError) as exc:
+                errors = _model_errors(exc)
+                request = None
+        if request is None:  # stored as it was asked for, to be described; its content was never kept
+            request = StoredRequest(content_path=io.join(work_dir, CONTENT_FILE),
+                                    output_data_path=io.join(work_dir, OUTPUT_FILE),
+                                    model_config={"model": (checked.model or "")[:256]},
+                                    max_runtime_sec=body.window_seconds, labels=body.metadata or {})
+        failure = None
+        if errors:
+            shown = "; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in errors[:3])
+            failure = f"the input file did not validate ({len(errors) + checked.more_errors} errors): {shown}"
+        batch = BatchRecord(
+            batch_id=job_id, owner=caller.owner, endpoint=body.endpoint, input_file_id=input_file.file_id,
+            completion_window=body.completion_window, created_at=datetime.now(timezone.utc), total=checked.total,
+            errors=[error.model_dump() for error in errors] or None,
+        )
+        # Before the job: the pipeline finalizes a job as a batch when it finds this row.
+        self.store.add_batch(batch)
+        try:
+            job, _ = submit(self.jobs.store, self.jobs.job_storage.work_dir, caller.owner, request, job_id=job_id,
+                            failure_reason=failure)
+        except BaseException:
+            self.store.delete_batch(job_id)
+            raise
+        return describe_batch(batch, job)
+
+    def estimate_batch(self, caller: Caller, body: CreateBatchRequest) -> BatchCompletionsEstimate:
+        """A dry run: the input file checked as `create_batch` checks it, then read and tokenized as its job
+        would be (`estimate`); nothing is stored or launched, and the file's checked copy is removed."""
+        input_file = self._input_file(caller, body.input_file_id)
+        work_dir = self.jobs.job_storage.work_dir(f"dry-run-{uuid.uuid4().hex}")
+        _make_work_dir(work_dir)
+        try:
+            checked = self._check(input_file, body, work_dir)
+            if checked.errors:
+                shown = "; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in checked.errors[:3])
+                raise InvalidOpenAIRequest("input_file_id", f"the input file does not validate "
+                                           f"({len(checked.errors) + checked.more_errors} errors): {shown}")
+            try:
+                request = CreateBatchCompletionsV2Request(
+                    input_data_path=io.join(work_dir, CONTENT_FILE), output_data_path=io.join(work_dir, OUTPUT_FILE),
+                    model_config=model_config_for(checked.model), max_runtime_sec=body.window_seconds,
+                )
+                check_servable(request, own_dir=work_dir)
+                history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
+                return estimate(request, history)
+            except (ValidationError, UnservableRequest, OSError) as exc:
+                raise InvalidOpenAIRequest("body.model", _model_errors(exc)[0].message) from None
+        finally:
+            io.remove_tree(work_dir)
+
+    def get_batch(self, caller: Caller, batch_id: str) -> Batch:
+        return describe_batch(*self._batch(caller, batch_id))
+
+    def list_batches(self, caller: Caller, limit: int, after: str | None) -> tuple[list[Batch], bool]:
+        records, more = self.store.list_batches(None if caller.is_admin else caller.owner, limit, after)
+        described = []
+        for record in records:
+            job = self.jobs.store.get(record.batch_id)
+            if job is not None:
+                described.append(describe_batch(record, job))
+        return described, more
+
+    def cancel_batch(self, caller: Caller, batch_id: str) -> Batch:
+        batch, job = self._batch(caller, batch_id)
+        if job.is_finished and job.status != CANCELLED:
+            raise InvalidOpenAIRequest("batch_id", f"the batch is already {describe_batch(batch, job).status}")
+        self.jobs.cancel(caller, batch_id)
+        batch, job = self._batch(caller, batch_id)
+        if job.status == CANCELLED and not job.requests_total and batch.finalized_at is None:
+            # Stopped before its shards were planned: no run keeps partial results, so its error file (every
+            # request cancelled) is written here.
+            work_dir = self.jobs.job_storage.work_dir(batch_id)
+            unfinished = {"error": {"code": "cancelled", "message": "the batch was cancelled before this request ran"}}
+            results = write_result_files(batch_id, batch.owner, io.join(work_dir, CUSTOM_IDS_FILE),
+                                         (unfinished for _ in range(batch.total)), self.files_dir)
+            keep_results(self.store, batch_id, results)
+            batch, job = self._batch(caller, batch_id)
+        return describe_batch(batch, job)
+
+    def _input_file(self, caller: Caller, file_id: str) -> FileRecord:
+        try:
+            input_file = self._file(caller, file_id)
+        except FileNotFound:
+            raise InvalidOpenAIRequest("input_file_id", f"no file {file_id[:64]!a}") from None
+        if input_file.purpose != "batch":
+            raise InvalidOpenAIRequest("input_file_id", "the input file must be one uploaded with purpose 'batch'")
+        return input_file
+
+    @staticmethod
+    def _check(input_file: FileRecord, body: CreateBatchRequest, work_dir: str) -> CheckedInput:
+        try:
+            return check_input_file(input_file.path, body.endpoint, work_dir)
+        except FileNotFoundError:
+            raise InvalidOpenAIRequest("input_file_id", "the file's content is no longer stored") from None
+
+    def _batch(self, caller: Caller, batch_id: str) -> tuple[BatchRecord, JobRecord]:
+        batch = self.store.get_batch(batch_id)
+        if batch is None or (batch.owner != caller.owner and not caller.is_admin):
+            raise BatchNotFound(batch_id)
+        job = self.jobs.store.get(batch_id)
+        if job is None:
+            raise BatchNotFound(batch_id)
+        return batch, job
+
+
+def _make_work_dir(path: str) -> None:
+    if io.is_local(path):  # tenants' prompts: for the service's user alone
+        make_private_directory(path)
+    else:
+        io.makedirs(path)
+
+
+def _model_errors(exc: Exception) -> list[BatchError]:
+    if isinstance(exc, UnservableRequest):
+        return [BatchError(code="model_not_served" if field.startswith("model_config") else "invalid_request",
+                           message=f"{field}: {why}", param="body.model") for field, why in exc.refused]
+    if isinstance(exc, ValidationError):
+        return [BatchError(code="invalid_model", param="body.model",
+                           message=f"the model catalog's entry does not validate: {describe_validation_error(exc)}")]
+    return [BatchError(code="invalid_model", param="body.model", message=str(exc)[:500])]
+
+
+def describe_file(record: FileRecord) -> OpenAIFile:
+    return OpenAIFile(id=record.file_id, bytes=record.bytes, created_at=_unix(record.created_at),
+                      filename=record.filename, purpose=record.purpose)
+
+
+def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
+    """The batch as OpenAI's object: its status and counts from its job's row, its files from its own."""
+    ended = _unix(job.completed_at)
+    timestamps: dict[str, int | None] = {"in_progress_at": _unix(job.started_at)}
+    if batch.errors:
+        status, timestamps = "failed", {"failed_at": _unix(job.failed_at or job.completed_at)}
+    elif job.status in (QUEUED, RUNNING):
+        total = job.requests_total or 0
+        status = "finalizing" if total and (job.requests_done or 0) >= total else "in_progress"
+    elif job.status == COMPLETED:
+        status = "completed" if batch.finalized_at else "finalizing"
+        timestamps |= {"finalizing_at": ended, "completed_at": _unix(batch.finalized_at)}
+    elif job.status == CANCELLED:
+        # Its finished work is written by the run that keeps partial results, if its shards were planned.
+        done = batch.finalized_at is not None or (job.completed_at is not None and not job.requests_total)
+        status = "cancelled" if done else "cancelling"
+        timestamps |= {"cancelling_at": _unix(job.cancelled_at), "cancelled_at": _unix(batch.finalized_at) or ended}
+        if not done:
+            timestamps["cancelled_at"] = None
+    elif expired(job):
+        status, timestamps = "expired", timestamps | {"expired_at": ended}
+    else:
+        status, timestamps = "failed", timestamps | {"failed_at": ended}
+    errors = batch.errors
+    if status == "failed" and not errors and job.status == FAILED:
+        errors = [{"code": "batch_failed", "message": job.failure_reason or "the batch's job failed"}]
+    if batch.finalized_at is not None:
+        counts = BatchRequestCounts(total=batch.total, completed=batch.completed or 0, failed=batch.failed or 0)
+    else:
+        failed = job.errors or 0
+        counts = BatchRequestCounts(total=batch.total, completed=max(0, (job.requests_done or 0) - failed),
+                                    failed=failed)
+    return Batch(
+        id=batch.batch_id,
+        endpoint=batch.endpoint,
+        errors=BatchErrors(data=[BatchError.model_validate(error) for error in errors]) if errors else None,
+        input_file_id=batch.input_file_id,
+        completion_window=batch.completion_window,
+        status=status,
+        output_file_id=batch.output_file_id,
+        error_file_id=batch.error_file_id,
+        created_at=_unix(batch.created_at),
+        expires_at=_unix(batch.created_at + timedelta(hours=int(batch.completion_window[:-1]))),
+        request_counts=counts,
+        metadata=job.labels or None,
+        **timestamps,
+    )
+
+
+def _unix(moment: datetime | None) -> int | None:
+    return int(moment.timestamp()) if moment is not None else None

@@ -1,0 +1,151 @@
+"""OpenAI's Batch API as the `openai` SDK speaks it: files, batches, and the lines of their JSONL files
+(see shared/spec/openai_batch.md). Times are unix seconds, as OpenAI's are."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from batch_pipeline.contract.base import WireModel
+
+# The endpoints a batch may target, and the kind of request each line's body is.
+BATCH_ENDPOINTS: dict[str, Literal["chat", "completion"]] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+}
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+FilePurpose = Literal["batch", "batch_output"]
+
+
+class OpenAIFile(WireModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: FilePurpose
+    # Kept by OpenAI for older clients; always "processed" once stored.
+    status: Literal["processed"] = "processed"
+
+
+class FileList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[OpenAIFile]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileDeleted(WireModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class CreateBatchRequest(WireModel):
+    input_file_id: str = Field(max_length=64)
+    endpoint: BatchEndpoint
+    completion_window: str = Field(
+        "24h", pattern=r"^[1-9][0-9]?h$",
+        description="Hours the batch may take (OpenAI's is 24h): its max_runtime_sec, at most 48h here.",
+    )
+    metadata: dict[str, str] | None = Field(None, description="At most 16 pairs: keys up to 64 characters, "
+                                                              "values up to 512.")
+
+    @field_validator("completion_window")
+    @classmethod
+    def _within_two_days(cls, value: str) -> str:
+        if int(value[:-1]) > 48:
+            raise ValueError("at most 48h")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _openai_metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > 16:
+            raise ValueError("at most 16 pairs")
+        for key, entry in value.items():
+            if len(key) > 64 or len(entry) > 512:
+                raise ValueError(f"key {key[:64]!a}: keys are at most 64 characters, values at most 512")
+        return value
+
+    @property
+    def window_seconds(self) -> int:
+        return int(self.completion_window[:-1]) * 3600
+
+
+class BatchError(WireModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(WireModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class BatchRequestCounts(WireModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class Batch(WireModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: BatchRequestCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class BatchInputLine(WireModel):
+    """One line of a batch's input file."""
+
+    custom_id: str = Field(min_length=1, max_length=512)
+    method: Literal["POST"]
+    url: str = Field(max_length=256)
+    body: dict[str, Any]
+
+
+class OpenAIError(WireModel):
+    """OpenAI's error object: what its SDK reads from a failed call's body (`{"error": {...}}`)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(WireModel):
+    error: OpenAIError
