@@ -334,3 +334,19 @@ def test_a_batch_finalized_again_replaces_its_files_and_leaves_no_old_one(tmp_pa
     assert (second.completed, second.failed, second.error_file_id) == (1, 0, None)
     assert store.get_file(first.error_file_id) is None and store.get_file(second.output_file_id) is not None
     assert sorted(path.name for path in files.iterdir()) == [second.output_file_id]
+
+
+def test_an_operator_catalog_maps_a_batchs_model_name_to_a_whole_model_config(deployment, tmp_path, monkeypatch):
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(f"small-chat:\n  model: {MODEL}\n  max_model_len: 1024\n  served_model_name: small-chat\n"
+                       "broken:\n  max_model_len: -1\n")
+    monkeypatch.setenv("BATCH_PIPELINE_MODEL_CATALOG", str(catalog))
+    client = deployment.client
+    batch = _create(client, _upload(client, _jsonl([_line("a", model="small-chat")])).json()["id"]).json()
+    assert batch["status"] == "in_progress", batch
+    model_config = deployment.job(batch["id"])["model_config"]
+    assert (model_config["model"], model_config["max_model_len"]) == (MODEL, 1024)
+    # A catalog entry that does not validate fails the batch naming the model, not the server.
+    broken = _create(client, _upload(client, _jsonl([_line("a", model="broken")])).json()["id"]).json()
+    assert broken["status"] == "failed"
+    assert [(e["code"], e["param"]) for e in broken["errors"]["data"]] == [("invalid_model", "body.model")]
