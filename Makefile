@@ -29,6 +29,7 @@ bench: model
 	$(PY) bench/api_memory.py
 	$(PY) bench/sharding.py
 	$(PY) bench/real_batches.py
+	$(PY) bench/openai_batch.py
 	$(PY) bench/plots.py
 
 install: $(VENV)/.installed

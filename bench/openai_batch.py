@@ -55,9 +55,10 @@ def batch_file(path: Path, texts: list[str], model: str, max_tokens: int) -> int
     return path.stat().st_size
 
 
-def peak_rss_mb(pid: int) -> float:
+def status_mb(pid: int, field: str) -> float:
+    """A memory figure of /proc/PID/status: VmRSS (now) or VmHWM (the peak since the last reset)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -100,13 +101,13 @@ def part_one(options: argparse.Namespace, work: Path) -> dict:
         try:
             client.get("/v1/files")  # first-request imports are not upload memory
             time.sleep(0.5)
-            idle = peak_rss_mb(server.pid)
             reset_peak(server.pid)
+            idle = status_mb(server.pid, "VmRSS")
             started = time.perf_counter()
             with open(source, "rb") as handle:
                 uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", handle)})
             rounds["upload_s"].append(time.perf_counter() - started)
-            rounds["upload_peak_over_idle_mb"].append(peak_rss_mb(server.pid) - idle)
+            rounds["upload_peak_over_idle_mb"].append(status_mb(server.pid, "VmHWM") - idle)
             assert uploaded.status_code == 200, uploaded.text
             started = time.perf_counter()
             batch = client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,

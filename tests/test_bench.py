@@ -23,6 +23,19 @@ def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     assert all(row["plan_peak_rss_mb"] > 0 and row["merge_s"] >= 0 for row in rows)
 
 
+def test_the_openai_batch_benchmark_uploads_checks_and_writes_every_line(tmp_path):
+    out = tmp_path / "openai_batch.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "bench" / "openai_batch.py"), "--lines", "200", "--repeat", "1", "--no-e2e",
+         "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    result = json.loads(out.read_text())["part_one"]
+    assert result["lines"] == 200 and result["upload_mb_per_s"] > 0
+    assert set(result["ratios"]) == {"upload / copy", "check / vllm_parse", "results / rewrite"}
+    assert all(value >= 0 for value in result["medians"].values())
+
+
 @pytest.mark.slow
 def test_the_sharding_benchmark_runs_the_job_at_each_dp_and_predicts_from_dp_1(tmp_path):
     out = tmp_path / "sharding.json"
