@@ -36,8 +36,12 @@ def refusals(request: CreateBatchCompletionsV2Request, own_dir: str | None = Non
     dir, see request_path_refusals)."""
     found = request_path_refusals(request, own_dir)
     if request.model_cfg.trust_remote_code and not remote_code_allowed():
-        found.append(("model_config.trust_remote_code", "this server does not run a model's own code "
-                      f"(the operator allows it with {ALLOW_REMOTE_CODE_ENV}=1)"))
+        found.append(
+            (
+                "model_config.trust_remote_code",
+                f"this server does not run a model's own code (the operator allows it with {ALLOW_REMOTE_CODE_ENV}=1)",
+            )
+        )
     found.extend(_tool_refusals(request))
     found.extend(hardware_refusals(request))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-
 FINISHED = ("completed", "failed", "cancelled")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batch-pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="batch-pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="the API's base URL (default $BATCH_PIPELINE_URL or http://127.0.0.1:8000)")
     parser.add_argument("--api-key", help="an API key (default $BATCH_PIPELINE_API_KEY)")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -114,9 +114,11 @@ def _status(client, args, parser) -> int:
     if "requests_total" in metadata:
         print(f"progress: {metadata['requests_done']}/{metadata['requests_total']} requests")
     if "num_requests" in metadata:
-        print(f"results: {metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
-              f"{metadata.get('completion_tokens')} completion tokens, "
-              f"{metadata.get('completion_tokens_per_s')} tokens/s")
+        print(
+            f"results: {metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
+            f"{metadata.get('completion_tokens')} completion tokens, "
+            f"{metadata.get('completion_tokens_per_s')} tokens/s"
+        )
     if "failure_reason" in metadata:
         print(f"failure: {metadata['failure_reason']}")
     print(f"output: {job['output_data_path']}")
@@ -184,9 +186,11 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
     if "failure_reason" in metadata:
         print(f"failure: {metadata['failure_reason']}", file=sys.stderr)
     if "num_requests" in metadata:
-        print(f"{metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
-              f"{metadata.get('completion_tokens')} completion tokens at {metadata.get('completion_tokens_per_s')}"
-              f" tokens/s -> {job['output_data_path']}")
+        print(
+            f"{metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
+            f"{metadata.get('completion_tokens')} completion tokens at {metadata.get('completion_tokens_per_s')}"
+            f" tokens/s -> {job['output_data_path']}"
+        )
     return 0 if job["status"] == "completed" else 1
 
 
@@ -250,7 +254,9 @@ def _run(path: Path, show: int) -> int:
         failures = [event for event in result.all_events if event.is_step_failure]
         for event in failures:
             error = event.step_failure_data.error
-            print(f"step {event.step_key} failed: {error.message.strip() if error else 'unknown error'}", file=sys.stderr)
+            print(
+                f"step {event.step_key} failed: {error.message.strip() if error else 'unknown error'}", file=sys.stderr
+            )
         print(f"run {result.run_id} failed", file=sys.stderr)
         return 1
     with open(metadata_path(request.output_data_path)) as handle:

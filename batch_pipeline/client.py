@@ -29,8 +29,9 @@ class BatchClient:
     def get(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v2/batch-completions/{job_id}")["job"]
 
-    def list(self, status: str | None = None, labels: dict[str, str] | None = None,
-             limit: int = 100, page_size: int = 1000) -> list[dict[str, Any]]:
+    def list(
+        self, status: str | None = None, labels: dict[str, str] | None = None, limit: int = 100, page_size: int = 1000
+    ) -> list[dict[str, Any]]:
         """Up to `limit` jobs, newest first, following the API's pages of `page_size` (at most 1000)."""
         params: list[tuple[str, str]] = [("status", status)] if status else []
         params += [("label", f"{key}:{value}") for key, value in (labels or {}).items()]
@@ -67,5 +68,7 @@ def _detail(response: httpx.Response) -> str:
     except ValueError:
         return response.text
     if isinstance(detail, list):  # FastAPI's validation errors: name each field
-        return "; ".join(f"{'.'.join(str(p) for p in error.get('loc', [])[1:])}: {error.get('msg')}" for error in detail)
+        return "; ".join(
+            f"{'.'.join(str(p) for p in error.get('loc', [])[1:])}: {error.get('msg')}" for error in detail
+        )
     return str(detail)

@@ -66,15 +66,22 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
     finally:
         _slots.release()
     return BatchCompletionsEstimate(
-        model=request.model_cfg.model, context_length=model.context_length, num_requests=counts.requests,
-        num_prompts=counts.prompts, prompt_tokens=counts.prompt_tokens, max_output_tokens=counts.output_tokens,
-        num_cannot_run=counts.cannot_run, cannot_run=counts.cannot_run_listed,
-        num_cut_at_context=counts.cut, cut_at_context=counts.cut_listed,
+        model=request.model_cfg.model,
+        context_length=model.context_length,
+        num_requests=counts.requests,
+        num_prompts=counts.prompts,
+        prompt_tokens=counts.prompt_tokens,
+        max_output_tokens=counts.output_tokens,
+        num_cannot_run=counts.cannot_run,
+        cannot_run=counts.cannot_run_listed,
+        num_cut_at_context=counts.cut,
+        cut_at_context=counts.cut_listed,
         **_runtime(request, counts, history),
     )
 
 
 # --- reading the requests --------------------------------------------------------------------------------
+
 
 def _records(request: CreateBatchCompletionsV2Request) -> tuple[Iterator[tuple[str, Any]], str]:
     """The raw records as the job's plan_shards step reads them, and the field they come from."""
@@ -132,14 +139,18 @@ class _Recorder:
         pass
 
 
-def _count(request: CreateBatchCompletionsV2Request, model: _Model, records: Iterator[tuple[str, Any]],
-           source: str) -> _Counts:
+def _count(
+    request: CreateBatchCompletionsV2Request, model: _Model, records: Iterator[tuple[str, Any]], source: str
+) -> _Counts:
     # The worker's handlers import vLLM: loaded on the first dry run, not when the API starts.
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
     from batch_pipeline.worker.runner import RequestRefused, V1Requests
 
-    handlers = {"v1": V1Requests(), "completion": CompletionRequests(model, request.model_cfg),
-                "chat": ChatRequests(model, request.model_cfg)}
+    handlers = {
+        "v1": V1Requests(),
+        "completion": CompletionRequests(model, request.model_cfg),
+        "chat": ChatRequests(model, request.model_cfg),
+    }
     counts = _Counts()
     items = work_items(records)
     while True:
@@ -170,16 +181,22 @@ def _measure(item: WorkItem, added: list[tuple[Any, Any, dict[str, Any]]], model
         return
     lengths = []
     for position, (prompt, _, tokenization) in enumerate(added):
-        length = (len(prompt["prompt_token_ids"]) if isinstance(prompt, dict)
-                  else len(model.tokenizer.encode(prompt, add_special_tokens=tokenization.get("add_special_tokens", True))))
+        length = (
+            len(prompt["prompt_token_ids"])
+            if isinstance(prompt, dict)
+            else len(model.tokenizer.encode(prompt, add_special_tokens=tokenization.get("add_special_tokens", True)))
+        )
         which = f"prompt {position}: " if len(added) > 1 else ""
         if length == 0:
             counts.refuse(item.index, "invalid_request", f"{which}the prompt is empty")
             return
         if length >= context:  # vLLM needs room for one generated token at least
-            counts.refuse(item.index, "prompt_too_long",
-                          f"{which}the prompt is {length} tokens; the model's context of {context} must hold it "
-                          "and at least one generated token")
+            counts.refuse(
+                item.index,
+                "prompt_too_long",
+                f"{which}the prompt is {length} tokens; the model's context of {context} must hold it "
+                "and at least one generated token",
+            )
             return
         lengths.append(length)
     params = added[0][1]  # one request's prompts share their sampling parameters
@@ -192,11 +209,15 @@ def _measure(item: WorkItem, added: list[tuple[Any, Any, dict[str, Any]]], model
         counts.output_tokens += min(per_candidate, context - length) * n
     longest = max(lengths)
     if limit is not None and longest + limit > context:
-        counts.cut_short(item.index, f"the prompt ({longest} tokens) and max tokens ({limit}) exceed the context "
-                                     f"of {context}: generation stops after {context - longest} tokens")
+        counts.cut_short(
+            item.index,
+            f"the prompt ({longest} tokens) and max tokens ({limit}) exceed the context "
+            f"of {context}: generation stops after {context - longest} tokens",
+        )
 
 
 # --- the model: tokenizer and context --------------------------------------------------------------------
+
 
 @dataclass
 class _Model:
@@ -287,25 +308,37 @@ def _sync_tokenizer_files(url: str) -> Path:
 
 # --- time and cost -----------------------------------------------------------------------------------------
 
+
 def _runtime(request: CreateBatchCompletionsV2Request, counts: _Counts, history: list[dict[str, Any]]) -> dict:
-    rates = [figures["completion_tokens_per_s"] / max(1, figures.get("shards") or 1)
-             for figures in history if (figures.get("completion_tokens_per_s") or 0) > 0]
+    rates = [
+        figures["completion_tokens_per_s"] / max(1, figures.get("shards") or 1)
+        for figures in history
+        if (figures.get("completion_tokens_per_s") or 0) > 0
+    ]
     if not rates:
         model = request.model_cfg.model
-        why = (f"no history: no job of {model!a} has completed on this deployment yet"
-               if not history else f"no history: no completed job of {model!a} here generated any tokens")
+        why = (
+            f"no history: no job of {model!a} has completed on this deployment yet"
+            if not history
+            else f"no history: no completed job of {model!a} here generated any tokens"
+        )
         return {"no_history": why + ", so there is no throughput to estimate from"}
     rate = statistics.median(rates)
     workers = _workers(request, counts.prompt_tokens + counts.output_tokens)
     wall_s = counts.output_tokens / (rate * workers)
     worker_hours = wall_s * workers / 3600
     cpus = float(kubernetes_quantity("cpus", request.cpus)[1]) if request.cpus is not None else None
-    return {"estimate": RuntimeEstimate(
-        completion_tokens_per_s=round(rate, 2), from_jobs=len(rates), workers=workers, wall_s=round(wall_s, 1),
-        worker_hours=round(worker_hours, 4),
-        gpu_hours=round(worker_hours * request.gpus, 4) if request.gpus else None,
-        cpu_hours=round(worker_hours * cpus, 4) if cpus else None,
-    )}
+    return {
+        "estimate": RuntimeEstimate(
+            completion_tokens_per_s=round(rate, 2),
+            from_jobs=len(rates),
+            workers=workers,
+            wall_s=round(wall_s, 1),
+            worker_hours=round(worker_hours, 4),
+            gpu_hours=round(worker_hours * request.gpus, 4) if request.gpus else None,
+            cpu_hours=round(worker_hours * cpus, 4) if cpus else None,
+        )
+    }
 
 
 def _workers(request: CreateBatchCompletionsV2Request, tokens: int) -> int:

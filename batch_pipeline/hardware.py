@@ -19,8 +19,12 @@ from kubernetes.utils.quantity import parse_quantity
 
 # A number means this unit, as the pod's requests have always read it.
 BARE_UNITS = {"cpus": "", "memory": "Gi", "storage": "Gi"}
-MAXIMA_ENV = {"gpus": "BATCH_PIPELINE_MAX_GPUS", "cpus": "BATCH_PIPELINE_MAX_CPUS",
-              "memory": "BATCH_PIPELINE_MAX_MEMORY", "storage": "BATCH_PIPELINE_MAX_STORAGE"}
+MAXIMA_ENV = {
+    "gpus": "BATCH_PIPELINE_MAX_GPUS",
+    "cpus": "BATCH_PIPELINE_MAX_CPUS",
+    "memory": "BATCH_PIPELINE_MAX_MEMORY",
+    "storage": "BATCH_PIPELINE_MAX_STORAGE",
+}
 # Kubernetes' quantity grammar without a sign (apimachinery's resource.Quantity). parse_quantity alone
 # would also take what the API server refuses: "NaN", " 8", "1_000", "16 Gi".
 _QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|[numkMGTPE])?")
@@ -59,8 +63,9 @@ def hardware_maxima() -> dict[str, tuple[str, Decimal]]:
             else:
                 maxima[field] = (written, kubernetes_quantity(field, written)[1])
         except ValueError:
-            raise ValueError(f"{name}: {written!r} is not a valid maximum ({EXAMPLES} for quantities, "
-                             "a count for GPUs)") from None
+            raise ValueError(
+                f"{name}: {written!r} is not a valid maximum ({EXAMPLES} for quantities, a count for GPUs)"
+            ) from None
     return maxima
 
 

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import fsspec
-from fsspec.core import url_to_fs
-from fsspec.utils import get_protocol
 import ijson
+from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.utils import get_protocol
 
 # A malformed file is re-read whole to find the exact line and column; past this size only the element
 # index is reported, so an error never costs more memory than this.

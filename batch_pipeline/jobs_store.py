@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
 
@@ -280,7 +280,7 @@ def label_digest(key: str, value: str) -> str:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class JobStore:
@@ -315,10 +315,13 @@ class JobStore:
             with self.engine.begin() as connection:
                 connection.execute(jobs.insert().values(**row))
                 if job.labels:
-                    connection.execute(job_labels.insert(), [
-                        {"job_id": job.job_id, "key": key, "value": value, "digest": label_digest(key, value)}
-                        for key, value in job.labels.items()
-                    ])
+                    connection.execute(
+                        job_labels.insert(),
+                        [
+                            {"job_id": job.job_id, "key": key, "value": value, "digest": label_digest(key, value)}
+                            for key, value in job.labels.items()
+                        ],
+                    )
         except IntegrityError:
             if job.idempotency_key is None:
                 raise
@@ -361,18 +364,24 @@ class JobStore:
         if status is not None:
             query = query.where(jobs.c.status == status)
         for key, value in (labels or {}).items():
-            query = query.where(sa.exists().where(
-                job_labels.c.job_id == jobs.c.job_id, job_labels.c.digest == label_digest(key, value),
-                job_labels.c.key == key, job_labels.c.value == value,
-            ))
+            query = query.where(
+                sa.exists().where(
+                    job_labels.c.job_id == jobs.c.job_id,
+                    job_labels.c.digest == label_digest(key, value),
+                    job_labels.c.key == key,
+                    job_labels.c.value == value,
+                )
+            )
         if after is not None:
             cursor = self.get(after)
             if cursor is None or (owner is not None and cursor.owner != owner):
                 return Page([], None)
-            query = query.where(sa.or_(
-                jobs.c.created_at < cursor.created_at,
-                sa.and_(jobs.c.created_at == cursor.created_at, jobs.c.job_id < cursor.job_id),
-            ))
+            query = query.where(
+                sa.or_(
+                    jobs.c.created_at < cursor.created_at,
+                    sa.and_(jobs.c.created_at == cursor.created_at, jobs.c.job_id < cursor.job_id),
+                )
+            )
         query = query.order_by(jobs.c.created_at.desc(), jobs.c.job_id.desc()).limit(limit + 1)
         with self.engine.connect() as connection:
             records = [JobRecord.from_row(row) for row in connection.execute(query)]
@@ -384,17 +393,16 @@ class JobStore:
         """The queued jobs without a Dagster run, oldest first, a chunk of records at a time (one query
         each): a caller that stops early reads no more."""
         query = (
-            sa.select(jobs.c.job_id)
-            .where(jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
-            .order_by(jobs.c.created_at)
+            sa.select(jobs.c.job_id).where(jobs.c.status == QUEUED, jobs.c.run_id.is_(None)).order_by(jobs.c.created_at)
         )
         with self.engine.connect() as connection:
             job_ids = connection.execute(query).scalars().all()
         for start in range(0, len(job_ids), chunk):
-            wanted = job_ids[start:start + chunk]
+            wanted = job_ids[start : start + chunk]
             with self.engine.connect() as connection:
-                rows = connection.execute(sa.select(jobs).where(
-                    jobs.c.job_id.in_(wanted), jobs.c.status == QUEUED, jobs.c.run_id.is_(None)))
+                rows = connection.execute(
+                    sa.select(jobs).where(jobs.c.job_id.in_(wanted), jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
+                )
                 by_id = {row.job_id: JobRecord.from_row(row) for row in rows}
             yield [by_id[job_id] for job_id in wanted if job_id in by_id]
 
@@ -410,12 +418,16 @@ class JobStore:
         """The newest `limit` completed jobs of a model, newest first: each one's `results` (its
         completion_tokens, completion_tokens_per_s, wall_s, num_requests, ...) with `shards`, the shard
         workers it ran in. Every owner's jobs: throughput is the deployment's, and no job is named."""
-        shards = (sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id)
-                  .correlate(jobs).scalar_subquery())
+        shards = (
+            sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id).correlate(jobs).scalar_subquery()
+        )
         # created_at, not completed_at: the (status, created_at) index serves the order.
-        query = (sa.select(jobs.c.results, shards.label("shards"))
-                 .where(jobs.c.status == COMPLETED, jobs.c.model == model[:256], jobs.c.results.is_not(None))
-                 .order_by(jobs.c.created_at.desc()).limit(limit))
+        query = (
+            sa.select(jobs.c.results, shards.label("shards"))
+            .where(jobs.c.status == COMPLETED, jobs.c.model == model[:256], jobs.c.results.is_not(None))
+            .order_by(jobs.c.created_at.desc())
+            .limit(limit)
+        )
         with self.engine.connect() as connection:
             return [json.loads(row.results) | {"shards": row.shards} for row in connection.execute(query)]
 
@@ -426,7 +438,10 @@ class JobStore:
         now = _now()
         self._update(
             sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == QUEUED),
-            status=FAILED, failed_at=now, completed_at=now, failure_reason=reason,
+            status=FAILED,
+            failed_at=now,
+            completed_at=now,
+            failure_reason=reason,
         )
 
     def link_run(self, job_id: str, run_id: str) -> None:
@@ -440,13 +455,16 @@ class JobStore:
         now = _now()
         return self._update(
             sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == QUEUED),
-            status=CANCELLED, cancelled_at=now, completed_at=now,
+            status=CANCELLED,
+            cancelled_at=now,
+            completed_at=now,
         )
 
     def mark_cancelled(self, job_id: str) -> None:
         """The job's run was asked to stop: it reads cancelled now; its end is recorded when the run ends."""
-        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED)),
-                     status=CANCELLED, cancelled_at=_now())
+        self._update(
+            sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED)), status=CANCELLED, cancelled_at=_now()
+        )
 
     def mark_started(self, job_id: str, run_id: str, started_at: datetime | None = None) -> bool:
         """A run of the job started at `started_at` (its first, a retry, or a re-execution from the UI): it
@@ -461,8 +479,13 @@ class JobStore:
                 return True  # a run with no job behind it (`execute_request` with an id of its own)
             if row.status == CANCELLED and row.started_at is None:
                 return False
-            values: dict[str, Any] = {"run_id": run_id, "status": RUNNING, "status_detail": None,
-                                      "completed_at": None, "failure_reason": None}
+            values: dict[str, Any] = {
+                "run_id": run_id,
+                "status": RUNNING,
+                "status_detail": None,
+                "completed_at": None,
+                "failure_reason": None,
+            }
             if row.started_at is None:
                 values |= {"started_at": now, "queue_wait_s": (now - _utc(row.created_at)).total_seconds()}
             connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(**values))
@@ -472,16 +495,23 @@ class JobStore:
         """The run failed and Dagster retries it: the job still runs, and says why it starts again."""
         self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), status=RUNNING, status_detail=reason)
 
-    def mark_run_ended(self, job_id: str, run_id: str, status: str, ended_at: datetime,
-                       reason: str | None = None) -> None:
+    def mark_run_ended(
+        self, job_id: str, run_id: str, status: str, ended_at: datetime, reason: str | None = None
+    ) -> None:
         """How the job's run ended, unless a newer run took the job over."""
         # A job someone cancelled reads cancelled however its run then ended.
-        values: dict[str, Any] = {"status": sa.case((jobs.c.cancelled_at.is_not(None), CANCELLED), else_=status),
-                                  "completed_at": ended_at, "status_detail": None}
+        values: dict[str, Any] = {
+            "status": sa.case((jobs.c.cancelled_at.is_not(None), CANCELLED), else_=status),
+            "completed_at": ended_at,
+            "status_detail": None,
+        }
         if reason is not None:
             values["failure_reason"] = reason
-        self._update(sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, jobs.c.run_id.is_(None))),
-                     run_id=run_id, **values)
+        self._update(
+            sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, jobs.c.run_id.is_(None))),
+            run_id=run_id,
+            **values,
+        )
 
     def record_results(self, job_id: str, run_id: str, results: dict[str, Any]) -> None:
         """The summary of what the job's run wrote (its output's metadata, or the partial results of a
@@ -496,10 +526,13 @@ class JobStore:
         """The job's shards as planned (again, on a retry): progress is counted against these totals."""
         with self.engine.begin() as connection:
             connection.execute(job_shards.delete().where(job_shards.c.job_id == job_id))
-            connection.execute(job_shards.insert(), [
-                {"job_id": job_id, "shard_index": index, "requests_total": total, "updated_at": _now()}
-                for index, total in requests_per_shard.items()
-            ])
+            connection.execute(
+                job_shards.insert(),
+                [
+                    {"job_id": job_id, "shard_index": index, "requests_total": total, "updated_at": _now()}
+                    for index, total in requests_per_shard.items()
+                ],
+            )
             self._total_shards(connection, job_id)
 
     def record_shard_progress(self, job_id: str, shard_index: int, figures: dict[str, int]) -> None:
@@ -516,19 +549,26 @@ class JobStore:
     @staticmethod
     def _total_shards(connection: sa.Connection, job_id: str) -> None:
         def total(name: str) -> Any:
-            return sa.select(sa.func.coalesce(sa.func.sum(job_shards.c[name]), 0)).where(
-                job_shards.c.job_id == job_id).scalar_subquery()
+            return (
+                sa.select(sa.func.coalesce(sa.func.sum(job_shards.c[name]), 0))
+                .where(job_shards.c.job_id == job_id)
+                .scalar_subquery()
+            )
 
-        connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(
-            requests_total=total("requests_total"), **{name: total(name) for name in _SHARD_FIGURES}
-        ))
+        connection.execute(
+            jobs.update()
+            .where(jobs.c.job_id == job_id)
+            .values(requests_total=total("requests_total"), **{name: total(name) for name in _SHARD_FIGURES})
+        )
 
     # --- figures for /metrics ---------------------------------------------------------------------------
 
     def counts_by_status_and_model(self) -> list[tuple[str, str, int, int, int]]:
         """(status, model, jobs, requests done, completion tokens) over every job."""
         query = sa.select(
-            jobs.c.status, sa.func.coalesce(jobs.c.model, ""), sa.func.count(),
+            jobs.c.status,
+            sa.func.coalesce(jobs.c.model, ""),
+            sa.func.count(),
             sa.func.coalesce(sa.func.sum(jobs.c.requests_done), 0),
             sa.func.coalesce(sa.func.sum(jobs.c.completion_tokens), 0),
         ).group_by(jobs.c.status, jobs.c.model)
@@ -547,11 +587,12 @@ class JobStore:
         started = jobs.c.queue_wait_s.is_not(None)
         query = sa.select(
             *(sa.func.coalesce(sa.func.sum(sa.case((jobs.c.queue_wait_s <= b, 1), else_=0)), 0) for b in bounds),
-            sa.func.count(), sa.func.coalesce(sa.func.sum(jobs.c.queue_wait_s), 0.0),
+            sa.func.count(),
+            sa.func.coalesce(sa.func.sum(jobs.c.queue_wait_s), 0.0),
         ).where(started)
         with self.engine.connect() as connection:
             row = connection.execute(query).one()
-        return [int(v) for v in row[:len(bounds)]], int(row[-2]), float(row[-1])
+        return [int(v) for v in row[: len(bounds)]], int(row[-2]), float(row[-1])
 
     # --- internals --------------------------------------------------------------------------------------
 
@@ -593,4 +634,4 @@ def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
 def _utc(value: datetime | None) -> datetime | None:
     if value is None:
         return None
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)

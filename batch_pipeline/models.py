@@ -103,11 +103,13 @@ def _relative_checkpoint_file(url: str, root: str, path: str, target: Path) -> s
     """Where an object of the checkpoint goes under `target`: its key below the checkpoint's prefix, refused
     (naming the key) unless every part is a plain name, since object keys may hold `..`, `.` or empty parts
     that the local filesystem would follow out of the cache (zip-slip)."""
-    relative = path[len(root) + 1:] if path.startswith(root + "/") else ""
+    relative = path[len(root) + 1 :] if path.startswith(root + "/") else ""
     parts = relative.split("/")
     if not relative or any(part in ("", ".", "..") for part in parts):
-        raise ValueError(f"model_config.checkpoint_path: the object {path!r} of {url} is not a plain file "
-                         "path under the checkpoint; refusing to sync it")
+        raise ValueError(
+            f"model_config.checkpoint_path: the object {path!r} of {url} is not a plain file "
+            "path under the checkpoint; refusing to sync it"
+        )
     if not (target / relative).resolve().is_relative_to(target.resolve()):  # a symlink planted in the cache
         raise ValueError(f"model_config.checkpoint_path: the object {path!r} of {url} leads out of the model cache")
     return relative
@@ -123,8 +125,11 @@ def weights_bytes(model: str, checkpoint_path: str | None = None) -> int | None:
         fs, root = io.filesystem(location)
         if not fs.isdir(root):
             return None
-        sizes = [info["size"] for path, info in fs.find(root, detail=True).items()
-                 if path.endswith((".safetensors", ".bin", ".pt"))]
+        sizes = [
+            info["size"]
+            for path, info in fs.find(root, detail=True).items()
+            if path.endswith((".safetensors", ".bin", ".pt"))
+        ]
     except (OSError, ValueError):
         return None
     return sum(sizes) or None

@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import ijson
@@ -76,8 +76,11 @@ def check_input_file(source: str, endpoint: str, work_dir: str) -> CheckedInput:
     seen: set[bytes] = set()  # 128-bit digests of the custom ids: a few MB for the most a batch holds
     limit = max_batch_requests()
     content_path, ids_path = io.join(work_dir, CONTENT_FILE), io.join(work_dir, CUSTOM_IDS_FILE)
-    with io.open_file(source, "rb") as lines, io.atomic_write(content_path, "w") as content, \
-            io.atomic_write(ids_path, "w") as custom_ids:
+    with (
+        io.open_file(source, "rb") as lines,
+        io.atomic_write(content_path, "w") as content,
+        io.atomic_write(ids_path, "w") as custom_ids,
+    ):
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
@@ -90,8 +93,12 @@ def check_input_file(source: str, endpoint: str, work_dir: str) -> CheckedInput:
                 continue
             digest = hashlib.blake2b(line.custom_id.encode(), digest_size=16).digest()
             if digest in seen:
-                checked.add_error("duplicate_custom_id", f"custom_id {line.custom_id[:100]!a} is used by an "
-                                  "earlier line: each request needs its own", number, "custom_id")
+                checked.add_error(
+                    "duplicate_custom_id",
+                    f"custom_id {line.custom_id[:100]!a} is used by an earlier line: each request needs its own",
+                    number,
+                    "custom_id",
+                )
             seen.add(digest)
             if checked.errors:
                 continue  # nothing more is written: the batch will not run
@@ -124,19 +131,29 @@ def _checked_line(raw: bytes, number: int, endpoint: str, kind: str, checked: Ch
         _name_the_error(raw, number, endpoint, exc, checked)
         return None
     if line.url != endpoint:
-        checked.add_error("mismatched_url", f"url {line.url[:100]!a} is not the batch's endpoint {endpoint}",
-                          number, "url")
+        checked.add_error(
+            "mismatched_url", f"url {line.url[:100]!a} is not the batch's endpoint {endpoint}", number, "url"
+        )
         return None
     model = line.body.model
     if not model or not model.strip() or len(model) > MAX_MODEL_CHARS:
-        checked.add_error("invalid_model", f"body.model must name the model (at most {MAX_MODEL_CHARS} "
-                          "characters)", number, "body.model")
+        checked.add_error(
+            "invalid_model",
+            f"body.model must name the model (at most {MAX_MODEL_CHARS} characters)",
+            number,
+            "body.model",
+        )
         return None
     if checked.model is None:
         checked.model = model
     elif model != checked.model:
-        checked.add_error("mismatched_model", f"body.model {model[:100]!a} differs from {checked.model[:100]!a} "
-                          "of the lines before: a batch runs one model", number, "body.model")
+        checked.add_error(
+            "mismatched_model",
+            f"body.model {model[:100]!a} differs from {checked.model[:100]!a} "
+            "of the lines before: a batch runs one model",
+            number,
+            "body.model",
+        )
         return None
     return line
 
@@ -155,8 +172,9 @@ def _name_the_error(raw: bytes, number: int, endpoint: str, typed: ValidationErr
             checked.add_error("invalid_request", f"{where or 'the line'}: {error['msg']}", number, where)
         return
     if line.url != endpoint:
-        checked.add_error("mismatched_url", f"url {line.url[:100]!a} is not the batch's endpoint {endpoint}",
-                          number, "url")
+        checked.add_error(
+            "mismatched_url", f"url {line.url[:100]!a} is not the batch's endpoint {endpoint}", number, "url"
+        )
         return
     error = typed.errors(include_url=False)[0]
     where = ".".join(str(part) for part in error["loc"])
@@ -185,20 +203,23 @@ def expired(job: JobRecord) -> bool:
     return at_deadline or (job.failure_reason or "").startswith("max_runtime_sec exceeded")
 
 
-def write_result_files(batch_id: str, owner: str, custom_ids_path: str, entries: Iterable[Any], directory: str,
-                       expired: bool = False) -> BatchResults:
+def write_result_files(
+    batch_id: str, owner: str, custom_ids_path: str, entries: Iterable[Any], directory: str, expired: bool = False
+) -> BatchResults:
     """OpenAI's output file (the requests answered) and error file (the others) of a batch, in `directory`:
     `entries` are its job's outputs in input order (`output_entries`), matched to the custom ids in order."""
     output_id, error_id = FileRecord.new_id(), FileRecord.new_id()
     output_path, error_path = io.join(directory, output_id), io.join(directory, error_id)
     completed = failed = 0
-    with io.open_file(custom_ids_path, "rb") as custom_ids, \
-            io.atomic_write(output_path, "w") as output, io.atomic_write(error_path, "w") as errors:
+    with (
+        io.open_file(custom_ids_path, "rb") as custom_ids,
+        io.atomic_write(output_path, "w") as output,
+        io.atomic_write(error_path, "w") as errors,
+    ):
         for index, (raw_id, entry) in enumerate(zip(custom_ids, entries, strict=True)):
             line = {"id": f"batch_req_{batch_id.removeprefix('batch-')}_{index}", "custom_id": json.loads(raw_id)}
             if "error" not in entry:
-                line |= {"response": {"status_code": 200, "request_id": entry.get("id"), "body": entry},
-                         "error": None}
+                line |= {"response": {"status_code": 200, "request_id": entry.get("id"), "body": entry}, "error": None}
                 output.write(json.dumps(line, ensure_ascii=False) + "\n")
                 completed += 1
                 continue
@@ -209,21 +230,34 @@ def write_result_files(batch_id: str, owner: str, custom_ids_path: str, entries:
                 line |= {"response": None, "error": {"code": code, "message": error.get("message")}}
             else:
                 status = 500 if error.get("type") == "server_error" else 400
-                line |= {"response": {"status_code": status, "request_id": None, "body": {"error": error}},
-                         "error": {"code": error.get("code"), "message": error.get("message")}}
+                line |= {
+                    "response": {"status_code": status, "request_id": None, "body": {"error": error}},
+                    "error": {"code": error.get("code"), "message": error.get("message")},
+                }
             errors.write(json.dumps(line, ensure_ascii=False) + "\n")
             failed += 1
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
 
     def stored(file_id: str, path: str, suffix: str, count: int) -> FileRecord | None:
         if not count:
             io.remove(path)
             return None
-        return FileRecord(file_id=file_id, owner=owner, filename=f"{batch_id}_{suffix}.jsonl",
-                          purpose="batch_output", bytes=io.size(path), created_at=now, path=path)
+        return FileRecord(
+            file_id=file_id,
+            owner=owner,
+            filename=f"{batch_id}_{suffix}.jsonl",
+            purpose="batch_output",
+            bytes=io.size(path),
+            created_at=now,
+            path=path,
+        )
 
-    return BatchResults(output_file=stored(output_id, output_path, "output", completed),
-                        error_file=stored(error_id, error_path, "error", failed), completed=completed, failed=failed)
+    return BatchResults(
+        output_file=stored(output_id, output_path, "output", completed),
+        error_file=stored(error_id, error_path, "error", failed),
+        completed=completed,
+        failed=failed,
+    )
 
 
 def output_entries(path: str) -> Iterator[Any]:
@@ -232,16 +266,18 @@ def output_entries(path: str) -> Iterator[Any]:
         yield from ijson.items(handle, "item", use_float=True)
 
 
-def finalize_batch(jobs: JobStore, job_id: str, output_path: str, work_dir: str, files_dir: str,
-                   expired: bool = False) -> BatchResults | None:
+def finalize_batch(
+    jobs: JobStore, job_id: str, output_path: str, work_dir: str, files_dir: str, expired: bool = False
+) -> BatchResults | None:
     """Write the output and error files of the batch that job `job_id` is, from the job's output (whole, or
     partial for a stopped job) and record them on the batch; None, and nothing done, for any other job."""
     batches = OpenAIStore(engine=jobs.engine)
     batch = batches.get_batch(job_id)
     if batch is None:
         return None
-    results = write_result_files(job_id, batch.owner, io.join(work_dir, CUSTOM_IDS_FILE),
-                                 output_entries(output_path), files_dir, expired)
+    results = write_result_files(
+        job_id, batch.owner, io.join(work_dir, CUSTOM_IDS_FILE), output_entries(output_path), files_dir, expired
+    )
     keep_results(batches, job_id, results)
     return results
 

@@ -106,11 +106,13 @@ class OpenAIStore:
             row = connection.execute(sa.select(files).where(files.c.file_id == file_id)).first()
         return _file(row) if row else None
 
-    def list_files(self, owner: str | None, purpose: str | None, limit: int,
-                   after: str | None) -> tuple[list[FileRecord], bool]:
+    def list_files(
+        self, owner: str | None, purpose: str | None, limit: int, after: str | None
+    ) -> tuple[list[FileRecord], bool]:
         """Files newest first, a page of `limit` after the file `after`; and whether more follow."""
-        rows, more = self._page(files, files.c.file_id, owner, limit, after,
-                                files.c.purpose == purpose if purpose else None)
+        rows, more = self._page(
+            files, files.c.file_id, owner, limit, after, files.c.purpose == purpose if purpose else None
+        )
         return [_file(row) for row in rows], more
 
     def delete_file(self, file_id: str) -> bool:
@@ -153,17 +155,30 @@ class OpenAIStore:
             for file in (results.output_file, results.error_file):
                 if file is not None:
                     connection.execute(files.insert().values(**_file_row(file)))
-            connection.execute(batches.update().where(batches.c.batch_id == batch_id).values(
-                output_file_id=results.output_file.file_id if results.output_file else None,
-                error_file_id=results.error_file.file_id if results.error_file else None,
-                completed=results.completed, failed=results.failed, finalized_at=_now(),
-            ))
+            connection.execute(
+                batches.update()
+                .where(batches.c.batch_id == batch_id)
+                .values(
+                    output_file_id=results.output_file.file_id if results.output_file else None,
+                    error_file_id=results.error_file.file_id if results.error_file else None,
+                    completed=results.completed,
+                    failed=results.failed,
+                    finalized_at=_now(),
+                )
+            )
         return stale
 
     # --- internals --------------------------------------------------------------------------------------
 
-    def _page(self, table: sa.Table, id_column: sa.Column, owner: str | None, limit: int, after: str | None,
-              condition: Any = None) -> tuple[list[Any], bool]:
+    def _page(
+        self,
+        table: sa.Table,
+        id_column: sa.Column,
+        owner: str | None,
+        limit: int,
+        after: str | None,
+        condition: Any = None,
+    ) -> tuple[list[Any], bool]:
         query = sa.select(table)
         if owner is not None:
             query = query.where(table.c.owner == owner)
@@ -171,15 +186,19 @@ class OpenAIStore:
             query = query.where(condition)
         if after is not None:
             with self.engine.connect() as connection:
-                cursor = connection.execute(
-                    sa.select(table.c.owner, table.c.created_at).where(id_column == after)
-                ).first() if _storable_id(after) else None
+                cursor = (
+                    connection.execute(sa.select(table.c.owner, table.c.created_at).where(id_column == after)).first()
+                    if _storable_id(after)
+                    else None
+                )
             if cursor is None or (owner is not None and cursor.owner != owner):
                 return [], False
-            query = query.where(sa.or_(
-                table.c.created_at < cursor.created_at,
-                sa.and_(table.c.created_at == cursor.created_at, id_column < after),
-            ))
+            query = query.where(
+                sa.or_(
+                    table.c.created_at < cursor.created_at,
+                    sa.and_(table.c.created_at == cursor.created_at, id_column < after),
+                )
+            )
         query = query.order_by(table.c.created_at.desc(), id_column.desc()).limit(limit + 1)
         with self.engine.connect() as connection:
             rows = list(connection.execute(query))
@@ -196,15 +215,30 @@ def _file_row(record: FileRecord) -> dict[str, Any]:
 
 
 def _file(row: Any) -> FileRecord:
-    return FileRecord(file_id=row.file_id, owner=row.owner, filename=row.filename, purpose=row.purpose,
-                      bytes=row.bytes, created_at=_utc(row.created_at), path=row.path)
+    return FileRecord(
+        file_id=row.file_id,
+        owner=row.owner,
+        filename=row.filename,
+        purpose=row.purpose,
+        bytes=row.bytes,
+        created_at=_utc(row.created_at),
+        path=row.path,
+    )
 
 
 def _batch(row: Any) -> BatchRecord:
     return BatchRecord(
-        batch_id=row.batch_id, owner=row.owner, endpoint=row.endpoint, input_file_id=row.input_file_id,
-        completion_window=row.completion_window, created_at=_utc(row.created_at), total=row.total,
-        errors=json.loads(row.errors) if row.errors else None, output_file_id=row.output_file_id,
-        error_file_id=row.error_file_id, completed=row.completed, failed=row.failed,
+        batch_id=row.batch_id,
+        owner=row.owner,
+        endpoint=row.endpoint,
+        input_file_id=row.input_file_id,
+        completion_window=row.completion_window,
+        created_at=_utc(row.created_at),
+        total=row.total,
+        errors=json.loads(row.errors) if row.errors else None,
+        output_file_id=row.output_file_id,
+        error_file_id=row.error_file_id,
+        completed=row.completed,
+        failed=row.failed,
         finalized_at=_utc(row.finalized_at),
     )

@@ -64,8 +64,7 @@ class PathPolicy:
             return None
         # The relative or ~ form is judged before fsspec makes it absolute against this process's directory,
         # which need not be the directory of the step process that opens it.
-        return self._local_refusal(written=_without_local_prefix(path),
-                                   resolved=LocalFileSystem._strip_protocol(path))
+        return self._local_refusal(written=_without_local_prefix(path), resolved=LocalFileSystem._strip_protocol(path))
 
     def model_refusal(self, name: str) -> str | None:
         """Why a `model`, `tokenizer` or `checkpoint_path` value must not be loaded, or None."""
@@ -104,8 +103,10 @@ class PathPolicy:
 
     def _local_refusal(self, written: str, resolved: str) -> str | None:
         if not os.path.isabs(written):
-            return ("a relative path (or one starting with ~) may mean another file to the processes that open "
-                    "it: give an absolute path inside the data roots")
+            return (
+                "a relative path (or one starting with ~) may mean another file to the processes that open "
+                "it: give an absolute path inside the data roots"
+            )
         real = Path(resolved).resolve()
         if not any(real.is_relative_to(root) for root in self.roots):
             return "outside the data roots this server may read and write (after .. and symlinks)"

@@ -61,8 +61,11 @@ def read_priority(priority: str | None) -> PriorityReading:
             return PriorityReading(level, f"{level} (an integer, as given)")
         side = "above the highest" if given > level else "below the lowest"
         return PriorityReading(level, f"{level} ({given} is {side} priority, {level})")
-    return PriorityReading(0, f"0 (normal: {priority.strip()!a} is not a known priority; known are integers "
-                              f"{MIN_PRIORITY}..{MAX_PRIORITY} and {', '.join(NAMED_PRIORITIES)})")
+    return PriorityReading(
+        0,
+        f"0 (normal: {priority.strip()!a} is not a known priority; known are integers "
+        f"{MIN_PRIORITY}..{MAX_PRIORITY} and {', '.join(NAMED_PRIORITIES)})",
+    )
 
 
 def run_priority(priority: str | None) -> int:

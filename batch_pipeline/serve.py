@@ -1,6 +1,6 @@
 """`make serve`: the API, the Dagster webserver and the Dagster daemon, stopped together on Ctrl-C.
 
-    python -m batch_pipeline.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
+python -m batch_pipeline.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
 """
 
 from __future__ import annotations
@@ -28,15 +28,32 @@ def main(argv: list[str] | None = None) -> int:
     _create_storage()
     bin_dir = Path(sys.executable).parent
     commands = {
-        "api": [str(bin_dir / "uvicorn"), "--factory", "batch_pipeline.api.app:create_app",
-                "--host", args.host, "--port", str(args.port)],
-        "dagster-webserver": [str(bin_dir / "dagster-webserver"), "-w", args.workspace,
-                              "-h", args.host, "-p", str(args.dagster_port)],
+        "api": [
+            str(bin_dir / "uvicorn"),
+            "--factory",
+            "batch_pipeline.api.app:create_app",
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+        ],
+        "dagster-webserver": [
+            str(bin_dir / "dagster-webserver"),
+            "-w",
+            args.workspace,
+            "-h",
+            args.host,
+            "-p",
+            str(args.dagster_port),
+        ],
         "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", args.workspace],
     }
     processes = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands.items()}
-    print(f"API on http://{args.host}:{args.port}  Dagster UI on http://{args.host}:{args.dagster_port}  "
-          f"(DAGSTER_HOME={os.environ['DAGSTER_HOME']}); Ctrl-C stops all", flush=True)
+    print(
+        f"API on http://{args.host}:{args.port}  Dagster UI on http://{args.host}:{args.dagster_port}  "
+        f"(DAGSTER_HOME={os.environ['DAGSTER_HOME']}); Ctrl-C stops all",
+        flush=True,
+    )
 
     stopping = False
 

@@ -176,7 +176,10 @@ class ShardPlan:
 
 
 def plan_shard_count(
-    items: Iterator[tuple[WorkItem, ItemSize]], requested: int, slots: int | None, min_tokens_per_shard: int,
+    items: Iterator[tuple[WorkItem, ItemSize]],
+    requested: int,
+    slots: int | None,
+    min_tokens_per_shard: int,
 ) -> tuple[ShardPlan, Iterator[tuple[WorkItem, ItemSize]]]:
     """Shards for a job: as many as asked, but no more than the deployment runs at once (`slots`; None for
     no limit) and no more than the work fills at `min_tokens_per_shard` estimated tokens each, since every
@@ -200,14 +203,17 @@ def plan_shard_count(
             fits = max(1, tokens // min_tokens_per_shard)
             if fits < used:
                 used = fits
-                reason = (f"the job's ~{tokens} tokens fill {fits} shard{'s' if fits > 1 else ''} of at least "
-                          f"{min_tokens_per_shard} (each shard starts an engine of its own)")
+                reason = (
+                    f"the job's ~{tokens} tokens fill {fits} shard{'s' if fits > 1 else ''} of at least "
+                    f"{min_tokens_per_shard} (each shard starts an engine of its own)"
+                )
         items = itertools.chain(read_ahead, items)
     return ShardPlan(requested=requested, used=used, reason=reason), items
 
 
-def write_shards(items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, work_dir: str,
-                 deduplicate: bool = False) -> list[ShardSpec]:
+def write_shards(
+    items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, work_dir: str, deduplicate: bool = False
+) -> list[ShardSpec]:
     """Stream items into `num_shards` shard inputs, each item to the least-loaded shard by estimated tokens.
 
     With `deduplicate`, a request that repeats an earlier deterministic one goes to its source's shard as a
@@ -248,8 +254,14 @@ def write_shards(items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, wo
             item_counts[k] += 1
             prompt_counts[k] += size.prompts
     return [
-        ShardSpec(shard_index=k, directory=directories[k], item_count=item_counts[k], prompt_count=prompt_counts[k],
-                  estimated_tokens=token_counts[k], copy_count=copy_counts[k])
+        ShardSpec(
+            shard_index=k,
+            directory=directories[k],
+            item_count=item_counts[k],
+            prompt_count=prompt_counts[k],
+            estimated_tokens=token_counts[k],
+            copy_count=copy_counts[k],
+        )
         for k in range(num_shards)
         if item_counts[k]
     ]
@@ -328,7 +340,9 @@ def shard_directories(work_dir: str) -> list[str]:
     fs, root = io.filesystem(io.join(work_dir, "shards"))
     if not fs.exists(root):
         return []
-    return sorted(io.join(work_dir, "shards", path.rstrip("/").rsplit("/", 1)[-1]) for path in fs.ls(root, detail=False))
+    return sorted(
+        io.join(work_dir, "shards", path.rstrip("/").rsplit("/", 1)[-1]) for path in fs.ls(root, detail=False)
+    )
 
 
 def progress(work_dir: str) -> tuple[int, int]:
@@ -365,8 +379,7 @@ def merge_sorted_outputs(output_paths: list[str]) -> Iterator[tuple[int, str]]:
     """All shards' sorted outputs as one stream in index order (a k-way merge: one line per shard in memory)."""
     with contextlib.ExitStack() as stack:
         streams = [
-            iter_result_lines(stack.enter_context(io.open_file(path, "r", encoding="utf-8")))
-            for path in output_paths
+            iter_result_lines(stack.enter_context(io.open_file(path, "r", encoding="utf-8"))) for path in output_paths
         ]
         yield from heapq.merge(*streams, key=lambda pair: pair[0])
 

@@ -39,8 +39,10 @@ class StoredRequest(CreateBatchCompletionsV2Request):
     was written to at submission (`content_path`)."""
 
     content_path: str | None = Field(
-        None, description="Set by the submission path: the file a request's inline content was written to. "
-        "Leave it empty; give content or input_data_path.")
+        None,
+        description="Set by the submission path: the file a request's inline content was written to. "
+        "Leave it empty; give content or input_data_path.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_input(self):  # the v2 rule, with content by reference counted as content
@@ -56,12 +58,14 @@ def from_v1(body: CreateBatchCompletionsV1Request) -> CreateBatchCompletionsV2Re
     """A v1 request as the v2 request it means, field by field: v1's `model_config.labels` are job labels
     (the request's own labels win a clash)."""
     model_config = body.model_cfg
-    return CreateBatchCompletionsV2Request.model_validate({
-        **body.model_dump(by_alias=True, exclude_none=True, exclude={"model_cfg", "labels", "content"}),
-        "content": body.content,
-        "model_config": model_config.model_dump(by_alias=True, exclude_none=True, exclude={"labels"}),
-        "labels": {**model_config.labels, **body.labels},
-    })
+    return CreateBatchCompletionsV2Request.model_validate(
+        {
+            **body.model_dump(by_alias=True, exclude_none=True, exclude={"model_cfg", "labels", "content"}),
+            "content": body.content,
+            "model_config": model_config.model_dump(by_alias=True, exclude_none=True, exclude={"labels"}),
+            "labels": {**model_config.labels, **body.labels},
+        }
+    )
 
 
 def check_servable(request: CreateBatchCompletionsV2Request, own_dir: str | None = None) -> None:
@@ -100,12 +104,22 @@ def submit(
         _write_content(content_path, content)
         fields["content_path"] = content_path
     try:
-        record, created = store.create(NewJob(
-            job_id=job_id, owner=owner, request_json=json.dumps(fields), request_sha256=digest.hexdigest(),
-            model=request.model_cfg.model, priority=request.priority, labels=request.labels,
-            max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC, content_path=content_path,
-            idempotency_key=idempotency_key, run_id=run_id, failure_reason=failure_reason,
-        ))
+        record, created = store.create(
+            NewJob(
+                job_id=job_id,
+                owner=owner,
+                request_json=json.dumps(fields),
+                request_sha256=digest.hexdigest(),
+                model=request.model_cfg.model,
+                priority=request.priority,
+                labels=request.labels,
+                max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC,
+                content_path=content_path,
+                idempotency_key=idempotency_key,
+                run_id=run_id,
+                failure_reason=failure_reason,
+            )
+        )
     except BaseException:
         _remove(content_path)  # no job, no file
         raise

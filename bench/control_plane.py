@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -65,21 +65,32 @@ MODEL = "smollm2-135m-instruct"
 SHARDS = 4
 # Issue #15's targets: what each measured figure is compared with (≤, except where "<").
 TARGETS = {
-    "get_p50_ms": 20, "get_p99_ms": 50, "list_p50_ms": 100, "list_p99_ms": 100,
-    "tick_wall_s": 2, "tick_run_requests_mb": 10, "submit_to_start_median_s": 5,
+    "get_p50_ms": 20,
+    "get_p99_ms": 50,
+    "list_p50_ms": 100,
+    "list_p99_ms": 100,
+    "tick_wall_s": 2,
+    "tick_run_requests_mb": 10,
+    "submit_to_start_median_s": 5,
 }
 
 
 # --- the machine -----------------------------------------------------------------------------------------
 
+
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), None)
+    model = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), None
+    )
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     return {
-        "cpu_model": model, "cpu_count": os.cpu_count(), "avx512": any(flag.startswith("avx512") for flag in flags),
+        "cpu_model": model,
+        "cpu_count": os.cpu_count(),
+        "avx512": any(flag.startswith("avx512") for flag in flags),
         "avx512_flags": sorted(flag for flag in flags if flag.startswith("avx512")),
-        "load_average_at_start": list(os.getloadavg()), "python": sys.version.split()[0],
+        "load_average_at_start": list(os.getloadavg()),
+        "python": sys.version.split()[0],
     }
 
 
@@ -91,8 +102,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def summary_ms(seconds: list[float]) -> dict:
     ms = [s * 1000 for s in seconds]
-    return {"samples": len(ms), "p50_ms": round(percentile(ms, 0.5), 2), "p99_ms": round(percentile(ms, 0.99), 2),
-            "max_ms": round(max(ms), 2), "mean_ms": round(statistics.fmean(ms), 2)}
+    return {
+        "samples": len(ms),
+        "p50_ms": round(percentile(ms, 0.5), 2),
+        "p99_ms": round(percentile(ms, 0.99), 2),
+        "max_ms": round(max(ms), 2),
+        "mean_ms": round(statistics.fmean(ms), 2),
+    }
 
 
 def write_dagster_yaml(home: str, run_slots: int) -> None:
@@ -115,15 +131,20 @@ def clean_environment(home: str, **extra: str) -> dict[str, str]:
 
 # --- part 1: a large job store, read through the API -----------------------------------------------------
 
+
 def stored_request_template() -> dict:
     """A request as the store holds it (`submission.submit`'s dump, every default included)."""
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
 
-    request = CreateBatchCompletionsV2Request.model_validate({
-        "input_data_path": "/placeholder/input.jsonl", "output_data_path": "/placeholder/output.json",
-        "model_config": {"model": MODEL, "max_model_len": 2048}, "max_runtime_sec": 86400,
-        "labels": {"team": "placeholder"},
-    })
+    request = CreateBatchCompletionsV2Request.model_validate(
+        {
+            "input_data_path": "/placeholder/input.jsonl",
+            "output_data_path": "/placeholder/output.json",
+            "model_config": {"model": MODEL, "max_model_len": 2048},
+            "max_runtime_sec": 86400,
+            "labels": {"team": "placeholder"},
+        }
+    )
     return request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
 
 
@@ -136,16 +157,23 @@ def seed_finished_jobs(store, count: int, home: str, seed: int = 0) -> list[str]
 
     rng = random.Random(seed)
     template = stored_request_template()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     rows, label_rows, job_ids = [], [], []
     for i in range(count):
         job_id = NewJob.new_id()
         job_ids.append(job_id)
-        created = now - timedelta(days=30) + timedelta(seconds=i * 30 * 86400 / max(count, 1)) \
+        created = (
+            now
+            - timedelta(days=30)
+            + timedelta(seconds=i * 30 * 86400 / max(count, 1))
             + timedelta(microseconds=rng.randrange(1_000_000))
+        )
         labels = {"team": f"team-{i % 7}", "env": "prod" if i % 3 else "dev"}
-        request = template | {"input_data_path": f"{home}/inputs/{i}.jsonl", "output_data_path": f"{home}/out/{job_id}.json",
-                              "labels": labels}
+        request = template | {
+            "input_data_path": f"{home}/inputs/{i}.jsonl",
+            "output_data_path": f"{home}/out/{job_id}.json",
+            "labels": labels,
+        }
         requests = rng.randrange(10, 50_000)
         status = COMPLETED if i % 20 < 17 else FAILED if i % 20 < 19 else CANCELLED
         wait_s, wall_s = rng.uniform(1, 120), rng.uniform(30, 3600)
@@ -153,24 +181,52 @@ def seed_finished_jobs(store, count: int, home: str, seed: int = 0) -> list[str]
         ended = started + timedelta(seconds=wall_s)
         done = requests if status == COMPLETED else rng.randrange(requests)
         completion_tokens = done * rng.randrange(10, 200)
-        results = {"num_requests": requests, "num_errors": 0, "prompt_tokens": done * 40,
-                   "completion_tokens": completion_tokens, "completion_tokens_per_s": round(completion_tokens / wall_s, 1),
-                   "wall_s": round(wall_s, 3), "merge_s": round(requests / 40_000, 3), "requests_total": requests,
-                   "requests_done": done, "errors": 0}
-        rows.append({
-            "job_id": job_id, "owner": "anonymous" if i % 2 else f"tenant-{i % 13}", "idempotency_key": None,
-            "request": json.dumps(request), "request_sha256": f"{rng.getrandbits(256):064x}", "content_path": None,
-            "model": MODEL, "priority": None, "labels": json.dumps(labels), "created_at": created,
-            "expires_at": created + timedelta(seconds=86400), "run_id": str(uuid.UUID(int=rng.getrandbits(128))),
-            "status": status, "status_detail": None, "started_at": started, "queue_wait_s": wait_s,
-            "completed_at": ended, "cancelled_at": ended if status == CANCELLED else None, "failed_at": None,
-            "failure_reason": "shard 2: the worker exited with code 137" if status == FAILED else None,
-            "requests_total": requests, "requests_done": done, "errors": 0, "prompt_tokens": done * 40,
+        results = {
+            "num_requests": requests,
+            "num_errors": 0,
+            "prompt_tokens": done * 40,
             "completion_tokens": completion_tokens,
-            "results": json.dumps(results) if status == COMPLETED else None,
-        })
-        label_rows.extend({"job_id": job_id, "key": key, "value": value, "digest": label_digest(key, value)}
-                          for key, value in labels.items())
+            "completion_tokens_per_s": round(completion_tokens / wall_s, 1),
+            "wall_s": round(wall_s, 3),
+            "merge_s": round(requests / 40_000, 3),
+            "requests_total": requests,
+            "requests_done": done,
+            "errors": 0,
+        }
+        rows.append(
+            {
+                "job_id": job_id,
+                "owner": "anonymous" if i % 2 else f"tenant-{i % 13}",
+                "idempotency_key": None,
+                "request": json.dumps(request),
+                "request_sha256": f"{rng.getrandbits(256):064x}",
+                "content_path": None,
+                "model": MODEL,
+                "priority": None,
+                "labels": json.dumps(labels),
+                "created_at": created,
+                "expires_at": created + timedelta(seconds=86400),
+                "run_id": str(uuid.UUID(int=rng.getrandbits(128))),
+                "status": status,
+                "status_detail": None,
+                "started_at": started,
+                "queue_wait_s": wait_s,
+                "completed_at": ended,
+                "cancelled_at": ended if status == CANCELLED else None,
+                "failed_at": None,
+                "failure_reason": "shard 2: the worker exited with code 137" if status == FAILED else None,
+                "requests_total": requests,
+                "requests_done": done,
+                "errors": 0,
+                "prompt_tokens": done * 40,
+                "completion_tokens": completion_tokens,
+                "results": json.dumps(results) if status == COMPLETED else None,
+            }
+        )
+        label_rows.extend(
+            {"job_id": job_id, "key": key, "value": value, "digest": label_digest(key, value)}
+            for key, value in labels.items()
+        )
     with store.engine.begin() as connection:
         if rows:
             connection.execute(jobs.insert(), rows)
@@ -188,15 +244,22 @@ def write_shard_files(work_dir: str, requests_per_shard: dict[int, int]) -> int:
         first = index
         with open(directory / "input.jsonl", "w") as handle:
             for start in range(first, first + count, 10_000):
-                handle.write("".join(
-                    f'{{"index": {i}, "kind": "completion", "request": {{"prompt": "Prompt {i}", "max_tokens": 16}}}}\n'
-                    for i in range(start, min(start + 10_000, first + count))))
+                handle.write(
+                    "".join(
+                        f'{{"index": {i}, "kind": "completion", '
+                        f'"request": {{"prompt": "Prompt {i}", "max_tokens": 16}}}}\n'
+                        for i in range(start, min(start + 10_000, first + count))
+                    )
+                )
             written += handle.tell()
         with open(directory / "results.tsv", "w") as handle:
             for start in range(first, first + count // 2, 10_000):
-                handle.write("".join(
-                    f'{i}\t{{"text": "ok", "num_prompt_tokens": 3, "num_completion_tokens": 16}}\n'
-                    for i in range(start, min(start + 10_000, first + count // 2))))
+                handle.write(
+                    "".join(
+                        f'{i}\t{{"text": "ok", "num_prompt_tokens": 3, "num_completion_tokens": 16}}\n'
+                        for i in range(start, min(start + 10_000, first + count // 2))
+                    )
+                )
             written += handle.tell()
         index += count
     return written
@@ -210,17 +273,25 @@ def make_running_job(store, job_storage, home: str, prompts: int, shard_files: b
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
     from batch_pipeline.submission import submit
 
-    request = CreateBatchCompletionsV2Request.model_validate({
-        "input_data_path": f"{home}/inputs/big-{prompts}.jsonl", "output_data_path": f"{home}/out/big-{prompts}.json",
-        "model_config": {"model": MODEL}, "data_parallelism": SHARDS, "labels": {"size": str(prompts)},
-    })
+    request = CreateBatchCompletionsV2Request.model_validate(
+        {
+            "input_data_path": f"{home}/inputs/big-{prompts}.jsonl",
+            "output_data_path": f"{home}/out/big-{prompts}.json",
+            "model_config": {"model": MODEL},
+            "data_parallelism": SHARDS,
+            "labels": {"size": str(prompts)},
+        }
+    )
     record, _ = submit(store, job_storage.work_dir, "anonymous", request)
     store.mark_started(record.job_id, str(uuid.uuid4()))
     per_shard = {k: prompts // SHARDS + (1 if k < prompts % SHARDS else 0) for k in range(SHARDS)}
     store.record_shards(record.job_id, per_shard)
     for shard, total in per_shard.items():
-        store.record_shard_progress(record.job_id, shard, {"requests_done": total // 2, "completion_tokens": total * 8,
-                                                           "prompt_tokens": total * 20, "errors": 0})
+        store.record_shard_progress(
+            record.job_id,
+            shard,
+            {"requests_done": total // 2, "completion_tokens": total * 8, "prompt_tokens": total * 20, "errors": 0},
+        )
     written = write_shard_files(job_storage.work_dir(record.job_id), per_shard) if shard_files else 0
     return record.job_id, written
 
@@ -229,9 +300,21 @@ def start_api(home: str) -> tuple[subprocess.Popen, httpx.Client]:
     port = free_port()
     log = Path(home, "api.log")
     server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--factory", "batch_pipeline.api.app:create_app", "--port", str(port),
-         "--log-level", "warning"],
-        cwd=REPO, env=clean_environment(home), stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "batch_pipeline.api.app:create_app",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=clean_environment(home),
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     wait_until_healthy(client, server, log, "the API")
@@ -246,8 +329,9 @@ def timed_get(client: httpx.Client, url: str) -> tuple[float, httpx.Response]:
     return elapsed, response
 
 
-def measure_reads(client: httpx.Client, big: dict[int, str], finished: list[str], samples: int,
-                  list_samples: int) -> dict:
+def measure_reads(
+    client: httpx.Client, big: dict[int, str], finished: list[str], samples: int, list_samples: int
+) -> dict:
     largest = big[max(big)]
     for _ in range(20):  # first-request imports and caches are not a status read
         timed_get(client, f"/v2/batch-completions/{largest}")
@@ -271,51 +355,70 @@ def measure_reads(client: httpx.Client, big: dict[int, str], finished: list[str]
         "get_random_finished_job": summary_ms(get_finished),
         "get_running_job_by_prompts": {str(size): summary_ms(values) for size, values in by_size.items()},
         "list_100_first_page": summary_ms([elapsed for elapsed, _ in first_page])
-        | {"jobs": len(page["jobs"]), "has_more": page["has_more"],
-           "response_bytes": len(first_page[-1][1].content)},
+        | {"jobs": len(page["jobs"]), "has_more": page["has_more"], "response_bytes": len(first_page[-1][1].content)},
         "list_100_second_page": summary_ms(second_page),
     }
 
 
 def measure_create_rate(client: httpx.Client, home: str, clients: int, requests: int) -> dict:
     def create(i: int) -> int:
-        body = {"output_data_path": f"{home}/out/rate-{i}.json", "model_config": {"model": MODEL},
-                "content": {"prompts": [f"Prompt {i}"], "max_new_tokens": 1, "temperature": 0.0}}
+        body = {
+            "output_data_path": f"{home}/out/rate-{i}.json",
+            "model_config": {"model": MODEL},
+            "content": {"prompts": [f"Prompt {i}"], "max_new_tokens": 1, "temperature": 0.0},
+        }
         return client.post("/v2/batch-completions", json=body).status_code
 
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=clients) as pool:
         codes = list(pool.map(create, range(requests)))
     elapsed = time.monotonic() - started
-    return {"clients": clients, "requests": requests, "ok": codes.count(200), "wall_s": round(elapsed, 2),
-            "requests_per_s": round(requests / elapsed, 1)}
+    return {
+        "clients": clients,
+        "requests": requests,
+        "ok": codes.count(200),
+        "wall_s": round(elapsed, 2),
+        "requests_per_s": round(requests / elapsed, 1),
+    }
 
 
 # --- part 2: one jobs-sensor tick over many queued jobs with large inline content ------------------------
 
+
 def tick_body(home: str, i: int, content_kb: float) -> dict:
     """A job whose inline content is about `content_kb` KB: prompts of ~500 characters."""
     prompt_chars = 500
-    prompts = [f"job {i} prompt {j}: " + "lorem ipsum dolor sit amet " * (prompt_chars // 27)
-               for j in range(max(1, round(content_kb * 1000 / (prompt_chars + 20))))]
-    return {"output_data_path": f"{home}/out/tick-{i}.json", "model_config": {"model": MODEL},
-            "content": {"prompts": prompts, "max_new_tokens": 16, "temperature": 0.0},
-            "labels": {"bench": "tick", "n": str(i)}}
+    prompts = [
+        f"job {i} prompt {j}: " + "lorem ipsum dolor sit amet " * (prompt_chars // 27)
+        for j in range(max(1, round(content_kb * 1000 / (prompt_chars + 20))))
+    ]
+    return {
+        "output_data_path": f"{home}/out/tick-{i}.json",
+        "model_config": {"model": MODEL},
+        "content": {"prompts": prompts, "max_new_tokens": 16, "temperature": 0.0},
+        "labels": {"bench": "tick", "n": str(i)},
+    }
 
 
-def submit_tick_jobs(how: str, client: httpx.Client, store, job_storage, home: str, count: int,
-                     content_kb: float) -> dict:
+def submit_tick_jobs(
+    how: str, client: httpx.Client, store, job_storage, home: str, count: int, content_kb: float
+) -> dict:
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
     from batch_pipeline.submission import submit
 
     def post(i: int) -> int:
         body = json.dumps(tick_body(home, i, content_kb), separators=(",", ":")).encode()
-        return client.post("/v2/batch-completions", content=body,
-                           headers={"content-type": "application/json"}).status_code
+        return client.post(
+            "/v2/batch-completions", content=body, headers={"content-type": "application/json"}
+        ).status_code
 
     def direct(i: int) -> int:
-        submit(store, job_storage.work_dir, "anonymous",
-               CreateBatchCompletionsV2Request.model_validate(tick_body(home, i, content_kb)))
+        submit(
+            store,
+            job_storage.work_dir,
+            "anonymous",
+            CreateBatchCompletionsV2Request.model_validate(tick_body(home, i, content_kb)),
+        )
         return 200
 
     body_bytes = len(json.dumps(tick_body(home, 0, content_kb), separators=(",", ":")))
@@ -325,8 +428,14 @@ def submit_tick_jobs(how: str, client: httpx.Client, store, job_storage, home: s
     elapsed = time.monotonic() - started
     if codes.count(200) != count:
         raise SystemExit(f"tick jobs: {count - codes.count(200)} of {count} submissions failed: {sorted(set(codes))}")
-    return {"via": how, "jobs": count, "body_bytes_each": body_bytes, "content_mb_total": round(body_bytes * count / 1e6, 1),
-            "wall_s": round(elapsed, 2), "jobs_per_s": round(count / elapsed, 1)}
+    return {
+        "via": how,
+        "jobs": count,
+        "body_bytes_each": body_bytes,
+        "content_mb_total": round(body_bytes * count / 1e6, 1),
+        "wall_s": round(elapsed, 2),
+        "jobs_per_s": round(count / elapsed, 1),
+    }
 
 
 def measure_tick(home: str, store_url: str, repeat: int, expected: int) -> dict:
@@ -340,25 +449,36 @@ def measure_tick(home: str, store_url: str, repeat: int, expected: int) -> dict:
     ticks = []
     try:
         for _ in range(repeat):
-            context = dg.build_sensor_context(instance=instance, resources={"job_store": JobStoreResource(url=store_url)})
+            context = dg.build_sensor_context(
+                instance=instance, resources={"job_store": JobStoreResource(url=store_url)}
+            )
             started = time.perf_counter()
             requests = list(batch_jobs_sensor(context) or [])
             wall = time.perf_counter() - started
             json_bytes = sum(len(json.dumps(r.run_config)) + len(json.dumps(r.tags)) for r in requests)
             dagster_bytes = sum(len(serialize_value(r)) for r in requests)
-            ticks.append({"wall_s": round(wall, 3), "run_requests": len(requests),
-                          "run_config_and_tags_json_mb": round(json_bytes / 1e6, 3),
-                          "run_requests_serialized_mb": round(dagster_bytes / 1e6, 3),
-                          "largest_run_request_bytes": max((len(serialize_value(r)) for r in requests), default=0)})
+            ticks.append(
+                {
+                    "wall_s": round(wall, 3),
+                    "run_requests": len(requests),
+                    "run_config_and_tags_json_mb": round(json_bytes / 1e6, 3),
+                    "run_requests_serialized_mb": round(dagster_bytes / 1e6, 3),
+                    "largest_run_request_bytes": max((len(serialize_value(r)) for r in requests), default=0),
+                }
+            )
             if len(requests) != expected:
                 print(f"warning: the tick yielded {len(requests)} run requests for {expected} queued jobs", flush=True)
     finally:
         instance.dispose()
     walls = [tick["wall_s"] for tick in ticks]
-    return {"ticks": ticks, "first_wall_s": walls[0], "median_wall_s": round(statistics.median(walls), 3),
-            "run_requests": ticks[0]["run_requests"],
-            "run_config_and_tags_json_mb": ticks[0]["run_config_and_tags_json_mb"],
-            "run_requests_serialized_mb": ticks[0]["run_requests_serialized_mb"]}
+    return {
+        "ticks": ticks,
+        "first_wall_s": walls[0],
+        "median_wall_s": round(statistics.median(walls), 3),
+        "run_requests": ticks[0]["run_requests"],
+        "run_config_and_tags_json_mb": ticks[0]["run_config_and_tags_json_mb"],
+        "run_requests_serialized_mb": ticks[0]["run_requests_serialized_mb"],
+    }
 
 
 def part_one_and_two(options: argparse.Namespace, home: str) -> dict:
@@ -372,41 +492,66 @@ def part_one_and_two(options: argparse.Namespace, home: str) -> dict:
     job_storage = JobStorage(work_dir_base=f"{home}/work")
     started = time.monotonic()
     finished = seed_finished_jobs(store, options.store_jobs, home)
-    sizes = sorted({1000, 100_000, options.big_prompts} if options.big_prompts > 100_000
-                   else {min(1000, options.big_prompts), options.big_prompts})
+    sizes = sorted(
+        {1000, 100_000, options.big_prompts}
+        if options.big_prompts > 100_000
+        else {min(1000, options.big_prompts), options.big_prompts}
+    )
     big, shard_bytes = {}, 0
     for size in sizes:
         big[size], written = make_running_job(store, job_storage, home, size, not options.no_shard_files)
         shard_bytes += written
-    seeding = {"finished_jobs": len(finished), "running_jobs": {str(size): job_id for size, job_id in big.items()},
-               "shard_files_written": not options.no_shard_files, "shard_files_mb": round(shard_bytes / 1e6, 1),
-               "seed_s": round(time.monotonic() - started, 1)}
-    print(f"store: {len(finished)} finished jobs and running jobs of {', '.join(map(str, sizes))} prompts "
-          f"(shard files {seeding['shard_files_mb']} MB) in {seeding['seed_s']} s", flush=True)
+    seeding = {
+        "finished_jobs": len(finished),
+        "running_jobs": {str(size): job_id for size, job_id in big.items()},
+        "shard_files_written": not options.no_shard_files,
+        "shard_files_mb": round(shard_bytes / 1e6, 1),
+        "seed_s": round(time.monotonic() - started, 1),
+    }
+    print(
+        f"store: {len(finished)} finished jobs and running jobs of {', '.join(map(str, sizes))} prompts "
+        f"(shard files {seeding['shard_files_mb']} MB) in {seeding['seed_s']} s",
+        flush=True,
+    )
 
     server, client = start_api(home)
     try:
         reads = measure_reads(client, big, finished, options.samples, options.list_samples)
-        print(f"reads: GET p50 {reads['get_largest_running_job']['p50_ms']} ms, "
-              f"LIST p50 {reads['list_100_first_page']['p50_ms']} ms", flush=True)
-        tick_submission = submit_tick_jobs(options.tick_submit, client, store, job_storage, home, options.tick_jobs,
-                                           options.tick_content_kb)
-        print(f"tick jobs: {options.tick_jobs} submitted ({options.tick_submit}) in {tick_submission['wall_s']} s",
-              flush=True)
+        print(
+            f"reads: GET p50 {reads['get_largest_running_job']['p50_ms']} ms, "
+            f"LIST p50 {reads['list_100_first_page']['p50_ms']} ms",
+            flush=True,
+        )
+        tick_submission = submit_tick_jobs(
+            options.tick_submit, client, store, job_storage, home, options.tick_jobs, options.tick_content_kb
+        )
+        print(
+            f"tick jobs: {options.tick_jobs} submitted ({options.tick_submit}) in {tick_submission['wall_s']} s",
+            flush=True,
+        )
         tick = measure_tick(home, store_url, options.tick_repeat, options.tick_jobs)
         print(f"tick: {tick['first_wall_s']} s first, {tick['median_wall_s']} s median", flush=True)
-        create_rate = measure_create_rate(client, home, options.clients, options.create_requests) \
-            if options.create_requests else None
+        create_rate = (
+            measure_create_rate(client, home, options.clients, options.create_requests)
+            if options.create_requests
+            else None
+        )
     finally:
         client.close()
         server.terminate()
         server.wait(timeout=60)
         store.engine.dispose()
-    return {"seeding": seeding, "reads": reads, "tick_submission": tick_submission, "tick": tick,
-            "create_job": create_rate}
+    return {
+        "seeding": seeding,
+        "reads": reads,
+        "tick_submission": tick_submission,
+        "tick": tick,
+        "create_job": create_rate,
+    }
 
 
 # --- part 3: submit → start, and a burst, through the real deployment -------------------------------------
+
 
 def processes_with_home(home: str) -> list[int]:
     """Pids of the processes this benchmark's deployment started (they carry its DAGSTER_HOME)."""
@@ -438,16 +583,24 @@ def stop_leftovers(home: str) -> list[int]:
 
 
 def tiny_body(home: str, name: str) -> dict:
-    return {"output_data_path": f"{home}/out/{name}.json", "model_config": {"model": MODEL},
-            "content": {"prompts": [f"Say {name}"], "max_new_tokens": 1, "temperature": 0.0}}
+    return {
+        "output_data_path": f"{home}/out/{name}.json",
+        "model_config": {"model": MODEL},
+        "content": {"prompts": [f"Say {name}"], "max_new_tokens": 1, "temperature": 0.0},
+    }
 
 
 def wait_idle(instance, timeout_s: float) -> bool:
     """Until the instance has no unfinished run (cancelled jobs launch keep_partial_results runs)."""
     import dagster as dg
 
-    unfinished = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-                  dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+    unfinished = [
+        dg.DagsterRunStatus.QUEUED,
+        dg.DagsterRunStatus.NOT_STARTED,
+        dg.DagsterRunStatus.STARTING,
+        dg.DagsterRunStatus.STARTED,
+        dg.DagsterRunStatus.CANCELING,
+    ]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not instance.get_runs(filters=dg.RunsFilter(statuses=unfinished), limit=1):
@@ -490,26 +643,40 @@ def measure_latency(client: httpx.Client, instance, store, home: str, samples: i
                 break
             time.sleep(0.1)
         record = store.get(job_id)
-        rows.append({"job_id": job_id, "run_started_s": round(run_started, 2) if run_started is not None else None,
-                     "api_not_queued_s": round(job_running, 2) if job_running is not None else None,
-                     "row_queue_wait_s": round(record.queue_wait_s, 2) if record.queue_wait_s is not None else None,
-                     "status_seen": status})
+        rows.append(
+            {
+                "job_id": job_id,
+                "run_started_s": round(run_started, 2) if run_started is not None else None,
+                "api_not_queued_s": round(job_running, 2) if job_running is not None else None,
+                "row_queue_wait_s": round(record.queue_wait_s, 2) if record.queue_wait_s is not None else None,
+                "status_seen": status,
+            }
+        )
         print(f"latency sample {i + 1}: {rows[-1]}", flush=True)
         client.post(f"/v2/batch-completions/{job_id}/actions/cancel")
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and client.get(f"/v2/batch-completions/{job_id}").json()["job"]["status"] \
-                not in ("cancelled", "completed", "failed"):
+        while time.monotonic() < deadline and client.get(f"/v2/batch-completions/{job_id}").json()["job"][
+            "status"
+        ] not in ("cancelled", "completed", "failed"):
             time.sleep(0.2)
 
     def spread(key: str) -> dict | None:
         values = [row[key] for row in rows if row[key] is not None]
         if not values:
             return None
-        return {"median": round(statistics.median(values), 2), "min": min(values), "max": max(values),
-                "samples": len(values)}
+        return {
+            "median": round(statistics.median(values), 2),
+            "min": min(values),
+            "max": max(values),
+            "samples": len(values),
+        }
 
-    return {"samples": rows, "run_started_s": spread("run_started_s"), "api_not_queued_s": spread("api_not_queued_s"),
-            "row_queue_wait_s": spread("row_queue_wait_s")}
+    return {
+        "samples": rows,
+        "run_started_s": spread("run_started_s"),
+        "api_not_queued_s": spread("api_not_queued_s"),
+        "row_queue_wait_s": spread("row_queue_wait_s"),
+    }
 
 
 def measure_burst(client: httpx.Client, instance, store, home: str, count: int, timeout_s: float) -> dict:
@@ -519,8 +686,9 @@ def measure_burst(client: httpx.Client, instance, store, home: str, count: int, 
 
     started = time.time()
     with ThreadPoolExecutor(max_workers=16) as pool:
-        responses = list(pool.map(lambda i: client.post("/v2/batch-completions", json=tiny_body(home, f"burst-{i}")),
-                                  range(count)))
+        responses = list(
+            pool.map(lambda i: client.post("/v2/batch-completions", json=tiny_body(home, f"burst-{i}")), range(count))
+        )
     posted_s = time.time() - started
     job_ids = {response.json()["job_id"] for response in responses if response.status_code == 200}
     launched_at: dict[str, float] = {}
@@ -551,14 +719,24 @@ def measure_burst(client: httpx.Client, instance, store, home: str, count: int, 
     for job_id in unfinished:  # a timed-out burst does not keep running (or queue) after the benchmark
         client.post(f"/v2/batch-completions/{job_id}/actions/cancel")
     return {
-        "jobs": count, "accepted": len(job_ids), "post_wall_s": round(posted_s, 2),
-        "all_launched_s": all_launched_s, "launched": len(launched_at),
-        "all_left_queued_s": all_left_queued_s, "left_queued": len(left_queued_at),
-        "timed_out": all_left_queued_s is None, "timeout_s": timeout_s,
+        "jobs": count,
+        "accepted": len(job_ids),
+        "post_wall_s": round(posted_s, 2),
+        "all_launched_s": all_launched_s,
+        "launched": len(launched_at),
+        "all_left_queued_s": all_left_queued_s,
+        "left_queued": len(left_queued_at),
+        "timed_out": all_left_queued_s is None,
+        "timeout_s": timeout_s,
         "statuses_then": counts,
         "reached_running_or_completed": sum(counts.get(status, 0) for status in ("running", "completed")),
-        "row_queue_wait_s": {"median": round(statistics.median(waits), 2), "max": round(max(waits), 2),
-                             "samples": len(waits)} if waits else None,
+        "row_queue_wait_s": {
+            "median": round(statistics.median(waits), 2),
+            "max": round(max(waits), 2),
+            "samples": len(waits),
+        }
+        if waits
+        else None,
         "cancelled_at_end": len(unfinished),
     }
 
@@ -569,8 +747,11 @@ def part_three(options: argparse.Namespace, home: str) -> dict:
     log = Path(home, "serve.log")
     serve = subprocess.Popen(
         [sys.executable, "-m", "batch_pipeline.serve", "--port", str(api_port), "--dagster-port", str(dagster_port)],
-        env=clean_environment(home, BATCH_PIPELINE_SENSOR_INTERVAL_S="1"), cwd=REPO, stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT, start_new_session=True,
+        env=clean_environment(home, BATCH_PIPELINE_SENSOR_INTERVAL_S="1"),
+        cwd=REPO,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=120)
     instance = store = None
@@ -610,6 +791,7 @@ def part_three(options: argparse.Namespace, home: str) -> dict:
 
 # --- the report --------------------------------------------------------------------------------------------
 
+
 def verdicts(result: dict) -> list[tuple[str, str, str, bool | None]]:
     """(what, measured, target, met) for each of issue #15's targets that this run measured."""
     rows: list[tuple[str, str, str, bool | None]] = []
@@ -618,52 +800,108 @@ def verdicts(result: dict) -> list[tuple[str, str, str, bool | None]]:
         get, listed = reads["get_largest_running_job"], reads["list_100_first_page"]
         big = result["parameters"]["big_prompts"]
         rows += [
-            (f"GET running {big}-prompt job, {stores} jobs stored: p50", f"{get['p50_ms']} ms",
-             f"≤ {TARGETS['get_p50_ms']} ms", get["p50_ms"] <= TARGETS["get_p50_ms"]),
+            (
+                f"GET running {big}-prompt job, {stores} jobs stored: p50",
+                f"{get['p50_ms']} ms",
+                f"≤ {TARGETS['get_p50_ms']} ms",
+                get["p50_ms"] <= TARGETS["get_p50_ms"],
+            ),
             ("  p99", f"{get['p99_ms']} ms", f"≤ {TARGETS['get_p99_ms']} ms", get["p99_ms"] <= TARGETS["get_p99_ms"]),
-            ("GET random finished job: p50 / p99",
-             f"{reads['get_random_finished_job']['p50_ms']} / {reads['get_random_finished_job']['p99_ms']} ms",
-             f"≤ {TARGETS['get_p50_ms']} / {TARGETS['get_p99_ms']} ms",
-             reads["get_random_finished_job"]["p50_ms"] <= TARGETS["get_p50_ms"]
-             and reads["get_random_finished_job"]["p99_ms"] <= TARGETS["get_p99_ms"]),
-            (f"LIST limit=100, {stores} jobs stored: p50", f"{listed['p50_ms']} ms", f"≤ {TARGETS['list_p50_ms']} ms",
-             listed["p50_ms"] <= TARGETS["list_p50_ms"]),
-            ("  p99", f"{listed['p99_ms']} ms", f"≤ {TARGETS['list_p99_ms']} ms", listed["p99_ms"] <= TARGETS["list_p99_ms"]),
+            (
+                "GET random finished job: p50 / p99",
+                f"{reads['get_random_finished_job']['p50_ms']} / {reads['get_random_finished_job']['p99_ms']} ms",
+                f"≤ {TARGETS['get_p50_ms']} / {TARGETS['get_p99_ms']} ms",
+                reads["get_random_finished_job"]["p50_ms"] <= TARGETS["get_p50_ms"]
+                and reads["get_random_finished_job"]["p99_ms"] <= TARGETS["get_p99_ms"],
+            ),
+            (
+                f"LIST limit=100, {stores} jobs stored: p50",
+                f"{listed['p50_ms']} ms",
+                f"≤ {TARGETS['list_p50_ms']} ms",
+                listed["p50_ms"] <= TARGETS["list_p50_ms"],
+            ),
+            (
+                "  p99",
+                f"{listed['p99_ms']} ms",
+                f"≤ {TARGETS['list_p99_ms']} ms",
+                listed["p99_ms"] <= TARGETS["list_p99_ms"],
+            ),
         ]
         for size, figures in reads["get_running_job_by_prompts"].items():
             rows.append((f"GET p50, running job of {size} prompts", f"{figures['p50_ms']} ms", "flat in size", None))
     if tick := result.get("tick"):
         jobs = result["parameters"]["tick_jobs"]
         submitted = result["tick_submission"]
-        content = f"{submitted['content_mb_total']} MB of content, {'posted' if submitted['via'] == 'api' else 'submitted'} " \
+        content = (
+            f"{submitted['content_mb_total']} MB of content, {'posted' if submitted['via'] == 'api' else 'submitted'} "
             f"{'to the API' if submitted['via'] == 'api' else 'directly'}"
+        )
         rows += [
-            (f"sensor tick, {jobs} queued jobs: wall (first / median)", f"{tick['first_wall_s']} / {tick['median_wall_s']} s",
-             f"≤ {TARGETS['tick_wall_s']} s", tick["median_wall_s"] <= TARGETS["tick_wall_s"]),
-            (f"  RunRequests: json of run_config + tags ({tick['run_requests']} requests; {content})",
-             f"{tick['run_config_and_tags_json_mb']} MB", f"< {TARGETS['tick_run_requests_mb']} MB",
-             tick["run_config_and_tags_json_mb"] < TARGETS["tick_run_requests_mb"]),
-            ("  RunRequests as Dagster serializes them", f"{tick['run_requests_serialized_mb']} MB",
-             f"< {TARGETS['tick_run_requests_mb']} MB", tick["run_requests_serialized_mb"] < TARGETS["tick_run_requests_mb"]),
+            (
+                f"sensor tick, {jobs} queued jobs: wall (first / median)",
+                f"{tick['first_wall_s']} / {tick['median_wall_s']} s",
+                f"≤ {TARGETS['tick_wall_s']} s",
+                tick["median_wall_s"] <= TARGETS["tick_wall_s"],
+            ),
+            (
+                f"  RunRequests: json of run_config + tags ({tick['run_requests']} requests; {content})",
+                f"{tick['run_config_and_tags_json_mb']} MB",
+                f"< {TARGETS['tick_run_requests_mb']} MB",
+                tick["run_config_and_tags_json_mb"] < TARGETS["tick_run_requests_mb"],
+            ),
+            (
+                "  RunRequests as Dagster serializes them",
+                f"{tick['run_requests_serialized_mb']} MB",
+                f"< {TARGETS['tick_run_requests_mb']} MB",
+                tick["run_requests_serialized_mb"] < TARGETS["tick_run_requests_mb"],
+            ),
         ]
     if create := result.get("create_job"):
-        rows.append((f"POST create, {create['clients']} clients",
-                     f"{create['requests_per_s']} /s ({create['ok']}/{create['requests']} ok)", "-", None))
+        rows.append(
+            (
+                f"POST create, {create['clients']} clients",
+                f"{create['requests_per_s']} /s ({create['ok']}/{create['requests']} ok)",
+                "-",
+                None,
+            )
+        )
     deployment = result.get("deployment") or {}
     if (latency := deployment.get("latency")) and latency["run_started_s"]:
         median = latency["run_started_s"]["median"]
-        rows.append((f"submit → Dagster run started: median of {latency['run_started_s']['samples']}", f"{median} s",
-                     f"≤ {TARGETS['submit_to_start_median_s']} s", median <= TARGETS["submit_to_start_median_s"]))
+        rows.append(
+            (
+                f"submit → Dagster run started: median of {latency['run_started_s']['samples']}",
+                f"{median} s",
+                f"≤ {TARGETS['submit_to_start_median_s']} s",
+                median <= TARGETS["submit_to_start_median_s"],
+            )
+        )
         if latency["row_queue_wait_s"]:
-            rows.append(("submit → job row running (queue_wait_s): median", f"{latency['row_queue_wait_s']['median']} s",
-                         f"≤ {TARGETS['submit_to_start_median_s']} s",
-                         latency["row_queue_wait_s"]["median"] <= TARGETS["submit_to_start_median_s"]))
+            rows.append(
+                (
+                    "submit → job row running (queue_wait_s): median",
+                    f"{latency['row_queue_wait_s']['median']} s",
+                    f"≤ {TARGETS['submit_to_start_median_s']} s",
+                    latency["row_queue_wait_s"]["median"] <= TARGETS["submit_to_start_median_s"],
+                )
+            )
     if burst := deployment.get("burst"):
-        rows.append((f"burst of {burst['jobs']} jobs, {deployment['run_slots']} run slots: all have a run",
-                     f"{burst['all_launched_s']} s ({burst['launched']}/{burst['accepted']})", "-", None))
-        rows.append(("  all left queued (then: " + ", ".join(f"{k} {v}" for k, v in burst["statuses_then"].items()) + ")",
-                     f"{burst['all_left_queued_s']} s ({burst['left_queued']}/{burst['accepted']})", "all start",
-                     not burst["timed_out"]))
+        rows.append(
+            (
+                f"burst of {burst['jobs']} jobs, {deployment['run_slots']} run slots: all have a run",
+                f"{burst['all_launched_s']} s ({burst['launched']}/{burst['accepted']})",
+                "-",
+                None,
+            )
+        )
+        rows.append(
+            (
+                "  all left queued (then: " + ", ".join(f"{k} {v}" for k, v in burst["statuses_then"].items()) + ")",
+                f"{burst['all_left_queued_s']} s ({burst['left_queued']}/{burst['accepted']})",
+                "all start",
+                not burst["timed_out"],
+            )
+        )
     return rows
 
 
@@ -676,26 +914,40 @@ def main() -> None:
     parser.add_argument("--list-samples", type=int, default=200, help="LISTs per page measured")
     parser.add_argument("--tick-jobs", type=int, default=1000, help="queued jobs for the sensor tick")
     parser.add_argument("--tick-content-kb", type=float, default=50, help="inline content of each tick job, KB")
-    parser.add_argument("--tick-submit", choices=("api", "direct"), default="api",
-                        help="post the tick jobs to the API, or call submission.submit in this process")
+    parser.add_argument(
+        "--tick-submit",
+        choices=("api", "direct"),
+        default="api",
+        help="post the tick jobs to the API, or call submission.submit in this process",
+    )
     parser.add_argument("--tick-repeat", type=int, default=3, help="sensor ticks evaluated")
     parser.add_argument("--clients", type=int, default=50, help="threads of the create-rate measurement")
-    parser.add_argument("--create-requests", type=int, default=500, help="tiny POSTs timed for the create rate (0: skip)")
+    parser.add_argument(
+        "--create-requests", type=int, default=500, help="tiny POSTs timed for the create rate (0: skip)"
+    )
     parser.add_argument("--no-serve", action="store_true", help="skip part 3 (the deployment, real vLLM jobs)")
     parser.add_argument("--latency-samples", type=int, default=5, help="jobs timed one at a time, submit → start")
     parser.add_argument("--burst", type=int, default=20, help="tiny jobs posted at once (issue: 200; each runs vLLM)")
-    parser.add_argument("--burst-timeout", type=float, default=0,
-                        help="seconds to wait for the burst to leave the queue (0: 120 + 60 x burst / run slots)")
+    parser.add_argument(
+        "--burst-timeout",
+        type=float,
+        default=0,
+        help="seconds to wait for the burst to leave the queue (0: 120 + 60 x burst / run slots)",
+    )
     parser.add_argument("--run-slots", type=int, default=2, help="runs at once in part 3 (max_concurrent_runs)")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary DAGSTER_HOMEs (their paths are printed)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the temporary DAGSTER_HOMEs (their paths are printed)"
+    )
     parser.add_argument("--out", type=Path, help="results file (default bench/results/control_plane-<time>.json)")
     options = parser.parse_args()
-    out = options.out or RESULTS / f"control_plane-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    out = options.out or RESULTS / f"control_plane-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
 
-    result: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-                    "parameters": {key: (str(value) if isinstance(value, Path) else value)
-                                   for key, value in vars(options).items()},
-                    "targets": TARGETS}
+    result: dict = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "parameters": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(options).items()},
+        "targets": TARGETS,
+    }
     homes = []
     try:
         home = tempfile.mkdtemp(prefix="bench-control-plane-store-")
@@ -713,11 +965,15 @@ def main() -> None:
                 shutil.rmtree(home, ignore_errors=True)
 
     rows = verdicts(result)
-    result["verdicts"] = [{"what": what.strip(), "measured": measured, "target": target, "met": met}
-                          for what, measured, target, met in rows]
+    result["verdicts"] = [
+        {"what": what.strip(), "measured": measured, "target": target, "met": met}
+        for what, measured, target, met in rows
+    ]
     cpu = result["machine"]
-    print(f"\n{cpu['cpu_model']}, {cpu['cpu_count']} CPUs, AVX-512 {'yes' if cpu['avx512'] else 'no'}; "
-          f"times are client-side over loopback\n")
+    print(
+        f"\n{cpu['cpu_model']}, {cpu['cpu_count']} CPUs, AVX-512 {'yes' if cpu['avx512'] else 'no'}; "
+        f"times are client-side over loopback\n"
+    )
     print("| measurement | measured | target (#15) | met |")
     print("|---|---|---|---|")
     for what, measured, target, met in rows:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -28,8 +28,13 @@ def make_input(path: Path, size: int, fmt: str) -> None:
         if fmt == "json":
             handle.write("[\n")
         for index in range(size):
-            record = json.dumps({"prompt": f"Request {index}: " + "tell me about batch inference " * (index % 7 + 1),
-                                 "max_tokens": 64, "temperature": 0.0})
+            record = json.dumps(
+                {
+                    "prompt": f"Request {index}: " + "tell me about batch inference " * (index % 7 + 1),
+                    "max_tokens": 64,
+                    "temperature": 0.0,
+                }
+            )
             if fmt == "json":
                 record += ",\n" if index < size - 1 else "\n"
             else:
@@ -64,8 +69,12 @@ def stand_in_outputs(work_dir: str) -> None:
     for directory in shard_directories(work_dir):
         with open(f"{directory}/output.tsv", "w", encoding="utf-8") as handle:
             for item in sorted(read_work_items(f"{directory}/input.jsonl"), key=lambda item: item.index):
-                handle.write(format_result(item.index, {"text": " a stand-in completion", "num_prompt_tokens": 9,
-                                                        "num_completion_tokens": 4}))
+                handle.write(
+                    format_result(
+                        item.index,
+                        {"text": " a stand-in completion", "num_prompt_tokens": 9, "num_completion_tokens": 4},
+                    )
+                )
 
 
 def peak_rss_mb() -> float:
@@ -78,8 +87,9 @@ def peak_rss_mb() -> float:
 
 
 def in_child(phase: str, *args: str) -> dict:
-    completed = subprocess.run([sys.executable, __file__, "--phase", phase, *args], capture_output=True, text=True,
-                               check=True)
+    completed = subprocess.run(
+        [sys.executable, __file__, "--phase", phase, *args], capture_output=True, text=True, check=True
+    )
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
@@ -93,8 +103,11 @@ def main() -> None:
     parser.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.phase:  # a child: one phase, then its own peak RSS
-        result = plan(options.args[0], options.args[1], int(options.args[2])) if options.phase == "plan" else \
-            merge(options.args[0], options.args[1], int(options.args[2]))
+        result = (
+            plan(options.args[0], options.args[1], int(options.args[2]))
+            if options.phase == "plan"
+            else merge(options.args[0], options.args[1], int(options.args[2]))
+        )
         result["peak_rss_mb"] = peak_rss_mb()
         print(json.dumps(result))
         return
@@ -109,19 +122,30 @@ def main() -> None:
                 stand_in_outputs(work_dir)
                 merged = in_child("merge", work_dir, output_path, str(size))
                 assert planned["items"] == merged["items"] == size
-                row = {"format": fmt, "prompts": size, "shards": options.shards,
-                       "input_mb": round(Path(input_path).stat().st_size / 2**20, 1),
-                       "plan_s": round(planned["seconds"], 2), "merge_s": round(merged["seconds"], 2),
-                       "plan_peak_rss_mb": round(planned["peak_rss_mb"]), "merge_peak_rss_mb": round(merged["peak_rss_mb"])}
+                row = {
+                    "format": fmt,
+                    "prompts": size,
+                    "shards": options.shards,
+                    "input_mb": round(Path(input_path).stat().st_size / 2**20, 1),
+                    "plan_s": round(planned["seconds"], 2),
+                    "merge_s": round(merged["seconds"], 2),
+                    "plan_peak_rss_mb": round(planned["peak_rss_mb"]),
+                    "merge_peak_rss_mb": round(merged["peak_rss_mb"]),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    out = options.out or RESULTS / f"data_plane-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    out = options.out or RESULTS / f"data_plane-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "data_plane", "rows": rows}, indent=2))
-    print("\n| format | prompts | input MB | plan s | merge s | plan peak RSS MB | merge peak RSS MB |\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| format | prompts | input MB | plan s | merge s | plan peak RSS MB | merge peak RSS MB |"
+        "\n|---|---|---|---|---|---|---|"
+    )
     for row in rows:
-        print(f"| {row['format']} | {row['prompts']} | {row['input_mb']} | {row['plan_s']} | {row['merge_s']} | "
-              f"{row['plan_peak_rss_mb']} | {row['merge_peak_rss_mb']} |")
+        print(
+            f"| {row['format']} | {row['prompts']} | {row['input_mb']} | {row['plan_s']} | {row['merge_s']} | "
+            f"{row['plan_peak_rss_mb']} | {row['merge_peak_rss_mb']} |"
+        )
     print(f"\nwritten to {out}")
 
 

@@ -21,16 +21,39 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 MODEL = "smollm2-135m-instruct"
 RESULTS = Path(__file__).parent / "results"
-TOPICS = ["the ocean", "a lighthouse", "batch inference", "the moon", "a bakery", "trains", "mountains",
-          "a robot", "rain", "libraries", "bees", "a violin", "deserts", "the internet", "winter", "a garden"]
-FORMS = ["Write a short story about {t}.", "Explain {t} to a child.", "List three facts about {t}.",
-         "Describe {t} in one paragraph.", "Write a haiku about {t}.", "What would change without {t}?",
-         "Give a recipe inspired by {t}.", "Argue for and against {t}."]
+TOPICS = [
+    "the ocean",
+    "a lighthouse",
+    "batch inference",
+    "the moon",
+    "a bakery",
+    "trains",
+    "mountains",
+    "a robot",
+    "rain",
+    "libraries",
+    "bees",
+    "a violin",
+    "deserts",
+    "the internet",
+    "winter",
+    "a garden",
+]
+FORMS = [
+    "Write a short story about {t}.",
+    "Explain {t} to a child.",
+    "List three facts about {t}.",
+    "Describe {t} in one paragraph.",
+    "Write a haiku about {t}.",
+    "What would change without {t}?",
+    "Give a recipe inspired by {t}.",
+    "Argue for and against {t}.",
+]
 
 RAW = r"""
 import json, os, sys
@@ -66,7 +89,8 @@ for start in range(0, len(rendered), 64):
                              temperature=spec["temperature"] if sampled else None, top_p=None, top_k=None,
                              pad_token_id=tokenizer.pad_token_id)
     for row in out[:, batch["input_ids"].shape[1]:].tolist():
-        tokens += next((i for i, t in enumerate(row) if t in (tokenizer.eos_token_id, tokenizer.pad_token_id)), len(row))
+        ends = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokens += next((i for i, t in enumerate(row) if t in ends), len(row))
 print(json.dumps({"completion_tokens": tokens}))
 """
 
@@ -82,14 +106,35 @@ def run_batch(spec: dict, work: Path) -> dict:
     batch_in, batch_out = work / "batch.jsonl", work / "batch_out.jsonl"
     with open(batch_in, "w") as handle:
         for index, prompt in enumerate(spec["prompts"]):
-            body = {"model": path, "messages": [{"role": "user", "content": prompt}], "max_tokens": spec["max_tokens"],
-                    "temperature": spec["temperature"]}
-            handle.write(json.dumps({"custom_id": f"r{index}", "method": "POST", "url": "/v1/chat/completions",
-                                     "body": body}) + "\n")
+            body = {
+                "model": path,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": spec["max_tokens"],
+                "temperature": spec["temperature"],
+            }
+            handle.write(
+                json.dumps({"custom_id": f"r{index}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+                + "\n"
+            )
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"}
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(batch_in), "-o",
-                    str(batch_out), "--model", path, "--enforce-eager"], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.run_batch",
+            "-i",
+            str(batch_in),
+            "-o",
+            str(batch_out),
+            "--model",
+            path,
+            "--enforce-eager",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     wall = time.monotonic() - started
     tokens = 0
     for line in filter(None, batch_out.read_text().split("\n")):  # not splitlines: texts may hold U+2028 and kin
@@ -103,16 +148,31 @@ def run_job(spec: dict, work: Path, data_parallelism: int = 1) -> tuple[float, d
     process start to exit, and the job's metadata file."""
     with tempfile.TemporaryDirectory(dir=work) as home:
         output = Path(home) / "output.json"
-        content = [{"messages": [{"role": "user", "content": p}], "max_tokens": spec["max_tokens"],
-                    "temperature": spec["temperature"]} for p in spec["prompts"]]
+        content = [
+            {
+                "messages": [{"role": "user", "content": p}],
+                "max_tokens": spec["max_tokens"],
+                "temperature": spec["temperature"],
+            }
+            for p in spec["prompts"]
+        ]
         request = Path(home) / "request.json"
-        request.write_text(json.dumps({"output_data_path": str(output), "model_config": {"model": spec["model"]},
-                                       "data_parallelism": data_parallelism, "content": content}))
+        request.write_text(
+            json.dumps(
+                {
+                    "output_data_path": str(output),
+                    "model_config": {"model": spec["model"]},
+                    "data_parallelism": data_parallelism,
+                    "content": content,
+                }
+            )
+        )
         Path(home, "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
         env = {**os.environ, "DAGSTER_HOME": home, "VLLM_LOGGING_LEVEL": "WARNING"}
         started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "batch_pipeline.cli", "run", str(request)], env=env, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "batch_pipeline.cli", "run", str(request)], env=env, check=True, capture_output=True
+        )
         wall = time.monotonic() - started
         return wall, json.loads(Path(str(output) + ".metadata.json").read_text())
 
@@ -127,8 +187,9 @@ def run_script(script: str, spec_path: Path) -> dict:
     engine shutdown and the interpreter's exit take ~3.5 s here, which a clock inside the script misses."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
     started = time.monotonic()
-    completed = subprocess.run([sys.executable, "-c", script, str(spec_path)], env=env, check=True,
-                               capture_output=True, text=True)
+    completed = subprocess.run(
+        [sys.executable, "-c", script, str(spec_path)], env=env, check=True, capture_output=True, text=True
+    )
     wall = time.monotonic() - started
     return {"wall_s": wall, **json.loads(completed.stdout.strip().splitlines()[-1])}
 
@@ -139,26 +200,40 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=("greedy", "sampled"), default=["greedy", "sampled"])
-    parser.add_argument("--systems", nargs="+", choices=("ours", "raw", "run_batch", "transformers"),
-                        default=["ours", "raw", "run_batch", "transformers"])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=("ours", "raw", "run_batch", "transformers"),
+        default=["ours", "raw", "run_batch", "transformers"],
+    )
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
 
     runs: dict[str, dict[str, list[dict]]] = {}
-    out = options.out or RESULTS / f"engine_overhead-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    out = options.out or RESULTS / f"engine_overhead-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         for mode in options.modes:
             temperature = 0.0 if mode == "greedy" else 0.8
-            spec = {"model": MODEL, "prompts": prompts(options.prompts), "max_tokens": options.max_tokens,
-                    "temperature": temperature}
+            spec = {
+                "model": MODEL,
+                "prompts": prompts(options.prompts),
+                "max_tokens": options.max_tokens,
+                "temperature": temperature,
+            }
             spec_path = work / f"spec-{mode}.json"
             spec_path.write_text(json.dumps(spec))
-            systems = {"ours": lambda: run_ours(spec, work), "raw": lambda: run_script(RAW, spec_path),
-                       "run_batch": lambda: run_batch(spec, work),
-                       "transformers": lambda: run_script(TRANSFORMERS, spec_path)}
+            systems = {
+                "ours": lambda: run_ours(spec, work),
+                "raw": lambda: run_script(RAW, spec_path),
+                "run_batch": lambda: run_batch(spec, work),
+                "transformers": lambda: run_script(TRANSFORMERS, spec_path),
+            }
             for round_index in range(options.repeat):
-                order = options.systems[round_index % len(options.systems):] + options.systems[:round_index % len(options.systems)]
+                order = (
+                    options.systems[round_index % len(options.systems) :]
+                    + options.systems[: round_index % len(options.systems)]
+                )
                 for system in order:  # rotate who goes first: no system always runs on a warm page cache
                     result = systems[system]()
                     result["tokens_per_s"] = result["completion_tokens"] / result["wall_s"]
@@ -178,19 +253,36 @@ def summarize(runs: dict[str, dict[str, list[dict]]]) -> list[dict]:
         for system, results in by_system.items():
             walls = [r["wall_s"] for r in results]
             rates = [r["tokens_per_s"] for r in results]
-            summary.append({"mode": mode, "system": system, "runs": len(results),
-                            "wall_s_median": round(medians[system], 1), "wall_s_min": round(min(walls), 1),
-                            "wall_s_max": round(max(walls), 1),
-                            "tokens_per_s_median": round(statistics.median(rates), 1),
-                            "wall_vs_ours": round(medians[system] / medians["ours"], 3) if "ours" in medians else None})
+            summary.append(
+                {
+                    "mode": mode,
+                    "system": system,
+                    "runs": len(results),
+                    "wall_s_median": round(medians[system], 1),
+                    "wall_s_min": round(min(walls), 1),
+                    "wall_s_max": round(max(walls), 1),
+                    "tokens_per_s_median": round(statistics.median(rates), 1),
+                    "wall_vs_ours": round(medians[system] / medians["ours"], 3) if "ours" in medians else None,
+                }
+            )
     return summary
 
 
 def write_results(out: Path, runs: dict, prompt_count: int, max_tokens: int) -> list[dict]:
     summary = summarize(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "engine_overhead", "prompts": prompt_count, "max_tokens": max_tokens,
-                               "runs": runs, "summary": summary}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "engine_overhead",
+                "prompts": prompt_count,
+                "max_tokens": max_tokens,
+                "runs": runs,
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
     return summary
 
 
@@ -198,8 +290,10 @@ def print_table(summary: list[dict]) -> None:
     print("\n| mode | system | wall s (median, min-max) | tokens/s | our wall / its wall |\n|---|---|---|---|---|")
     for row in summary:
         ratio = f"{1 / row['wall_vs_ours']:.2f}x" if row["wall_vs_ours"] else "-"
-        print(f"| {row['mode']} | {row['system']} | {row['wall_s_median']} ({row['wall_s_min']}-{row['wall_s_max']}) "
-              f"| {row['tokens_per_s_median']} | {ratio} |")
+        print(
+            f"| {row['mode']} | {row['system']} | {row['wall_s_median']} ({row['wall_s_min']}-{row['wall_s_max']}) "
+            f"| {row['tokens_per_s_median']} | {ratio} |"
+        )
 
 
 if __name__ == "__main__":

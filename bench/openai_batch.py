@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -48,9 +48,15 @@ CHAT = "/v1/chat/completions"
 def batch_file(path: Path, texts: list[str], model: str, max_tokens: int) -> int:
     with open(path, "w") as handle:
         for index, text in enumerate(texts):
-            body = {"model": model, "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                                                 {"role": "user", "content": text}],
-                    "max_tokens": max_tokens, "temperature": 0}
+            body = {
+                "model": model,
+                "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": text},
+                ],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
             handle.write(json.dumps({"custom_id": f"req-{index}", "method": "POST", "url": CHAT, "body": body}) + "\n")
     return path.stat().st_size
 
@@ -79,10 +85,23 @@ def vllm_parse(path: Path) -> float:
 
 
 def results_entries(count: int) -> list[dict]:
-    return [{"id": f"chatcmpl-{i}", "object": "chat.completion", "created": 0, "model": MODEL,
-             "choices": [{"index": 0, "message": {"role": "assistant", "content": f"An answer of a few words, {i}."},
-                          "finish_reason": "length"}],
-             "usage": {"prompt_tokens": 40, "completion_tokens": 32, "total_tokens": 72}} for i in range(count)]
+    return [
+        {
+            "id": f"chatcmpl-{i}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"An answer of a few words, {i}."},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 32, "total_tokens": 72},
+        }
+        for i in range(count)
+    ]
 
 
 def part_one(options: argparse.Namespace, work: Path) -> dict:
@@ -90,8 +109,18 @@ def part_one(options: argparse.Namespace, work: Path) -> dict:
 
     source = work / "input.jsonl"
     size = batch_file(source, [f"{text} ({i})" for i, text in enumerate(prompts(options.lines))], MODEL, 32)
-    rounds: dict[str, list[float]] = {name: [] for name in ("upload_s", "copy_s", "upload_peak_over_idle_mb",
-                                                            "check_s", "vllm_parse_s", "results_s", "rewrite_s")}
+    rounds: dict[str, list[float]] = {
+        name: []
+        for name in (
+            "upload_s",
+            "copy_s",
+            "upload_peak_over_idle_mb",
+            "check_s",
+            "vllm_parse_s",
+            "results_s",
+            "rewrite_s",
+        )
+    }
     entries = results_entries(options.lines)
     ids = work / "custom_ids.jsonl"
     ids.write_text("".join(json.dumps(f"req-{i}") + "\n" for i in range(options.lines)))
@@ -110,8 +139,10 @@ def part_one(options: argparse.Namespace, work: Path) -> dict:
             rounds["upload_peak_over_idle_mb"].append(status_mb(server.pid, "VmHWM") - idle)
             assert uploaded.status_code == 200, uploaded.text
             started = time.perf_counter()
-            batch = client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT,
-                                                     "completion_window": "24h"}).json()
+            batch = client.post(
+                "/v1/batches",
+                json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
+            ).json()
             rounds["check_s"].append(time.perf_counter() - started)
             assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == options.lines, batch
         finally:
@@ -132,13 +163,16 @@ def part_one(options: argparse.Namespace, work: Path) -> dict:
         shutil.rmtree(home, ignore_errors=True)
     medians = {name: statistics.median(values) for name, values in rounds.items()}
     return {
-        "lines": options.lines, "file_mb": round(size / 1e6, 1),
+        "lines": options.lines,
+        "file_mb": round(size / 1e6, 1),
         "rounds": {name: [round(v, 3) for v in values] for name, values in rounds.items()},
         "medians": {name: round(value, 3) for name, value in medians.items()},
         "upload_mb_per_s": round(size / 1e6 / medians["upload_s"], 1),
-        "ratios": {"upload / copy": round(medians["upload_s"] / medians["copy_s"], 1),
-                   "check / vllm_parse": round(medians["check_s"] / medians["vllm_parse_s"], 2),
-                   "results / rewrite": round(medians["results_s"] / medians["rewrite_s"], 2)},
+        "ratios": {
+            "upload / copy": round(medians["upload_s"] / medians["copy_s"], 1),
+            "check / vllm_parse": round(medians["check_s"] / medians["vllm_parse_s"], 2),
+            "results / rewrite": round(medians["results_s"] / medians["rewrite_s"], 2),
+        },
     }
 
 
@@ -148,8 +182,11 @@ def start_serve(home: str) -> tuple[subprocess.Popen, httpx.Client]:
     log = Path(home, "serve.log")
     serve = subprocess.Popen(
         [sys.executable, "-m", "batch_pipeline.serve", "--port", str(api_port), "--dagster-port", str(dagster_port)],
-        cwd=REPO, env=clean_environment(home, VLLM_LOGGING_LEVEL="WARNING"), stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=REPO,
+        env=clean_environment(home, VLLM_LOGGING_LEVEL="WARNING"),
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=120)
     wait_until_healthy(client, serve, log, "the deployment", interval_s=0.5)
@@ -160,27 +197,46 @@ def ours_e2e(client: httpx.Client, source: Path) -> dict:
     started = time.monotonic()
     with open(source, "rb") as handle:
         file_id = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", handle)}).json()["id"]
-    batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT,
-                                             "completion_window": "24h"}).json()
+    batch = client.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+    ).json()
     while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
         time.sleep(0.5)
         batch = client.get(f"/v1/batches/{batch['id']}").json()
     assert batch["status"] == "completed", batch
     output = client.get(f"/v1/files/{batch['output_file_id']}/content").text
     wall = time.monotonic() - started
-    tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
-                 for line in filter(None, output.split("\n")))
+    tokens = sum(
+        json.loads(line)["response"]["body"]["usage"]["completion_tokens"] for line in filter(None, output.split("\n"))
+    )
     return {"wall_s": wall, "completion_tokens": tokens}
 
 
 def run_batch_e2e(source: Path, output: Path, model_path: str) -> dict:
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"}
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source), "-o", str(output),
-                    "--model", model_path, "--enforce-eager"], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.run_batch",
+            "-i",
+            str(source),
+            "-o",
+            str(output),
+            "--model",
+            model_path,
+            "--enforce-eager",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     wall = time.monotonic() - started
-    tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
-                 for line in filter(None, output.read_text().split("\n")))
+    tokens = sum(
+        json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
+        for line in filter(None, output.read_text().split("\n"))
+    )
     return {"wall_s": wall, "completion_tokens": tokens}
 
 
@@ -213,10 +269,18 @@ def part_two(options: argparse.Namespace, work: Path) -> dict:
     summary = {}
     for system, runs in results.items():
         walls = [run["wall_s"] for run in runs]
-        summary[system] = {"wall_s": round(statistics.median(walls), 2), "min_s": round(min(walls), 2),
-                           "max_s": round(max(walls), 2), "completion_tokens": runs[-1]["completion_tokens"]}
-    return {"prompts": options.e2e_prompts, "max_tokens": options.max_tokens, "systems": summary,
-            "ours / run_batch": round(summary["ours"]["wall_s"] / summary["run_batch"]["wall_s"], 2)}
+        summary[system] = {
+            "wall_s": round(statistics.median(walls), 2),
+            "min_s": round(min(walls), 2),
+            "max_s": round(max(walls), 2),
+            "completion_tokens": runs[-1]["completion_tokens"],
+        }
+    return {
+        "prompts": options.e2e_prompts,
+        "max_tokens": options.max_tokens,
+        "systems": summary,
+        "ours / run_batch": round(summary["ours"]["wall_s"] / summary["run_batch"]["wall_s"], 2),
+    }
 
 
 def main() -> None:
@@ -228,7 +292,7 @@ def main() -> None:
     parser.add_argument("--no-e2e", action="store_true")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
-    report = {"machine": machine(), "started_at": datetime.now(timezone.utc).isoformat()}
+    report = {"machine": machine(), "started_at": datetime.now(UTC).isoformat()}
     with tempfile.TemporaryDirectory() as work:
         report["part_one"] = part_one(options, Path(work))
         print(json.dumps(report["part_one"], indent=2), flush=True)
@@ -236,7 +300,7 @@ def main() -> None:
             report["part_two"] = part_two(options, Path(work))
             print(json.dumps(report["part_two"], indent=2), flush=True)
     RESULTS.mkdir(exist_ok=True)
-    out = options.out or RESULTS / f"openai_batch-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.json"
+    out = options.out or RESULTS / f"openai_batch-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 

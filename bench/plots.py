@@ -33,8 +33,15 @@ def engine_series(result: dict) -> list[dict]:
     for mode, by_system in result["runs"].items():
         for system, runs in by_system.items():
             rates = [run["tokens_per_s"] for run in runs]
-            rows.append({"mode": mode, "system": system, "median": statistics.median(rates), "min": min(rates),
-                         "max": max(rates)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "system": system,
+                    "median": statistics.median(rates),
+                    "min": min(rates),
+                    "max": max(rates),
+                }
+            )
     return rows
 
 
@@ -52,9 +59,14 @@ def sharding_series(result: dict) -> dict[str, list]:
     """Wall time per dp (median, min, max), and the prediction's wall per number of devices."""
     summary = sorted(result["summary"], key=lambda row: row["dp"])
     predicted = (result.get("model") or {}).get("devices", [])
-    return {"dp": [row["dp"] for row in summary], "median": [row["wall_s_median"] for row in summary],
-            "min": [row["wall_s_min"] for row in summary], "max": [row["wall_s_max"] for row in summary],
-            "devices": [row["n"] for row in predicted], "predicted": [row["wall_s"] for row in predicted]}
+    return {
+        "dp": [row["dp"] for row in summary],
+        "median": [row["wall_s_median"] for row in summary],
+        "min": [row["wall_s_min"] for row in summary],
+        "max": [row["wall_s_max"] for row in summary],
+        "devices": [row["n"] for row in predicted],
+        "predicted": [row["wall_s"] for row in predicted],
+    }
 
 
 def draw_engine(plt, rows: list[dict], result: dict):
@@ -74,8 +86,9 @@ def draw_data_plane(plt, series: dict[str, dict[str, list]], result: dict):
         time_axes.plot(columns["prompts"], columns["plan_s"], marker="o", label=f"plan, {fmt}")
         time_axes.plot(columns["prompts"], columns["merge_s"], marker="s", linestyle="--", label=f"merge, {fmt}")
         rss_axes.plot(columns["prompts"], columns["plan_peak_rss_mb"], marker="o", label=f"plan, {fmt}")
-        rss_axes.plot(columns["prompts"], columns["merge_peak_rss_mb"], marker="s", linestyle="--",
-                      label=f"merge, {fmt}")
+        rss_axes.plot(
+            columns["prompts"], columns["merge_peak_rss_mb"], marker="s", linestyle="--", label=f"merge, {fmt}"
+        )
     for axes, label in ((time_axes, "seconds"), (rss_axes, "peak RSS, MB")):
         axes.set_xscale("log")
         axes.set_xlabel("prompts")
@@ -88,13 +101,26 @@ def draw_data_plane(plt, series: dict[str, dict[str, list]], result: dict):
 
 def draw_sharding(plt, series: dict[str, list], result: dict):
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    errors = [[m - low for m, low in zip(series["median"], series["min"])],
-              [high - m for m, high in zip(series["median"], series["max"])]]
-    axes.errorbar(series["dp"], series["median"], yerr=errors, marker="o", capsize=4,
-                  label=f"measured, this machine ({result.get('cpu_count')} cores)")
+    errors = [
+        [m - low for m, low in zip(series["median"], series["min"])],
+        [high - m for m, high in zip(series["median"], series["max"])],
+    ]
+    axes.errorbar(
+        series["dp"],
+        series["median"],
+        yerr=errors,
+        marker="o",
+        capsize=4,
+        label=f"measured, this machine ({result.get('cpu_count')} cores)",
+    )
     if series["devices"]:
-        axes.plot(series["devices"], series["predicted"], marker="x", linestyle="--",
-                  label="predicted: fixed + work/N on N devices")
+        axes.plot(
+            series["devices"],
+            series["predicted"],
+            marker="x",
+            linestyle="--",
+            label="predicted: fixed + work/N on N devices",
+        )
     axes.set_xscale("log", base=2)
     axes.set_xlabel("data_parallelism (shards)")
     axes.set_ylabel("wall s")

@@ -49,8 +49,9 @@ def run_ours(request_path: Path) -> dict:
         env = {**os.environ, "DAGSTER_HOME": home, "VLLM_LOGGING_LEVEL": "WARNING"}
         Path(home, "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
         started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "batch_pipeline.cli", "run", str(patched)], env=env, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "batch_pipeline.cli", "run", str(patched)], env=env, check=True, capture_output=True
+        )
         wall = time.monotonic() - started
         metadata = json.loads(Path(request["output_data_path"] + ".metadata.json").read_text())
         return {"wall_s": wall, "completion_tokens": metadata["completion_tokens"]}
@@ -74,7 +75,9 @@ def main() -> None:
             "completion_tokens": runs[0]["completion_tokens"],
             "tokens_per_s_median": round(statistics.median(r["completion_tokens"] / r["wall_s"] for r in runs), 1),
         }
-    summary["ratio_wall_ours_over_raw"] = round(summary["ours"]["wall_s_median"] / summary["raw_vllm"]["wall_s_median"], 2)
+    summary["ratio_wall_ours_over_raw"] = round(
+        summary["ours"]["wall_s_median"] / summary["raw_vllm"]["wall_s_median"], 2
+    )
     print(json.dumps(summary, indent=2))
 
 

@@ -16,8 +16,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_until_healthy(client: httpx.Client, server: subprocess.Popen, log: Path, what: str,
-                       timeout_s: float = 120, interval_s: float = 0.2) -> None:
+def wait_until_healthy(
+    client: httpx.Client,
+    server: subprocess.Popen,
+    log: Path,
+    what: str,
+    timeout_s: float = 120,
+    interval_s: float = 0.2,
+) -> None:
     """Until `GET /healthz` answers 200; exits with the server's log tail if it dies or never answers."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -22,7 +22,7 @@ import json
 import os
 import statistics
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from engine_overhead import MODEL, RESULTS, prompts, run_job
@@ -37,18 +37,26 @@ def summarize(runs: list[dict]) -> list[dict]:
     for dp in sorted({run["dp"] for run in runs}):
         of_dp = [run for run in runs if run["dp"] == dp]
         walls = [run["wall_s"] for run in of_dp]
-        summary.append({
-            "dp": dp, "runs": len(of_dp), "shards": of_dp[0]["shards_run"],
-            "wall_s_median": round(statistics.median(walls), 1), "wall_s_min": round(min(walls), 1),
-            "wall_s_max": round(max(walls), 1),
-            "tokens_per_s_median": round(statistics.median(run["tokens_per_s"] for run in of_dp), 1),
-            "engine_start_s_median": round(statistics.median(s["engine_start_s"] for run in of_dp
-                                                             for s in run["shards"]), 1),
-            "slowest_generate_s_median": round(statistics.median(max(s["generate_s"] for s in run["shards"])
-                                                                 for run in of_dp), 1),
-            "overhead_s_median": round(statistics.median(run["wall_s"] - max(s["wall_s"] for s in run["shards"])
-                                                         for run in of_dp), 1),
-        })
+        summary.append(
+            {
+                "dp": dp,
+                "runs": len(of_dp),
+                "shards": of_dp[0]["shards_run"],
+                "wall_s_median": round(statistics.median(walls), 1),
+                "wall_s_min": round(min(walls), 1),
+                "wall_s_max": round(max(walls), 1),
+                "tokens_per_s_median": round(statistics.median(run["tokens_per_s"] for run in of_dp), 1),
+                "engine_start_s_median": round(
+                    statistics.median(s["engine_start_s"] for run in of_dp for s in run["shards"]), 1
+                ),
+                "slowest_generate_s_median": round(
+                    statistics.median(max(s["generate_s"] for s in run["shards"]) for run in of_dp), 1
+                ),
+                "overhead_s_median": round(
+                    statistics.median(run["wall_s"] - max(s["wall_s"] for s in run["shards"]) for run in of_dp), 1
+                ),
+            }
+        )
     return summary
 
 
@@ -62,10 +70,18 @@ def predict(runs: list[dict]) -> dict | None:
     tokens = single[0]["completion_tokens"]
     walls = {n: fixed + work / n for n in PREDICTED_DEVICES}
     return {
-        "fixed_s": round(fixed, 1), "work_s": round(work, 1),
+        "fixed_s": round(fixed, 1),
+        "work_s": round(work, 1),
         "engine_start_s": round(statistics.median(run["shards"][0]["engine_start_s"] for run in single), 1),
-        "devices": [{"n": n, "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 1),
-                     "speedup": round(walls[1] / wall, 2)} for n, wall in walls.items()],
+        "devices": [
+            {
+                "n": n,
+                "wall_s": round(wall, 1),
+                "tokens_per_s": round(tokens / wall, 1),
+                "speedup": round(walls[1] / wall, 2),
+            }
+            for n, wall in walls.items()
+        ],
         "speedup_limit": round(walls[1] / fixed, 2),
     }
 
@@ -86,30 +102,56 @@ def main() -> None:
             shift = round_index % len(options.dp)
             for dp in options.dp[shift:] + options.dp[:shift]:  # rotate who goes first, as engine_overhead does
                 wall, metadata = run_job(spec, Path(scratch), data_parallelism=dp)
-                shards = [{key: shard[key] for key in ("shard_index", "items", "engine_start_s", "generate_s", "wall_s")}
-                          for shard in metadata["shards"]]
-                run = {"dp": dp, "round": round_index, "wall_s": round(wall, 2), "shards_run": len(shards),
-                       "completion_tokens": metadata["completion_tokens"],
-                       "tokens_per_s": round(metadata["completion_tokens"] / wall, 1), "shards": shards}
+                shards = [
+                    {key: shard[key] for key in ("shard_index", "items", "engine_start_s", "generate_s", "wall_s")}
+                    for shard in metadata["shards"]
+                ]
+                run = {
+                    "dp": dp,
+                    "round": round_index,
+                    "wall_s": round(wall, 2),
+                    "shards_run": len(shards),
+                    "completion_tokens": metadata["completion_tokens"],
+                    "tokens_per_s": round(metadata["completion_tokens"] / wall, 1),
+                    "shards": shards,
+                }
                 runs.append(run)
                 print(json.dumps(run), flush=True)
 
     summary, model = summarize(runs), predict(runs)
-    out = options.out or RESULTS / f"sharding-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    out = options.out or RESULTS / f"sharding-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "sharding", "prompts": options.prompts, "max_tokens": options.max_tokens,
-                               "cpu_count": os.cpu_count(), "runs": runs, "summary": summary, "model": model},
-                              indent=2))
-    print("\n| dp | shards | wall s (median, min-max) | completion tokens/s | engine start s per shard "
-          "| slowest shard generate s | overhead s |\n|---|---|---|---|---|---|---|")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "sharding",
+                "prompts": options.prompts,
+                "max_tokens": options.max_tokens,
+                "cpu_count": os.cpu_count(),
+                "runs": runs,
+                "summary": summary,
+                "model": model,
+            },
+            indent=2,
+        )
+    )
+    print(
+        "\n| dp | shards | wall s (median, min-max) | completion tokens/s | engine start s per shard "
+        "| slowest shard generate s | overhead s |\n|---|---|---|---|---|---|---|"
+    )
     for row in summary:
-        print(f"| {row['dp']} | {row['shards']} | {row['wall_s_median']} ({row['wall_s_min']}-{row['wall_s_max']}) "
-              f"| {row['tokens_per_s_median']} | {row['engine_start_s_median']} | {row['slowest_generate_s_median']} "
-              f"| {row['overhead_s_median']} |")
+        print(
+            f"| {row['dp']} | {row['shards']} | {row['wall_s_median']} ({row['wall_s_min']}-{row['wall_s_max']}) "
+            f"| {row['tokens_per_s_median']} | {row['engine_start_s_median']} | {row['slowest_generate_s_median']} "
+            f"| {row['overhead_s_median']} |"
+        )
     if model:
-        print(f"\nwall(N) ≈ fixed + work/N, fixed {model['fixed_s']} s (of which engine start {model['engine_start_s']} s),"
-              f" work {model['work_s']} s (dp=1 medians); N devices each as fast as this machine's one engine:\n"
-              "\n| devices | predicted wall s | completion tokens/s | speed-up |\n|---|---|---|---|")
+        print(
+            f"\nwall(N) ≈ fixed + work/N, fixed {model['fixed_s']} s "
+            f"(of which engine start {model['engine_start_s']} s),"
+            f" work {model['work_s']} s (dp=1 medians); N devices each as fast as this machine's one engine:\n"
+            "\n| devices | predicted wall s | completion tokens/s | speed-up |\n|---|---|---|---|"
+        )
         for row in model["devices"]:
             print(f"| {row['n']} | {row['wall_s']} | {row['tokens_per_s']} | {row['speedup']}x |")
         print(f"\nno number of devices does better than {model['speedup_limit']}x: the fixed cost stays")

@@ -18,8 +18,11 @@ from pathlib import Path
 
 from batch_pipeline.shards import ShardTask, work_items, write_shards
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "city": {"type": "string"}}, "required": ["name", "age", "city"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+}
 
 
 def requests(structured_share: float) -> list[dict]:
@@ -37,9 +40,13 @@ def run_worker(batch: list[dict]) -> dict:
         (shard,) = write_shards(work_items((f"element {i}", r) for i, r in enumerate(batch)), 1, work)
         task = Path(work, "task.json")
         task.write_text(json.dumps(ShardTask(shard=shard, model_config={"model": "smollm2-135m-instruct"}).to_dict()))
-        completed = subprocess.run([sys.executable, "-m", "batch_pipeline.worker", "--task", str(task)],
-                                   capture_output=True, text=True, check=True,
-                                   env={**__import__("os").environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+        completed = subprocess.run(
+            [sys.executable, "-m", "batch_pipeline.worker", "--task", str(task)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**__import__("os").environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+        )
         return json.loads(completed.stdout.strip().splitlines()[-1])
 
 

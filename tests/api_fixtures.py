@@ -37,8 +37,9 @@ def write_instance_config(home: Path, max_concurrent_runs: int) -> None:
 
 
 class Deployment:
-    def __init__(self, home: Path, max_concurrent_runs: int, instance_yaml: str | None = None,
-                 jobs_db: str | None = None) -> None:
+    def __init__(
+        self, home: Path, max_concurrent_runs: int, instance_yaml: str | None = None, jobs_db: str | None = None
+    ) -> None:
         write_instance_config(home, max_concurrent_runs)
         if instance_yaml is not None:  # a shipped instance config instead of the test's SQLite one
             (home / "dagster.yaml").write_text(instance_yaml)

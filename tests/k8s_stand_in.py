@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -26,7 +26,7 @@ from urllib.request import Request, urlopen
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # A pod's terminationGracePeriodSeconds when its spec names none, as in Kubernetes.
@@ -72,14 +72,30 @@ class StandInPod:
     def as_json(self) -> dict:
         if self.done:
             code = self.process.returncode
-            state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                    "startedAt": self.started_at, "finishedAt": self.finished_at}}
+            state = {
+                "terminated": {
+                    "exitCode": code,
+                    "reason": "Completed" if code == 0 else "Error",
+                    "startedAt": self.started_at,
+                    "finishedAt": self.finished_at,
+                }
+            }
             phase = "Succeeded" if code == 0 else "Failed"
         else:
             state, phase = {"running": {"startedAt": self.started_at}}, "Running"
-        status = {"phase": phase, "containerStatuses": [{
-            "name": self.container["name"], "ready": not self.done, "restartCount": 0, "state": state,
-            "image": self.container.get("image", ""), "imageID": ""}]}
+        status = {
+            "phase": phase,
+            "containerStatuses": [
+                {
+                    "name": self.container["name"],
+                    "ready": not self.done,
+                    "restartCount": 0,
+                    "state": state,
+                    "image": self.container.get("image", ""),
+                    "imageID": "",
+                }
+            ],
+        }
         return {"apiVersion": "v1", "kind": "Pod", **self.body, "status": status}
 
 
@@ -135,11 +151,22 @@ class StandInKubernetes:
                 if parts[-1] == "pods":
                     wanted = query.get("fieldSelector", "").removeprefix("metadata.name=")
                     try:
-                        items = [pod.as_json() for name, pod in list(stand_in.pods.items())
-                                 if (not wanted or name == wanted) and matches(query.get("labelSelector", ""), pod.labels)]
+                        items = [
+                            pod.as_json()
+                            for name, pod in list(stand_in.pods.items())
+                            if (not wanted or name == wanted) and matches(query.get("labelSelector", ""), pod.labels)
+                        ]
                     except ValueError as exc:
-                        self._json(400, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 400,
-                                         "message": str(exc)})
+                        self._json(
+                            400,
+                            {
+                                "kind": "Status",
+                                "apiVersion": "v1",
+                                "status": "Failure",
+                                "code": 400,
+                                "message": str(exc),
+                            },
+                        )
                         return
                     self._json(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
                 elif parts[-1] == "log":
@@ -176,13 +203,23 @@ class StandInKubernetes:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.kubeconfig = directory / "kubeconfig"
-        self.kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
-            "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
-            "users": [{"name": "stand-in", "user": {"token": "stand-in"}}],
-            "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "stand-in",
-                                                          "namespace": "batch"}}],
-        }))
+        self.kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "stand-in",
+                    "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
+                    "users": [{"name": "stand-in", "user": {"token": "stand-in"}}],
+                    "contexts": [
+                        {
+                            "name": "stand-in",
+                            "context": {"cluster": "stand-in", "user": "stand-in", "namespace": "batch"},
+                        }
+                    ],
+                }
+            )
+        )
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def _terminate(self, pod: StandInPod) -> None:
@@ -199,8 +236,12 @@ class StandInKubernetes:
 
     def create_pod(self, body: dict) -> dict:
         """POST a pod through the HTTP API, as any client would; the pod as the server answered."""
-        request = Request(f"{self.url}/api/v1/namespaces/batch/pods", data=json.dumps(body).encode(),
-                          headers={"Content-Type": "application/json"}, method="POST")
+        request = Request(
+            f"{self.url}/api/v1/namespaces/batch/pods",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urlopen(request) as response:
             return json.loads(response.read())
 

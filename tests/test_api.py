@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import dagster as dg
 import httpx
 
-from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
+from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
 from tests.conftest import MODEL
 
@@ -38,8 +38,12 @@ def test_health_and_openapi_name_the_spec_routes_and_schemas(deployment_factory)
     api = deployment_factory()
     assert api.client.get("/healthz").json() == {"status": "ok"}
     schema = api.client.get("/openapi.json").json()
-    assert {"/v1/llm/batch-completions", "/v2/batch-completions", "/v2/batch-completions/{job_id}",
-            "/v2/batch-completions/{job_id}/actions/cancel"} <= set(schema["paths"])
+    assert {
+        "/v1/llm/batch-completions",
+        "/v2/batch-completions",
+        "/v2/batch-completions/{job_id}",
+        "/v2/batch-completions/{job_id}/actions/cancel",
+    } <= set(schema["paths"])
     assert {"CreateBatchCompletionsV1Request", "CreateBatchCompletionsV2Request", "BatchCompletionsJob"} <= set(
         schema["components"]["schemas"]
     )
@@ -69,15 +73,21 @@ def test_v1_and_v2_create_then_get_and_list(deployment_factory, tmp_path):
 def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
     api = deployment_factory()
     cases = [
-        (_body(tmp_path, content={"prompts": ["x"], "max_new_tokens": 4, "temperature": 1.5}),
-         ["body", "content", "temperature"]),
+        (
+            _body(tmp_path, content={"prompts": ["x"], "max_new_tokens": 4, "temperature": 1.5}),
+            ["body", "content", "temperature"],
+        ),
         (_body(tmp_path, data_parallelism=65), ["body", "data_parallelism"]),
-        ({"model_config": {"model": MODEL}, "content": {"prompts": [], "max_new_tokens": 1, "temperature": 0}},
-         ["body", "output_data_path"]),
+        (
+            {"model_config": {"model": MODEL}, "content": {"prompts": [], "max_new_tokens": 1, "temperature": 0}},
+            ["body", "output_data_path"],
+        ),
         (_body(tmp_path, priority="x" * 65), ["body", "priority"]),  # longer than the store keeps
         (_body(tmp_path, tool_config={"name": "web_browser"}), ["body", "tool_config", "name"]),
-        (_body(tmp_path, tool_config={"name": "code_evaluator", "max_iterations": 0}),
-         ["body", "tool_config", "max_iterations"]),
+        (
+            _body(tmp_path, tool_config={"name": "code_evaluator", "max_iterations": 0}),
+            ["body", "tool_config", "max_iterations"],
+        ),
         (_body(tmp_path, nodes_per_worker=2), ["body", "nodes_per_worker"]),
     ]
     completions = api.client.post(
@@ -88,20 +98,27 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         response = api.client.post("/v1/llm/batch-completions", json=body, headers=ALICE)
         assert response.status_code == 422, body
         assert any(error["loc"] == location for error in response.json()["detail"]), response.json()
-    v2 = api.client.post("/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "n": 0}]), headers=ALICE)
+    v2 = api.client.post(
+        "/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "n": 0}]), headers=ALICE
+    )
     assert v2.status_code == 422
     assert v2.json()["detail"][0]["loc"] == ["body", "content", "completion", 0, "n"]
     # tool_config with a list of requests is accepted, as Scale's server does (the job runs them without the
     # tool: test_code_evaluator_e2e); a tool it does not know or an over-long timeout is still refused.
-    tools_on_chat = _body(tmp_path, content=[{"messages": [{"role": "user", "content": "x"}]}],
-                          tool_config={"name": "code_evaluator"})
+    tools_on_chat = _body(
+        tmp_path, content=[{"messages": [{"role": "user", "content": "x"}]}], tool_config={"name": "code_evaluator"}
+    )
     assert api.client.post("/v2/batch-completions", json=tools_on_chat, headers=ALICE).status_code == 200
     for tool_config, location in [
         ({"name": "web_browser"}, ["body", "tool_config", "name"]),
-        ({"name": "code_evaluator", "execution_timeout_seconds": 601}, ["body", "tool_config", "execution_timeout_seconds"]),
+        (
+            {"name": "code_evaluator", "execution_timeout_seconds": 601},
+            ["body", "tool_config", "execution_timeout_seconds"],
+        ),
     ]:
-        refused = api.client.post("/v2/batch-completions", json={**tools_on_chat, "tool_config": tool_config},
-                                  headers=ALICE)
+        refused = api.client.post(
+            "/v2/batch-completions", json={**tools_on_chat, "tool_config": tool_config}, headers=ALICE
+        )
         assert refused.status_code == 422
         assert refused.json()["detail"][0]["loc"] == location
 
@@ -109,14 +126,21 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
 def test_auth_keys_and_ownership(deployment_factory, tmp_path):
     api = deployment_factory()
     assert api.client.post("/v2/batch-completions", json=_body(tmp_path)).status_code == 401
-    assert api.client.post("/v2/batch-completions", json=_body(tmp_path), headers={"x-api-key": "nope"}).status_code == 401
+    assert (
+        api.client.post("/v2/batch-completions", json=_body(tmp_path), headers={"x-api-key": "nope"}).status_code == 401
+    )
     basic = {"authorization": "Basic " + base64.b64encode(f"{USER_KEY}:".encode()).decode()}
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=basic).json()["job_id"]
     assert api.job(job_id)["job_id"] == job_id  # the same key by header: the same owner
     for route in (f"/v2/batch-completions/{job_id}",):
         assert api.client.get(route, headers=BOB).status_code == 404
         assert api.client.get(route).status_code == 401
-    assert api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "1"}, headers=BOB).status_code == 404
+    assert (
+        api.client.post(
+            f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "1"}, headers=BOB
+        ).status_code
+        == 404
+    )
     assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=BOB).status_code == 404
     assert api.client.get("/v2/batch-completions", headers=BOB).json()["jobs"] == []
     assert api.job(job_id, key=ADMIN_KEY)["job_id"] == job_id
@@ -142,7 +166,9 @@ def test_idempotency_key_returns_the_same_job(deployment_factory, tmp_path):
     first = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=headers).json()
     second = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=headers).json()
     assert first["job_id"] == second["job_id"]
-    other_user = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers={**BOB, "Idempotency-Key": "retry-me"})
+    other_user = api.client.post(
+        "/v2/batch-completions", json=_body(tmp_path), headers={**BOB, "Idempotency-Key": "retry-me"}
+    )
     assert other_user.json()["job_id"] != first["job_id"]
     assert len(api.store.list().jobs) == 2
 
@@ -159,14 +185,20 @@ def test_cancel_before_launch_never_launches(deployment_factory, tmp_path):
 
 def test_priority_update_before_launch_reaches_the_run_tags(deployment_factory, tmp_path):
     api = deployment_factory()
-    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path, priority="low"), headers=ALICE).json()["job_id"]
-    response = api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "high"}, headers=ALICE)
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path, priority="low"), headers=ALICE).json()[
+        "job_id"
+    ]
+    response = api.client.post(
+        f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "high"}, headers=ALICE
+    )
     assert response.status_code == 200
     assert response.json()["success"] is True and response.json()["priority"] == "high"
     (run_request,) = _sensor_run_requests(api)
     assert run_request.tags["dagster/priority"] == "10"
     assert run_request.tags[JOB_ID_TAG] == job_id
-    bad = api.client.post(f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "x" * 65}, headers=ALICE)
+    bad = api.client.post(
+        f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": "x" * 65}, headers=ALICE
+    )
     assert bad.status_code == 422
 
 
@@ -205,7 +237,7 @@ def test_a_body_over_the_size_limit_gets_413_declared_or_streamed(deployment_fac
     def chunks():
         payload = json.dumps(big).encode()
         for start in range(0, len(payload), 1000):
-            yield payload[start:start + 1000]
+            yield payload[start : start + 1000]
 
     streamed = api.client.post(
         "/v2/batch-completions", content=chunks(), headers={**ALICE, "content-type": "application/json"}

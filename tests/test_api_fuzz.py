@@ -7,12 +7,12 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
-from schemathesis.checks import not_a_server_error
 
 from batch_pipeline.pipeline.sensors import run_request_for
 from tests.api_fixtures import USER_KEY, Deployment
@@ -42,8 +42,12 @@ def test_no_input_fails_the_server_and_every_response_matches_the_schema(deploym
         def fuzz(case):
             case.call_and_validate(
                 headers={"x-api-key": USER_KEY},
-                checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                        response_schema_conformance],
+                checks=[
+                    not_a_server_error,
+                    status_code_conformance,
+                    content_type_conformance,
+                    response_schema_conformance,
+                ],
             )
 
         fuzz()
@@ -58,10 +62,23 @@ def _nested(depth: int) -> dict:
 
 # Values JSON can carry that no field may hold, as a hostile client sends them (json.dumps writes NaN and
 # Infinity literals, and a lone surrogate as its \u escape): each must get a 4xx, never a 5xx.
-HOSTILE_VALUES = st.sampled_from([
-    float("nan"), float("inf"), float("-inf"), "x\ud800", "\udfff", "a\x00b", 10**400, -(10**100), 2**63,
-    "1" + "0" * 100, _nested(80), _nested(900), [[[[[[[[[[]]]]]]]]]],
-])
+HOSTILE_VALUES = st.sampled_from(
+    [
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        "x\ud800",
+        "\udfff",
+        "a\x00b",
+        10**400,
+        -(10**100),
+        2**63,
+        "1" + "0" * 100,
+        _nested(80),
+        _nested(900),
+        [[[[[[[[[[]]]]]]]]]],
+    ]
+)
 
 
 def _positions(value, path=()):
@@ -91,8 +108,11 @@ def test_hostile_values_anywhere_in_a_body_get_4xx(deployment):
     huge numbers, deep nesting), posted as raw JSON: no answer is a 5xx, and every job stored can become a
     run (a value put in a member the contract does not know is ignored, so such a body may be accepted)."""
     schema = schemathesis.openapi.from_asgi("/openapi.json", deployment.client.app)
-    with_bodies = [operation for operation in (result.ok() for result in schema.get_all_operations())
-                   if operation.method.upper() == "POST" and operation.body]
+    with_bodies = [
+        operation
+        for operation in (result.ok() for result in schema.get_all_operations())
+        if operation.method.upper() == "POST" and operation.body
+    ]
     assert len(with_bodies) == 5  # v1 and v2 create, update priority, OpenAI's file upload and batch create
     for operation in with_bodies:
 
@@ -104,7 +124,9 @@ def test_hostile_values_anywhere_in_a_body_get_4xx(deployment):
             path = data.draw(st.sampled_from(list(_positions(case.body))))
             body = _put(case.body, path, hostile)
             response = deployment.client.request(
-                "POST", case.formatted_path, content=json.dumps(body).encode(),
+                "POST",
+                case.formatted_path,
+                content=json.dumps(body).encode(),
                 headers={"x-api-key": USER_KEY, "content-type": "application/json"},
             )
             assert response.status_code < 500, (path, repr(hostile)[:80], response.status_code, response.text)

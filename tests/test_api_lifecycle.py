@@ -9,8 +9,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG
-from batch_pipeline.pipeline.tags import LABEL_TAG_PREFIX, MODEL_TAG, RUN_MONITORING_GRACE_S
+from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, LABEL_TAG_PREFIX, MODEL_TAG, RUN_MONITORING_GRACE_S
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL, worker_pids
 
@@ -22,8 +21,11 @@ def _submit_staggered(api, tmp_path, name: str, groups: int, step: int, **fields
     """A job from an input file of `groups` x 16 prompts whose lengths differ by `step` tokens per group,
     so some requests finish long before others. Returns the job id and the output path."""
     contents = [
-        {"prompts": [f"{name} {k}.{i}: once upon a time" for i in range(16)], "max_new_tokens": 4 + step * k,
-         "temperature": 0.0}
+        {
+            "prompts": [f"{name} {k}.{i}: once upon a time" for i in range(16)],
+            "max_new_tokens": 4 + step * k,
+            "temperature": 0.0,
+        }
         for k in range(groups)
     ]
     input_path = tmp_path / "input.json"
@@ -49,8 +51,13 @@ def test_v1_and_v2_jobs_run_to_completed_with_their_results(deployment_factory, 
     v1_out, v2_out = tmp_path / "v1.json", tmp_path / "v2.json"
     v1_id = api.client.post(
         "/v1/llm/batch-completions",
-        json={"output_data_path": str(v1_out), "model_config": {"model": MODEL}, "content": content,
-              "labels": {"team": "search"}, "priority": "high"},
+        json={
+            "output_data_path": str(v1_out),
+            "model_config": {"model": MODEL},
+            "content": content,
+            "labels": {"team": "search"},
+            "priority": "high",
+        },
         headers=ALICE,
     ).json()["job_id"]
     v2_id = api.client.post(
@@ -122,7 +129,9 @@ def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(d
         time.sleep(0.5)
 
 
-def test_a_job_past_max_runtime_sec_stops_fails_with_the_reason_and_keeps_finished_results(deployment_factory, tmp_path):
+def test_a_job_past_max_runtime_sec_stops_fails_with_the_reason_and_keeps_finished_results(
+    deployment_factory, tmp_path
+):
     api = deployment_factory(max_concurrent_runs=1)
     api.start_daemon()
     # 16 requests done in a few tokens, 16 that would need ~50k tokens (minutes here): the deadline falls
@@ -132,8 +141,12 @@ def test_a_job_past_max_runtime_sec_stops_fails_with_the_reason_and_keeps_finish
     output = tmp_path / "output.json"
     job_id = api.client.post(
         "/v2/batch-completions",
-        json={"content": short + long, "output_data_path": str(output), "model_config": {"model": MODEL},
-              "max_runtime_sec": 75},
+        json={
+            "content": short + long,
+            "output_data_path": str(output),
+            "model_config": {"model": MODEL},
+            "max_runtime_sec": 75,
+        },
         headers=ALICE,
     ).json()["job_id"]
 
@@ -153,9 +166,11 @@ def test_raising_a_queued_jobs_priority_lets_it_start_first(deployment_factory, 
     api.start_daemon()
 
     def submit(name, priority=None, max_new_tokens=4):
-        body = {"output_data_path": str(tmp_path / f"{name}.json"), "model_config": {"model": MODEL},
-                "content": {"prompts": [f"{name}: once upon a time"], "max_new_tokens": max_new_tokens,
-                            "temperature": 0.0}}
+        body = {
+            "output_data_path": str(tmp_path / f"{name}.json"),
+            "model_config": {"model": MODEL},
+            "content": {"prompts": [f"{name}: once upon a time"], "max_new_tokens": max_new_tokens, "temperature": 0.0},
+        }
         if priority:
             body["priority"] = priority
         return api.client.post("/v2/batch-completions", json=body, headers=ALICE).json()["job_id"]

@@ -44,7 +44,7 @@ def test_two_shards_keep_input_order_logprobs_stops_and_isolate_a_bad_prompt(run
     assert result.success
     outputs = _read_output(output_path)
     assert len(outputs) == len(prompts) + len(STORY_PROMPTS)
-    free, stopped = outputs[: len(prompts)], outputs[len(prompts):]
+    free, stopped = outputs[: len(prompts)], outputs[len(prompts) :]
 
     # Order: output i answers prompt i, across both shards.
     for prompt, output in zip(prompts, free):
@@ -101,8 +101,11 @@ def test_a_killed_shard_worker_is_retried_and_resumes_without_loss_or_duplicates
     # Different lengths finish at different times, so the worker is killed with results on disk and
     # requests still in flight.
     contents = [
-        {"prompts": [f"Item {k}-{i}: " + STORY_PROMPTS[i] for i in range(8)], "max_new_tokens": 4 + 12 * k,
-         "temperature": 0.0}
+        {
+            "prompts": [f"Item {k}-{i}: " + STORY_PROMPTS[i] for i in range(8)],
+            "max_new_tokens": 4 + 12 * k,
+            "temperature": 0.0,
+        }
         for k in range(6)
     ]
     input_path = tmp_path / "input.json"
@@ -145,13 +148,13 @@ def test_a_killed_shard_worker_is_retried_and_resumes_without_loss_or_duplicates
 def test_a_10_mb_prompt_fails_alone_and_the_rest_complete(run_job, tmp_path):
     huge = "lorem ipsum " * (10 * 1024 * 1024 // 12)
     input_path = tmp_path / "input.jsonl"
-    content = {"prompts": ["The capital of France is", huge, "Water boils at"], "max_new_tokens": 4,
-               "temperature": 0.0}
+    content = {"prompts": ["The capital of France is", huge, "Water boils at"], "max_new_tokens": 4, "temperature": 0.0}
     input_path.write_text(json.dumps(content) + "\n")
     assert input_path.stat().st_size > 10 * 1000 * 1000
     output_path = tmp_path / "output.json"
-    result = run_job({"input_data_path": str(input_path), "output_data_path": str(output_path),
-                      "model_config": {"model": MODEL}})
+    result = run_job(
+        {"input_data_path": str(input_path), "output_data_path": str(output_path), "model_config": {"model": MODEL}}
+    )
     assert result.success
     first, too_big, last = _read_output(output_path)
     assert first["text"] and last["text"]
@@ -184,16 +187,24 @@ def test_a_killed_run_worker_is_re_executed_from_failure_without_redoing_finishe
 
     from batch_pipeline.pipeline.definitions import batch_completions_job
 
-    request = {"output_data_path": str(tmp_path / "output.json"), "model_config": {"model": MODEL},
-               "data_parallelism": 2,
-               "content": {"prompts": [f"Item {i}: " + STORY_PROMPTS[i] for i in range(8)], "max_new_tokens": 24,
-                           "temperature": 0.0}}
+    request = {
+        "output_data_path": str(tmp_path / "output.json"),
+        "model_config": {"model": MODEL},
+        "data_parallelism": 2,
+        "content": {
+            "prompts": [f"Item {i}: " + STORY_PROMPTS[i] for i in range(8)],
+            "max_new_tokens": 24,
+            "temperature": 0.0,
+        },
+    }
     (tmp_path / "request.json").write_text(json.dumps(request))
     # The run's own process (the executor and every step and worker under it), one shard at a time.
     run_worker = subprocess.Popen(
         [sys.executable, "-c", RUN_WORKER, str(tmp_path / "request.json")],
         env={**os.environ, "BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY": "1", "BATCH_PIPELINE_MAX_SHARDS_PER_JOB": "2"},
-        stdout=open(tmp_path / "run.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=open(tmp_path / "run.log", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     # Killed once one shard has finished and the other has results on disk and more in flight.
     second_shard = Path(os.environ["DAGSTER_HOME"]) / "work" / "run-worker-kill" / "shards" / "001" / "results.tsv"
@@ -202,7 +213,9 @@ def test_a_killed_run_worker_is_re_executed_from_failure_without_redoing_finishe
         runs = dagster_home.get_runs()
         succeeded = {
             record.step_key
-            for record in (dagster_home.all_logs(runs[0].run_id, of_type=dg.DagsterEventType.STEP_SUCCESS) if runs else [])
+            for record in (
+                dagster_home.all_logs(runs[0].run_id, of_type=dg.DagsterEventType.STEP_SUCCESS) if runs else []
+            )
         }
         if "run_shard[shard_000]" in succeeded and second_shard.exists() and second_shard.read_text().count("\n") >= 1:
             break
@@ -256,9 +269,14 @@ def test_a_full_disk_fails_the_shard_clearly_and_a_re_execution_after_space_retu
     import dagster as dg
 
     from batch_pipeline.pipeline.definitions import batch_completions_job
+
     monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", str(small_disk))  # shard inputs and checkpoints live here
-    content = {"prompts": [f"Item {i}: " + STORY_PROMPTS[i % 8] for i in range(24)], "max_new_tokens": 48,
-               "temperature": 0.0, "return_token_log_probs": True}
+    content = {
+        "prompts": [f"Item {i}: " + STORY_PROMPTS[i % 8] for i in range(24)],
+        "max_new_tokens": 48,
+        "temperature": 0.0,
+        "return_token_log_probs": True,
+    }
     output_path = tmp_path / "output.json"
     result = run_job({"output_data_path": str(output_path), "model_config": {"model": MODEL}, "content": content})
     assert not result.success

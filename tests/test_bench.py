@@ -14,21 +14,53 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     out = tmp_path / "data_plane.json"
     subprocess.run(
-        [sys.executable, str(REPO / "bench" / "data_plane.py"), "--sizes", "50", "120", "--formats", "jsonl", "json",
-         "--shards", "3", "--out", str(out)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "bench" / "data_plane.py"),
+            "--sizes",
+            "50",
+            "120",
+            "--formats",
+            "jsonl",
+            "json",
+            "--shards",
+            "3",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["format"], row["prompts"]) for row in rows] == [("jsonl", 50), ("jsonl", 120), ("json", 50), ("json", 120)]
+    assert [(row["format"], row["prompts"]) for row in rows] == [
+        ("jsonl", 50),
+        ("jsonl", 120),
+        ("json", 50),
+        ("json", 120),
+    ]
     assert all(row["plan_peak_rss_mb"] > 0 and row["merge_s"] >= 0 for row in rows)
 
 
 def test_the_openai_batch_benchmark_uploads_checks_and_writes_every_line(tmp_path):
     out = tmp_path / "openai_batch.json"
     subprocess.run(
-        [sys.executable, str(REPO / "bench" / "openai_batch.py"), "--lines", "200", "--repeat", "1", "--no-e2e",
-         "--out", str(out)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "bench" / "openai_batch.py"),
+            "--lines",
+            "200",
+            "--repeat",
+            "1",
+            "--no-e2e",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     result = json.loads(out.read_text())["part_one"]
     assert result["lines"] == 200 and result["upload_mb_per_s"] > 0
@@ -40,9 +72,25 @@ def test_the_openai_batch_benchmark_uploads_checks_and_writes_every_line(tmp_pat
 def test_the_sharding_benchmark_runs_the_job_at_each_dp_and_predicts_from_dp_1(tmp_path):
     out = tmp_path / "sharding.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "sharding.py"), "--prompts", "4", "--max-tokens", "4", "--dp", "1", "2",
-         "--repeat", "1", "--out", str(out)],
-        check=True, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(REPO / "bench" / "sharding.py"),
+            "--prompts",
+            "4",
+            "--max-tokens",
+            "4",
+            "--dp",
+            "1",
+            "2",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     result = json.loads(out.read_text())
     assert [(run["dp"], run["shards_run"]) for run in result["runs"]] == [(1, 1), (2, 2)]
@@ -67,26 +115,56 @@ def runs(*rates: float) -> list[dict]:
 
 def write_results(results: Path) -> None:
     """Small results of the three benchmarks plots.py draws, and an older one it must not pick."""
-    (results / "engine_overhead-20260101T000000.json").write_text(json.dumps(
-        {"prompts": 8, "max_tokens": 4, "runs": {"greedy": {"ours": runs(1.0)}}}))
-    (results / "engine_overhead-20261129T120000.json").write_text(json.dumps(
-        {"prompts": 8, "max_tokens": 4, "runs": {"greedy": {"ours": runs(30.0, 20.0, 25.0), "raw": runs(40.0)}}}))
-    (results / "data_plane-20261129T120000.json").write_text(json.dumps({"rows": [
-        {"format": fmt, "prompts": size, "plan_s": size / 1000, "merge_s": size / 5000, "plan_peak_rss_mb": 37,
-         "merge_peak_rss_mb": 36} for fmt in ("jsonl", "json") for size in (1000, 100)]}))
-    (results / "sharding-20261129T120000.json").write_text(json.dumps({
-        "prompts": 8, "max_tokens": 4, "cpu_count": 2,
-        "summary": [{"dp": dp, "wall_s_median": 30.0 + dp, "wall_s_min": 29.0 + dp, "wall_s_max": 33.0 + dp}
-                    for dp in (2, 1)],
-        "model": {"devices": [{"n": n, "wall_s": 20 + 10 / n} for n in (1, 2, 4)]}}))
+    (results / "engine_overhead-20260101T000000.json").write_text(
+        json.dumps({"prompts": 8, "max_tokens": 4, "runs": {"greedy": {"ours": runs(1.0)}}})
+    )
+    (results / "engine_overhead-20261129T120000.json").write_text(
+        json.dumps(
+            {"prompts": 8, "max_tokens": 4, "runs": {"greedy": {"ours": runs(30.0, 20.0, 25.0), "raw": runs(40.0)}}}
+        )
+    )
+    (results / "data_plane-20261129T120000.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {
+                        "format": fmt,
+                        "prompts": size,
+                        "plan_s": size / 1000,
+                        "merge_s": size / 5000,
+                        "plan_peak_rss_mb": 37,
+                        "merge_peak_rss_mb": 36,
+                    }
+                    for fmt in ("jsonl", "json")
+                    for size in (1000, 100)
+                ]
+            }
+        )
+    )
+    (results / "sharding-20261129T120000.json").write_text(
+        json.dumps(
+            {
+                "prompts": 8,
+                "max_tokens": 4,
+                "cpu_count": 2,
+                "summary": [
+                    {"dp": dp, "wall_s_median": 30.0 + dp, "wall_s_min": 29.0 + dp, "wall_s_max": 33.0 + dp}
+                    for dp in (2, 1)
+                ],
+                "model": {"devices": [{"n": n, "wall_s": 20 + 10 / n} for n in (1, 2, 4)]},
+            }
+        )
+    )
 
 
 def test_plots_reads_the_newest_results_of_each_benchmark_into_its_series(tmp_path):
     plots = load_plots()  # reading needs no matplotlib: CI does not install it
     write_results(tmp_path)
     engine = plots.engine_series(plots.newest(tmp_path, "engine_overhead"))
-    assert engine == [{"mode": "greedy", "system": "ours", "median": 25.0, "min": 20.0, "max": 30.0},
-                      {"mode": "greedy", "system": "raw", "median": 40.0, "min": 40.0, "max": 40.0}]
+    assert engine == [
+        {"mode": "greedy", "system": "ours", "median": 25.0, "min": 20.0, "max": 30.0},
+        {"mode": "greedy", "system": "raw", "median": 40.0, "min": 40.0, "max": 40.0},
+    ]
     data_plane = plots.data_plane_series(plots.newest(tmp_path, "data_plane"))
     assert data_plane["json"]["prompts"] == [100, 1000] and data_plane["json"]["plan_s"] == [0.1, 1.0]
     sharding = plots.sharding_series(plots.newest(tmp_path, "sharding"))
@@ -97,8 +175,13 @@ def test_plots_reads_the_newest_results_of_each_benchmark_into_its_series(tmp_pa
 def test_plots_draws_a_png_per_benchmark(tmp_path):
     pytest.importorskip("matplotlib")  # the bench extra; `make bench` installs it
     write_results(tmp_path)
-    completed = subprocess.run([sys.executable, str(REPO / "bench" / "plots.py"), "--results", str(tmp_path)],
-                               check=True, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "plots.py"), "--results", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     for name in ("engine_overhead", "data_plane", "sharding"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", completed.stdout
 
@@ -106,13 +189,28 @@ def test_plots_draws_a_png_per_benchmark(tmp_path):
 def test_the_api_memory_benchmark_posts_to_our_api_and_fastapis_default(tmp_path):
     out = tmp_path / "api_memory.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "api_memory.py"), "--body-mb", "1", "--concurrency", "2", "--repeat", "1",
-         "--out", str(out)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "bench" / "api_memory.py"),
+            "--body-mb",
+            "1",
+            "--concurrency",
+            "2",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     result = json.loads(out.read_text())
     assert {system: [run["codes"] for run in runs] for system, runs in result["runs"].items()} == {
-        "ours": [[200, 200]], "fastapi_default": [[200, 200]]}
+        "ours": [[200, 200]],
+        "fastapi_default": [[200, 200]],
+    }
     assert all(run["peak_rss_mb"] > 0 and run["healthz_calls"] >= 1 for runs in result["runs"].values() for run in runs)
     assert set(result["ratios_ours_over_fastapi_default"]) >= {"held_per_body_byte", "healthz_max_s"}
     assert "| ours |" in completed.stdout
@@ -122,16 +220,32 @@ def test_the_api_memory_benchmark_posts_to_our_api_and_fastapis_default(tmp_path
 def test_the_real_batches_benchmark_runs_the_job_with_and_without_deduplication(tmp_path):
     out = tmp_path / "real_batches.json"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "real_batches.py"), "--sections", "dedup", "--scale", "0.05",
-         "--repeat", "1", "--out", str(out)],
-        check=True, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(REPO / "bench" / "real_batches.py"),
+            "--sections",
+            "dedup",
+            "--scale",
+            "0.05",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     result = json.loads(out.read_text())
     assert result["workloads"]["dedup"]["requests"] == 6 and result["workloads"]["dedup"]["distinct"] == 3
     runs = result["runs"]["dedup"]
     assert {system: len(of_system) for system, of_system in runs.items()} == {"job": 1, "job_no_dedup": 1}
-    assert all(run["wall_s"] > 0 and run["entries"] == 6 and run["num_errors"] == 0
-               for of_system in runs.values() for run in of_system)
+    assert all(
+        run["wall_s"] > 0 and run["entries"] == 6 and run["num_errors"] == 0
+        for of_system in runs.values()
+        for run in of_system
+    )
     assert [run["num_deduplicated"] for run in runs["job"]] == [3]
     assert [run["num_deduplicated"] for run in runs["job_no_dedup"]] == [0]
     assert all(run["copy_mismatches"] == 0 for run in runs["job"])

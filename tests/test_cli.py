@@ -23,8 +23,11 @@ pytestmark = pytest.mark.slow
 def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dagster_home):
     shutil.copy(REPO / "examples" / "sample_request.json", tmp_path / "request.json")
     # As a user runs it: the planning settings the other tests set are left out.
-    environment = {name: value for name, value in os.environ.items()
-                   if name not in ("BATCH_PIPELINE_MIN_SHARD_TOKENS", "BATCH_PIPELINE_MAX_SHARDS_PER_JOB")}
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("BATCH_PIPELINE_MIN_SHARD_TOKENS", "BATCH_PIPELINE_MAX_SHARDS_PER_JOB")
+    }
     completed = subprocess.run(
         [sys.executable, "-m", "batch_pipeline.cli", "run", "request.json", "--show", "2"],
         cwd=tmp_path,
@@ -59,18 +62,33 @@ def test_api_commands_submit_follow_list_and_cancel_jobs_on_a_real_server(deploy
     url = api.serve_http()
 
     def cli(*args: str, key: str = USER_KEY) -> subprocess.CompletedProcess:
-        return subprocess.run([CLI, "--url", url, "--api-key", key, *args], capture_output=True, text=True,
-                              timeout=600, cwd=tmp_path)
+        return subprocess.run(
+            [CLI, "--url", url, "--api-key", key, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path
+        )
 
     (tmp_path / "prompts.txt").write_text("The capital of France is\n\nWater boils at\n")
     output = tmp_path / "out.json"
-    submitted = cli("submit", "--prompts", "prompts.txt", "--model", MODEL, "--output", str(output),
-                    "--max-new-tokens", "6", "--label", "team=cli")
+    submitted = cli(
+        "submit",
+        "--prompts",
+        "prompts.txt",
+        "--model",
+        MODEL,
+        "--output",
+        str(output),
+        "--max-new-tokens",
+        "6",
+        "--label",
+        "team=cli",
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     # queued behind the first (one run at a time), then cancelled
-    request = {"output_data_path": str(tmp_path / "never.json"), "model_config": {"model": MODEL},
-               "content": {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0}}
+    request = {
+        "output_data_path": str(tmp_path / "never.json"),
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0},
+    }
     (tmp_path / "request.json").write_text(json.dumps(request))
     second = cli("submit", "request.json", "--api", "v1").stdout.strip()
     cancelled = cli("cancel", second)

@@ -14,16 +14,24 @@ from tests.conftest import MODEL, sandbox_processes
 
 pytestmark = pytest.mark.slow
 
+
 def few_shot(examples: list[tuple[str, str]]) -> str:
     return "".join(f"Q: run `{code}`\n```python\n{code}\n```\n>>>\n{out}\nA: {out}\n\n" for code, out in examples)
 
 
-FEW_SHOT = few_shot([("print(3 + 4)", "7"), ("print(10 * 12)", "120"), ("print(2 ** 5)", "32"), ("print(81 // 9)", "9")])
+FEW_SHOT = few_shot(
+    [("print(3 + 4)", "7"), ("print(10 * 12)", "120"), ("print(2 ** 5)", "32"), ("print(81 // 9)", "9")]
+)
 # Statements too, for prompts that open the block themselves and leave the model to close it.
-STATEMENTS_FEW_SHOT = few_shot([
-    ("print(3 + 4)", "7"), ("import math; print(math.sqrt(16))", "4.0"), ("x = 5; print(x * 2)", "10"),
-    ("print(sorted([3, 1, 2]))", "[1, 2, 3]"), ("import time; time.sleep(0); print('done')", "done"),
-])
+STATEMENTS_FEW_SHOT = few_shot(
+    [
+        ("print(3 + 4)", "7"),
+        ("import math; print(math.sqrt(16))", "4.0"),
+        ("x = 5; print(x * 2)", "10"),
+        ("print(sorted([3, 1, 2]))", "[1, 2, 3]"),
+        ("import time; time.sleep(0); print('done')", "done"),
+    ]
+)
 
 
 def ask(code: str) -> str:
@@ -46,12 +54,14 @@ MODEL_CONFIG = {"model": MODEL, "dtype": "float32"}
 
 def run_tool_job(run_job, tmp_path: Path, prompts: list[str], max_new_tokens: int = 48, **tool_config) -> tuple:
     output = tmp_path / "output.json"
-    result = run_job({
-        "output_data_path": str(output),
-        "model_config": MODEL_CONFIG,
-        "content": {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": 0.0},
-        "tool_config": {"name": "code_evaluator", "execution_timeout_seconds": 5, **tool_config},
-    })
+    result = run_job(
+        {
+            "output_data_path": str(output),
+            "model_config": MODEL_CONFIG,
+            "content": {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": 0.0},
+            "tool_config": {"name": "code_evaluator", "execution_timeout_seconds": 5, **tool_config},
+        }
+    )
     assert result.success
     metadata = json.loads(Path(str(output) + ".metadata.json").read_text())
     return json.loads(output.read_text()), metadata
@@ -74,7 +84,8 @@ def test_a_model_written_computation_comes_back_and_generation_continues(run_job
 FIX_EXAMPLES = [("total", "7"), ("width", "12")]
 FIX_FEW_SHOT = "".join(
     f"Q: print `{name}`, defining it if needed\n```python\nprint({name})\n```\n>>>\n"
-    f"NameError: name '{name}' is not defined\n```python\n{name} = {value}\nprint({name})\n```\n>>>\n{value}\nA: {value}\n\n"
+    f"NameError: name '{name}' is not defined\n```python\n{name} = {value}\nprint({name})\n```\n>>>\n"
+    f"{value}\nA: {value}\n\n"
     for name, value in FIX_EXAMPLES
 )
 FIX_PROMPT = FIX_FEW_SHOT + "Q: print `count`, defining it if needed\n"
@@ -97,14 +108,14 @@ def test_a_name_error_is_fed_back_and_generation_goes_on_when_retry_is_on(run_jo
 
 def test_without_retry_an_error_ends_the_loop(run_job, tmp_path):
     (answer,), metadata = run_tool_job(run_job, tmp_path, [FIX_PROMPT], should_retry_on_error=False)
-    assert re.fullmatch(r"```python\nprint\(count\)\n```\n>>>\nNameError: name 'count' is not defined[^\n]*\n",
-                        answer["text"]), answer["text"]
+    assert re.fullmatch(
+        r"```python\nprint\(count\)\n```\n>>>\nNameError: name 'count' is not defined[^\n]*\n", answer["text"]
+    ), answer["text"]
     assert metadata["shards"][0]["tool_executions"] == 1
 
 
 def test_max_iterations_bounds_the_executions_of_a_prompt(run_job, tmp_path):
-    (answer,), metadata = run_tool_job(run_job, tmp_path, [ask("print(6 * 7)")], max_new_tokens=200,
-                                       max_iterations=2)
+    (answer,), metadata = run_tool_job(run_job, tmp_path, [ask("print(6 * 7)")], max_new_tokens=200, max_iterations=2)
     assert metadata["shards"][0]["tool_executions"] == 2
     # The model asked a third time; that block is in the text, not run.
     assert answer["text"].count("```\n>>>\n") == 3 and answer["text"].endswith("```\n>>>\n"), answer["text"]
@@ -143,8 +154,9 @@ def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, 
     # the model then goes on from the output.
     prompts = [ask_to_run("print(123 * 456)"), *(ask_to_run(code) for code in hostile.values())]
     try:
-        outputs, metadata = run_tool_job(run_job, tmp_path, prompts, max_new_tokens=48, max_iterations=1,
-                                         execution_timeout_seconds=3)
+        outputs, metadata = run_tool_job(
+            run_job, tmp_path, prompts, max_new_tokens=48, max_iterations=1, execution_timeout_seconds=3
+        )
     finally:
         stop.set()
     texts = dict(zip(["compute", *hostile], (output["text"] for output in outputs)))
@@ -163,7 +175,6 @@ def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, 
     assert not sandbox_processes()
 
 
-
 def test_with_a_list_of_requests_the_tool_is_not_applied_and_the_job_says_so(run_job, tmp_path):
     """Scale's server accepts tool_config with chat and completion requests; the loop serves v1 prompts
     only, so the requests run as they would without it, and the shard's stats (in the job's metadata) say so."""
@@ -173,10 +184,14 @@ def test_with_a_list_of_requests_the_tool_is_not_applied_and_the_job_says_so(run
     ]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(request) + "\n" for request in requests))
     output = tmp_path / "output.json"
-    result = run_job({
-        "input_data_path": str(tmp_path / "requests.jsonl"), "output_data_path": str(output),
-        "model_config": MODEL_CONFIG, "tool_config": {"name": "code_evaluator", "execution_timeout_seconds": 5},
-    })
+    result = run_job(
+        {
+            "input_data_path": str(tmp_path / "requests.jsonl"),
+            "output_data_path": str(output),
+            "model_config": MODEL_CONFIG,
+            "tool_config": {"name": "code_evaluator", "execution_timeout_seconds": 5},
+        }
+    )
     assert result.success
     completion, chat = json.loads(output.read_text())
     assert completion["object"] == "text_completion" and chat["object"] == "chat.completion"

@@ -46,8 +46,12 @@ def test_v1_model_config_labels_are_the_jobs_labels(deployment_factory, tmp_path
 
 def test_lists_are_paged_newest_first_and_filtered_by_status_and_labels(deployment_factory, tmp_path):
     api = deployment_factory()
-    made = [api.client.post("/v2/batch-completions", json=_body(tmp_path, labels={"n": str(i), "odd": str(i % 2)}),
-                            headers=ALICE).json()["job_id"] for i in range(5)]
+    made = [
+        api.client.post(
+            "/v2/batch-completions", json=_body(tmp_path, labels={"n": str(i), "odd": str(i % 2)}), headers=ALICE
+        ).json()["job_id"]
+        for i in range(5)
+    ]
     api.client.post(f"/v2/batch-completions/{made[1]}/actions/cancel", headers=ALICE)
 
     seen, after = [], None
@@ -79,8 +83,9 @@ def _metrics(api, headers=ADMIN) -> dict[str, list]:
 
 def test_metrics_count_jobs_by_status_and_model_and_the_queue_for_admins_only(deployment_factory, tmp_path):
     api = deployment_factory()
-    made = [api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
-            for _ in range(3)]
+    made = [
+        api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"] for _ in range(3)
+    ]
     api.client.post(f"/v2/batch-completions/{made[0]}/actions/cancel", headers=ALICE)
     api.store.mark_started(made[1], "run-1")  # as the run's first step records it
     api.store.record_shards(made[1], {0: 4})
@@ -91,10 +96,12 @@ def test_metrics_count_jobs_by_status_and_model_and_the_queue_for_admins_only(de
     assert jobs == {("cancelled", MODEL): 1, ("running", MODEL): 1, ("queued", MODEL): 1}
     assert [s.value for s in metrics["batch_pipeline_queue_depth"]] == [1]
     assert metrics["batch_pipeline_oldest_queued_job_age_seconds"][0].value >= 0
-    assert {s.labels["model"]: s.value for s in metrics["batch_pipeline_completion_tokens"]
-            if s.name.endswith("_total")} == {MODEL: 12}
-    assert {s.labels["model"]: s.value for s in metrics["batch_pipeline_requests_generated"]
-            if s.name.endswith("_total")} == {MODEL: 3}
+    assert {
+        s.labels["model"]: s.value for s in metrics["batch_pipeline_completion_tokens"] if s.name.endswith("_total")
+    } == {MODEL: 12}
+    assert {
+        s.labels["model"]: s.value for s in metrics["batch_pipeline_requests_generated"] if s.name.endswith("_total")
+    } == {MODEL: 3}
     latency = {s.name: s.value for s in metrics["batch_pipeline_job_start_latency_seconds"] if "le" not in s.labels}
     assert latency["batch_pipeline_job_start_latency_seconds_count"] == 1
     assert api.client.get("/metrics", headers=ALICE).status_code == 403
@@ -112,22 +119,31 @@ def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deploymen
     for shard, (items, results) in enumerate([([0, 2], {0: "a"}), ([1], {1: "b"})]):
         directory = Path(work_dir) / "shards" / f"{shard:03d}"  # as plan_shards and a worker leave them
         directory.mkdir(parents=True)
-        (directory / "input.jsonl").write_text("".join(
-            json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in items))
-        (directory / "results.tsv").write_text("".join(
-            f"{i}\t{json.dumps({'text': text})}\n" for i, text in results.items()))
+        (directory / "input.jsonl").write_text(
+            "".join(json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in items)
+        )
+        (directory / "results.tsv").write_text(
+            "".join(f"{i}\t{json.dumps({'text': text})}\n" for i, text in results.items())
+        )
     api.store.record_shards(job_id, {0: 2, 1: 1})
 
     result = keep_partial_results.execute_in_process(
-        run_config={"ops": {"merge_finished_results": {"config": {
-            "job_id": job_id, "run_id": stopped.run_id, "code": "cancelled", "reason": "stopped"}}}},
+        run_config={
+            "ops": {
+                "merge_finished_results": {
+                    "config": {"job_id": job_id, "run_id": stopped.run_id, "code": "cancelled", "reason": "stopped"}
+                }
+            }
+        },
         instance=api.instance,
         resources={"job_store": JobStoreResource(url=str(api.store.engine.url)), "job_storage": JobStorage()},
     )
     assert result.success
     assert json.loads(output.read_text()) == [
-        {"text": "a"}, {"text": "b"},
-        {"error": {"message": "stopped", "type": "server_error", "param": None, "code": "cancelled"}}]
+        {"text": "a"},
+        {"text": "b"},
+        {"error": {"message": "stopped", "type": "server_error", "param": None, "code": "cancelled"}},
+    ]
     metadata = api.job(job_id)["metadata"]
     assert (metadata["num_requests"], metadata["num_finished"], metadata["num_unfinished"]) == ("3", "2", "1")
     assert api.instance.get_run_by_id(stopped.run_id).tags[PARTIAL_RESULTS_TAG] == "2/3"
@@ -154,18 +170,30 @@ def _breaks():
 
 
 def test_rows_an_older_release_left_running_are_set_from_their_finished_runs_by_the_jobs_sensor(
-        deployment_factory, monkeypatch):
+    deployment_factory, monkeypatch
+):
     """Migration 0003 reads a row with a run as running; its run may have ended long ago."""
     api = deployment_factory()
     monkeypatch.setattr(sensors, "RECONCILE_AFTER_S", 0)
     finished = _finishes.execute_in_process(instance=api.instance).run_id
     failed = _breaks.execute_in_process(instance=api.instance, raise_on_error=False).run_id
     for job_id, run_id in (("batch-legacy-finished", finished), ("batch-legacy-failed", failed)):
-        api.store.create(NewJob(job_id=job_id, owner="legacy", request_json=json.dumps(_body_stored()),
-                                request_sha256="0" * 64, model=MODEL, priority=None, labels={}, max_runtime_sec=60))
+        api.store.create(
+            NewJob(
+                job_id=job_id,
+                owner="legacy",
+                request_json=json.dumps(_body_stored()),
+                request_sha256="0" * 64,
+                model=MODEL,
+                priority=None,
+                labels={},
+                max_runtime_sec=60,
+            )
+        )
         api.store.mark_started(job_id, run_id)
-    context = dg.build_sensor_context(instance=api.instance,
-                                      resources={"job_store": JobStoreResource(url=str(api.store.engine.url))})
+    context = dg.build_sensor_context(
+        instance=api.instance, resources={"job_store": JobStoreResource(url=str(api.store.engine.url))}
+    )
     assert list(sensors.batch_jobs_sensor(context) or []) == []
 
     assert api.job("batch-legacy-finished", ADMIN_KEY)["status"] == "completed"
@@ -191,12 +219,19 @@ def test_two_60_mb_inline_jobs_submitted_together_both_complete(deployment_facto
     prompts = ["The capital of France is"] + [filler] * 600 + ["1, 2, 3, 4,"]
 
     def post(name: str) -> str:
-        body = {"output_data_path": str(tmp_path / f"{name}.json"), "model_config": {"model": MODEL},
-                "content": {"prompts": prompts, "max_new_tokens": 4, "temperature": 0.0}}
+        body = {
+            "output_data_path": str(tmp_path / f"{name}.json"),
+            "model_config": {"model": MODEL},
+            "content": {"prompts": prompts, "max_new_tokens": 4, "temperature": 0.0},
+        }
         raw = json.dumps(body).encode()
         assert len(raw) > 60_000_000
-        response = httpx.post(f"{url}/v1/llm/batch-completions", content=raw, timeout=300,
-                              headers={**ALICE, "content-type": "application/json"})
+        response = httpx.post(
+            f"{url}/v1/llm/batch-completions",
+            content=raw,
+            timeout=300,
+            headers={**ALICE, "content-type": "application/json"},
+        )
         assert response.status_code == 200, response.text
         return response.json()["job_id"]
 

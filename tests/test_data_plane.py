@@ -66,10 +66,16 @@ def test_empty_or_scalar_input_is_refused(tmp_path, text):
 def test_v1_content_fans_out_one_item_per_prompt_in_order():
     items = list(work_items([("content", CONTENT), ("element 1", {**CONTENT, "prompts": ["d"]})]))
     assert [(item.index, item.request["prompt"], size.prompts) for item, size in items] == [
-        (0, "a", 1), (1, "b", 1), (2, "c", 1), (3, "d", 1)
+        (0, "a", 1),
+        (1, "b", 1),
+        (2, "c", 1),
+        (3, "d", 1),
     ]
     assert items[0][0].request == {
-        "prompt": "a", "max_new_tokens": 4, "temperature": 0.0, "return_token_log_probs": False,
+        "prompt": "a",
+        "max_new_tokens": 4,
+        "temperature": 0.0,
+        "return_token_log_probs": False,
         "skip_special_tokens": True,
     }
 
@@ -156,7 +162,8 @@ def test_work_is_ordered_longest_outputs_first_and_shared_prefixes_together_with
         WorkItem(index=1, kind="chat", request={"messages": [{"role": "system", "content": "A"}], "max_tokens": 16}),
         WorkItem(index=2, kind="chat", request={"messages": [{"role": "system", "content": "B"}], "max_tokens": 16}),
         WorkItem(index=3, kind="chat", request={"messages": [{"role": "system", "content": "C"}], "max_tokens": 512}),
-        WorkItem(index=4, kind="chat", request={"messages": [{"role": "system", "content": "D"}], "max_tokens": 16,
-                                                "n": 64}),
+        WorkItem(
+            index=4, kind="chat", request={"messages": [{"role": "system", "content": "D"}], "max_tokens": 16, "n": 64}
+        ),
     ]
     assert [item.index for item in engine_order(iter(chats), window=10)] == [4, 3, 1, 0, 2]

@@ -76,9 +76,11 @@ def test_a_dry_run_counts_tokens_and_lists_what_cannot_run_and_stores_nothing(de
 
 def test_a_dry_run_reads_an_input_file_as_the_job_does(deployment_factory, tmp_path, tokenizer):
     api = deployment_factory()
-    records = [{"prompts": ["Hello", "Bonjour"], "max_new_tokens": 3, "temperature": 0.0},
-               {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4},
-               {"prompt": "1, 2, 3,", "max_tokens": 2}]
+    records = [
+        {"prompts": ["Hello", "Bonjour"], "max_new_tokens": 3, "temperature": 0.0},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4},
+        {"prompt": "1, 2, 3,", "max_tokens": 2},
+    ]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     answer = _dry_run(api, _body(tmp_path, input_data_path=str(path))).json()
@@ -99,8 +101,10 @@ def test_a_dry_run_with_no_history_says_so(deployment_factory, tmp_path):
     api = deployment_factory()
     answer = _dry_run(api, _body(tmp_path, {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0})).json()
     assert answer["estimate"] is None
-    assert answer["no_history"] == (f"no history: no job of '{MODEL}' has completed on this deployment yet, so "
-                                    "there is no throughput to estimate from")
+    assert answer["no_history"] == (
+        f"no history: no job of '{MODEL}' has completed on this deployment yet, so "
+        "there is no throughput to estimate from"
+    )
 
 
 @pytest.mark.slow
@@ -138,8 +142,11 @@ def test_a_dry_run_naming_a_forbidden_path_is_refused_like_a_real_submission(dep
     api = deployment_factory()
     output = {"output_data_path": str(root / "out.json"), "model_config": {"model": MODEL}}
     # Bob's job: its prompts are written to its work dir, outside the data roots.
-    bob_job = api.client.post("/v2/batch-completions", headers=BOB, json={
-        **output, "content": {"prompts": ["Bob's secret"], "max_new_tokens": 1, "temperature": 0.0}}).json()["job_id"]
+    bob_job = api.client.post(
+        "/v2/batch-completions",
+        headers=BOB,
+        json={**output, "content": {"prompts": ["Bob's secret"], "max_new_tokens": 1, "temperature": 0.0}},
+    ).json()["job_id"]
     bobs_content = api.store.get(bob_job).content_path
     assert bobs_content.startswith(str(api.home / "work"))
 
@@ -161,7 +168,8 @@ def test_a_dry_run_lists_at_most_a_hundred_problems_and_counts_them_all(deployme
 
 
 def test_dry_runs_past_the_servers_limit_get_429_and_the_route_documents_the_parameter(
-        deployment_factory, tmp_path, monkeypatch):
+    deployment_factory, tmp_path, monkeypatch
+):
     api = deployment_factory()
     slots = threading.BoundedSemaphore(1)
     monkeypatch.setattr(estimate_module, "_slots", slots)
@@ -181,8 +189,10 @@ def test_dry_runs_past_the_servers_limit_get_429_and_the_route_documents_the_par
 def test_a_model_the_engine_could_not_load_is_a_422_naming_the_field(deployment_factory, tmp_path):
     api = deployment_factory()
     content = {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0}
-    cases = [({"model": "no-such-org/no-such-model"}, ["body", "model_config", "model"]),
-             ({"model": MODEL, "max_model_len": 100_000}, ["body", "model_config", "max_model_len"])]
+    cases = [
+        ({"model": "no-such-org/no-such-model"}, ["body", "model_config", "model"]),
+        ({"model": MODEL, "max_model_len": 100_000}, ["body", "model_config", "max_model_len"]),
+    ]
     for model_config, location in cases:
         response = _dry_run(api, _body(tmp_path, content, model_config=model_config))
         assert response.status_code == 422, response.text
@@ -193,19 +203,26 @@ def test_a_model_the_engine_could_not_load_is_a_422_naming_the_field(deployment_
 
 
 def test_a_checkpoint_on_an_object_store_is_read_for_its_tokenizer_and_config_only(
-        deployment_factory, tmp_path, tokenizer, s3, monkeypatch):
+    deployment_factory, tmp_path, tokenizer, s3, monkeypatch
+):
     from batch_pipeline.models import resolve_model
 
     local = resolve_model(MODEL)
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(tmp_path / "cache"))
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         s3.upload_file(f"{local}/{name}", "batch", f"models/smol/{name}")
     s3.put_object(Bucket="batch", Key="models/smol/model.safetensors", Body=b"w" * 1000)
     api = deployment_factory()
     model_config = {"model": "smol", "checkpoint_path": "s3://batch/models/smol"}
-    answer = _dry_run(api, _body(tmp_path, [{"prompt": "The capital of France is", "max_tokens": 3}],
-                                 model_config=model_config)).json()
+    answer = _dry_run(
+        api, _body(tmp_path, [{"prompt": "The capital of France is", "max_tokens": 3}], model_config=model_config)
+    ).json()
     assert answer["prompt_tokens"] == len(tokenizer.encode("The capital of France is")), answer
     assert answer["context_length"] == CONTEXT
     fetched = sorted(path.name for path in (tmp_path / "cache").rglob("*") if path.is_file())

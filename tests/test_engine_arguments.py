@@ -23,7 +23,11 @@ def test_every_set_field_reaches_the_engine_under_vllms_name():
     arguments, unsupported = engine_arguments(config)
     assert arguments["model"] == resolve_model(MODEL)
     assert {k: arguments[k] for k in ("max_model_len", "max_num_seqs", "dtype", "seed", "enable_prefix_caching")} == {
-        "max_model_len": 2048, "max_num_seqs": 32, "dtype": "bfloat16", "seed": 7, "enable_prefix_caching": True
+        "max_model_len": 2048,
+        "max_num_seqs": 32,
+        "dtype": "bfloat16",
+        "seed": 7,
+        "enable_prefix_caching": True,
     }
     assert arguments["kv_cache_dtype"] == "auto"
     assert arguments["hf_overrides"] == {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
@@ -43,7 +47,9 @@ def test_checkpoint_path_is_loaded_and_the_model_name_is_served():
 def test_deprecated_max_context_length_fills_max_model_len():
     arguments, _ = engine_arguments(BatchCompletionsModelConfig(model=MODEL, max_context_length=1024))
     assert arguments["max_model_len"] == 1024
-    arguments, _ = engine_arguments(BatchCompletionsModelConfig(model=MODEL, max_context_length=1024, max_model_len=512))
+    arguments, _ = engine_arguments(
+        BatchCompletionsModelConfig(model=MODEL, max_context_length=1024, max_model_len=512)
+    )
     assert arguments["max_model_len"] == 512
 
 

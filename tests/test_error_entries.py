@@ -11,15 +11,22 @@ from batch_pipeline.worker.runner import engine_error_output
 def test_an_entry_built_from_a_code_and_a_message_takes_openais_shape():
     # As keep_partial_results builds the entries of requests a stopped job never ran.
     entry = ErrorOutput(error=ErrorDetail(code="cancelled", message="the job was cancelled")).model_dump()
-    assert entry == {"error": {"message": "the job was cancelled", "type": "server_error", "param": None,
-                               "code": "cancelled"}}
+    assert entry == {
+        "error": {"message": "the job was cancelled", "type": "server_error", "param": None, "code": "cancelled"}
+    }
 
 
-@pytest.mark.parametrize(("code", "error_type"), [
-    ("invalid_request", "invalid_request_error"), ("unsupported_field", "invalid_request_error"),
-    ("prompt_too_long", "invalid_request_error"), ("engine_error", "server_error"),
-    ("job_failed", "server_error"), ("cancelled", "server_error"),
-])
+@pytest.mark.parametrize(
+    ("code", "error_type"),
+    [
+        ("invalid_request", "invalid_request_error"),
+        ("unsupported_field", "invalid_request_error"),
+        ("prompt_too_long", "invalid_request_error"),
+        ("engine_error", "server_error"),
+        ("job_failed", "server_error"),
+        ("cancelled", "server_error"),
+    ],
+)
 def test_the_type_follows_the_code(code, error_type):
     assert ErrorDetail(code=code, message="m").type == error_type
 

@@ -6,7 +6,12 @@ import pytest
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.hardware import hardware_maxima, hardware_refusals
 
-MAXIMA = ("BATCH_PIPELINE_MAX_GPUS", "BATCH_PIPELINE_MAX_CPUS", "BATCH_PIPELINE_MAX_MEMORY", "BATCH_PIPELINE_MAX_STORAGE")
+MAXIMA = (
+    "BATCH_PIPELINE_MAX_GPUS",
+    "BATCH_PIPELINE_MAX_CPUS",
+    "BATCH_PIPELINE_MAX_MEMORY",
+    "BATCH_PIPELINE_MAX_STORAGE",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -17,25 +22,58 @@ def no_maxima(monkeypatch):
 
 def _request(**hardware):
     return CreateBatchCompletionsV2Request.model_validate(
-        {"output_data_path": "/tmp/out.json", "model_config": {"model": "m"}, "content": {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0},
-         **hardware})
+        {
+            "output_data_path": "/tmp/out.json",
+            "model_config": {"model": "m"},
+            "content": {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0},
+            **hardware,
+        }
+    )
 
 
-@pytest.mark.parametrize("hardware", [
-    {}, {"cpus": 8}, {"cpus": "500m"}, {"cpus": 0.5}, {"memory": "40Gi"}, {"memory": 16}, {"memory": "1.5Gi"},
-    {"memory": "64G"}, {"storage": 100}, {"storage": "1Ti"}, {"gpus": 0}, {"gpus": 8}, {"cpus": "1e3"},
-])
+@pytest.mark.parametrize(
+    "hardware",
+    [
+        {},
+        {"cpus": 8},
+        {"cpus": "500m"},
+        {"cpus": 0.5},
+        {"memory": "40Gi"},
+        {"memory": 16},
+        {"memory": "1.5Gi"},
+        {"memory": "64G"},
+        {"storage": 100},
+        {"storage": "1Ti"},
+        {"gpus": 0},
+        {"gpus": 8},
+        {"cpus": "1e3"},
+    ],
+)
 def test_quantities_kubernetes_accepts_are_accepted(hardware):
     assert hardware_refusals(_request(**hardware)) == []
 
 
-@pytest.mark.parametrize(("hardware", "field"), [
-    ({"cpus": "lots"}, "cpus"), ({"cpus": -2}, "cpus"), ({"cpus": 0}, "cpus"), ({"cpus": "0m"}, "cpus"),
-    ({"memory": "16 Gi"}, "memory"), ({"memory": "16gb"}, "memory"), ({"memory": "NaN"}, "memory"),
-    ({"memory": "Infinity"}, "memory"), ({"memory": "1_000Gi"}, "memory"), ({"memory": "-1Gi"}, "memory"),
-    ({"storage": "0"}, "storage"), ({"storage": "1ki"}, "storage"), ({"storage": ""}, "storage"),
-    ({"memory": 1e-300}, "memory"), ({"gpus": -1}, "gpus"), ({"cpus": "\uff18"}, "cpus"),  # a fullwidth 8
-])
+@pytest.mark.parametrize(
+    ("hardware", "field"),
+    [
+        ({"cpus": "lots"}, "cpus"),
+        ({"cpus": -2}, "cpus"),
+        ({"cpus": 0}, "cpus"),
+        ({"cpus": "0m"}, "cpus"),
+        ({"memory": "16 Gi"}, "memory"),
+        ({"memory": "16gb"}, "memory"),
+        ({"memory": "NaN"}, "memory"),
+        ({"memory": "Infinity"}, "memory"),
+        ({"memory": "1_000Gi"}, "memory"),
+        ({"memory": "-1Gi"}, "memory"),
+        ({"storage": "0"}, "storage"),
+        ({"storage": "1ki"}, "storage"),
+        ({"storage": ""}, "storage"),
+        ({"memory": 1e-300}, "memory"),
+        ({"gpus": -1}, "gpus"),
+        ({"cpus": "\uff18"}, "cpus"),  # a fullwidth 8
+    ],
+)
 def test_a_quantity_no_pod_can_carry_is_refused_naming_the_field(hardware, field):
     ((named, why),) = hardware_refusals(_request(**hardware))
     assert named == field and repr(hardware[field]) in why, why
@@ -73,14 +111,22 @@ def test_the_api_refuses_hardware_no_pod_can_carry_naming_the_field_and_stores_n
     monkeypatch.setenv("BATCH_PIPELINE_MAX_GPUS", "8")
     api = deployment_factory()
     headers = {"x-api-key": "key-alice"}
-    body = {"output_data_path": "/tmp/hardware-bounds/out.json", "model_config": {"model": "smollm2-135m-instruct"},
-            "content": {"prompts": ["x"], "max_new_tokens": 1, "temperature": 0.0}}
+    body = {
+        "output_data_path": "/tmp/hardware-bounds/out.json",
+        "model_config": {"model": "smollm2-135m-instruct"},
+        "content": {"prompts": ["x"], "max_new_tokens": 1, "temperature": 0.0},
+    }
     for field, value in [("cpus", "lots"), ("memory", "NaN"), ("storage", "0"), ("gpus", 9)]:
         response = api.client.post("/v2/batch-completions", json={**body, field: value}, headers=headers)
         assert response.status_code == 422, (field, value, response.text)
         assert response.json()["detail"][0]["loc"] == ["body", field]
     assert api.client.get("/v2/batch-completions", headers=headers).json()["jobs"] == []
-    assert api.client.post("/v2/batch-completions", json={**body, "gpus": 8, "memory": "16Gi"}, headers=headers).status_code == 200
+    assert (
+        api.client.post(
+            "/v2/batch-completions", json={**body, "gpus": 8, "memory": "16Gi"}, headers=headers
+        ).status_code
+        == 200
+    )
 
 
 def test_a_mistyped_maximum_stops_the_api_at_start_naming_the_variable(monkeypatch):

@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import time
+from datetime import UTC
 
 import dagster as dg
 import httpx
@@ -71,8 +72,10 @@ def _post(client: httpx.Client, route: str, body, headers: dict | None = None) -
 def _locations(response: httpx.Response) -> list[list]:
     """Where each error is, without the tag of the content shape (`content.v1.prompts` -> `content.prompts`):
     the v1 route has no such tag, the v2 route names the shape it judged the content to be."""
-    return [[part for i, part in enumerate(error["loc"]) if not (i == 2 and error["loc"][1] == "content" and part == "v1")]
-            for error in response.json()["detail"]]
+    return [
+        [part for i, part in enumerate(error["loc"]) if not (i == 2 and error["loc"][1] == "content" and part == "v1")]
+        for error in response.json()["detail"]
+    ]
 
 
 def test_non_finite_numbers_get_422_naming_the_field(served, tmp_path):
@@ -83,16 +86,34 @@ def test_non_finite_numbers_get_422_naming_the_field(served, tmp_path):
     cases = [
         ("/v1/llm/batch-completions", v1, "content.temperature", ["body", "content", "temperature"]),
         ("/v1/llm/batch-completions", v1, "content.top_p", ["body", "content", "top_p"]),
-        ("/v2/batch-completions", v1, "model_config.gpu_memory_utilization",
-         ["body", "model_config", "gpu_memory_utilization"]),
+        (
+            "/v2/batch-completions",
+            v1,
+            "model_config.gpu_memory_utilization",
+            ["body", "model_config", "gpu_memory_utilization"],
+        ),
         ("/v2/batch-completions", v1, "cpus", ["body", "cpus"]),
-        ("/v2/batch-completions", completion, "content.0.temperature", ["body", "content", "completion", 0, "temperature"]),
-        ("/v2/batch-completions", completion, "content.0.length_penalty",
-         ["body", "content", "completion", 0, "length_penalty"]),
+        (
+            "/v2/batch-completions",
+            completion,
+            "content.0.temperature",
+            ["body", "content", "completion", 0, "temperature"],
+        ),
+        (
+            "/v2/batch-completions",
+            completion,
+            "content.0.length_penalty",
+            ["body", "content", "completion", 0, "length_penalty"],
+        ),
         ("/v2/batch-completions", chat, "content.0.top_p", ["body", "content", "chat", 0, "top_p"]),
         # Free-form JSON holds no non-finite number either: it could not be written as JSON again.
         ("/v2/batch-completions", v1, "model_config.rope_scaling", ["body", "model_config", "rope_scaling"]),
-        ("/v2/batch-completions", completion, "content.0.logit_bias", ["body", "content", "completion", 0, "logit_bias"]),
+        (
+            "/v2/batch-completions",
+            completion,
+            "content.0.logit_bias",
+            ["body", "content", "completion", 0, "logit_bias"],
+        ),
     ]
     for value in (NAN, INF, -INF):
         for route, body, path, location in cases:
@@ -132,14 +153,18 @@ def test_lone_surrogates_and_nul_get_422_naming_the_field(served, tmp_path):
     keyed = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={LONE_SURROGATE: "a"}))
     assert keyed.status_code == 422 and ["body", "labels"] in [loc[:2] for loc in _locations(keyed)], keyed.text
     # NUL cannot be stored in a Postgres text column or a run tag, nor name a file.
-    for path, location in [("labels.team", ["body", "labels"]), ("model_config.model", ["body", "model_config", "model"]),
-                           ("priority", ["body", "priority"]), ("output_data_path", ["body", "output_data_path"])]:
+    for path, location in [
+        ("labels.team", ["body", "labels"]),
+        ("model_config.model", ["body", "model_config", "model"]),
+        ("priority", ["body", "priority"]),
+        ("output_data_path", ["body", "output_data_path"]),
+    ]:
         response = _post(client, "/v2/batch-completions", _with(v1, path, "a\x00b"))
         assert response.status_code == 422, (path, response.status_code, response.text)
         assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
     assert api.store.list().jobs == []
     # A surrogate pair is a real character (an emoji), not a lone surrogate: accepted.
-    emoji = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={"mood": "\U0001F600"}))
+    emoji = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels={"mood": "\U0001f600"}))
     assert emoji.status_code == 200, emoji.text
     # In text for the model a NUL is stored escaped (JSON) and is the model's business: accepted.
     for body, path in [(v1, "content.prompts.0"), (chat, "content.0.messages.0.content")]:
@@ -157,8 +182,11 @@ def test_deeply_nested_json_gets_422_naming_the_field_or_the_body(served, tmp_pa
         (v1, "model_config.override_neuron_config", ["body", "model_config", "override_neuron_config"]),
         (v1, "model_config.mm_processor_kwargs", ["body", "model_config", "mm_processor_kwargs"]),
         (completion, "content.0.guided_json", ["body", "content", "completion", 0, "guided_json"]),
-        (_with(completion, "content.0.response_format", schema_format), "content.0.response_format.json_schema.schema",
-         ["body", "content", "completion", 0, "response_format"]),
+        (
+            _with(completion, "content.0.response_format", schema_format),
+            "content.0.response_format.json_schema.schema",
+            ["body", "content", "completion", 0, "response_format"],
+        ),
     ]
     for depth in (100, 900):
         for body, path, location in cases:
@@ -193,7 +221,9 @@ def test_huge_numbers_get_422_and_are_never_stored(served, tmp_path):
             response = _post(client, "/v2/batch-completions", _with(body, path, value))
             assert response.status_code == 422, (path, value, response.status_code, response.text)
             assert any(loc[: len(location)] == location for loc in _locations(response)), (path, response.text)
-    as_float = _post(client, "/v2/batch-completions", json.dumps(v1).replace('"temperature": 0.0', '"temperature": 1e400').encode())
+    as_float = _post(
+        client, "/v2/batch-completions", json.dumps(v1).replace('"temperature": 0.0', '"temperature": 1e400').encode()
+    )
     assert as_float.status_code == 422 and ["body", "content", "temperature"] in _locations(as_float), as_float.text
     assert api.store.list().jobs == []
 
@@ -209,10 +239,19 @@ def test_priority_is_bounded_on_create_and_update(served, tmp_path):
     # Integers past the named levels run at the bound: no key jumps ahead of `highest`.
     for priority in ("21", "-21", "20", "-20", "highest", "lowest", "9" * 64, " 7 "):
         assert _post(client, "/v2/batch-completions", _v1_body(tmp_path, priority=priority)).status_code == 200
-    levels = {record.priority: tags["dagster/priority"] for record in api.store.list().jobs
-              for tags in [run_tags(record)]}
-    assert levels == {"21": "20", "-21": "-20", "20": "20", "-20": "-20", "highest": "20", "lowest": "-20",
-                      "9" * 64: "20", " 7 ": "7"}
+    levels = {
+        record.priority: tags["dagster/priority"] for record in api.store.list().jobs for tags in [run_tags(record)]
+    }
+    assert levels == {
+        "21": "20",
+        "-21": "-20",
+        "20": "20",
+        "-20": "-20",
+        "highest": "20",
+        "lowest": "-20",
+        "9" * 64: "20",
+        " 7 ": "7",
+    }
     job_id = api.store.list().jobs[0].job_id
     for priority in ("1" + "0" * 100, "0" * 5000 + "1"):
         response = _post(client, f"/v2/batch-completions/{job_id}", {"job_id": job_id, "priority": priority})
@@ -262,15 +301,24 @@ def test_the_jobs_database_is_not_readable_by_other_users(tmp_path):
 
 def _insert_poisoned(store: JobStore, job_id: str, request_text: str, labels_text: str = "{}") -> None:
     """A row as an older server could have stored it, written straight into the store."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
-    now = datetime.now(timezone.utc) - timedelta(minutes=5)  # older than every job the API stores next
+    now = datetime.now(UTC) - timedelta(minutes=5)  # older than every job the API stores next
     with store.engine.begin() as connection:
-        connection.execute(jobs.insert().values(
-            job_id=job_id, owner=_alice_owner(),
-            idempotency_key=None, request=request_text, priority=None, labels=labels_text,
-            created_at=now, expires_at=now + timedelta(days=1), run_id=None, cancelled_at=None,
-        ))
+        connection.execute(
+            jobs.insert().values(
+                job_id=job_id,
+                owner=_alice_owner(),
+                idempotency_key=None,
+                request=request_text,
+                priority=None,
+                labels=labels_text,
+                created_at=now,
+                expires_at=now + timedelta(days=1),
+                run_id=None,
+                cancelled_at=None,
+            )
+        )
 
 
 def _alice_owner() -> str:
@@ -293,8 +341,10 @@ def _poison(api, tmp_path) -> list[str]:
     good = _v1_body(tmp_path)
     poisoned = {
         "batch-poison-invalid": (json.dumps({**good, "content": {"prompts": "not a list"}}), "{}"),
-        "batch-poison-surrogate": (json.dumps({**good, "labels": {"team": LONE_SURROGATE}}),
-                                   json.dumps({"team": LONE_SURROGATE})),
+        "batch-poison-surrogate": (
+            json.dumps({**good, "labels": {"team": LONE_SURROGATE}}),
+            json.dumps({"team": LONE_SURROGATE}),
+        ),
         "batch-poison-not-json": ("{not json", "{}"),
     }
     for job_id, (request_text, labels_text) in poisoned.items():
@@ -315,7 +365,10 @@ def test_a_job_that_cannot_become_a_run_is_failed_with_the_reason_and_the_others
         assert job.status_code == 200, job.text
         assert job.json()["job"]["status"] == "failed", job.text
         assert job.json()["job"]["metadata"]["failure_reason"].startswith("could not start"), job.text
-    assert "labels" in client.get("/v2/batch-completions/batch-poison-surrogate").json()["job"]["metadata"]["failure_reason"]
+    assert (
+        "labels"
+        in client.get("/v2/batch-completions/batch-poison-surrogate").json()["job"]["metadata"]["failure_reason"]
+    )
     listed = client.get("/v2/batch-completions")
     assert listed.status_code == 200 and len(listed.json()["jobs"]) == 4
     # Failed jobs are not taken again, and cannot be reprioritised or cancelled.
@@ -326,8 +379,9 @@ def test_a_job_that_cannot_become_a_run_is_failed_with_the_reason_and_the_others
 def test_a_sensor_tick_stays_small_whatever_the_jobs_sizes_their_content_is_by_reference(served, tmp_path):
     api, client = served
     big = {"prompts": ["y" * 1_000_000], "max_new_tokens": 1, "temperature": 0.0}
-    job_ids = [_post(client, "/v2/batch-completions", _v1_body(tmp_path, content=big)).json()["job_id"]
-               for _ in range(5)]
+    job_ids = [
+        _post(client, "/v2/batch-completions", _v1_body(tmp_path, content=big)).json()["job_id"] for _ in range(5)
+    ]
     tick = _sensor_run_requests(api)
     assert [request.run_key for request in tick] == job_ids  # every job in one tick, oldest first
     for request in tick:

@@ -3,7 +3,7 @@ process, and status reads that are queries over rows (filters and pages in SQL).
 
 import json
 import multiprocessing
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 
@@ -20,26 +20,47 @@ FIRST_RELEASE_TABLE = (
 
 def _new_job(owner: str = "alice", labels: dict | None = None, key: str | None = None) -> NewJob:
     request = {"output_data_path": "/tmp/o.json", "model_config": {"model": MODEL}, "input_data_path": "/tmp/i.json"}
-    return NewJob(job_id=NewJob.new_id(), owner=owner, request_json=json.dumps(request), request_sha256="0" * 64,
-                  model=MODEL, priority=None, labels=labels or {}, max_runtime_sec=60, idempotency_key=key)
+    return NewJob(
+        job_id=NewJob.new_id(),
+        owner=owner,
+        request_json=json.dumps(request),
+        request_sha256="0" * 64,
+        model=MODEL,
+        priority=None,
+        labels=labels or {},
+        max_runtime_sec=60,
+        idempotency_key=key,
+    )
 
 
 def _old_database(path, extra_columns: str = "") -> str:
     url = f"sqlite:///{path}"
     engine = sa.create_engine(url)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     request = json.dumps({"output_data_path": "/tmp/o.json", "model_config": {"model": MODEL}, "content": {}})
     with engine.begin() as connection:
         connection.exec_driver_sql(FIRST_RELEASE_TABLE)
         for column in filter(None, extra_columns.split(",")):
             connection.exec_driver_sql(f"ALTER TABLE batch_jobs ADD COLUMN {column}")
-        for job_id, run_id, cancelled_at in [("batch-queued", None, None), ("batch-launched", "run-1", None),
-                                             ("batch-cancelled", None, now)]:
+        for job_id, run_id, cancelled_at in [
+            ("batch-queued", None, None),
+            ("batch-launched", "run-1", None),
+            ("batch-cancelled", None, now),
+        ]:
             connection.execute(
-                sa.text("INSERT INTO batch_jobs (job_id, owner, request, labels, created_at, expires_at, run_id, "
-                        "cancelled_at) VALUES (:id, 'alice', :request, :labels, :now, :later, :run, :cancelled)"),
-                {"id": job_id, "request": request, "labels": json.dumps({"team": job_id}), "now": now,
-                 "later": now + timedelta(days=1), "run": run_id, "cancelled": cancelled_at},
+                sa.text(
+                    "INSERT INTO batch_jobs (job_id, owner, request, labels, created_at, expires_at, run_id, "
+                    "cancelled_at) VALUES (:id, 'alice', :request, :labels, :now, :later, :run, :cancelled)"
+                ),
+                {
+                    "id": job_id,
+                    "request": request,
+                    "labels": json.dumps({"team": job_id}),
+                    "now": now,
+                    "later": now + timedelta(days=1),
+                    "run": run_id,
+                    "cancelled": cancelled_at,
+                },
             )
     engine.dispose()
     return url
@@ -112,5 +133,10 @@ def test_progress_reports_sum_into_the_job_row(tmp_path):
     store.record_shard_progress(job.job_id, 0, {"requests_done": 7, "completion_tokens": 70, "errors": 1})
     row = store.get(job.job_id)
     assert (row.status, row.requests_total, row.requests_done, row.completion_tokens, row.errors) == (
-        "running", 16, 13, 120, 1)
+        "running",
+        16,
+        13,
+        120,
+        1,
+    )
     assert row.queue_wait_s is not None and row.queue_wait_s >= 0

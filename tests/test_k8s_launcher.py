@@ -17,20 +17,38 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def kubernetes(tmp_path, monkeypatch):
     stand_in = StandInKubernetes(tmp_path)
-    for key, value in {"BATCH_PIPELINE_SHARD_LAUNCHER": "k8s", "BATCH_PIPELINE_WORKER_IMAGE": "registry.example/w:1",
-                       "BATCH_PIPELINE_K8S_NAMESPACE": "batch", "BATCH_PIPELINE_KUBECONFIG": str(stand_in.kubeconfig),
-                       "BATCH_PIPELINE_K8S_POLL_INTERVAL_S": "0.5"}.items():
+    for key, value in {
+        "BATCH_PIPELINE_SHARD_LAUNCHER": "k8s",
+        "BATCH_PIPELINE_WORKER_IMAGE": "registry.example/w:1",
+        "BATCH_PIPELINE_K8S_NAMESPACE": "batch",
+        "BATCH_PIPELINE_KUBECONFIG": str(stand_in.kubeconfig),
+        "BATCH_PIPELINE_K8S_POLL_INTERVAL_S": "0.5",
+    }.items():
         monkeypatch.setenv(key, value)
     yield stand_in
     stand_in.stop()
 
 
-def test_each_shard_runs_in_the_pod_built_for_it_and_reports_through_its_log(run_job, dagster_home, kubernetes, tmp_path):
+def test_each_shard_runs_in_the_pod_built_for_it_and_reports_through_its_log(
+    run_job, dagster_home, kubernetes, tmp_path
+):
     output = tmp_path / "out.json"
-    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL}, "data_parallelism": 2,
-                      "gpus": 1, "gpu_type": "nvidia-tesla-t4", "memory": "8Gi", "labels": {"team": "search/ranking"},
-                      "content": {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 4,
-                                  "temperature": 0.0}})
+    result = run_job(
+        {
+            "output_data_path": str(output),
+            "model_config": {"model": MODEL},
+            "data_parallelism": 2,
+            "gpus": 1,
+            "gpu_type": "nvidia-tesla-t4",
+            "memory": "8Gi",
+            "labels": {"team": "search/ranking"},
+            "content": {
+                "prompts": ["The capital of France is", "Water boils at"],
+                "max_new_tokens": 4,
+                "temperature": 0.0,
+            },
+        }
+    )
     assert result.success, step_failure_messages(result)
     assert len(json.loads(output.read_text())) == 2
     assert len(kubernetes.created) == 2 and kubernetes.pods == {}  # both pods created, and deleted when done
@@ -56,8 +74,13 @@ def test_each_shard_runs_in_the_pod_built_for_it_and_reports_through_its_log(run
 
 
 def test_a_failed_pod_fails_its_shard_with_the_workers_reason(run_job, kubernetes, tmp_path):
-    result = run_job({"output_data_path": str(tmp_path / "out.json"), "model_config": {"model": str(tmp_path / "no-model")},
-                      "content": {"prompts": ["x"], "max_new_tokens": 2, "temperature": 0.0}})
+    result = run_job(
+        {
+            "output_data_path": str(tmp_path / "out.json"),
+            "model_config": {"model": str(tmp_path / "no-model")},
+            "content": {"prompts": ["x"], "max_new_tokens": 2, "temperature": 0.0},
+        }
+    )
     assert not result.success
     assert len(kubernetes.created) == 3  # the first pod and the retry policy's two
     # the reason the API and the UI show: the worker's own, read back from the failed pod's log
@@ -67,29 +90,49 @@ def test_a_failed_pod_fails_its_shard_with_the_workers_reason(run_job, kubernete
 
 def _sleeping_pod(name: str, job_id: str, shard: int, run_id: str) -> dict:
     """A shard pod as an earlier run's step launched it, still working: its worker a long sleep."""
-    labels = {"batch-pipeline.io/component": "shard-worker", "batch-pipeline.io/job-id": job_id,
-              "batch-pipeline.io/shard": str(shard), "batch-pipeline.io/run-id": run_id}
-    return {"metadata": {"name": name, "labels": labels},
-            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
-                     "containers": [{"name": "dagster-pipes-execution", "image": "registry.example/w:1",
-                                     "command": ["sleep", "600"]}]}}
+    labels = {
+        "batch-pipeline.io/component": "shard-worker",
+        "batch-pipeline.io/job-id": job_id,
+        "batch-pipeline.io/shard": str(shard),
+        "batch-pipeline.io/run-id": run_id,
+    }
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {"name": "dagster-pipes-execution", "image": "registry.example/w:1", "command": ["sleep", "600"]}
+            ],
+        },
+    }
 
 
 def test_a_pod_left_on_the_shard_by_a_dead_run_is_stopped_before_the_new_one_starts(
-        run_job, dagster_home, kubernetes, tokenizer, tmp_path):
+    run_job, dagster_home, kubernetes, tokenizer, tmp_path
+):
     # what a killed run worker leaves behind: its shard's pod, still running (and one of another job)
     kubernetes.create_pod(_sleeping_pod("dagster-deadrun-shard-0", "orphan-job", 0, "dead-run"))
     kubernetes.create_pod(_sleeping_pod("dagster-otherjob-shard-0", "other-job", 0, "other-run"))
     orphan, other = kubernetes.pods["dagster-deadrun-shard-0"], kubernetes.pods["dagster-otherjob-shard-0"]
     output = tmp_path / "out.json"
     prompts = ["The capital of France is", "Water boils at a temperature of"]
-    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL}, "gpus": 1,
-                      "gpu_type": "nvidia-tesla-t4",
-                      "content": {"prompts": prompts, "max_new_tokens": 4, "temperature": 0.0}}, job_id="orphan-job")
+    result = run_job(
+        {
+            "output_data_path": str(output),
+            "model_config": {"model": MODEL},
+            "gpus": 1,
+            "gpu_type": "nvidia-tesla-t4",
+            "content": {"prompts": prompts, "max_new_tokens": 4, "temperature": 0.0},
+        },
+        job_id="orphan-job",
+    )
     assert result.success, step_failure_messages(result)
     # the orphan was terminated, and gone before this run's pod of the shard was created
     assert orphan.process.returncode == -signal.SIGTERM, "the dead run's pod still runs beside the new one"
-    (new_pod,) = [pod for pod in kubernetes.created if pod["metadata"]["labels"].get("batch-pipeline.io/run-id") == result.run_id]
+    (new_pod,) = [
+        pod for pod in kubernetes.created if pod["metadata"]["labels"].get("batch-pipeline.io/run-id") == result.run_id
+    ]
     new = new_pod["metadata"]["name"]
     events = kubernetes.events
     assert events.index(("gone", orphan.name)) < events.index(("created", new)), events

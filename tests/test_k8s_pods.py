@@ -20,25 +20,41 @@ NOW = 1_800_000_000.0
 
 def _task(hardware=None, labels=None, deadline=NOW + 3600):
     shard = ShardSpec(shard_index=2, directory="s3://bucket/work/job/shards/002", item_count=10, prompt_count=10)
-    return ShardTask(shard=shard, model_config={"model": "m"}, shard_count=4, deadline=deadline,
-                     job_id="batch-0123abcd", hardware=hardware or {}, labels=labels or {})
+    return ShardTask(
+        shard=shard,
+        model_config={"model": "m"},
+        shard_count=4,
+        deadline=deadline,
+        job_id="batch-0123abcd",
+        hardware=hardware or {},
+        labels=labels or {},
+    )
 
 
 def _pod(launcher, task, run_id=None) -> dict:
     """The pod as the API server receives it, validated strictly against that version's schema."""
     meta, spec = launcher.pod_overrides(task, now=NOW, run_id=run_id)
-    pod = build_pod_body(pod_name="batch-0123abcd-shard-002", image=launcher.image,
-                         command=["python", "-m", "batch_pipeline.worker"], env_vars={"A": "b"},
-                         base_pod_meta=meta, base_pod_spec=spec)
+    pod = build_pod_body(
+        pod_name="batch-0123abcd-shard-002",
+        image=launcher.image,
+        command=["python", "-m", "batch_pipeline.worker"],
+        env_vars={"A": "b"},
+        base_pod_meta=meta,
+        base_pod_spec=spec,
+    )
     # the typed endpoint (POST /api/v1/namespaces/NS/pods) implies these; the validator needs them said
     body = {"apiVersion": "v1", "kind": "Pod", **ApiClient().sanitize_for_serialization(pod)}
     kubernetes_validate.validate(body, KUBERNETES_VERSION, strict=True)
     return body
 
 
-LAUNCHER = K8sShardLauncher(image="registry.example/batch-pipeline-worker:1", namespace="batch",
-                            service_account_name="batch-worker", env_secrets=["hf-token"],
-                            tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+LAUNCHER = K8sShardLauncher(
+    image="registry.example/batch-pipeline-worker:1",
+    namespace="batch",
+    service_account_name="batch-worker",
+    env_secrets=["hf-token"],
+    tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+)
 
 
 @pytest.mark.parametrize(
@@ -130,9 +146,21 @@ def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_se
     import yaml
 
     repo = Path(__file__).resolve().parents[1]
-    objects = [doc for path in sorted((repo / "k8s").glob("*.yaml")) if path.name != "values.yaml"
-               for doc in yaml.safe_load_all(path.read_text()) if doc]
-    assert {obj["kind"] for obj in objects} >= {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"}
+    objects = [
+        doc
+        for path in sorted((repo / "k8s").glob("*.yaml"))
+        if path.name != "values.yaml"
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+    assert {obj["kind"] for obj in objects} >= {
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "NetworkPolicy",
+    }
     for obj in objects:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
     values = yaml.safe_load((repo / "k8s" / "values.yaml").read_text())
@@ -142,7 +170,9 @@ def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_se
     env = {item["name"]: item["value"] for item in deployment["env"]}
     definitions = (repo / "batch_pipeline" / "pipeline" / "definitions.py").read_text()
     assert env["BATCH_PIPELINE_SHARD_LAUNCHER"] == "k8s" and all(name in definitions for name in env)
-    role = next(obj for obj in objects if obj["kind"] == "Role" and obj["metadata"]["name"] == "batch-pipeline-shard-pods")
+    role = next(
+        obj for obj in objects if obj["kind"] == "Role" and obj["metadata"]["name"] == "batch-pipeline-shard-pods"
+    )
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
     assert {("pods", "create"), ("pods", "watch"), ("pods/log", "get"), ("pods", "delete")} <= granted
 
@@ -198,8 +228,10 @@ def _mounts(pod) -> dict[str, str]:
     """mount path -> the kind of volume behind it."""
     (container,) = pod["spec"]["containers"]
     volumes = {volume["name"]: volume for volume in pod["spec"].get("volumes", [])}
-    return {mount["mountPath"]: next(k for k in volumes[mount["name"]] if k != "name")
-            for mount in container.get("volumeMounts", [])}
+    return {
+        mount["mountPath"]: next(k for k in volumes[mount["name"]] if k != "name")
+        for mount in container.get("volumeMounts", [])
+    }
 
 
 def test_a_shard_pod_runs_non_root_with_no_capabilities_no_token_and_a_read_only_root():
@@ -243,8 +275,14 @@ def test_shard_pods_carry_the_label_the_network_policy_selects():
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
 
 
-def _egress_allowed(policy: dict, port: int, protocol: str = "TCP", ip: str | None = None,
-                    namespace: dict | None = None, pod: dict | None = None) -> bool:
+def _egress_allowed(
+    policy: dict,
+    port: int,
+    protocol: str = "TCP",
+    ip: str | None = None,
+    namespace: dict | None = None,
+    pod: dict | None = None,
+) -> bool:
     """Whether a NetworkPolicy lets its pods connect to an address (`ip`) or a pod (its namespace's and its
     own labels), as the API reference defines the rules; a pod is matched by selectors, not by ipBlock."""
     import ipaddress
@@ -258,9 +296,15 @@ def _egress_allowed(policy: dict, port: int, protocol: str = "TCP", ip: str | No
                 return False
             address = ipaddress.ip_address(ip)
             block = peer["ipBlock"]
-            inside = lambda cidr: address.version == ipaddress.ip_network(cidr).version and address in ipaddress.ip_network(cidr)  # noqa: E731
+            inside = lambda cidr: (
+                address.version == ipaddress.ip_network(cidr).version and address in ipaddress.ip_network(cidr)
+            )  # noqa: E731
             return inside(block["cidr"]) and not any(inside(cidr) for cidr in block.get("except", []))
-        return pod is not None and selects(peer.get("namespaceSelector"), namespace) and selects(peer.get("podSelector"), pod)
+        return (
+            pod is not None
+            and selects(peer.get("namespaceSelector"), namespace)
+            and selects(peer.get("podSelector"), pod)
+        )
 
     for rule in policy["spec"]["egress"]:
         ports = rule.get("ports") or [{"protocol": protocol, "port": port}]
@@ -288,8 +332,14 @@ def test_the_network_policy_lets_shard_workers_reach_dns_and_the_object_store_an
     # Postgres and the Dagster webserver, by pod and by their cluster addresses
     assert not _egress_allowed(policy, 5432, namespace=batch, pod={"app.kubernetes.io/name": "postgresql"})
     assert not _egress_allowed(policy, 80, namespace=batch, pod={"component": "dagster-webserver"})
-    for address, port in (("10.96.0.15", 5432), ("10.96.0.20", 80), ("10.96.0.20", 443), ("172.20.0.5", 443),
-                          ("192.168.1.10", 443), ("100.64.0.5", 443)):
+    for address, port in (
+        ("10.96.0.15", 5432),
+        ("10.96.0.20", 80),
+        ("10.96.0.20", 443),
+        ("172.20.0.5", 443),
+        ("192.168.1.10", 443),
+        ("100.64.0.5", 443),
+    ):
         assert not _egress_allowed(policy, port, ip=address), address
     assert not _egress_allowed(policy, 80, ip="52.216.8.1")  # plain HTTP to the outside neither
 
@@ -301,8 +351,13 @@ API_KEYS_SECRET = "batch-pipeline-api-keys"
 def _manifests() -> list[dict]:
     import yaml
 
-    return [doc for path in sorted((REPO / "k8s").glob("*.yaml")) if path.name != "values.yaml"
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        doc
+        for path in sorted((REPO / "k8s").glob("*.yaml"))
+        if path.name != "values.yaml"
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
 
 
 def _values() -> dict:
@@ -315,8 +370,10 @@ def _service_accounts(values: dict) -> tuple[str, str]:
     """(the daemon's and webserver's, the code server's and its runs') accounts, as the chart's helpers
     `dagster.serviceAccountName` and `dagsterUserDeployments.serviceAccountName` choose them."""
     shared = values.get("global", {}).get("serviceAccountName")
-    return (shared or values["serviceAccount"]["name"],
-            shared or values["dagster-user-deployments"]["serviceAccount"]["name"])
+    return (
+        shared or values["serviceAccount"]["name"],
+        shared or values["dagster-user-deployments"]["serviceAccount"]["name"],
+    )
 
 
 def _assert_locked_down(pod_spec: dict, container: dict) -> None:
@@ -341,7 +398,9 @@ def test_the_api_pod_runs_locked_down_with_a_service_account_of_its_own_with_no_
     _assert_locked_down(pod, container)
     assert pod["automountServiceAccountToken"] is False
     account = pod["serviceAccountName"]
-    (service_account,) = [obj for obj in objects if obj["kind"] == "ServiceAccount" and obj["metadata"]["name"] == account]
+    (service_account,) = [
+        obj for obj in objects if obj["kind"] == "ServiceAccount" and obj["metadata"]["name"] == account
+    ]
     assert service_account["automountServiceAccountToken"] is False
     bound = {subject["name"] for obj in objects if obj["kind"] == "RoleBinding" for subject in obj["subjects"]}
     assert account not in bound
@@ -357,12 +416,15 @@ def test_each_service_account_has_only_the_rights_its_pods_use():
         rules = roles[binding["roleRef"]["name"]]["rules"]
         for subject in binding["subjects"]:
             rights.setdefault(subject["name"], set()).update(
-                (resource, verb) for rule in rules for resource in rule["resources"] for verb in rule["verbs"])
+                (resource, verb) for rule in rules for resource in rule["resources"] for verb in rule["verbs"]
+            )
     values = _values()
     dagster_account, run_account = _service_accounts(values)
     assert _run_pod(values)["serviceAccountName"] == run_account
     # a run's pod starts, follows and removes its shard pods (Dagster Pipes reads their logs), nothing else
-    assert rights[run_account] == {("pods", verb) for verb in ("create", "get", "list", "watch", "delete")} | {("pods/log", "get")}
+    assert rights[run_account] == {("pods", verb) for verb in ("create", "get", "list", "watch", "delete")} | {
+        ("pods/log", "get")
+    }
     # the daemon launches each run as a Job, and watches and stops it
     assert {("jobs", "create"), ("jobs", "delete"), ("pods", "list")} <= rights[dagster_account]
     assert not any(verb == "create" and resource == "pods" for resource, verb in rights[dagster_account])
@@ -388,26 +450,43 @@ def _run_pod(values: dict) -> dict:
     launcher_context = K8sContainerContext(
         service_account_name=dagster_account,  # the chart's instance config
         env_secrets=[secret["name"] for secret in launcher.get("envSecrets", [])],
-        volumes=launcher.get("volumes", []), volume_mounts=launcher.get("volumeMounts", []),
+        volumes=launcher.get("volumes", []),
+        volume_mounts=launcher.get("volumeMounts", []),
         security_context=launcher.get("securityContext"),
         run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(
-            {run_config_keys[key]: value for key, value in launcher.get("runK8sConfig", {}).items()}),
+            {run_config_keys[key]: value for key, value in launcher.get("runK8sConfig", {}).items()}
+        ),
     )
     (deployment,) = values["dagster-user-deployments"]["deployments"]
-    code_location_context = K8sContainerContext.create_from_config({"k8s": {
-        "image_pull_policy": deployment["image"]["pullPolicy"],
-        "env_config_maps": [f"dagster-{deployment['name']}-user-env"],
-        "env_secrets": [secret["name"] for secret in deployment.get("envSecrets", [])],
-        "volume_mounts": deployment.get("volumeMounts", []), "volumes": deployment.get("volumes", []),
-        "namespace": "batch", "service_account_name": code_location_account,
-        "run_k8s_config": {"pod_spec_config": {"automount_service_account_token": True}},
-    }})
+    code_location_context = K8sContainerContext.create_from_config(
+        {
+            "k8s": {
+                "image_pull_policy": deployment["image"]["pullPolicy"],
+                "env_config_maps": [f"dagster-{deployment['name']}-user-env"],
+                "env_secrets": [secret["name"] for secret in deployment.get("envSecrets", [])],
+                "volume_mounts": deployment.get("volumeMounts", []),
+                "volumes": deployment.get("volumes", []),
+                "namespace": "batch",
+                "service_account_name": code_location_account,
+                "run_k8s_config": {"pod_spec_config": {"automount_service_account_token": True}},
+            }
+        }
+    )
     context = launcher_context.merge(code_location_context)
-    job_config = DagsterK8sJobConfig(job_image="registry.example/batch-pipeline:latest",
-                                     dagster_home="/opt/dagster/dagster_home", instance_config_map="dagster-instance",
-                                     postgres_password_secret="dagster-postgresql-secret")
-    job = construct_dagster_k8s_job(job_config, ["dagster", "api", "execute_run", "{}"], "dagster-run-0123",
-                                    context.run_k8s_config, pod_name="dagster-run-0123", component="run_worker")
+    job_config = DagsterK8sJobConfig(
+        job_image="registry.example/batch-pipeline:latest",
+        dagster_home="/opt/dagster/dagster_home",
+        instance_config_map="dagster-instance",
+        postgres_password_secret="dagster-postgresql-secret",
+    )
+    job = construct_dagster_k8s_job(
+        job_config,
+        ["dagster", "api", "execute_run", "{}"],
+        "dagster-run-0123",
+        context.run_k8s_config,
+        pod_name="dagster-run-0123",
+        component="run_worker",
+    )
     body = ApiClient().sanitize_for_serialization(job)
     kubernetes_validate.validate(body, KUBERNETES_VERSION, strict=True)
     return body["spec"]["template"]["spec"]
@@ -417,15 +496,58 @@ def _run_pod(values: dict) -> dict:
 # dagster-user-deployments subchart's, as of chart 1.13): for a user deployment a misspelt key would be
 # silently ignored, and the chart refuses unknown ones in the run launcher's config.
 CHART_USER_DEPLOYMENT_KEYS = {
-    "name", "image", "dagsterApiGrpcArgs", "codeServerArgs", "includeConfigInLaunchedRuns", "deploymentNamespace",
-    "port", "env", "envConfigMaps", "envSecrets", "annotations", "nodeSelector", "affinity", "tolerations",
-    "podSecurityContext", "securityContext", "resources", "livenessProbe", "readinessProbe", "startupProbe",
-    "labels", "volumeMounts", "volumes", "schedulerName", "initContainers", "sidecarContainers"}
+    "name",
+    "image",
+    "dagsterApiGrpcArgs",
+    "codeServerArgs",
+    "includeConfigInLaunchedRuns",
+    "deploymentNamespace",
+    "port",
+    "env",
+    "envConfigMaps",
+    "envSecrets",
+    "annotations",
+    "nodeSelector",
+    "affinity",
+    "tolerations",
+    "podSecurityContext",
+    "securityContext",
+    "resources",
+    "livenessProbe",
+    "readinessProbe",
+    "startupProbe",
+    "labels",
+    "volumeMounts",
+    "volumes",
+    "schedulerName",
+    "initContainers",
+    "sidecarContainers",
+}
 CHART_K8S_RUN_LAUNCHER_KEYS = {
-    "image", "imagePullPolicy", "jobNamespace", "loadInclusterConfig", "kubeconfigFile", "envConfigMaps",
-    "envSecrets", "envVars", "volumeMounts", "volumes", "labels", "failPodOnRunFailure", "resources",
-    "schedulerName", "securityContext", "runK8sConfig"}
-CHART_RUN_K8S_CONFIG_KEYS = {"containerConfig", "podSpecConfig", "podTemplateSpecMetadata", "jobSpecConfig", "jobMetadata"}
+    "image",
+    "imagePullPolicy",
+    "jobNamespace",
+    "loadInclusterConfig",
+    "kubeconfigFile",
+    "envConfigMaps",
+    "envSecrets",
+    "envVars",
+    "volumeMounts",
+    "volumes",
+    "labels",
+    "failPodOnRunFailure",
+    "resources",
+    "schedulerName",
+    "securityContext",
+    "runK8sConfig",
+}
+CHART_RUN_K8S_CONFIG_KEYS = {
+    "containerConfig",
+    "podSpecConfig",
+    "podTemplateSpecMetadata",
+    "jobSpecConfig",
+    "jobMetadata",
+}
 CHART_SERVICE_ACCOUNT_KEYS = {"create", "name", "annotations"}
 
 
@@ -435,22 +557,45 @@ def test_every_dagster_pod_of_ours_runs_locked_down_and_gets_no_api_keys():
     launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
     assert set(deployment) <= CHART_USER_DEPLOYMENT_KEYS and set(launcher) <= CHART_K8S_RUN_LAUNCHER_KEYS
     assert set(launcher["runK8sConfig"]) <= CHART_RUN_K8S_CONFIG_KEYS
-    assert set(values["serviceAccount"]) | set(values["dagster-user-deployments"]["serviceAccount"]) <= CHART_SERVICE_ACCOUNT_KEYS
+    assert (
+        set(values["serviceAccount"]) | set(values["dagster-user-deployments"]["serviceAccount"])
+        <= CHART_SERVICE_ACCOUNT_KEYS
+    )
     # each run's pod, as dagster-k8s builds it from these values
     run_pod = _run_pod(values)
     (run_container,) = run_pod["containers"]
     _assert_locked_down(run_pod, run_container)
     # the code server: the chart puts these keys in its Deployment's pod and container as they are
-    code_server = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "code-server"}, "spec": {
-        "selector": {"matchLabels": {"app": "code-server"}}, "template": {
-            "metadata": {"labels": {"app": "code-server"}},
-            "spec": {"securityContext": deployment["podSecurityContext"], "volumes": deployment["volumes"],
-                     "containers": [{"name": "code-server", "image": "i", "securityContext": deployment["securityContext"],
-                                     "volumeMounts": deployment["volumeMounts"]}]}}}}
+    code_server = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "code-server"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "code-server"}},
+            "template": {
+                "metadata": {"labels": {"app": "code-server"}},
+                "spec": {
+                    "securityContext": deployment["podSecurityContext"],
+                    "volumes": deployment["volumes"],
+                    "containers": [
+                        {
+                            "name": "code-server",
+                            "image": "i",
+                            "securityContext": deployment["securityContext"],
+                            "volumeMounts": deployment["volumeMounts"],
+                        }
+                    ],
+                },
+            },
+        },
+    }
     kubernetes_validate.validate(code_server, KUBERNETES_VERSION, strict=True)
     pod = code_server["spec"]["template"]["spec"]
     _assert_locked_down(pod, pod["containers"][0])
-    secrets = [secret["name"] for secret in deployment["envSecrets"] + values["runLauncher"]["config"]["k8sRunLauncher"]["envSecrets"]]
+    secrets = [
+        secret["name"]
+        for secret in deployment["envSecrets"] + values["runLauncher"]["config"]["k8sRunLauncher"]["envSecrets"]
+    ]
     assert API_KEYS_SECRET not in secrets
     assert not any(API_KEYS_SECRET in str(source) for source in run_container.get("envFrom", []))
     # Dagster's telemetry would write under DAGSTER_HOME, on the read-only root
@@ -460,11 +605,14 @@ def test_every_dagster_pod_of_ours_runs_locked_down_and_gets_no_api_keys():
 def test_the_worker_image_runs_as_the_non_root_user_the_pods_name():
     from batch_pipeline.launch.k8s import WORKER_HOME, WORKER_UID
 
-    lines = [line.split(None, 1) for line in (REPO / "k8s" / "worker.Dockerfile").read_text().splitlines()
-             if line.strip() and not line.lstrip().startswith("#")]
+    lines = [
+        line.split(None, 1)
+        for line in (REPO / "k8s" / "worker.Dockerfile").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     instructions = [(word.upper(), rest.strip()) for word, rest in lines]
     users = [i for i, (word, _) in enumerate(instructions) if word == "USER"]
     assert users, "no USER: the image runs as root"
     assert instructions[users[-1]][1] == f"{WORKER_UID}:{WORKER_UID}"
-    assert all(word != "RUN" for word, _ in instructions[users[-1]:])
+    assert all(word != "RUN" for word, _ in instructions[users[-1] :])
     assert ("ENV", f"HOME={WORKER_HOME}") in instructions

@@ -4,6 +4,7 @@ official `openai` SDK against `make serve` is in test_openai_sdk_e2e.py."""
 
 import json
 import time
+from datetime import UTC
 
 import pytest
 
@@ -18,8 +19,12 @@ def _bearer(key: str) -> dict:
 
 
 def _line(custom_id: str, content: str = "Say hi", model: str = MODEL, url: str = CHAT, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url,
-            "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": url,
+        "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **body},
+    }
 
 
 def _jsonl(lines: list) -> bytes:
@@ -27,8 +32,12 @@ def _jsonl(lines: list) -> bytes:
 
 
 def _upload(client, data: bytes, key: str = USER_KEY, purpose: str = "batch", filename: str = "in.jsonl"):
-    return client.post("/v1/files", headers=_bearer(key), data={"purpose": purpose},
-                       files={"file": (filename, data, "application/jsonl")})
+    return client.post(
+        "/v1/files",
+        headers=_bearer(key),
+        data={"purpose": purpose},
+        files={"file": (filename, data, "application/jsonl")},
+    )
 
 
 def _create(client, file_id: str, key: str = USER_KEY, endpoint: str = CHAT, **fields):
@@ -45,10 +54,13 @@ def test_files_are_stored_listed_read_and_deleted_by_their_owner_only(deployment
     client = deployment.client
     data = _jsonl([_line("a"), _line("b")])
     # A file name is stored as text any database holds (a raw multipart body: httpx would escape these).
-    raw = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: '
-           b'form-data; name="file"; filename="x\x00\x1b\xed\xa0\x80.jsonl"\r\n\r\n' + data + b"\r\n--B--\r\n")
-    odd = client.post("/v1/files", content=raw,
-                      headers={**_bearer(USER_KEY), "content-type": "multipart/form-data; boundary=B"})
+    raw = (
+        b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: '
+        b'form-data; name="file"; filename="x\x00\x1b\xed\xa0\x80.jsonl"\r\n\r\n' + data + b"\r\n--B--\r\n"
+    )
+    odd = client.post(
+        "/v1/files", content=raw, headers={**_bearer(USER_KEY), "content-type": "multipart/form-data; boundary=B"}
+    )
     assert odd.status_code == 200 and odd.json()["filename"].startswith("x") and "\x00" not in odd.json()["filename"]
     client.delete(f"/v1/files/{odd.json()['id']}", headers=_bearer(USER_KEY))
     uploaded = _upload(client, data, filename="prompts.jsonl")
@@ -64,8 +76,11 @@ def test_files_are_stored_listed_read_and_deleted_by_their_owner_only(deployment
 
     # Another tenant sees nothing of it: absent, in OpenAI's error shape; an admin sees it.
     assert client.get("/v1/files", headers=_bearer(OTHER_KEY)).json()["data"] == []
-    for method, path in (("GET", f"/v1/files/{file['id']}"), ("GET", f"/v1/files/{file['id']}/content"),
-                         ("DELETE", f"/v1/files/{file['id']}")):
+    for method, path in (
+        ("GET", f"/v1/files/{file['id']}"),
+        ("GET", f"/v1/files/{file['id']}/content"),
+        ("DELETE", f"/v1/files/{file['id']}"),
+    ):
         refused = client.request(method, path, headers=_bearer(OTHER_KEY))
         assert refused.status_code == 404
         assert refused.json()["error"]["type"] == "invalid_request_error"
@@ -245,22 +260,42 @@ def test_a_batch_cancelled_while_running_keeps_what_finished_in_its_output_file(
 
 
 def test_a_batch_past_its_window_reads_expired_and_its_unreached_requests_say_so(tmp_path):
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from batch_pipeline.api.openai_service import describe_batch
     from batch_pipeline.jobs_store import FAILED, JobRecord
     from batch_pipeline.openai_batches import expired, write_result_files
     from batch_pipeline.openai_store import BatchRecord
 
-    created = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    job = JobRecord(job_id="batch-1", owner="o", request_json="{}", priority=None, labels={}, created_at=created,
-                    expires_at=created + timedelta(hours=1), run_id="r", cancelled_at=None, idempotency_key=None,
-                    status=FAILED, completed_at=created + timedelta(hours=1, seconds=30),
-                    failure_reason="Run timed out", requests_total=3, requests_done=1)
+    created = datetime(2026, 1, 1, tzinfo=UTC)
+    job = JobRecord(
+        job_id="batch-1",
+        owner="o",
+        request_json="{}",
+        priority=None,
+        labels={},
+        created_at=created,
+        expires_at=created + timedelta(hours=1),
+        run_id="r",
+        cancelled_at=None,
+        idempotency_key=None,
+        status=FAILED,
+        completed_at=created + timedelta(hours=1, seconds=30),
+        failure_reason="Run timed out",
+        requests_total=3,
+        requests_done=1,
+    )
     assert expired(job)
     assert not expired(JobRecord(**{**job.__dict__, "completed_at": created + timedelta(minutes=5)}))
-    batch = BatchRecord(batch_id="batch-1", owner="o", endpoint=CHAT, input_file_id="file-1",
-                        completion_window="1h", created_at=created, total=3)
+    batch = BatchRecord(
+        batch_id="batch-1",
+        owner="o",
+        endpoint=CHAT,
+        input_file_id="file-1",
+        completion_window="1h",
+        created_at=created,
+        total=3,
+    )
     described = describe_batch(batch, job)
     assert described.status == "expired" and described.expired_at == int(job.completed_at.timestamp())
 
@@ -268,15 +303,24 @@ def test_a_batch_past_its_window_reads_expired_and_its_unreached_requests_say_so
     custom_ids.write_text('"a"\n"b"\n"c"\n')
     entries = [
         {"id": "chatcmpl-1", "object": "chat.completion", "choices": []},
-        {"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
-                   "code": "prompt_too_long"}},
+        {
+            "error": {
+                "message": "too long",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "prompt_too_long",
+            }
+        },
         {"error": {"code": "job_failed", "message": "the job failed before this request finished"}},
     ]
     results = write_result_files("batch-1", "o", str(custom_ids), entries, str(tmp_path / "files"), expired=True)
     assert (results.completed, results.failed) == (1, 2)
     [ok] = [json.loads(line) for line in open(results.output_file.path)]
-    assert ok["custom_id"] == "a" and ok["response"] == {"status_code": 200, "request_id": "chatcmpl-1",
-                                                         "body": entries[0]}
+    assert ok["custom_id"] == "a" and ok["response"] == {
+        "status_code": 200,
+        "request_id": "chatcmpl-1",
+        "body": entries[0],
+    }
     refused, unreached = [json.loads(line) for line in open(results.error_file.path)]
     assert refused["response"]["status_code"] == 400 and refused["response"]["body"] == {"error": entries[1]["error"]}
     assert refused["error"] == {"code": "prompt_too_long", "message": "too long"}
@@ -288,14 +332,20 @@ def test_a_dry_run_of_a_batch_checks_and_tokenizes_its_file_and_creates_nothing(
     client = deployment.client
     lines = [_line("a", "The capital of France is"), _line("b", "word " * 9000), _line("c", "Count to three.")]
     file_id = _upload(client, _jsonl(lines)).json()["id"]
-    answer = client.post("/v1/batches", headers=_bearer(USER_KEY), params={"dry_run": "true"},
-                         json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"})
+    answer = client.post(
+        "/v1/batches",
+        headers=_bearer(USER_KEY),
+        params={"dry_run": "true"},
+        json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"},
+    )
     assert answer.status_code == 200, answer.text
     estimate = answer.json()
     assert estimate["dry_run"] is True and estimate["num_requests"] == 3
     # Counted as the worker renders them (the chat template), the one past the context left out.
-    rendered = [tokenizer.apply_chat_template(line["body"]["messages"], tokenize=False, add_generation_prompt=True)
-                for line in (lines[0], lines[2])]
+    rendered = [
+        tokenizer.apply_chat_template(line["body"]["messages"], tokenize=False, add_generation_prompt=True)
+        for line in (lines[0], lines[2])
+    ]
     assert estimate["prompt_tokens"] == sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in rendered)
     assert estimate["max_output_tokens"] == 4 + 4
     assert [(problem["index"], problem["code"]) for problem in estimate["cannot_run"]] == [(1, "prompt_too_long")]
@@ -306,22 +356,35 @@ def test_a_dry_run_of_a_batch_checks_and_tokenizes_its_file_and_creates_nothing(
     assert sorted(path.name for path in (deployment.home / "work").iterdir()) == ["files"]
 
     bad = _upload(client, _jsonl([_line("a"), "{not json"])).json()["id"]
-    refused = client.post("/v1/batches", headers=_bearer(USER_KEY), params={"dry_run": "true"},
-                          json={"input_file_id": bad, "endpoint": CHAT, "completion_window": "24h"})
+    refused = client.post(
+        "/v1/batches",
+        headers=_bearer(USER_KEY),
+        params={"dry_run": "true"},
+        json={"input_file_id": bad, "endpoint": CHAT, "completion_window": "24h"},
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_file_id"
     assert "line 2" in refused.json()["error"]["message"]
     assert sorted(path.name for path in (deployment.home / "work").iterdir()) == ["files"]
 
 
 def test_a_batch_finalized_again_replaces_its_files_and_leaves_no_old_one(tmp_path):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from batch_pipeline.openai_batches import keep_results, write_result_files
     from batch_pipeline.openai_store import BatchRecord, OpenAIStore
 
     store = OpenAIStore(f"sqlite:///{tmp_path}/jobs.db")
-    store.add_batch(BatchRecord(batch_id="batch-1", owner="o", endpoint=CHAT, input_file_id="file-1",
-                                completion_window="24h", created_at=datetime.now(timezone.utc), total=1))
+    store.add_batch(
+        BatchRecord(
+            batch_id="batch-1",
+            owner="o",
+            endpoint=CHAT,
+            input_file_id="file-1",
+            completion_window="24h",
+            created_at=datetime.now(UTC),
+            total=1,
+        )
+    )
     custom_ids = tmp_path / "custom_ids.jsonl"
     custom_ids.write_text('"a"\n')
     files = tmp_path / "files"
@@ -338,8 +401,10 @@ def test_a_batch_finalized_again_replaces_its_files_and_leaves_no_old_one(tmp_pa
 
 def test_an_operator_catalog_maps_a_batchs_model_name_to_a_whole_model_config(deployment, tmp_path, monkeypatch):
     catalog = tmp_path / "models.yaml"
-    catalog.write_text(f"small-chat:\n  model: {MODEL}\n  max_model_len: 1024\n  served_model_name: small-chat\n"
-                       "broken:\n  max_model_len: -1\n")
+    catalog.write_text(
+        f"small-chat:\n  model: {MODEL}\n  max_model_len: 1024\n  served_model_name: small-chat\n"
+        "broken:\n  max_model_len: -1\n"
+    )
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CATALOG", str(catalog))
     client = deployment.client
     batch = _create(client, _upload(client, _jsonl([_line("a", model="small-chat")])).json()["id"]).json()

@@ -29,21 +29,37 @@ def test_the_openai_sdk_uploads_runs_polls_and_downloads_a_batch(served):
     client = openai.OpenAI(base_url=f"{served.api}/v1", api_key=KEY, max_retries=0)
     prompts = {"capital": "What is the capital of France?", "colour": "Name a colour.", "count": "Count to three."}
     lines = [
-        {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0}}
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        }
         for custom_id, text in prompts.items()
     ]
     # Longer than the model's 8k context: that request fails alone, in the error file.
-    lines.insert(1, {"custom_id": "too-long", "method": "POST", "url": "/v1/chat/completions",
-                     "body": {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}],
-                              "max_tokens": 8}})
+    lines.insert(
+        1,
+        {
+            "custom_id": "too-long",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 8},
+        },
+    )
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
 
     uploaded = client.files.create(file=("requests.jsonl", data), purpose="batch")
     assert uploaded.bytes == len(data) and uploaded.purpose == "batch"
     assert client.files.content(uploaded.id).content == data
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", metadata={"team": "sdk"})
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"team": "sdk"}
+    )
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"team": "sdk"}
 
     deadline = time.monotonic() + 600

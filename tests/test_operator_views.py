@@ -11,8 +11,8 @@ from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.job import OUTPUTS_ASSET
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, MODEL_TAG
 from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, MODEL_TAG
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
@@ -23,8 +23,14 @@ def test_a_run_launched_outside_the_api_is_a_job_the_api_reports_with_its_output
 ):
     output = tmp_path / "out.json"
     content = {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0}
-    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL}, "content": content,
-                      "labels": {"team": "ops"}})
+    result = run_job(
+        {
+            "output_data_path": str(output),
+            "model_config": {"model": MODEL},
+            "content": content,
+            "labels": {"team": "ops"},
+        }
+    )
     assert result.success
     run = dagster_home.get_run_by_id(result.run_id)
     job_id = run.tags[JOB_ID_TAG]

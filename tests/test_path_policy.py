@@ -18,8 +18,11 @@ CONTENT = {"prompts": ["x"], "max_new_tokens": 1, "temperature": 0.0}
 
 def _post(api, body: dict):
     # Serialized here, not by httpx: its encoder cannot write a lone surrogate, JSON's \ud800 escape can.
-    return api.client.post("/v2/batch-completions", content=json.dumps(body).encode(),
-                           headers={**ALICE, "content-type": "application/json"})
+    return api.client.post(
+        "/v2/batch-completions",
+        content=json.dumps(body).encode(),
+        headers={**ALICE, "content-type": "application/json"},
+    )
 
 
 def _refused_fields(response) -> list[str]:
@@ -43,10 +46,18 @@ def test_chained_aliased_and_unknown_fsspec_urls_cannot_leave_the_data_roots(dep
     victim.write_text("[]")
     api = deployment_factory()
     hostile = [
-        f"simplecache::file://{victim}", f"filecache::file://{victim}", "blockcache::file:///etc/passwd",
-        f"dir::{outside}", f"simplecache::{root}/inside-but-chained.json",
-        f"file:{victim}", f"local://{victim}", f"file://{outside.relative_to('/')}/victim.json",
-        f"file:{root}/../outside/victim.json", "foo://x.json", "memory://x.json", "FILE:///etc/passwd",
+        f"simplecache::file://{victim}",
+        f"filecache::file://{victim}",
+        "blockcache::file:///etc/passwd",
+        f"dir::{outside}",
+        f"simplecache::{root}/inside-but-chained.json",
+        f"file:{victim}",
+        f"local://{victim}",
+        f"file://{outside.relative_to('/')}/victim.json",
+        f"file:{root}/../outside/victim.json",
+        "foo://x.json",
+        "memory://x.json",
+        "FILE:///etc/passwd",
         "data:application/json,[]",
     ]
     for field in ("input_data_path", "output_data_path"):
@@ -64,12 +75,20 @@ def test_chained_aliased_and_unknown_fsspec_urls_cannot_leave_the_data_roots(dep
 
 
 def test_without_data_roots_any_local_path_goes_but_unknown_protocols_and_chains_do_not(
-        deployment_factory, tmp_path, monkeypatch):
+    deployment_factory, tmp_path, monkeypatch
+):
     monkeypatch.delenv("BATCH_PIPELINE_DATA_ROOTS", raising=False)
     api = deployment_factory()
     # An invalid bucket would make every later status read of the job fail in botocore.
-    for output in ("foo://x.json", f"simplecache::file://{tmp_path}/o.json", "memory://o.json", "s3://",
-                   "s3://bucket", f"s3://{'b' * 300}/o.json", "s3://a bucket/o.json"):
+    for output in (
+        "foo://x.json",
+        f"simplecache::file://{tmp_path}/o.json",
+        "memory://o.json",
+        "s3://",
+        "s3://bucket",
+        f"s3://{'b' * 300}/o.json",
+        "s3://a bucket/o.json",
+    ):
         body = {"output_data_path": output, "model_config": {"model": MODEL}, "content": CONTENT}
         assert _refused_fields(_post(api, body)) == ["output_data_path"], output
     for output in (f"{tmp_path}/o.json", "relative/o.json", "s3://bucket/o.json"):
@@ -110,21 +129,34 @@ def test_model_tokenizer_and_checkpoint_paths_are_held_to_the_data_roots(deploym
     api = deployment_factory()
     base = {"output_data_path": f"{root}/o.json", "content": CONTENT}
     refused = {
-        "model_config.model": [{"model": "/etc"}, {"model": f"{root}/../outside"}, {"model": f"{root}/models/escape"},
-                               {"model": "./models/m"}, {"model": "~/m"}, {"model": "foo://m"},
-                               {"model": "simplecache::s3://b/m"}],
+        "model_config.model": [
+            {"model": "/etc"},
+            {"model": f"{root}/../outside"},
+            {"model": f"{root}/models/escape"},
+            {"model": "./models/m"},
+            {"model": "~/m"},
+            {"model": "foo://m"},
+            {"model": "simplecache::s3://b/m"},
+        ],
         "model_config.tokenizer": [{"model": MODEL, "tokenizer": str(outside)}, {"model": MODEL, "tokenizer": "../t"}],
-        "model_config.checkpoint_path": [{"model": MODEL, "checkpoint_path": str(outside)},
-                                         {"model": MODEL, "checkpoint_path": "blockcache::s3://b/m"},
-                                         {"model": MODEL, "checkpoint_path": "foo://b/m"}],
+        "model_config.checkpoint_path": [
+            {"model": MODEL, "checkpoint_path": str(outside)},
+            {"model": MODEL, "checkpoint_path": "blockcache::s3://b/m"},
+            {"model": MODEL, "checkpoint_path": "foo://b/m"},
+        ],
     }
     for field, configs in refused.items():
         for model_config in configs:
             assert _refused_fields(_post(api, {**base, "model_config": model_config})) == [field], model_config
-    accepted = [{"model": MODEL}, {"model": MODEL.upper()}, {"model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
-                {"model": f"{root}/models/m"}, {"model": MODEL, "tokenizer": f"{root}/models/m"},
-                {"model": "mine", "checkpoint_path": "s3://b/weights"},
-                {"model": "mine", "checkpoint_path": f"{root}/models/m"}]
+    accepted = [
+        {"model": MODEL},
+        {"model": MODEL.upper()},
+        {"model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        {"model": f"{root}/models/m"},
+        {"model": MODEL, "tokenizer": f"{root}/models/m"},
+        {"model": "mine", "checkpoint_path": "s3://b/weights"},
+        {"model": "mine", "checkpoint_path": f"{root}/models/m"},
+    ]
     for model_config in accepted:
         assert _post(api, {**base, "model_config": model_config}).status_code == 200, model_config
 
@@ -142,8 +174,11 @@ def test_the_output_metadata_file_is_held_to_the_data_roots_too(deployment_facto
 def test_trust_remote_code_is_refused_unless_the_operator_allows_it(deployment_factory, tmp_path, monkeypatch):
     monkeypatch.delenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", raising=False)
     api = deployment_factory()
-    body = {"output_data_path": f"{tmp_path}/o.json", "content": CONTENT,
-            "model_config": {"model": MODEL, "trust_remote_code": True}}
+    body = {
+        "output_data_path": f"{tmp_path}/o.json",
+        "content": CONTENT,
+        "model_config": {"model": MODEL, "trust_remote_code": True},
+    }
     assert _refused_fields(_post(api, body)) == ["model_config.trust_remote_code"]
     assert _post(api, {**body, "model_config": {"model": MODEL, "trust_remote_code": False}}).status_code == 200
     monkeypatch.setenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", "1")
@@ -165,14 +200,20 @@ def test_a_launchpad_run_is_held_to_the_same_policy(run_job, data_root, monkeypa
     root, outside = data_root
     monkeypatch.delenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", raising=False)
     victim = outside / "victim.json"
-    result = run_job({"output_data_path": f"simplecache::file://{victim}", "model_config": {"model": MODEL},
-                      "content": CONTENT})
+    result = run_job(
+        {"output_data_path": f"simplecache::file://{victim}", "model_config": {"model": MODEL}, "content": CONTENT}
+    )
     assert not result.success
     (message,) = step_failure_messages(result)
     assert "output_data_path: chained URLs" in message
     assert not victim.exists()
-    result = run_job({"output_data_path": f"{root}/o.json", "content": CONTENT,
-                      "model_config": {"model": MODEL, "trust_remote_code": True}})
+    result = run_job(
+        {
+            "output_data_path": f"{root}/o.json",
+            "content": CONTENT,
+            "model_config": {"model": MODEL, "trust_remote_code": True},
+        }
+    )
     assert not result.success
     (message,) = step_failure_messages(result)
     assert "model_config.trust_remote_code: this server does not run a model's own code" in message
@@ -188,8 +229,9 @@ def test_a_launchpad_run_cannot_name_a_content_file_only_the_submission_path_may
     others.parent.mkdir(parents=True)
     others.write_text(json.dumps({"prompts": ["someone else's secret"], "max_new_tokens": 1, "temperature": 0.0}))
     output = tmp_path / "o.json"
-    request = StoredRequest.model_validate({"output_data_path": str(output), "model_config": {"model": MODEL},
-                                            "content_path": str(others)})
+    request = StoredRequest.model_validate(
+        {"output_data_path": str(output), "model_config": {"model": MODEL}, "content_path": str(others)}
+    )
     result = execute_request(request, dagster_home)
     assert not result.success
     (message,) = step_failure_messages(result)
@@ -221,8 +263,12 @@ def test_object_keys_that_climb_out_of_a_synced_checkpoint_are_refused(s3, tmp_p
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(cache))
     s3.put_object(Bucket="batch", Key="weights/m/config.json", Body=b"{}")
     # From the checkpoint's directory in the cache, three levels up is tmp_path.
-    for key in ("weights/m/../../../escape.json", "weights/m/sub/../../../../up.json",
-                "weights/m//abs.json", "weights/m/./dot.json"):
+    for key in (
+        "weights/m/../../../escape.json",
+        "weights/m/sub/../../../../up.json",
+        "weights/m//abs.json",
+        "weights/m/./dot.json",
+    ):
         s3.put_object(Bucket="batch", Key=key, Body=b"{}")
         with pytest.raises(ValueError, match=f"model_config.checkpoint_path: .*{re.escape(key)}"):
             sync_remote_checkpoint("s3://batch/weights/m")

@@ -63,13 +63,19 @@ def test_a_killed_run_worker_is_retried_by_the_daemon_and_the_job_completes_with
     # echo: each output starts with its own prompt, so the output says which request it answers. Lengths
     # differ, so a shard finishes its requests one after another, not all at once.
     prompts = [f"Request {i}: once upon a time, a robot" for i in range(12)]
-    requests = [{"prompt": p, "max_tokens": 8 + 24 * (i // 2), "ignore_eos": True, "temperature": 0.0, "echo": True}
-                for i, p in enumerate(prompts)]
+    requests = [
+        {"prompt": p, "max_tokens": 8 + 24 * (i // 2), "ignore_eos": True, "temperature": 0.0, "echo": True}
+        for i, p in enumerate(prompts)
+    ]
     output = tmp_path / "output.json"
     job_id = api.client.post(
         "/v2/batch-completions",
-        json={"content": requests, "output_data_path": str(output), "model_config": {"model": MODEL},
-              "data_parallelism": 2},
+        json={
+            "content": requests,
+            "output_data_path": str(output),
+            "model_config": {"model": MODEL},
+            "data_parallelism": 2,
+        },
         headers=ALICE,
     ).json()["job_id"]
 
@@ -119,8 +125,12 @@ def test_a_job_whose_run_starts_late_stops_at_its_expires_at_the_deadline_every_
     output = tmp_path / "output.json"
     job_id = api.client.post(
         "/v2/batch-completions",
-        json={"content": short + long, "output_data_path": str(output), "model_config": {"model": MODEL},
-              "max_runtime_sec": 120},
+        json={
+            "content": short + long,
+            "output_data_path": str(output),
+            "model_config": {"model": MODEL},
+            "max_runtime_sec": 120,
+        },
         headers=ALICE,
     ).json()["job_id"]
     expires_at = datetime.fromisoformat(api.job(job_id)["expires_at"])
@@ -154,8 +164,11 @@ def test_a_job_failing_for_a_reason_of_its_own_is_not_retried(deployment, tmp_pa
     api.start_daemon()
     job_id = api.client.post(
         "/v2/batch-completions",
-        json={"input_data_path": str(tmp_path / "nowhere.json"), "output_data_path": str(tmp_path / "output.json"),
-              "model_config": {"model": MODEL}},
+        json={
+            "input_data_path": str(tmp_path / "nowhere.json"),
+            "output_data_path": str(tmp_path / "output.json"),
+            "model_config": {"model": MODEL},
+        },
         headers=ALICE,
     ).json()["job_id"]
     job = api.wait_for(job_id, lambda j: j["status"] in ("completed", "failed", "cancelled"), timeout=300)

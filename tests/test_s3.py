@@ -22,8 +22,12 @@ def s3(monkeypatch):
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     # What a deployment sets for a MinIO-style store; the steps and workers inherit it.
-    for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(key, value)
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="batch")
@@ -38,11 +42,19 @@ def s3(monkeypatch):
 
 @pytest.mark.slow
 def test_a_job_reads_its_input_from_s3_and_writes_its_output_there(run_job, s3):
-    content = [{"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0},
-               {"prompts": ["1, 2, 3,"], "max_new_tokens": 4, "temperature": 0.0}]
+    content = [
+        {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0},
+        {"prompts": ["1, 2, 3,"], "max_new_tokens": 4, "temperature": 0.0},
+    ]
     s3.put_object(Bucket="batch", Key="in/requests.jsonl", Body="".join(json.dumps(c) + "\n" for c in content))
-    result = run_job({"input_data_path": "s3://batch/in/requests.jsonl", "output_data_path": "s3://batch/out/o.json",
-                      "model_config": {"model": MODEL}, "data_parallelism": 2})
+    result = run_job(
+        {
+            "input_data_path": "s3://batch/in/requests.jsonl",
+            "output_data_path": "s3://batch/out/o.json",
+            "model_config": {"model": MODEL},
+            "data_parallelism": 2,
+        }
+    )
     assert result.success, step_failure_messages(result)
     outputs = json.loads(s3.get_object(Bucket="batch", Key="out/o.json")["Body"].read())
     assert len(outputs) == 3 and all(output["text"] for output in outputs)
@@ -54,8 +66,13 @@ def test_a_job_reads_its_input_from_s3_and_writes_its_output_there(run_job, s3):
 
 @pytest.mark.slow
 def test_an_output_bucket_that_does_not_exist_fails_before_any_inference(run_job, s3):
-    result = run_job({"output_data_path": "s3://no-such-bucket/o.json", "model_config": {"model": MODEL},
-                      "content": {"prompts": ["x"], "max_new_tokens": 2, "temperature": 0.0}})
+    result = run_job(
+        {
+            "output_data_path": "s3://no-such-bucket/o.json",
+            "model_config": {"model": MODEL},
+            "content": {"prompts": ["x"], "max_new_tokens": 2, "temperature": 0.0},
+        }
+    )
     assert not result.success
     (message,) = step_failure_messages(result)
     assert "output_data_path: cannot write s3://no-such-bucket/o.json" in message
@@ -67,8 +84,14 @@ def test_a_remote_checkpoint_is_synced_once_with_only_weights_configs_and_tokeni
     from batch_pipeline.models import sync_remote_checkpoint
 
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(tmp_path / "cache"))
-    files = {"config.json": b"{}", "model-00001.safetensors": b"w" * 1000, "tokenizer.json": b"{}",
-             "sub/generation_config.json": b"{}", "modeling_custom.py": b"import os", "pytorch_model.bin": b"pickle"}
+    files = {
+        "config.json": b"{}",
+        "model-00001.safetensors": b"w" * 1000,
+        "tokenizer.json": b"{}",
+        "sub/generation_config.json": b"{}",
+        "modeling_custom.py": b"import os",
+        "pytorch_model.bin": b"pickle",
+    }
     for name, data in files.items():
         s3.put_object(Bucket="batch", Key=f"weights/m/{name}", Body=data)
 
@@ -98,9 +121,13 @@ def test_a_job_loads_its_weights_from_an_s3_checkpoint_path(run_job, s3, tmp_pat
             s3.upload_file(str(path), "batch", f"weights/smollm2/{path.relative_to(prepared)}")
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(tmp_path / "cache"))
     output = tmp_path / "out.json"
-    result = run_job({"output_data_path": str(output),
-                      "model_config": {"model": "my-smollm2", "checkpoint_path": "s3://batch/weights/smollm2"},
-                      "content": {"prompts": ["The capital of France is"], "max_new_tokens": 4, "temperature": 0.0}})
+    result = run_job(
+        {
+            "output_data_path": str(output),
+            "model_config": {"model": "my-smollm2", "checkpoint_path": "s3://batch/weights/smollm2"},
+            "content": {"prompts": ["The capital of France is"], "max_new_tokens": 4, "temperature": 0.0},
+        }
+    )
     assert result.success, step_failure_messages(result)
     assert json.loads(output.read_text())[0]["text"]
     assert list((tmp_path / "cache" / "remote").glob("*/model.safetensors"))
@@ -116,9 +143,18 @@ def test_shard_work_dirs_on_s3_are_shared_and_a_stored_checkpoint_is_resumed(run
     seeded = {"text": " SEEDED", "num_prompt_tokens": 5, "num_completion_tokens": 1}
     s3.put_object(Bucket="batch", Key=f"{shard}/results.tsv", Body=format_result(0, seeded))
     output = tmp_path / "out.json"
-    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL},
-                      "content": {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 4,
-                                  "temperature": 0.0}}, job_id="s3-work")
+    result = run_job(
+        {
+            "output_data_path": str(output),
+            "model_config": {"model": MODEL},
+            "content": {
+                "prompts": ["The capital of France is", "Water boils at"],
+                "max_new_tokens": 4,
+                "temperature": 0.0,
+            },
+        },
+        job_id="s3-work",
+    )
     assert result.success, step_failure_messages(result)
     first, second = json.loads(output.read_text())
     assert first == seeded and second["text"] != seeded["text"]  # the stored result was kept, not redone

@@ -13,8 +13,14 @@ from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow
 
-GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
-                     "temperature": 0.0, "repetition_penalty": 2.0, "max_new_tokens": 5}
+GENERATION_CONFIG = {
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "temperature": 0.0,
+    "repetition_penalty": 2.0,
+    "max_new_tokens": 5,
+}
 STORY = "Once upon a time"
 CAT = "The cat sat on the mat. The cat sat on the mat. The cat"
 REPEATED = " sat on the mat. The cat sat on the mat."  # greedy decoding without a penalty goes on repeating
@@ -37,7 +43,8 @@ def model_dir(tmp_path_factory) -> Path:
     """The built-in model's files (linked) with a generation config of our own."""
     source = Path(resolve_model(MODEL))
     assert not {"temperature", "repetition_penalty", "max_new_tokens"} & set(
-        json.loads((source / "generation_config.json").read_text())), "the built-in model sets no sampling values"
+        json.loads((source / "generation_config.json").read_text())
+    ), "the built-in model sets no sampling values"
     target = tmp_path_factory.mktemp("model")
     for path in source.iterdir():
         if path.name != "generation_config.json":
@@ -60,11 +67,19 @@ def _run(tmp_path_factory, model_dir: Path, content) -> list[dict]:
     else:
         source = {"content": content}
     # A short context bounds what a request without max_tokens could generate.
-    request = CreateBatchCompletionsV2Request.model_validate({
-        "output_data_path": str(output), **source,
-        # float32 everywhere: greedy text follows the dtype's numerics.
-        "model_config": {"model": str(model_dir), "served_model_name": MODEL, "max_model_len": 256, "dtype": "float32"},
-    })
+    request = CreateBatchCompletionsV2Request.model_validate(
+        {
+            "output_data_path": str(output),
+            **source,
+            # float32 everywhere: greedy text follows the dtype's numerics.
+            "model_config": {
+                "model": str(model_dir),
+                "served_model_name": MODEL,
+                "max_model_len": 256,
+                "dtype": "float32",
+            },
+        }
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DAGSTER_HOME", str(home))
         with dg.instance_for_test(temp_dir=str(home)) as instance:

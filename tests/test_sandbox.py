@@ -90,7 +90,9 @@ def test_a_sleeping_process_tree_is_killed_whole(sandbox):
 
 
 def test_a_fork_bomb_is_contained(sandbox):
-    result = sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=2)
+    result = sandbox.run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=2
+    )
     assert result.timed_out
     assert sandbox.run("print('still works')").output == "still works\n"
 
@@ -144,7 +146,9 @@ def test_no_network(sandbox):
     accepted = []
     threading.Thread(target=lambda: accepted.append(_accept(listener)), daemon=True).start()
     port = listener.getsockname()[1]
-    result = sandbox.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+    result = sandbox.run(
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+    )
     assert "connected" not in result.output and result.error
     resolved = sandbox.run("import socket\nprint(socket.gethostbyname('pypi.org'))")
     assert resolved.error and "gaierror" in resolved.error
@@ -188,14 +192,19 @@ def test_without_namespaces_the_uid_and_limits_still_contain(monkeypatch):
     sandbox = Sandbox(SandboxLimits(timeout_s=2), slots=1)
     assert sandbox.isolation.network.startswith("NOT isolated")
     assert sandbox.run("print(6 * 7)").output == "42\n"
-    assert sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass").timed_out
+    assert sandbox.run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    ).timed_out
     leftover = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\nprint('parent exits')"
     assert sandbox.run(leftover).output == "parent exits\n"
     assert not sandbox_processes()  # the detached child went with its uid
 
 
 # A child that leaves the session and outlives its parent, findable by the name it runs under.
-DETACHED = "import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', [{marker!r}, '1000'])\nprint('parent exits')"
+DETACHED = (
+    "import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', [{marker!r}, '1000'])\n"
+    "print('parent exits')"
+)
 
 
 def processes_named(name: str) -> list[int]:
@@ -315,8 +324,9 @@ def test_the_memory_limit_holds_for_all_processes_together(make_sandbox):
 
 def run_python(script: str, *, as_: list[str], python: str = sys.executable) -> subprocess.CompletedProcess:
     """`script` in a new Python under setpriv (a reduced capability set or another uid), from the repo."""
-    return subprocess.run(["setpriv", *as_, python, "-c", script], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
+    return subprocess.run(
+        ["setpriv", *as_, python, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
 
 
 # As a pod with `capabilities: {drop: [ALL], add: [...]}` and `allowPrivilegeEscalation: false` runs its process.
@@ -380,10 +390,12 @@ print('ran as', sandbox.run('import os; print(os.getuid())').output, sandbox.iso
 @pytest.mark.parametrize("worker", ["root without CAP_SETUID", "not root"])
 def test_where_no_uid_switch_is_possible_the_sandbox_refuses_to_run_code(worker):
     if worker == "not root":  # the system's Python, and the sandbox module alone: nobody cannot read the venv
-        script = ("import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sandbox', "
-                  f"{str(REPO / 'batch_pipeline/worker/sandbox.py')!r})\nmodule = importlib.util.module_from_spec(spec)\n"
-                  "sys.modules['sandbox'] = module\nspec.loader.exec_module(module)\n"
-                  "Sandbox, SandboxUnavailable = module.Sandbox, getattr(module, 'SandboxUnavailable', ())\n" + REFUSES)
+        script = (
+            "import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sandbox', "
+            f"{str(REPO / 'batch_pipeline/worker/sandbox.py')!r})\nmodule = importlib.util.module_from_spec(spec)\n"
+            "sys.modules['sandbox'] = module\nspec.loader.exec_module(module)\n"
+            "Sandbox, SandboxUnavailable = module.Sandbox, getattr(module, 'SandboxUnavailable', ())\n" + REFUSES
+        )
         done = run_python(script, as_=["--reuid=65534", "--regid=65534", "--clear-groups"], python="/usr/bin/python3")
     else:
         script = "from batch_pipeline.worker.sandbox import Sandbox, SandboxUnavailable\n" + REFUSES
@@ -398,12 +410,15 @@ def test_a_tool_config_shard_fails_with_the_reason_where_no_uid_switch_is_possib
     """The worker itself, before any engine starts; its checkpoint is private (0600)."""
     from batch_pipeline.shards import ShardTask, work_items, write_shards
 
-    (shard,) = write_shards(work_items([("content", {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0})]), 1, str(tmp_path / "job"))
-    task = ShardTask(shard=shard, model_config={"model": "no-such-model"},
-                     tool_config={"name": "code_evaluator"})
+    (shard,) = write_shards(
+        work_items([("content", {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0})]), 1, str(tmp_path / "job")
+    )
+    task = ShardTask(shard=shard, model_config={"model": "no-such-model"}, tool_config={"name": "code_evaluator"})
     (tmp_path / "task.json").write_text(json.dumps(task.to_dict()))
-    done = run_python(f"from batch_pipeline.worker.__main__ import main; main(['--task', {str(tmp_path / 'task.json')!r}])",
-                      as_=["--bounding-set=-setuid,-setgid"])
+    done = run_python(
+        f"from batch_pipeline.worker.__main__ import main; main(['--task', {str(tmp_path / 'task.json')!r}])",
+        as_=["--bounding-set=-setuid,-setgid"],
+    )
     assert done.returncode != 0
     assert "SandboxUnavailable: tool_config" in done.stderr, done.stderr[-3000:]
     assert "uid" in done.stderr.rsplit("SandboxUnavailable", 1)[1]
@@ -419,8 +434,11 @@ def test_a_jobs_files_are_private(tmp_path):
     base = shared_directory()
     try:
         work_dir = base / "job-1"
-        (shard,) = write_shards(work_items([("content", {"prompts": ["secret prompt"], "max_new_tokens": 4, "temperature": 0.0})]), 1,
-                                str(work_dir))
+        (shard,) = write_shards(
+            work_items([("content", {"prompts": ["secret prompt"], "max_new_tokens": 4, "temperature": 0.0})]),
+            1,
+            str(work_dir),
+        )
         for directory in (work_dir, work_dir / "shards", Path(shard.directory)):
             assert directory.stat().st_mode & 0o777 == 0o700, directory
         assert Path(shard.input_path).stat().st_mode & 0o777 == 0o600

@@ -4,7 +4,7 @@ daemon into a job that completes."""
 
 import json
 import textwrap
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import dagster as dg
 import pytest
@@ -17,7 +17,8 @@ from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX
 from tests.api_fixtures import ADMIN_KEY
 from tests.conftest import MODEL
 
-VALID = """\
+VALID = (
+    """\
 schedules:
   - name: nightly
     cron: "0 2 * * *"
@@ -26,7 +27,9 @@ schedules:
       output_data_path: {out}/{{date}}/out.json
       model_config: {{model: %s}}
       content: {{prompts: ["The capital of France is"], max_new_tokens: 4, temperature: 0.0}}
-""" % MODEL
+"""
+    % MODEL
+)
 
 
 def _write(tmp_path, text: str) -> str:
@@ -65,19 +68,24 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
     (spec,) = load_schedule_specs(_write(tmp_path, VALID.format(out=tmp_path)))
     schedule = schedule_for(spec)
     url = f"sqlite:///{tmp_path}/jobs.db"
-    tick = datetime(2026, 11, 28, 1, 0, tzinfo=timezone.utc)  # 02:00 in Paris
+    tick = datetime(2026, 11, 28, 1, 0, tzinfo=UTC)  # 02:00 in Paris
 
     with dg.instance_for_test() as instance:
+
         def evaluate(at: datetime) -> dg.RunRequest:
             context = dg.build_schedule_context(
-                instance=instance, scheduled_execution_time=at, resources={"job_store": JobStoreResource(url=url),
-                                                            "job_storage": JobStorage(work_dir_base=str(tmp_path / "work"))}
+                instance=instance,
+                scheduled_execution_time=at,
+                resources={
+                    "job_store": JobStoreResource(url=url),
+                    "job_storage": JobStorage(work_dir_base=str(tmp_path / "work")),
+                },
             )
             (request,) = schedule.evaluate_tick(context).run_requests
             return request
 
         first, again = evaluate(tick), evaluate(tick)
-        next_night = evaluate(datetime(2026, 11, 29, 1, 0, tzinfo=timezone.utc))
+        next_night = evaluate(datetime(2026, 11, 29, 1, 0, tzinfo=UTC))
         sensor_context = dg.build_sensor_context(instance=instance, resources={"job_store": JobStoreResource(url=url)})
         sensor_requests = batch_jobs_sensor.evaluate_tick(sensor_context).run_requests
 
@@ -94,17 +102,23 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
 
 @pytest.mark.slow
 def test_a_schedule_fires_under_the_real_daemon_into_a_job_that_completes(deployment_factory, tmp_path, monkeypatch):
-    path = _write(tmp_path, VALID.format(out=tmp_path).replace('"0 2 * * *"', '"* * * * *"')
-                  .replace("timezone: Europe/Paris", "timezone: UTC\n    status: running"))
+    path = _write(
+        tmp_path,
+        VALID.format(out=tmp_path)
+        .replace('"0 2 * * *"', '"* * * * *"')
+        .replace("timezone: Europe/Paris", "timezone: UTC\n    status: running"),
+    )
     monkeypatch.setenv("BATCH_PIPELINE_SCHEDULES", path)
     api = deployment_factory()
     api.start_daemon()
     admin = {"x-api-key": ADMIN_KEY}
-    deadline = datetime.now(timezone.utc).timestamp() + 150  # the next minute, then the run
+    deadline = datetime.now(UTC).timestamp() + 150  # the next minute, then the run
     jobs = []
     while not jobs:
-        assert datetime.now(timezone.utc).timestamp() < deadline, (api.home / "daemon.log").read_text()[-3000:]
-        jobs = api.client.get("/v2/batch-completions", params={"label": "schedule:nightly"}, headers=admin).json()["jobs"]
+        assert datetime.now(UTC).timestamp() < deadline, (api.home / "daemon.log").read_text()[-3000:]
+        jobs = api.client.get("/v2/batch-completions", params={"label": "schedule:nightly"}, headers=admin).json()[
+            "jobs"
+        ]
     job = api.wait_for(jobs[0]["job_id"], lambda j: j["status"] in ("completed", "failed"), timeout=300, key=ADMIN_KEY)
     assert job["status"] == "completed", job
     day = datetime.fromisoformat(job["created_at"]).strftime("%Y-%m-%d")

@@ -68,8 +68,15 @@ class Served:
         self.api = f"http://127.0.0.1:{self.api_port}"
         self.ui = f"http://127.0.0.1:{self.dagster_port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "batch_pipeline.serve", "--port", str(self.api_port),
-             "--dagster-port", str(self.dagster_port)],
+            [
+                sys.executable,
+                "-m",
+                "batch_pipeline.serve",
+                "--port",
+                str(self.api_port),
+                "--dagster-port",
+                str(self.dagster_port),
+            ],
             cwd=REPO,
             env={**os.environ, "DAGSTER_HOME": str(home), "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1"},
             # A file, not a pipe: nobody reads a pipe here, and the services would block once it filled.
@@ -111,9 +118,20 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     assert binary, "chromium is not installed (.ci/run installs Debian's chromium)"
     return subprocess.run(
-        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-         "--window-size=1440,900", "--virtual-time-budget=20000", *args],
-        capture_output=True, text=True, timeout=180,
+        [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--window-size=1440,900",
+            "--virtual-time-budget=20000",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
@@ -125,8 +143,12 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
     (served.home / ".nux").mkdir()  # the community sign-up modal was dismissed once ("Skip"), as users do
     (served.home / ".nux" / "nux.yaml").write_text("seen: 1\n")
     content = {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0}
-    body = {"output_data_path": str(tmp_path / "api.json"), "model_config": {"model": MODEL}, "content": content,
-            "labels": {"team": "ui"}}
+    body = {
+        "output_data_path": str(tmp_path / "api.json"),
+        "model_config": {"model": MODEL},
+        "content": content,
+        "labels": {"team": "ui"},
+    }
     job_id = httpx.post(f"{served.api}/v2/batch-completions", json=body, timeout=30).json()["job_id"]
     # What the launchpad's "Launch run" sends: the webserver's GraphQL mutation with the request as config.
     graphql = DagsterGraphQLClient("127.0.0.1", port_number=served.dagster_port)
@@ -137,9 +159,14 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
 
     deadline = time.monotonic() + 400
     while True:
-        jobs = {job["job_id"]: job for job in httpx.get(f"{served.api}/v2/batch-completions", timeout=30).json()["jobs"]}
+        jobs = {
+            job["job_id"]: job for job in httpx.get(f"{served.api}/v2/batch-completions", timeout=30).json()["jobs"]
+        }
         by_run = {job["metadata"].get("dagster_run_id"): job for job in jobs.values()}
-        if jobs.get(job_id, {}).get("status") == "completed" and by_run.get(launchpad_run, {}).get("status") == "completed":
+        if (
+            jobs.get(job_id, {}).get("status") == "completed"
+            and by_run.get(launchpad_run, {}).get("status") == "completed"
+        ):
             break
         assert time.monotonic() < deadline, f"jobs did not complete: {jobs}\n{served.log.read_text()[-3000:]}"
         time.sleep(1)
@@ -150,8 +177,14 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
     dom = _chromium("--dump-dom", f"{served.ui}/runs/{run_id}").stdout
     text = re.sub(r"<[^>]+>", " ", re.sub(r"<(style|script)[^>]*>.*?</\1>", " ", dom, flags=re.S))
     text = re.sub(r"\s+", " ", text)
-    for expected in ("batch_completions", "Success", job_id, "batch_completions / outputs", "run_shard[shard_000]",
-                     "write_job_metadata"):
+    for expected in (
+        "batch_completions",
+        "Success",
+        job_id,
+        "batch_completions / outputs",
+        "run_shard[shard_000]",
+        "write_job_metadata",
+    ):
         assert expected in text, f"{expected!r} is not on the run page: {text}"
     screenshot = tmp_path / "run.png"
     _chromium(f"--screenshot={screenshot}", f"{served.ui}/runs/{run_id}")

@@ -69,8 +69,9 @@ def test_shards_are_balanced_by_estimated_tokens_not_by_request_count(tmp_path):
     shards = write_shards(_items(records), 2, str(tmp_path))
     loads = sorted(shard.estimated_tokens for shard in shards)
     assert loads[1] / loads[0] < 1.2, loads
-    long_ones = [sum(1 for item in read_work_items(shard.input_path) if len(str(item.request)) > 1000)
-                 for shard in shards]
+    long_ones = [
+        sum(1 for item in read_work_items(shard.input_path) if len(str(item.request)) > 1000) for shard in shards
+    ]
     assert long_ones == [6, 6]
 
 
@@ -102,10 +103,20 @@ def test_a_worker_restarted_after_writing_a_source_fills_its_copies_without_an_e
     the copies are owed): the restarted worker answers them from the checkpoint and starts no engine."""
     records = [_chat("What is 2 + 2?", temperature=0), _chat("Name a colour.", temperature=0)] * 2
     (shard,) = write_shards(_items(records), 1, str(tmp_path), deduplicate=True)
-    outputs = {index: {"id": f"chatcmpl-{index}", "object": "chat.completion", "choices": [{"text": f"answer {index}"}],
-                       "usage": {"prompt_tokens": 5, "completion_tokens": 2}} for index in (0, 1)}
-    Path(shard.results_path).write_text(format_result(0, outputs[0]) + format_result(1, outputs[1])
-                                        + format_result(2, {**outputs[0], "id": "chatcmpl-2"}))
+    outputs = {
+        index: {
+            "id": f"chatcmpl-{index}",
+            "object": "chat.completion",
+            "choices": [{"text": f"answer {index}"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2},
+        }
+        for index in (0, 1)
+    }
+    Path(shard.results_path).write_text(
+        format_result(0, outputs[0])
+        + format_result(1, outputs[1])
+        + format_result(2, {**outputs[0], "id": "chatcmpl-2"})
+    )
     task = ShardTask(shard=shard, model_config={"model": "no-such-model"})
 
     stats = ShardRunner(task).run()
@@ -121,7 +132,11 @@ def test_a_stopped_jobs_partial_output_lists_copies_in_their_place(tmp_path):
     (shard,) = write_shards(_items(records), 1, str(tmp_path), deduplicate=True)
     Path(shard.results_path).write_text(format_result(0, {"text": "4"}) + format_result(2, {"text": "4"}))
     assert list(partial_outputs(str(tmp_path), lambda index: f"missing {index}")) == [
-        (0, '{"text": "4"}'), (1, "missing 1"), (2, '{"text": "4"}'), (3, "missing 3")]
+        (0, '{"text": "4"}'),
+        (1, "missing 1"),
+        (2, '{"text": "4"}'),
+        (3, "missing 3"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -156,16 +171,16 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_default_small_job_runs_one_engine_in_the_fast_dtype_and_answers_repeats_once(run_job, tmp_path,
-                                                                                           monkeypatch):
+def test_a_default_small_job_runs_one_engine_in_the_fast_dtype_and_answers_repeats_once(run_job, tmp_path, monkeypatch):
     """A default request as a user sends it: two shards asked, greedy questions asked twice, no dtype."""
     monkeypatch.delenv("BATCH_PIPELINE_MIN_SHARD_TOKENS")
     questions = ["What is the capital of France?", "Name a primary colour.", "What is 3 times 4?"]
     requests = [_chat(q, max_tokens=12, temperature=0) for q in questions] * 2 + [_chat(questions[0], max_tokens=12)]
     output = tmp_path / "output.json"
 
-    result = run_job({"output_data_path": str(output), "model_config": {"model": MODEL}, "data_parallelism": 2,
-                      "content": requests})
+    result = run_job(
+        {"output_data_path": str(output), "model_config": {"model": MODEL}, "data_parallelism": 2, "content": requests}
+    )
 
     assert result.success
     outputs = json.loads(output.read_text())
@@ -184,8 +199,9 @@ def test_a_default_small_job_runs_one_engine_in_the_fast_dtype_and_answers_repea
     assert shard["dtype_reason"]
 
     named = tmp_path / "named.json"
-    result = run_job({"output_data_path": str(named), "model_config": {"model": MODEL, "dtype": "float32"},
-                      "content": requests[:1]})
+    result = run_job(
+        {"output_data_path": str(named), "model_config": {"model": MODEL, "dtype": "float32"}, "content": requests[:1]}
+    )
     assert result.success
     metadata = json.loads(Path(str(named) + ".metadata.json").read_text())
     assert metadata["dtype"] == "float32" and metadata["shards"][0]["dtype_reason"] == "named by the request"

@@ -12,7 +12,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 def _plan(tokenizer, model_config: dict, **request):
     from batch_pipeline.worker.tool_calls import ToolCalling
 
-    calling = ToolCalling(tokenizer, BatchCompletionsModelConfig.model_validate({"model": MODEL, **model_config}), MODEL)
+    calling = ToolCalling(
+        tokenizer, BatchCompletionsModelConfig.model_validate({"model": MODEL, **model_config}), MODEL
+    )
     chat = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], **request}
     return calling.plan(FilteredChatCompletionV2Request.model_validate(chat))
 
@@ -24,8 +26,11 @@ def _plan(tokenizer, model_config: dict, **request):
         ({"tool_call_parser": "no_such_parser"}, {"tools": [WEATHER]}, "model_config.tool_call_parser:"),
         # this parser needs a special token SmolLM2's tokenizer lacks
         ({"tool_call_parser": "llama3_json"}, {"tools": [WEATHER]}, "model_config.tool_call_parser:"),
-        ({"tool_call_parser": "pythonic", "enable_auto_tool_choice": False}, {"tools": [WEATHER]},
-         "tool_choice: 'auto' needs model_config.enable_auto_tool_choice"),
+        (
+            {"tool_call_parser": "pythonic", "enable_auto_tool_choice": False},
+            {"tools": [WEATHER]},
+            "tool_choice: 'auto' needs model_config.enable_auto_tool_choice",
+        ),
         ({"tool_call_parser": "pythonic"}, {"tool_choice": "required"}, "tool_choice: set only together with tools"),
     ],
 )
@@ -44,8 +49,9 @@ def test_tool_choice_none_and_no_tools_need_no_parser(tokenizer):
 
 
 def test_required_tool_choice_constrains_the_output_to_calls_of_the_given_tools(tokenizer):
-    plan = _plan(tokenizer, {"tool_call_parser": "pythonic"}, tools=[WEATHER], tool_choice="required",
-                 parallel_tool_calls=False)
+    plan = _plan(
+        tokenizer, {"tool_call_parser": "pythonic"}, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False
+    )
     schema = plan.structured_outputs.json
     assert schema["type"] == "array" and schema["maxItems"] == 1
     assert schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]

@@ -19,8 +19,11 @@ PERSON = {
     "required": ["name", "age"],
 }
 CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
-CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
-        "required": ["city"]}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+    "required": ["city"],
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": CITY}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -37,16 +40,29 @@ KWARGS_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 )
 REFUSED_FIELDS = {
-    "stream": True, "stream_options": {"include_usage": True}, "use_beam_search": True,
-    "length_penalty": 0.8, "early_stopping": True,
-    "guided_decoding_backend": "outlines", "guided_whitespace_pattern": "", "audio": {"voice": "alloy", "format": "wav"},
-    "web_search_options": {}, "prediction": {"type": "content", "content": "x"},
-    "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["text", "audio"],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "use_beam_search": True,
+    "length_penalty": 0.8,
+    "early_stopping": True,
+    "guided_decoding_backend": "outlines",
+    "guided_whitespace_pattern": "",
+    "audio": {"voice": "alloy", "format": "wav"},
+    "web_search_options": {},
+    "prediction": {"type": "content", "content": "x"},
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "modalities": ["text", "audio"],
 }
 TOOL_HISTORY = [
     *ASK_WEATHER,
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
 ]
 
@@ -58,11 +74,20 @@ REQUESTS = {
     "seed_b": {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 11, "user": "b"},
     "seed_c": {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 12},
     "stop": {"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": [" 7"]},
-    "stop_kept": {"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop": " 7",
-                  "include_stop_str_in_output": True},
+    "stop_kept": {
+        "prompt": "1, 2, 3, 4,",
+        "max_tokens": 20,
+        "temperature": 0,
+        "stop": " 7",
+        "include_stop_str_in_output": True,
+    },
     "echo": {"prompt": "Water boils at", "max_tokens": 4, "temperature": 0, "echo": True},
-    "json_schema": {"prompt": "A person as JSON:", "max_tokens": 48, "temperature": 0,
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+    "json_schema": {
+        "prompt": "A person as JSON:",
+        "max_tokens": 48,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    },
     "choice": {"prompt": "Is the sea wet? Answer:", "max_tokens": 4, "guided_choice": ["yes", "no", "maybe"]},
     "regex": {"prompt": "A US zip code:", "max_tokens": 8, "guided_regex": r"[0-9]{5}"},
     "token_ids": {"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 4, "temperature": 0},
@@ -71,57 +96,144 @@ REQUESTS = {
     "best_of_sdk": {"prompt": "Roses are red,", "max_tokens": 4, "n": 2, "best_of": 1, "temperature": 0.9},
     "chat": {"messages": CHAT, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2},
     "chat_image": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-    "chat_continue": {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}],
-                      "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 3,
-                      "temperature": 0},
+    "chat_continue": {
+        "messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 3,
+        "temperature": 0,
+    },
     # Each sampling field, with an effect a user can check against a plain run.
     "greedy_top_k": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 1.0, "seed": 3, "top_k": 1},
-    "greedy_top_p": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 1.0, "seed": 3,
-                     "top_p": 0.001},
-    "greedy_min_p": {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 1.0, "seed": 3,
-                     "min_p": 1.0},
-    "logit_bias": {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
-                   "logit_bias": {"504": 100}},
+    "greedy_top_p": {
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 3,
+        "top_p": 0.001,
+    },
+    "greedy_min_p": {
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 3,
+        "min_p": 1.0,
+    },
+    "logit_bias": {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "logit_bias": {"504": 100}},
     "stop_token_ids": {"prompt": "1, 2, 3, 4,", "max_tokens": 20, "temperature": 0, "stop_token_ids": [39]},
-    **{name: {"prompt": "The cat sat on the mat. The cat sat on the mat. The cat", "max_tokens": 24,
-              "temperature": 0, "logprobs": 0, **penalty}
-       for name, penalty in [("repeat", {}), ("presence_penalty", {"presence_penalty": 2.0}),
-                             ("frequency_penalty", {"frequency_penalty": 2.0}),
-                             ("repetition_penalty", {"repetition_penalty": 2.0})]},
+    **{
+        name: {
+            "prompt": "The cat sat on the mat. The cat sat on the mat. The cat",
+            "max_tokens": 24,
+            "temperature": 0,
+            "logprobs": 0,
+            **penalty,
+        }
+        for name, penalty in [
+            ("repeat", {}),
+            ("presence_penalty", {"presence_penalty": 2.0}),
+            ("frequency_penalty", {"frequency_penalty": 2.0}),
+            ("repetition_penalty", {"repetition_penalty": 2.0}),
+        ]
+    },
     "short_answer": {"messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40, "temperature": 0},
-    "min_tokens": {"messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40, "temperature": 0,
-                   "min_tokens": 40},
-    "ignore_eos": {"messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40, "temperature": 0,
-                   "ignore_eos": True},
+    "min_tokens": {
+        "messages": [{"role": "user", "content": "Say OK."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "min_tokens": 40,
+    },
+    "ignore_eos": {
+        "messages": [{"role": "user", "content": "Say OK."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    },
     "max_completion_tokens": {"messages": CHAT, "max_tokens": 30, "max_completion_tokens": 3, "ignore_eos": True},
-    "special_kept": {"prompt": "Hello", "max_tokens": 2, "logit_bias": {"1": 100}, "skip_special_tokens": False,
-                     "spaces_between_special_tokens": False},
+    "special_kept": {
+        "prompt": "Hello",
+        "max_tokens": 2,
+        "logit_bias": {"1": 100},
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    },
     "special_spaced": {"prompt": "Hello", "max_tokens": 2, "logit_bias": {"1": 100}, "skip_special_tokens": False},
     "special_skipped": {"prompt": "Hello", "max_tokens": 2, "logit_bias": {"1": 100}},
-    "json_object": {"prompt": "An empty JSON object:", "max_tokens": 32, "temperature": 0,
-                    "response_format": {"type": "json_object"}},
+    "json_object": {
+        "prompt": "An empty JSON object:",
+        "max_tokens": 32,
+        "temperature": 0,
+        "response_format": {"type": "json_object"},
+    },
     "guided_json": {"prompt": "A person as JSON:", "max_tokens": 48, "temperature": 0, "guided_json": PERSON},
     "guided_grammar": {"prompt": "Is fire hot? Answer:", "max_tokens": 4, "guided_grammar": 'root ::= "yes" | "no"'},
-    "template_kwargs": {"messages": CHAT, "max_tokens": 2, "chat_template": KWARGS_TEMPLATE,
-                        "chat_template_kwargs": {"greeting": "Ahoy"}, "documents": [{"title": "Sea", "text": "wet"}]},
-    "ignored_fields": {"messages": CHAT, "max_tokens": 2, "model": "gpt-4o", "user": "u1", "metadata": {"a": "b"},
-                       "store": True, "service_tier": "auto", "reasoning_effort": "low", "priority": 3},
+    "template_kwargs": {
+        "messages": CHAT,
+        "max_tokens": 2,
+        "chat_template": KWARGS_TEMPLATE,
+        "chat_template_kwargs": {"greeting": "Ahoy"},
+        "documents": [{"title": "Sea", "text": "wet"}],
+    },
+    "ignored_fields": {
+        "messages": CHAT,
+        "max_tokens": 2,
+        "model": "gpt-4o",
+        "user": "u1",
+        "metadata": {"a": "b"},
+        "store": True,
+        "service_tier": "auto",
+        "reasoning_effort": "low",
+        "priority": 3,
+    },
     **{f"refused_{field}": {"messages": CHAT, field: value} for field, value in REFUSED_FIELDS.items()},
     # model_config.tool_call_parser is "pythonic"; a regex stands in for a model trained to call tools.
-    "tool_auto": {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 24,
-                  "guided_regex": r"\[get_weather\(city='(Paris|Rome)'\)\]"},
-    "tool_auto_answer": {"messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 24,
-                         "guided_choice": ["It is sunny."]},
-    "tool_named": {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 48, "temperature": 0,
-                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-    "tool_required": {"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "tool_choice": "required",
-                      "parallel_tool_calls": False, "max_tokens": 64, "temperature": 0},
-    "tool_none": {"messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 6,
-                  "temperature": 0},
-    "tool_history": {"messages": TOOL_HISTORY, "tools": [WEATHER], "chat_template": TOOLS_TEMPLATE,
-                     "max_tokens": 4, "temperature": 0},
-    "tool_unknown": {"messages": ASK_WEATHER, "tools": [WEATHER],
-                     "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
+    "tool_auto": {
+        "messages": ASK_WEATHER,
+        "tools": [WEATHER, TIME],
+        "max_tokens": 24,
+        "guided_regex": r"\[get_weather\(city='(Paris|Rome)'\)\]",
+    },
+    "tool_auto_answer": {
+        "messages": ASK_WEATHER,
+        "tools": [WEATHER],
+        "tool_choice": "auto",
+        "max_tokens": 24,
+        "guided_choice": ["It is sunny."],
+    },
+    "tool_named": {
+        "messages": ASK_WEATHER,
+        "tools": [WEATHER, TIME],
+        "max_tokens": 48,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    },
+    "tool_required": {
+        "messages": ASK_WEATHER,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 64,
+        "temperature": 0,
+    },
+    "tool_none": {
+        "messages": ASK_WEATHER,
+        "tools": [WEATHER],
+        "tool_choice": "none",
+        "max_tokens": 6,
+        "temperature": 0,
+    },
+    "tool_history": {
+        "messages": TOOL_HISTORY,
+        "tools": [WEATHER],
+        "chat_template": TOOLS_TEMPLATE,
+        "max_tokens": 4,
+        "temperature": 0,
+    },
+    "tool_unknown": {
+        "messages": ASK_WEATHER,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_news"}},
+    },
     # ~9000 tokens, past the model's 8192
     "too_long_prompt": {"prompt": "hi " * 9000, "max_tokens": 4},
     "too_long_chat": {"messages": [{"role": "user", "content": "hi " * 9000}], "max_tokens": 4},
@@ -140,7 +252,11 @@ def outputs(tmp_path_factory):
     input_path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS.values()))
     output_path = home / "output.json"
     request = CreateBatchCompletionsV2Request.model_validate(
-        {"input_data_path": str(input_path), "output_data_path": str(output_path), "model_config": {"model": MODEL, "tool_call_parser": "pythonic", "response_role": "bot"}}
+        {
+            "input_data_path": str(input_path),
+            "output_data_path": str(output_path),
+            "model_config": {"model": MODEL, "tool_call_parser": "pythonic", "response_role": "bot"},
+        }
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DAGSTER_HOME", str(home))
@@ -157,7 +273,9 @@ def test_completion_objects_carry_usage_equal_to_the_tokenizers_counts(outputs, 
         result = results[name]
         assert result["object"] == "text_completion" and result["model"] == MODEL
         assert result["usage"]["prompt_tokens"] == len(tokenizer(REQUESTS[name]["prompt"]).input_ids)
-        assert result["usage"]["total_tokens"] == result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"]
+        assert (
+            result["usage"]["total_tokens"] == result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"]
+        )
     completion_tokens = sum(r["usage"]["completion_tokens"] for r in results.values() if "usage" in r)
     assert metadata["completion_tokens"] == completion_tokens
     assert metadata["num_errors"] == 6 + len(REFUSED_FIELDS)
@@ -166,7 +284,11 @@ def test_completion_objects_carry_usage_equal_to_the_tokenizers_counts(outputs, 
 def test_logprobs_are_log_probabilities_with_sorted_top_k(outputs):
     (choice,) = outputs[0]["logprobs"]["choices"]
     logprobs = choice["logprobs"]
-    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == outputs[0]["logprobs"]["usage"]["completion_tokens"]
+    assert (
+        len(logprobs["tokens"])
+        == len(logprobs["token_logprobs"])
+        == outputs[0]["logprobs"]["usage"]["completion_tokens"]
+    )
     assert "".join(logprobs["tokens"]) == choice["text"]
     assert all(value <= 0.0 for value in logprobs["token_logprobs"])
     for chosen, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]):
@@ -232,8 +354,12 @@ def test_chat_uses_the_models_template(outputs, tokenizer):
 
 
 def test_requests_that_cannot_be_served_fail_alone_naming_the_field(outputs):
-    for name, param in [("suffix", "suffix"), ("best_of", "best_of"), ("chat_image", "messages.0.content.0"),
-                        ("tool_unknown", "tool_choice")]:
+    for name, param in [
+        ("suffix", "suffix"),
+        ("best_of", "best_of"),
+        ("chat_image", "messages.0.content.0"),
+        ("tool_unknown", "tool_choice"),
+    ]:
         error = outputs[0][name]["error"]
         assert error["param"] == param and error["message"].startswith(f"{param}:"), error
         assert error["type"] == "invalid_request_error"
@@ -253,8 +379,10 @@ def test_error_entries_are_openais_error_object_naming_the_field(outputs, name, 
 
 def _calls(result):
     (choice,) = result["choices"]
-    return choice, [(call["function"]["name"], json.loads(call["function"]["arguments"]))
-                    for call in choice["message"]["tool_calls"]]
+    return choice, [
+        (call["function"]["name"], json.loads(call["function"]["arguments"]))
+        for call in choice["message"]["tool_calls"]
+    ]
 
 
 def test_auto_tool_choice_reads_calls_with_the_configured_parser(outputs):
@@ -307,8 +435,10 @@ def test_logit_bias_and_stop_token_ids_act_on_token_ids(outputs, tokenizer):
 
 
 def test_penalties_make_a_repetitive_continuation_more_varied(outputs):
-    distinct = {name: len(set(outputs[0][name]["choices"][0]["logprobs"]["tokens"])) for name in
-                ("repeat", "presence_penalty", "frequency_penalty", "repetition_penalty")}
+    distinct = {
+        name: len(set(outputs[0][name]["choices"][0]["logprobs"]["tokens"]))
+        for name in ("repeat", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    }
     assert all(distinct[name] > distinct["repeat"] for name in distinct if name != "repeat"), distinct
 
 
@@ -333,9 +463,14 @@ def test_json_object_guided_json_and_grammar_constrain_the_output(outputs):
 
 
 def test_chat_template_kwargs_and_documents_reach_the_template(outputs, tokenizer):
-    rendered = tokenizer.apply_chat_template(CHAT, chat_template=KWARGS_TEMPLATE, tokenize=False,
-                                             add_generation_prompt=True, documents=[{"title": "Sea", "text": "wet"}],
-                                             greeting="Ahoy")
+    rendered = tokenizer.apply_chat_template(
+        CHAT,
+        chat_template=KWARGS_TEMPLATE,
+        tokenize=False,
+        add_generation_prompt=True,
+        documents=[{"title": "Sea", "text": "wet"}],
+        greeting="Ahoy",
+    )
     assert rendered.startswith("Ahoy [Sea: wet]")
     prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
     assert outputs[0]["template_kwargs"]["usage"]["prompt_tokens"] == len(prompt_ids)

@@ -1,6 +1,6 @@
 """The HTTP API of Scale LLM Engine's batch completions, as thin routes over `BatchJobService`.
 
-    uvicorn --factory batch_pipeline.api.app:create_app
+uvicorn --factory batch_pipeline.api.app:create_app
 """
 
 import json
@@ -53,7 +53,9 @@ class AsciiJSONResponse(JSONResponse):
 
 def _unprocessable(problems: list[tuple[str, str]]) -> JSONResponse:
     """The same shape as FastAPI's own validation errors, so clients parse one format."""
-    detail = [{"loc": ["body", *field.split(".")], "msg": message, "type": "value_error"} for field, message in problems]
+    detail = [
+        {"loc": ["body", *field.split(".")], "msg": message, "type": "value_error"} for field, message in problems
+    ]
     return AsciiJSONResponse(status_code=422, content={"detail": detail})
 
 
@@ -109,20 +111,31 @@ def create_v1(
 @router.post(
     "/v2/batch-completions",
     response_model=BatchCompletionsJob | BatchCompletionsEstimate,
-    responses=_TOO_LARGE | _CONFLICT | {429: {"model": ErrorBody, "description": "dry_run: as many dry runs as "
-                                                "the server takes at once are in progress; retry shortly"}},
+    responses=_TOO_LARGE
+    | _CONFLICT
+    | {
+        429: {
+            "model": ErrorBody,
+            "description": "dry_run: as many dry runs as the server takes at once are in progress; retry shortly",
+        }
+    },
 )
 def create_v2(
     body: CreateBatchCompletionsV2Request,
     who: CallerDep,
     service: ServiceDep,
     idempotency_key: IdempotencyKey = None,
-    dry_run: Annotated[bool, Query(description=(
-        "Create nothing: check the request as a submission is checked, read and tokenize its prompts as the "
-        "job would, and answer a BatchCompletionsEstimate: the requests and prompt tokens, the requests that "
-        "cannot run (with their index and why), the most output tokens, and the wall time and machine hours "
-        "at the throughput this deployment measured on the model's completed jobs (or why there is none)."
-    ))] = False,
+    dry_run: Annotated[
+        bool,
+        Query(
+            description=(
+                "Create nothing: check the request as a submission is checked, read and tokenize its prompts as the "
+                "job would, and answer a BatchCompletionsEstimate: the requests and prompt tokens, the requests that "
+                "cannot run (with their index and why), the most output tokens, and the wall time and machine hours "
+                "at the throughput this deployment measured on the model's completed jobs (or why there is none)."
+            )
+        ),
+    ] = False,
 ):
     if dry_run:
         try:
@@ -145,7 +158,9 @@ def list_jobs(
     for item in label or []:
         key, sep, value = item.partition(":")
         if not sep:
-            raise HTTPException(422, detail=[{"loc": ["query", "label"], "msg": "expected KEY:VALUE", "type": "value_error"}])
+            raise HTTPException(
+                422, detail=[{"loc": ["query", "label"], "msg": "expected KEY:VALUE", "type": "value_error"}]
+            )
         wanted[key] = value
     jobs, next_after = service.list(who, status, wanted, limit, after)
     last_id = jobs[-1].job_id if jobs else None
@@ -166,7 +181,9 @@ def update_job(job_id: str, body: UpdateBatchCompletionsV2Request, who: CallerDe
 
 
 @router.post(
-    "/v2/batch-completions/{job_id}/actions/cancel", response_model=CancelBatchCompletionsV2Response, responses=_NOT_FOUND
+    "/v2/batch-completions/{job_id}/actions/cancel",
+    response_model=CancelBatchCompletionsV2Response,
+    responses=_NOT_FOUND,
 )
 def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
     return CancelBatchCompletionsV2Response(success=service.cancel(who, job_id))

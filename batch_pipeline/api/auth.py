@@ -60,7 +60,9 @@ class ApiKeys:
             for key, is_admin in self._keys.items():
                 if hmac.compare_digest(key.encode(), presented.encode()):
                     return Caller(owner=hashlib.sha256(key.encode()).hexdigest()[:24], is_admin=is_admin)
-        raise HTTPException(status_code=401, detail="a valid API key is required", headers={"WWW-Authenticate": "Basic"})
+        raise HTTPException(
+            status_code=401, detail="a valid API key is required", headers={"WWW-Authenticate": "Basic"}
+        )
 
 
 def _basic_auth_user(header: str | None) -> str | None:

@@ -55,6 +55,11 @@ class BodySizeLimit:
 
     async def _refuse(self, send: Send, limit: int) -> None:
         body = b'{"detail":"request body too large (limit %d bytes)"}' % limit
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

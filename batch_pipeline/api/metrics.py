@@ -5,7 +5,7 @@ time (a few grouped queries; no file, no run, no event log), so every API replic
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -23,10 +23,14 @@ class JobStoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("batch_pipeline_jobs", "Batch jobs by status and model.", labels=["status", "model"])
-        requests = CounterMetricFamily("batch_pipeline_requests_generated", "Requests of batch jobs finished "
-                                       "(results and error entries), by model.", labels=["model"])
-        tokens = CounterMetricFamily("batch_pipeline_completion_tokens", "Completion tokens generated, by model.",
-                                     labels=["model"])
+        requests = CounterMetricFamily(
+            "batch_pipeline_requests_generated",
+            "Requests of batch jobs finished (results and error entries), by model.",
+            labels=["model"],
+        )
+        tokens = CounterMetricFamily(
+            "batch_pipeline_completion_tokens", "Completion tokens generated, by model.", labels=["model"]
+        )
         queued = 0
         per_model: dict[str, list[int]] = {}
         for status, model, count, requests_done, completion_tokens in self.store.counts_by_status_and_model():
@@ -39,15 +43,20 @@ class JobStoreCollector(Collector):
             requests.add_metric([model], requests_done)
             tokens.add_metric([model], completion_tokens)
         yield from (jobs, requests, tokens)
-        yield GaugeMetricFamily("batch_pipeline_queue_depth", "Jobs waiting for their first run to start.",
-                                value=queued)
+        yield GaugeMetricFamily(
+            "batch_pipeline_queue_depth", "Jobs waiting for their first run to start.", value=queued
+        )
         oldest = self.store.oldest_queued_created_at()
-        age = (datetime.now(timezone.utc) - oldest).total_seconds() if oldest else 0.0
-        yield GaugeMetricFamily("batch_pipeline_oldest_queued_job_age_seconds",
-                                "Age of the oldest job still waiting to start (0 with none).", value=max(age, 0.0))
+        age = (datetime.now(UTC) - oldest).total_seconds() if oldest else 0.0
+        yield GaugeMetricFamily(
+            "batch_pipeline_oldest_queued_job_age_seconds",
+            "Age of the oldest job still waiting to start (0 with none).",
+            value=max(age, 0.0),
+        )
         counts, started, total_wait = self.store.queue_wait_buckets(START_LATENCY_BUCKETS)
         yield HistogramMetricFamily(
-            "batch_pipeline_job_start_latency_seconds", "Seconds from a job's submission to its first run's start.",
+            "batch_pipeline_job_start_latency_seconds",
+            "Seconds from a job's submission to its first run's start.",
             buckets=[(str(float(bound)), count) for bound, count in zip(START_LATENCY_BUCKETS, counts)]
             + [("+Inf", started)],
             sum_value=total_wait,

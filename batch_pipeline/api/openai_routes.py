@@ -44,12 +44,18 @@ router = APIRouter(prefix="/v1", tags=["OpenAI Batch API"], responses=_ERRORS, r
 
 _UPLOAD_BODY = {
     "required": True,
-    "content": {"multipart/form-data": {"schema": {
-        "type": "object",
-        "required": ["file", "purpose"],
-        "properties": {"file": {"type": "string", "format": "binary", "description": "the JSONL input"},
-                       "purpose": {"type": "string", "enum": ["batch"]}},
-    }}},
+    "content": {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file", "purpose"],
+                "properties": {
+                    "file": {"type": "string", "format": "binary", "description": "the JSONL input"},
+                    "purpose": {"type": "string", "enum": ["batch"]},
+                },
+            }
+        }
+    },
 }
 
 
@@ -69,12 +75,16 @@ async def upload_file(request: Request, who: CallerDep, service: ServiceDep):
 
 @router.get("/files", response_model=FileList)
 def list_files(
-    who: CallerDep, service: ServiceDep, purpose: FilePurpose | None = None,
-    limit: Annotated[int, Query(ge=1, le=10000)] = 10000, after: str | None = None,
+    who: CallerDep,
+    service: ServiceDep,
+    purpose: FilePurpose | None = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+    after: str | None = None,
 ):
     files, more = service.list_files(who, purpose, limit, after)
-    return FileList(data=files, first_id=files[0].id if files else None, last_id=files[-1].id if files else None,
-                    has_more=more)
+    return FileList(
+        data=files, first_id=files[0].id if files else None, last_id=files[-1].id if files else None, has_more=more
+    )
 
 
 @router.get("/files/{file_id}", response_model=OpenAIFile)
@@ -86,8 +96,7 @@ def get_file(file_id: str, who: CallerDep, service: ServiceDep):
 def file_content(file_id: str, who: CallerDep, service: ServiceDep):
     """The file's bytes, streamed."""
     file, chunks = service.file_chunks(who, file_id)
-    return StreamingResponse(chunks, media_type="application/octet-stream",
-                             headers={"Content-Length": str(file.bytes)})
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(file.bytes)})
 
 
 @router.delete("/files/{file_id}", response_model=FileDeleted)
@@ -95,16 +104,26 @@ def delete_file(file_id: str, who: CallerDep, service: ServiceDep):
     return service.delete_file(who, file_id)
 
 
-@router.post("/batches", response_model=Batch | BatchCompletionsEstimate,
-             responses={429: {"model": OpenAIErrorBody, "description": "dry_run: too many dry runs at once"}})
+@router.post(
+    "/batches",
+    response_model=Batch | BatchCompletionsEstimate,
+    responses={429: {"model": OpenAIErrorBody, "description": "dry_run: too many dry runs at once"}},
+)
 def create_batch(
-    body: CreateBatchRequest, who: CallerDep, service: ServiceDep,
-    dry_run: Annotated[bool, Query(description=(
-        "Create nothing: check the input file as a batch's is checked (a file that does not validate is a 400 "
-        "naming its lines), read and tokenize its requests as the job would, and answer a "
-        "BatchCompletionsEstimate (requests, prompt tokens, the requests that cannot run, the most output "
-        "tokens, the wall time and machine hours at this deployment's measured throughput for the model)."
-    ))] = False,
+    body: CreateBatchRequest,
+    who: CallerDep,
+    service: ServiceDep,
+    dry_run: Annotated[
+        bool,
+        Query(
+            description=(
+                "Create nothing: check the input file as a batch's is checked (a file that does not validate is a 400 "
+                "naming its lines), read and tokenize its requests as the job would, and answer a "
+                "BatchCompletionsEstimate (requests, prompt tokens, the requests that cannot run, the most output "
+                "tokens, the wall time and machine hours at this deployment's measured throughput for the model)."
+            )
+        ),
+    ] = False,
 ):
     """Check the input file (each error in the batch's `errors`, with its line) and queue its job."""
     if dry_run:
@@ -117,11 +136,18 @@ def create_batch(
 
 @router.get("/batches", response_model=BatchList)
 def list_batches(
-    who: CallerDep, service: ServiceDep, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
+    who: CallerDep,
+    service: ServiceDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: str | None = None,
 ):
     batches, more = service.list_batches(who, limit, after)
-    return BatchList(data=batches, first_id=batches[0].id if batches else None,
-                     last_id=batches[-1].id if batches else None, has_more=more)
+    return BatchList(
+        data=batches,
+        first_id=batches[0].id if batches else None,
+        last_id=batches[-1].id if batches else None,
+        has_more=more,
+    )
 
 
 @router.get("/batches/{batch_id}", response_model=Batch)
@@ -134,8 +160,13 @@ def cancel_batch(batch_id: str, who: CallerDep, service: ServiceDep):
     return service.cancel_batch(who, batch_id)
 
 
-def openai_error(status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: Literal["invalid_request_error", "authentication_error"] = "invalid_request_error") -> Response:
+def openai_error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    kind: Literal["invalid_request_error", "authentication_error"] = "invalid_request_error",
+) -> Response:
     body = OpenAIErrorBody.model_validate({"error": {"message": message, "type": kind, "param": param, "code": code}})
     return JSONResponse(status_code=status, content=body.model_dump())
 

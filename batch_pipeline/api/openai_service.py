@@ -8,7 +8,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import IO
 
 from pydantic import ValidationError
@@ -16,8 +16,7 @@ from pydantic import ValidationError
 from batch_pipeline import io
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.api.service import BatchJobService
-from batch_pipeline.contract import CreateBatchCompletionsV2Request
-from batch_pipeline.contract import BatchCompletionsEstimate
+from batch_pipeline.contract import BatchCompletionsEstimate, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.openai_batch import (
     Batch,
     BatchError,
@@ -80,12 +79,20 @@ class OpenAIBatchService:
     def upload(self, caller: Caller, filename: str, purpose: str, content: IO[bytes]) -> OpenAIFile:
         """Store an uploaded file, copied a chunk at a time from the spooled upload."""
         if purpose != "batch":
-            raise InvalidOpenAIRequest("purpose", f"purpose must be 'batch' (got {purpose[:64]!a}): files here are "
-                                                  "inputs of batches")
+            raise InvalidOpenAIRequest(
+                "purpose", f"purpose must be 'batch' (got {purpose[:64]!a}): files here are inputs of batches"
+            )
         # Shown back as sent, but stored as text any database holds: no NUL, no lone surrogate, no control.
         filename = "".join(character for character in filename if character.isprintable())[:256]
-        record = FileRecord(file_id=FileRecord.new_id(), owner=caller.owner, filename=filename or "upload.jsonl",
-                            purpose=purpose, bytes=0, created_at=datetime.now(timezone.utc), path="")
+        record = FileRecord(
+            file_id=FileRecord.new_id(),
+            owner=caller.owner,
+            filename=filename or "upload.jsonl",
+            purpose=purpose,
+            bytes=0,
+            created_at=datetime.now(UTC),
+            path="",
+        )
         path = io.join(self.files_dir, record.file_id)
         _make_work_dir(self.files_dir)
         with io.atomic_write(path, "wb") as stored:
@@ -101,7 +108,9 @@ class OpenAIBatchService:
     def get_file(self, caller: Caller, file_id: str) -> OpenAIFile:
         return describe_file(self._file(caller, file_id))
 
-    def list_files(self, caller: Caller, purpose: str | None, limit: int, after: str | None) -> tuple[list[OpenAIFile], bool]:
+    def list_files(
+        self, caller: Caller, purpose: str | None, limit: int, after: str | None
+    ) -> tuple[list[OpenAIFile], bool]:
         records, more = self.store.list_files(None if caller.is_admin else caller.owner, purpose, limit, after)
         return [describe_file(record) for record in records], more
 
@@ -159,24 +168,38 @@ class OpenAIBatchService:
                 errors = _model_errors(exc)
                 request = None
         if request is None:  # stored as it was asked for, to be described; its content was never kept
-            request = StoredRequest(content_path=io.join(work_dir, CONTENT_FILE),
-                                    output_data_path=io.join(work_dir, OUTPUT_FILE),
-                                    model_config={"model": (checked.model or "")[:256]},
-                                    max_runtime_sec=body.window_seconds, labels=body.metadata or {})
+            request = StoredRequest(
+                content_path=io.join(work_dir, CONTENT_FILE),
+                output_data_path=io.join(work_dir, OUTPUT_FILE),
+                model_config={"model": (checked.model or "")[:256]},
+                max_runtime_sec=body.window_seconds,
+                labels=body.metadata or {},
+            )
         failure = None
         if errors:
             shown = "; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in errors[:3])
             failure = f"the input file did not validate ({len(errors) + checked.more_errors} errors): {shown}"
         batch = BatchRecord(
-            batch_id=job_id, owner=caller.owner, endpoint=body.endpoint, input_file_id=input_file.file_id,
-            completion_window=body.completion_window, created_at=datetime.now(timezone.utc), total=checked.total,
+            batch_id=job_id,
+            owner=caller.owner,
+            endpoint=body.endpoint,
+            input_file_id=input_file.file_id,
+            completion_window=body.completion_window,
+            created_at=datetime.now(UTC),
+            total=checked.total,
             errors=[error.model_dump() for error in errors] or None,
         )
         # Before the job: the pipeline finalizes a job as a batch when it finds this row.
         self.store.add_batch(batch)
         try:
-            job, _ = submit(self.jobs.store, self.jobs.job_storage.work_dir, caller.owner, request, job_id=job_id,
-                            failure_reason=failure)
+            job, _ = submit(
+                self.jobs.store,
+                self.jobs.job_storage.work_dir,
+                caller.owner,
+                request,
+                job_id=job_id,
+                failure_reason=failure,
+            )
         except BaseException:
             self.store.delete_batch(job_id)
             raise
@@ -192,12 +215,16 @@ class OpenAIBatchService:
             checked = self._check(input_file, body, work_dir)
             if checked.errors:
                 shown = "; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in checked.errors[:3])
-                raise InvalidOpenAIRequest("input_file_id", f"the input file does not validate "
-                                           f"({len(checked.errors) + checked.more_errors} errors): {shown}")
+                raise InvalidOpenAIRequest(
+                    "input_file_id",
+                    f"the input file does not validate ({len(checked.errors) + checked.more_errors} errors): {shown}",
+                )
             try:
                 request = CreateBatchCompletionsV2Request(
-                    input_data_path=io.join(work_dir, CONTENT_FILE), output_data_path=io.join(work_dir, OUTPUT_FILE),
-                    model_config=model_config_for(checked.model), max_runtime_sec=body.window_seconds,
+                    input_data_path=io.join(work_dir, CONTENT_FILE),
+                    output_data_path=io.join(work_dir, OUTPUT_FILE),
+                    model_config=model_config_for(checked.model),
+                    max_runtime_sec=body.window_seconds,
                 )
                 check_servable(request, own_dir=work_dir)
                 history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
@@ -230,8 +257,13 @@ class OpenAIBatchService:
             # request cancelled) is written here.
             work_dir = self.jobs.job_storage.work_dir(batch_id)
             unfinished = {"error": {"code": "cancelled", "message": "the batch was cancelled before this request ran"}}
-            results = write_result_files(batch_id, batch.owner, io.join(work_dir, CUSTOM_IDS_FILE),
-                                         (unfinished for _ in range(batch.total)), self.files_dir)
+            results = write_result_files(
+                batch_id,
+                batch.owner,
+                io.join(work_dir, CUSTOM_IDS_FILE),
+                (unfinished for _ in range(batch.total)),
+                self.files_dir,
+            )
             keep_results(self.store, batch_id, results)
             batch, job = self._batch(caller, batch_id)
         return describe_batch(batch, job)
@@ -271,17 +303,33 @@ def _make_work_dir(path: str) -> None:
 
 def _model_errors(exc: Exception) -> list[BatchError]:
     if isinstance(exc, UnservableRequest):
-        return [BatchError(code="model_not_served" if field.startswith("model_config") else "invalid_request",
-                           message=f"{field}: {why}", param="body.model") for field, why in exc.refused]
+        return [
+            BatchError(
+                code="model_not_served" if field.startswith("model_config") else "invalid_request",
+                message=f"{field}: {why}",
+                param="body.model",
+            )
+            for field, why in exc.refused
+        ]
     if isinstance(exc, ValidationError):
-        return [BatchError(code="invalid_model", param="body.model",
-                           message=f"the model catalog's entry does not validate: {describe_validation_error(exc)}")]
+        return [
+            BatchError(
+                code="invalid_model",
+                param="body.model",
+                message=f"the model catalog's entry does not validate: {describe_validation_error(exc)}",
+            )
+        ]
     return [BatchError(code="invalid_model", param="body.model", message=str(exc)[:500])]
 
 
 def describe_file(record: FileRecord) -> OpenAIFile:
-    return OpenAIFile(id=record.file_id, bytes=record.bytes, created_at=_unix(record.created_at),
-                      filename=record.filename, purpose=record.purpose)
+    return OpenAIFile(
+        id=record.file_id,
+        bytes=record.bytes,
+        created_at=_unix(record.created_at),
+        filename=record.filename,
+        purpose=record.purpose,
+    )
 
 
 def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
@@ -314,8 +362,9 @@ def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
         counts = BatchRequestCounts(total=batch.total, completed=batch.completed or 0, failed=batch.failed or 0)
     else:
         failed = job.errors or 0
-        counts = BatchRequestCounts(total=batch.total, completed=max(0, (job.requests_done or 0) - failed),
-                                    failed=failed)
+        counts = BatchRequestCounts(
+            total=batch.total, completed=max(0, (job.requests_done or 0) - failed), failed=failed
+        )
     return Batch(
         id=batch.batch_id,
         endpoint=batch.endpoint,

@@ -31,8 +31,16 @@ from batch_pipeline.submission import UnservableRequest, check_servable, submit
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # The finished job's summary (as in its metadata file) copied into the API's view of it.
-_RESULT_FIELDS = ("num_requests", "num_errors", "prompt_tokens", "completion_tokens", "completion_tokens_per_s",
-                  "wall_s", "num_finished", "num_unfinished")
+_RESULT_FIELDS = (
+    "num_requests",
+    "num_errors",
+    "prompt_tokens",
+    "completion_tokens",
+    "completion_tokens_per_s",
+    "wall_s",
+    "num_finished",
+    "num_unfinished",
+)
 
 
 __all__ = ["BatchJobService", "IdempotencyConflict", "JobNotFound", "UnservableRequest"]
@@ -91,8 +99,13 @@ class BatchJobService:
     ) -> tuple[list[BatchCompletionsJob], str | None]:
         """One page of the caller's jobs (everyone's for an admin), newest first; and the cursor of the
         next page, if there is one."""
-        page = self.store.list(owner=None if caller.is_admin else caller.owner,
-                               status=status.value if status else None, labels=label, limit=limit, after=after)
+        page = self.store.list(
+            owner=None if caller.is_admin else caller.owner,
+            status=status.value if status else None,
+            labels=label,
+            limit=limit,
+            after=after,
+        )
         return [self.describe(record) for record in page.jobs], page.next_after
 
     def update_priority(self, caller: Caller, job_id: str, priority: str | None) -> tuple[BatchCompletionsJob, bool]:
@@ -137,8 +150,11 @@ class BatchJobService:
         if record.run_id is not None:
             metadata["dagster_run_id"] = record.run_id
         if record.requests_total:
-            metadata |= {"requests_done": str(record.requests_done or 0), "requests_total": str(record.requests_total),
-                         "completion_tokens_generated": str(record.completion_tokens or 0)}
+            metadata |= {
+                "requests_done": str(record.requests_done or 0),
+                "requests_total": str(record.requests_total),
+                "completion_tokens_generated": str(record.completion_tokens or 0),
+            }
         if record.status_detail:
             metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
         for key in _RESULT_FIELDS:

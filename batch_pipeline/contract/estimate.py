@@ -12,8 +12,10 @@ from batch_pipeline.contract.base import WireModel
 
 class RequestProblem(WireModel):
     index: int = Field(description="The request's index in the job's output.")
-    code: str = Field(description="As the error entry of a real run would have it: `prompt_too_long`, "
-                      "`invalid_request`, `unsupported_field`; or `output_past_context`.")
+    code: str = Field(
+        description="As the error entry of a real run would have it: `prompt_too_long`, "
+        "`invalid_request`, `unsupported_field`; or `output_past_context`."
+    )
     message: str
 
 
@@ -23,7 +25,8 @@ class RuntimeEstimate(WireModel):
 
     completion_tokens_per_s: float = Field(
         description="Completion tokens per second per shard worker: the median over `from_jobs` jobs (each "
-        "job's tokens over its wall time, engine starts included, divided by its shard workers).")
+        "job's tokens over its wall time, engine starts included, divided by its shard workers)."
+    )
     from_jobs: int = Field(description="The completed jobs of this model the rate is measured on.")
     workers: int = Field(description="Shard workers the job is expected to run in.")
     wall_s: float = Field(description="max_output_tokens at that rate, over `workers` workers.")
@@ -35,22 +38,29 @@ class RuntimeEstimate(WireModel):
 class BatchCompletionsEstimate(WireModel):
     dry_run: Literal[True] = Field(True, description="Always true: an estimate, nothing was launched or stored.")
     model: str
-    context_length: int = Field(description="Tokens a prompt and its output share: model_config.max_model_len "
-                                "(or max_context_length), else the model's own.")
+    context_length: int = Field(
+        description="Tokens a prompt and its output share: model_config.max_model_len "
+        "(or max_context_length), else the model's own."
+    )
     num_requests: int = Field(description="Entries the job's output would have (v1 content: one per prompt).")
-    num_prompts: int = Field(description="Prompts of the requests that can run, as given to the engine (a "
-                             "completion may list several).")
-    prompt_tokens: int = Field(description="Tokens of the prompts that can run, by the model's tokenizer, "
-                               "chat requests through the chat template.")
+    num_prompts: int = Field(
+        description="Prompts of the requests that can run, as given to the engine (a completion may list several)."
+    )
+    prompt_tokens: int = Field(
+        description="Tokens of the prompts that can run, by the model's tokenizer, "
+        "chat requests through the chat template."
+    )
     max_output_tokens: int = Field(
         description="The most tokens the requests that can run may generate: max_tokens (max_new_tokens, "
         "max_completion_tokens) times n for each prompt, with the defaults the worker applies (16 for a "
         "completion; for a chat request that sets no limit, the model's generation config's, else 256 is "
-        "assumed, as the job's planning does), and at most what the context leaves.")
+        "assumed, as the job's planning does), and at most what the context leaves."
+    )
     num_cannot_run: int = Field(description="Requests that would be error entries in the output.")
     cannot_run: list[RequestProblem] = Field(description="The first of them, with why.")
-    num_cut_at_context: int = Field(description="Requests whose prompt and max output exceed the context: they "
-                                    "run, and stop at the context.")
+    num_cut_at_context: int = Field(
+        description="Requests whose prompt and max output exceed the context: they run, and stop at the context."
+    )
     cut_at_context: list[RequestProblem] = Field(description="The first of them.")
     estimate: RuntimeEstimate | None = Field(None, description="Null when there is no history to estimate from.")
     no_history: str | None = Field(None, description="Why there is no estimate.")

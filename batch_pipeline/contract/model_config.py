@@ -66,8 +66,7 @@ class BatchCompletionsModelConfig(WireModel):
     )
     limit_mm_per_prompt: str | None = Field(
         None,
-        description="Maximum number of data instances per modality per prompt. Only applicable for multimodal "
-        "models.",
+        description="Maximum number of data instances per modality per prompt. Only applicable for multimodal models.",
     )
     max_num_batched_tokens: int | None = Field(None, description="Maximum number of batched tokens per iteration")
     tokenizer: str | None = Field(None, description="Name or path of the huggingface tokenizer to use.")
@@ -131,8 +130,7 @@ class BatchCompletionsModelConfig(WireModel):
     )
     mm_processor_kwargs: dict[str, Any] | None = Field(
         None,
-        description="Arguments to be forwarded to the model's processor for multi-modal data, e.g., image "
-        "processor.",
+        description="Arguments to be forwarded to the model's processor for multi-modal data, e.g., image processor.",
     )
     block_size: int | None = Field(None, description="Size of a cache block in number of tokens.")
     gpu_memory_utilization: float | None = Field(

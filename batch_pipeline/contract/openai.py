@@ -7,7 +7,7 @@ answers with an error entry at that request's index, naming the field.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -37,7 +37,7 @@ class ResponseFormatJsonObject(WireModel):
     type: Literal["json_object"]
 
 
-ResponseFormat = Union[ResponseFormatText, ResponseFormatJsonSchema, ResponseFormatJsonObject]
+ResponseFormat = ResponseFormatText | ResponseFormatJsonSchema | ResponseFormatJsonObject
 
 
 class StreamOptions(WireModel):

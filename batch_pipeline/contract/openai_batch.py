@@ -50,11 +50,13 @@ class CreateBatchRequest(WireModel):
     input_file_id: str = Field(max_length=64)
     endpoint: BatchEndpoint
     completion_window: str = Field(
-        "24h", pattern=r"^[1-9][0-9]?h$",
+        "24h",
+        pattern=r"^[1-9][0-9]?h$",
         description="Hours the batch may take (OpenAI's is 24h): its max_runtime_sec, at most 48h here.",
     )
-    metadata: dict[str, str] | None = Field(None, description="At most 16 pairs: keys up to 64 characters, "
-                                                              "values up to 512.")
+    metadata: dict[str, str] | None = Field(
+        None, description="At most 16 pairs: keys up to 64 characters, values up to 512."
+    )
 
     @field_validator("completion_window")
     @classmethod

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
 from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
 
-InputRecord = Union[
-    CreateBatchCompletionsV1RequestContent, FilteredCompletionV2Request, FilteredChatCompletionV2Request
-]
+InputRecord = CreateBatchCompletionsV1RequestContent | FilteredCompletionV2Request | FilteredChatCompletionV2Request
 RecordKind = Literal["v1", "completion", "chat"]
 
 _ADAPTERS: dict[RecordKind, TypeAdapter] = {

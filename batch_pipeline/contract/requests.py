@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -154,11 +154,9 @@ def _content_kind(value: Any) -> str | None:
 
 
 BatchContent = Annotated[
-    Union[
-        Annotated[CreateBatchCompletionsV1RequestContent, Tag("v1")],
-        Annotated[list[FilteredCompletionV2Request], Tag("completion")],
-        Annotated[list[FilteredChatCompletionV2Request], Tag("chat")],
-    ],
+    Annotated[CreateBatchCompletionsV1RequestContent, Tag("v1")]
+    | Annotated[list[FilteredCompletionV2Request], Tag("completion")]
+    | Annotated[list[FilteredChatCompletionV2Request], Tag("chat")],
     Discriminator(
         _content_kind,
         custom_error_type="invalid_content",

@@ -75,8 +75,9 @@ class ShardLauncher(dg.ConfigurableResource):
     step's retry policy starts it again and it resumes from its checkpoint.
     """
 
-    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask,
-                  on_progress: ProgressCallback | None = None) -> dict[str, Any]:
+    def run_shard(
+        self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
     def shard_slots(self) -> int | None:

@@ -5,8 +5,9 @@ a node selector, `cpus`/`memory`/`storage` → requests and limits, the job's de
 `activeDeadlineSeconds`, labels → pod labels. Image, namespace, service account, tolerations, env and
 secrets come from the deployment's config. Every pod runs with no capabilities, no privilege escalation,
 the runtime's seccomp profile, a read-only root filesystem and no service account token; as the image's
-non-root user, except the shards of a `tool_config` job (see `pod_security`). `PipesK8sClient` rather than `execute_k8s_job`: the worker
-already speaks Pipes (progress lines, stats), and the client follows the pod and reads its log stream.
+non-root user, except the shards of a `tool_config` job (see `pod_security`). `PipesK8sClient` rather
+than `execute_k8s_job`: the worker already speaks Pipes (progress lines, stats), and the client follows the
+pod and reads its log stream.
 
 A shard's pod outlives the run worker that launched it; before launching its own, a shard step stops every
 pod still working on the same job and shard (see `stop_earlier_shard_pods`), so one worker at a time writes
@@ -51,8 +52,13 @@ MIG_RESOURCES = {
 }
 # GPU memory per device (GiB), to size a shard whose request names no GPU count.
 GPU_MEMORY_GIB = {
-    "nvidia-tesla-t4": 16, "nvidia-ampere-a10": 24, "nvidia-ampere-a100": 40, "nvidia-ampere-a100e": 80,
-    "nvidia-hopper-h100": 80, "nvidia-hopper-h100-1g20gb": 20, "nvidia-hopper-h100-3g40gb": 40,
+    "nvidia-tesla-t4": 16,
+    "nvidia-ampere-a10": 24,
+    "nvidia-ampere-a100": 40,
+    "nvidia-ampere-a100e": 80,
+    "nvidia-hopper-h100": 80,
+    "nvidia-hopper-h100-1g20gb": 20,
+    "nvidia-hopper-h100-3g40gb": 40,
 }
 # Weights take this share of GPU memory at most: the rest is KV cache, activations and CUDA graphs.
 WEIGHTS_SHARE_OF_GPU = 0.6
@@ -73,8 +79,10 @@ SHARD_LABEL = LABEL_PREFIX + "shard"
 # The Dagster run that launched the pod: says whose an earlier pod of the same shard was.
 RUN_ID_LABEL = LABEL_PREFIX + "run-id"
 
-def infer_hardware(requested: dict[str, Any], weights_bytes: int | None, default_gpu_type: str,
-                   default_gpus: int) -> tuple[dict[str, Any], str | None]:
+
+def infer_hardware(
+    requested: dict[str, Any], weights_bytes: int | None, default_gpu_type: str, default_gpus: int
+) -> tuple[dict[str, Any], str | None]:
     """The request's hardware with what it left out filled in from the model's size, and a sentence saying
     what was chosen (None when the request named it all)."""
     hardware = dict(requested)
@@ -112,8 +120,12 @@ def pod_security(task: ShardTask) -> tuple[dict[str, Any], dict[str, Any]]:
     else:
         pod = {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0, "seccompProfile": seccomp}
         capabilities = {"drop": ["ALL"], "add": list(SANDBOX_CAPABILITIES)}
-    container = {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
-                 "capabilities": capabilities}
+    container = {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": capabilities,
+    }
     return pod, container
 
 
@@ -149,7 +161,7 @@ class K8sShardLauncher(ShardLauncher):
     earlier_pod_stop_timeout_s: float = Field(
         default=120.0,
         description="How long a shard step waits for an earlier pod of its shard (a dead run's) to be gone "
-                    "before failing rather than running beside it; above the pods' 30 s termination grace.",
+        "before failing rather than running beside it; above the pods' 30 s termination grace.",
     )
 
     def hardware_for(self, task: ShardTask) -> tuple[dict[str, Any], str | None]:
@@ -159,8 +171,13 @@ class K8sShardLauncher(ShardLauncher):
         size = weights_bytes(config["model"], config.get("checkpoint_path"))
         return infer_hardware(task.hardware, size, self.default_gpu_type, self.default_gpus)
 
-    def pod_overrides(self, task: ShardTask, now: float | None = None, hardware: dict[str, Any] | None = None,
-                      run_id: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def pod_overrides(
+        self,
+        task: ShardTask,
+        now: float | None = None,
+        hardware: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, spec) of the shard's pod, without the container's command and image, which the Pipes
         client adds. Raises InvalidHardware naming the field, for sizes no pod can carry or over the
         deployment's maxima (what was inferred from the weights too)."""
@@ -180,15 +197,18 @@ class K8sShardLauncher(ShardLauncher):
             if hardware.get(field) is not None:
                 requests[resource] = limits[resource] = kubernetes_quantity(field, hardware[field])[0]
         pod_security_context, container_security_context = pod_security(task)
-        container: dict[str, Any] = {"name": "dagster-pipes-execution", "imagePullPolicy": self.image_pull_policy,
-                                     "resources": {"limits": limits, **({"requests": requests} if requests else {})},
-                                     "securityContext": container_security_context,
-                                     "volumeMounts": [{"name": name, "mountPath": path}
-                                                      for name, path in SCRATCH_MOUNTS.items()]}
+        container: dict[str, Any] = {
+            "name": "dagster-pipes-execution",
+            "imagePullPolicy": self.image_pull_policy,
+            "resources": {"limits": limits, **({"requests": requests} if requests else {})},
+            "securityContext": container_security_context,
+            "volumeMounts": [{"name": name, "mountPath": path} for name, path in SCRATCH_MOUNTS.items()],
+        }
         if self.env_secrets:
             container["envFrom"] = [{"secretRef": {"name": name}} for name in self.env_secrets]
         spec: dict[str, Any] = {
-            "containers": [container], "restartPolicy": "Never",
+            "containers": [container],
+            "restartPolicy": "Never",
             "securityContext": pod_security_context,
             "volumes": [{"name": name, "emptyDir": {}} for name in SCRATCH_MOUNTS],
             # the worker never calls the Kubernetes API (Pipes reads its log from outside), nor needs the
@@ -245,23 +265,30 @@ class K8sShardLauncher(ShardLauncher):
                     raise
             run = (pod.metadata.labels or {}).get(RUN_ID_LABEL) or "unlabelled"
             phase = pod.status.phase if pod.status else "unknown"
-            context.log.warning(f"shard {index}: stopping pod {pod.metadata.name} (run {run}, {phase}), "
-                                "still on this shard, before starting this run's")
+            context.log.warning(
+                f"shard {index}: stopping pod {pod.metadata.name} (run {run}, {phase}), "
+                "still on this shard, before starting this run's"
+            )
         stopped = sorted(pod.metadata.name for pod in stopping)
         left, give_up_at = set(stopped), time.monotonic() + self.earlier_pod_stop_timeout_s
         while left:
             time.sleep(1.0)
-            left &= {pod.metadata.name for pod in core_api.list_namespaced_pod(self.namespace, label_selector=selector).items}
+            left &= {
+                pod.metadata.name for pod in core_api.list_namespaced_pod(self.namespace, label_selector=selector).items
+            }
             if left and time.monotonic() > give_up_at:
-                raise dg.Failure(f"shard {index}: earlier pods of this shard still not gone after "
-                                 f"{self.earlier_pod_stop_timeout_s:.0f} s: {', '.join(sorted(left))}; "
-                                 "not starting another beside them")
+                raise dg.Failure(
+                    f"shard {index}: earlier pods of this shard still not gone after "
+                    f"{self.earlier_pod_stop_timeout_s:.0f} s: {', '.join(sorted(left))}; "
+                    "not starting another beside them"
+                )
         if stopped:
             context.log.info(f"shard {index}: stopped earlier pods {', '.join(stopped)}")
         return stopped
 
-    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask,
-                  on_progress: ProgressCallback | None = None) -> dict[str, Any]:
+    def run_shard(
+        self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
         from dagster_k8s import PipesK8sClient
         from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
 

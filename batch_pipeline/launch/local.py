@@ -49,8 +49,9 @@ class LocalShardLauncher(ShardLauncher):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
 
-    def run_shard(self, context: dg.OpExecutionContext, task: ShardTask,
-                  on_progress: ProgressCallback | None = None) -> dict[str, Any]:
+    def run_shard(
+        self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
         reader = _TempFileMessageReader()
         reader.on_progress = on_progress
         # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.

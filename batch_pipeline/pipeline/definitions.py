@@ -10,9 +10,9 @@ from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
 from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
+from batch_pipeline.pipeline.partial_results import keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.schedules import schedules_from_environment
-from batch_pipeline.pipeline.partial_results import keep_partial_results
 from batch_pipeline.pipeline.sensors import (
     batch_jobs_sensor,
     record_failed_runs,

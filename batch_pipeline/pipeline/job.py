@@ -3,11 +3,10 @@
 The ops orchestrate; inference happens in the shard workers the launcher starts.
 """
 
-
 import json
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import dagster as dg
 from dagster import OpExecutionContext
@@ -103,12 +102,15 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
         record = store.get(job_id) if job_id is not None else None
         # Only the submission path names a content file: the one it wrote for this job.
         if record is None or record.content_path != request.content_path:
-            raise dg.Failure("content_path: set by the submission path only, to the file it wrote for the job; "
-                             "send content or input_data_path instead", allow_retries=False)
+            raise dg.Failure(
+                "content_path: set by the submission path only, to the file it wrote for the job; "
+                "send content or input_data_path instead",
+                allow_retries=False,
+            )
     if job_id is None:
         job_id = _register_job(context, job_store, job_storage, request)
     # Started when Dagster started the run, not when this first step got going (~2 s later here).
-    if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), timezone.utc)):
+    if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), UTC)):
         raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
     _enforce_deadline(context, request.max_runtime_sec)
     return request.model_dump(mode="json", by_alias=True)
@@ -121,20 +123,25 @@ def _enforce_deadline(context: OpExecutionContext, max_runtime_sec: int | None) 
     if time.time() >= deadline:
         raise dg.Failure(
             "max_runtime_sec exceeded: the job's deadline "
-            f"({datetime.fromtimestamp(deadline, timezone.utc).isoformat()}) passed before this run started",
+            f"({datetime.fromtimestamp(deadline, UTC).isoformat()}) passed before this run started",
             allow_retries=False,
         )
     context.instance.add_run_tags(context.run_id, {MAX_RUNTIME_TAG: max_runtime_from(deadline, _run_start(context))})
 
 
-def _register_job(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage,
-                  request: StoredRequest) -> str:
+def _register_job(
+    context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage, request: StoredRequest
+) -> str:
     """A run launched outside the API (the launchpad, a re-execution of one, `batch-pipeline run`) becomes
     a job too, through the same submission path, so the API lists it, reports its status and can cancel
     it. Later steps, and re-executions (which copy the run's tags), use the job id's work dir."""
     record, _ = submit(
-        job_store.get_store(), job_storage.work_dir, DAGSTER_OWNER, request,
-        idempotency_key=f"run:{context.run.root_run_id or context.run_id}", run_id=context.run_id,
+        job_store.get_store(),
+        job_storage.work_dir,
+        DAGSTER_OWNER,
+        request,
+        idempotency_key=f"run:{context.run.root_run_id or context.run_id}",
+        run_id=context.run_id,
     )
     context.instance.add_run_tags(context.run_id, run_tags(record))
     context.log.info(f"registered as job {record.job_id}")
@@ -163,8 +170,13 @@ def shard_planning_settings(shard_launcher: ShardLauncher) -> tuple[int | None, 
     description="Stream the prompts into shard inputs balanced by estimated tokens: `data_parallelism` of them, "
     "or fewer where the deployment cannot run them at once or the work is too small to pay for their engines.",
 )
-def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStorage, job_store: JobStoreResource,
-                shard_launcher: ShardLauncher):
+def plan_shards(
+    context: OpExecutionContext,
+    request: dict,
+    job_storage: JobStorage,
+    job_store: JobStoreResource,
+    shard_launcher: ShardLauncher,
+):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
     content = request.get("content")
@@ -201,8 +213,13 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
     hardware = {field: request.get(field) for field in HARDWARE_FIELDS if request.get(field) is not None}
     for shard in shards:
         task = ShardTask(
-            shard=shard, model_config=shard_model_config(request["model_config"]), shard_count=len(shards), deadline=deadline,
-            job_id=job_id, hardware=hardware, labels=request.get("labels") or {},
+            shard=shard,
+            model_config=shard_model_config(request["model_config"]),
+            shard_count=len(shards),
+            deadline=deadline,
+            job_id=job_id,
+            hardware=hardware,
+            labels=request.get("labels") or {},
             tool_config=request.get("tool_config"),
         )
         yield dg.DynamicOutput(task.to_dict(), output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
@@ -213,8 +230,9 @@ def plan_shards(context: OpExecutionContext, request: dict, job_storage: JobStor
     retry_policy=dg.RetryPolicy(max_retries=2, delay=2),
     description="Run the shard worker (vLLM) on one shard; a retry resumes from its checkpoint.",
 )
-def run_shard(context: OpExecutionContext, task: dict, shard_launcher: ShardLauncher,
-              job_store: JobStoreResource) -> dict:
+def run_shard(
+    context: OpExecutionContext, task: dict, shard_launcher: ShardLauncher, job_store: JobStoreResource
+) -> dict:
     shard_task = ShardTask.from_dict(task)
     store = job_store.get_store()
 
@@ -222,8 +240,14 @@ def run_shard(context: OpExecutionContext, task: dict, shard_launcher: ShardLaun
         store.record_shard_progress(shard_task.job_id, shard_task.shard.shard_index, figures)
 
     stats = shard_launcher.run_shard(context, shard_task, on_progress=record_progress)
-    record_progress({"requests_done": stats["items"], "errors": stats["errors"],
-                     "prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"]})
+    record_progress(
+        {
+            "requests_done": stats["items"],
+            "errors": stats["errors"],
+            "prompt_tokens": stats["prompt_tokens"],
+            "completion_tokens": stats["completion_tokens"],
+        }
+    )
     context.add_output_metadata(
         {
             "requests": stats["items"],
@@ -245,9 +269,7 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
     output_path = request["output_data_path"]
     started = time.monotonic()
     try:
-        written = write_output_array(
-            output_path, merge_sorted_outputs([spec.output_path for spec in specs]), expected
-        )
+        written = write_output_array(output_path, merge_sorted_outputs([spec.output_path for spec in specs]), expected)
     except MissingResult as exc:
         raise dg.Failure(f"shard outputs are incomplete: {exc}") from None
     except OSError as exc:
@@ -257,25 +279,38 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
     return {"output_data_path": output_path, "results": written, "merge_s": merge_s}
 
 
-@dg.op(description="For a job that is an OpenAI batch: its output and error files (JSONL by custom_id), from "
-       "the merged output. Other jobs have nothing to do here.")
-def write_batch_files(context: OpExecutionContext, merged: dict, job_store: JobStoreResource,
-                      job_storage: JobStorage) -> dict:
+@dg.op(
+    description="For a job that is an OpenAI batch: its output and error files (JSONL by custom_id), from "
+    "the merged output. Other jobs have nothing to do here."
+)
+def write_batch_files(
+    context: OpExecutionContext, merged: dict, job_store: JobStoreResource, job_storage: JobStorage
+) -> dict:
     job_id = current_job_id(context)
-    results = finalize_batch(job_store.get_store(), job_id, merged["output_data_path"], job_storage.work_dir(job_id),
-                             job_storage.files_dir())
+    results = finalize_batch(
+        job_store.get_store(), job_id, merged["output_data_path"], job_storage.work_dir(job_id), job_storage.files_dir()
+    )
     if results is None:
         return {}
-    summary = {"completed": results.completed, "failed": results.failed,
-               "output_file_id": results.output_file.file_id if results.output_file else None,
-               "error_file_id": results.error_file.file_id if results.error_file else None}
+    summary = {
+        "completed": results.completed,
+        "failed": results.failed,
+        "output_file_id": results.output_file.file_id if results.output_file else None,
+        "error_file_id": results.error_file.file_id if results.error_file else None,
+    }
     context.add_output_metadata(summary)
     return summary
 
 
 @dg.op(description="Write the job's counts, tokens and timings beside the output, and as run metadata.")
-def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict, shard_results: list[dict],
-                       plan: dict, job_store: JobStoreResource) -> dict:
+def write_job_metadata(
+    context: OpExecutionContext,
+    request: dict,
+    merged: dict,
+    shard_results: list[dict],
+    plan: dict,
+    job_store: JobStoreResource,
+) -> dict:
     shards = sorted((result["stats"] for result in shard_results), key=lambda stats: stats["shard_index"])
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s["completion_tokens"] for s in shards)
@@ -291,7 +326,7 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
         "wall_s": wall_s,
         "completion_tokens_per_s": round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
         "merge_s": merged["merge_s"],
-        "finished_at": datetime.now(timezone.utc).isoformat(),
+        "finished_at": datetime.now(UTC).isoformat(),
         # How the job ran where it differed from what it asked: fewer shards, outputs shared by repeats,
         # the dtype chosen for the hardware (each shard's choice and reason are in `shards`).
         "data_parallelism": {key: plan[key] for key in ("requested", "used", "reason")},
@@ -304,18 +339,42 @@ def write_job_metadata(context: OpExecutionContext, request: dict, merged: dict,
     with io.atomic_write(metadata_path(merged["output_data_path"]), "w") as handle:
         json.dump(metadata, handle, indent=2)
     context.add_output_metadata(
-        {key: value for key, value in metadata.items() if key != "shards"}
-        | {"shards": dg.MetadataValue.json(shards)}
+        {key: value for key, value in metadata.items() if key != "shards"} | {"shards": dg.MetadataValue.json(shards)}
     )
-    summary = {key: metadata[key] for key in ("job_id", "model", "num_requests", "num_errors", "completion_tokens",
-                                              "completion_tokens_per_s", "wall_s")}
+    summary = {
+        key: metadata[key]
+        for key in (
+            "job_id",
+            "model",
+            "num_requests",
+            "num_errors",
+            "completion_tokens",
+            "completion_tokens_per_s",
+            "wall_s",
+        )
+    }
     # The job reads completed when Dagster records the run's success (`record_run_end`), not before.
-    results = {key: metadata[key] for key in ("num_requests", "num_errors", "prompt_tokens", "completion_tokens",
-                                              "completion_tokens_per_s", "wall_s", "merge_s")}
+    results = {
+        key: metadata[key]
+        for key in (
+            "num_requests",
+            "num_errors",
+            "prompt_tokens",
+            "completion_tokens",
+            "completion_tokens_per_s",
+            "wall_s",
+            "merge_s",
+        )
+    }
     job_store.get_store().record_results(
-        metadata["job_id"], context.run_id,
-        results | {"requests_total": metadata["num_requests"], "requests_done": metadata["num_requests"],
-                   "errors": metadata["num_errors"]},
+        metadata["job_id"],
+        context.run_id,
+        results
+        | {
+            "requests_total": metadata["num_requests"],
+            "requests_done": metadata["num_requests"],
+            "errors": metadata["num_errors"],
+        },
     )
     context.log_event(
         dg.AssetMaterialization(

@@ -5,7 +5,6 @@ saying how many finished. A job rather than sensor code: retried, visible in the
 sensor's timeout however large the job.
 """
 
-
 import json
 
 import dagster as dg
@@ -49,8 +48,15 @@ def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResou
     output_path = record.request["output_data_path"]
     missing = json.dumps(ErrorOutput(error=ErrorDetail(code=config["code"], message=config["reason"])).model_dump())
     write_output_array(output_path, partial_outputs(work_dir, lambda _: missing), total)
-    summary = {"job_id": record.job_id, "dagster_run_id": config["run_id"], "status": config["code"],
-               "num_requests": total, "num_finished": done, "num_unfinished": total - done, "reason": config["reason"]}
+    summary = {
+        "job_id": record.job_id,
+        "dagster_run_id": config["run_id"],
+        "status": config["code"],
+        "num_requests": total,
+        "num_finished": done,
+        "num_unfinished": total - done,
+        "reason": config["reason"],
+    }
     with io.atomic_write(metadata_path(output_path), "w") as handle:
         json.dump(summary, handle, indent=2)
     store.record_results(record.job_id, config["run_id"], summary)
@@ -75,7 +81,12 @@ def partial_results_run_request(record: JobRecord | None, run_id: str, code: str
         return None
     return dg.RunRequest(
         run_key=f"partial-results:{run_id}",
-        run_config={"ops": {"merge_finished_results": {"config": {
-            "job_id": record.job_id, "run_id": run_id, "code": code, "reason": reason}}}},
+        run_config={
+            "ops": {
+                "merge_finished_results": {
+                    "config": {"job_id": record.job_id, "run_id": run_id, "code": code, "reason": reason}
+                }
+            }
+        },
         tags={"dagster/priority": PARTIAL_RESULTS_PRIORITY, STOPPED_RUN_TAG: run_id},
     )

@@ -16,9 +16,7 @@ class JobStorage(dg.ConfigurableResource):
     an s3:// prefix when shards run in pods.
     """
 
-    work_dir_base: str = Field(
-        default="", description="Base path or URL of job work dirs; empty = $DAGSTER_HOME/work."
-    )
+    work_dir_base: str = Field(default="", description="Base path or URL of job work dirs; empty = $DAGSTER_HOME/work.")
 
     def base(self) -> str:
         base = self.work_dir_base or os.path.join(os.environ.get("DAGSTER_HOME", "dagster_home"), "work")

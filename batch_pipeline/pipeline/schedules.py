@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -117,7 +117,7 @@ def load_schedule_specs(path: str) -> list[ScheduleSpec]:
         label = f"schedules.{position}"
         try:
             spec = ScheduleSpec.model_validate(raw)
-            spec.request_at(datetime(2000, 1, 1, tzinfo=timezone.utc))  # the template makes a valid request
+            spec.request_at(datetime(2000, 1, 1, tzinfo=UTC))  # the template makes a valid request
         except ValidationError as exc:
             error = exc.errors()[0]
             location = [str(part) for part in error["loc"]]
@@ -163,13 +163,18 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
         execution_timezone=spec.timezone,
         job=batch_completions,
         description=spec.description or f"a batch job from the template {spec.name} of the schedules file",
-        default_status=dg.DefaultScheduleStatus.RUNNING if spec.status == "running" else dg.DefaultScheduleStatus.STOPPED,
+        default_status=dg.DefaultScheduleStatus.RUNNING
+        if spec.status == "running"
+        else dg.DefaultScheduleStatus.STOPPED,
     )
     def _tick(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage):
-        tick = context.scheduled_execution_time or datetime.now(timezone.utc)
+        tick = context.scheduled_execution_time or datetime.now(UTC)
         record, created = submit(
-            job_store.get_store(), job_storage.work_dir, SCHEDULE_OWNER_PREFIX + spec.name, spec.request_at(tick),
-            idempotency_key=f"{spec.name}@{tick.astimezone(timezone.utc).isoformat()}",
+            job_store.get_store(),
+            job_storage.work_dir,
+            SCHEDULE_OWNER_PREFIX + spec.name,
+            spec.request_at(tick),
+            idempotency_key=f"{spec.name}@{tick.astimezone(UTC).isoformat()}",
         )
         context.log.info(f"{'stored' if created else 'found'} job {record.job_id} for the tick at {tick.isoformat()}")
         return run_request_for(record)

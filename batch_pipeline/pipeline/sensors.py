@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import dagster as dg
 from dagster import DagsterEventType, RunStatusSensorContext, SensorEvaluationContext
@@ -124,7 +124,7 @@ def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
     job_of_run = {run_id: job_id for job_id, run_id in store.unfinished_with_runs()}
     if not job_of_run:
         return
-    now = datetime.now(timezone.utc).timestamp()
+    now = datetime.now(UTC).timestamp()
     for record in instance.get_run_records(filters=dg.RunsFilter(run_ids=list(job_of_run))):
         if record.dagster_run.is_finished and record.end_time and now - record.end_time >= RECONCILE_AFTER_S:
             # Too late to keep partial results by a job; the row names the run, so the job is the row's.
@@ -153,12 +153,13 @@ def failure_reason(instance: dg.DagsterInstance, run_id: str) -> str:
 def _end_time(instance: dg.DagsterInstance, run_id: str) -> datetime:
     record = instance.get_run_record_by_id(run_id)
     if record is not None and record.end_time:
-        return datetime.fromtimestamp(record.end_time, timezone.utc)
-    return datetime.now(timezone.utc)
+        return datetime.fromtimestamp(record.end_time, UTC)
+    return datetime.now(UTC)
 
 
-def record_run_end(instance: dg.DagsterInstance, store: JobStore, run: dg.DagsterRun,
-                   job_id: str | None = None) -> dg.RunRequest | None:
+def record_run_end(
+    instance: dg.DagsterInstance, store: JobStore, run: dg.DagsterRun, job_id: str | None = None
+) -> dg.RunRequest | None:
     """How a finished run of a job (the run's own, unless given) ended, into the job's row: completed;
     failed with the step's reason (or still running, when Dagster retries the run); cancelled, or failed
     when run monitoring stopped it at its deadline. Returns the run that keeps a stopped run's finished
@@ -175,18 +176,21 @@ def record_run_end(instance: dg.DagsterInstance, store: JobStore, run: dg.Dagste
             store.mark_retrying(job_id, run.run_id, reason)
             return None
         store.mark_run_ended(job_id, run.run_id, FAILED, ended_at, reason=reason)
-        return partial_results_run_request(store.get(job_id), run.run_id, "job_failed",
-                                           f"the job failed before this request finished: {reason}")
+        return partial_results_run_request(
+            store.get(job_id), run.run_id, "job_failed", f"the job failed before this request finished: {reason}"
+        )
     record = store.get(job_id)
     if record is not None and record.cancelled_at is None and ended_at >= record.expires_at:
         # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
         why = "max_runtime_sec exceeded: the run was stopped by run monitoring"
         store.mark_run_ended(job_id, run.run_id, FAILED, ended_at, reason=why)
-        return partial_results_run_request(record, run.run_id, "job_failed",
-                                           f"the job failed before this request finished: {why}")
+        return partial_results_run_request(
+            record, run.run_id, "job_failed", f"the job failed before this request finished: {why}"
+        )
     store.mark_run_ended(job_id, run.run_id, CANCELLED, ended_at)
-    return partial_results_run_request(record, run.run_id, "cancelled",
-                                       "the job was cancelled before this request finished")
+    return partial_results_run_request(
+        record, run.run_id, "cancelled", "the job was cancelled before this request finished"
+    )
 
 
 @dg.run_status_sensor(

@@ -5,7 +5,8 @@ from alembic import context
 from batch_pipeline.jobs_store import SCHEMA_VERSION_TABLE, metadata
 
 connection = context.config.attributes["connection"]
-context.configure(connection=connection, target_metadata=metadata, version_table=SCHEMA_VERSION_TABLE,
-                  render_as_batch=True)
+context.configure(
+    connection=connection, target_metadata=metadata, version_table=SCHEMA_VERSION_TABLE, render_as_batch=True
+)
 with context.begin_transaction():
     context.run_migrations()

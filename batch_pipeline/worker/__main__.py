@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         task = ShardTask.from_dict(pipes.get_extra("task"))
         prefix = f"shard {task.shard.shard_index:03d}: "
         try:
-            runner = ShardRunner(task, report=lambda line: pipes.log.info(prefix + line),
-                                 report_progress=lambda figures: pipes.report_custom_message({"progress": figures}))
+            runner = ShardRunner(
+                task,
+                report=lambda line: pipes.log.info(prefix + line),
+                report_progress=lambda figures: pipes.report_custom_message({"progress": figures}),
+            )
             stats = runner.run()
         except Exception as exc:  # the step's failure message, e.g. a full disk under the checkpoint
             pipes.report_custom_message({"failure": f"{type(exc).__name__}: {exc}"})

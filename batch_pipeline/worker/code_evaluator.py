@@ -1,12 +1,12 @@
 """The code_evaluator tool loop over v1 prompts (`tool_config.name == "code_evaluator"`).
 
 A generation that closes a Python block and writes `>>>` on the next line stops there; the last
-```` ```python ```` block (of the prompt and the generation so far) runs in the sandbox; what it printed (or its error) is appended after `>>>` and the
-prompt continues from the extended text, for at most `max_iterations` executions and within the prompt's
-`max_new_tokens` (the tool's text counts against it). Prompts do not wait for each other: while one
-prompt's code runs, the others keep generating in the same engine, and executions run side by side up to
-the sandbox's slots. A prompt that itself ends with a block and `>>>` (a transcript handed back) has
-that block run before anything is generated.
+```` ```python ```` block (of the prompt and the generation so far) runs in the sandbox; what it printed
+(or its error) is appended after `>>>` and the prompt continues from the extended text, for at most
+`max_iterations` executions and within the prompt's `max_new_tokens` (the tool's text counts against it).
+Prompts do not wait for each other: while one prompt's code runs, the others keep generating in the same
+engine, and executions run side by side up to the sandbox's slots. A prompt that itself ends with a block
+and `>>>` (a transcript handed back) has that block run before anything is generated.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ToolLoop:
         start = transcript.rfind(CODE_FENCE, 0, end)
         if start < 0:
             return None
-        return transcript[start + len(CODE_FENCE):end].removeprefix("\n")
+        return transcript[start + len(CODE_FENCE) : end].removeprefix("\n")
 
 
 def last_round(result: Any) -> tuple[str, bool]:

@@ -66,8 +66,9 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def choose_dtype(model_config: BatchCompletionsModelConfig, on_cpu: bool,
-                 flags: set[str] | None = None) -> tuple[str | None, str]:
+def choose_dtype(
+    model_config: BatchCompletionsModelConfig, on_cpu: bool, flags: set[str] | None = None
+) -> tuple[str | None, str]:
     """The dtype to run the model in, and why: a request that names one gets exactly that; otherwise the
     model's own, except on a CPU that cannot compute bfloat16 natively, where vLLM runs 16-bit models
     through slow fallbacks (SmolLM2-135M, 64 chat prompts: 27 tokens/s in bfloat16, 134 in float32) and

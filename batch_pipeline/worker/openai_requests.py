@@ -59,8 +59,10 @@ class ServerDefaults:
         self.fallbacks: dict[str, Any] = getattr(table, "default", table)
 
     def sampling(self, request: Any) -> dict[str, Any]:
-        return {name: value if (value := getattr(request, name)) is not None else self.model.get(name, fallback)
-                for name, fallback in self.fallbacks.items()}
+        return {
+            name: value if (value := getattr(request, name)) is not None else self.model.get(name, fallback)
+            for name, fallback in self.fallbacks.items()
+        }
 
     def stop_token_ids(self, request: Any) -> list[int] | None:
         """The request's, and the model's where it names some (as vLLM's server merges them)."""
@@ -86,7 +88,8 @@ def _refuse_unsupported(request: Any, refused: dict[str, str]) -> None:
     # best_of <= n asks for no candidate beyond the n returned (Scale's SDK always sends best_of: 1).
     if best_of is not None and best_of > n:
         raise RequestRefused(
-            "unsupported_field", "best_of",
+            "unsupported_field",
+            "best_of",
             f"this engine returns every candidate it samples; use n (best_of={best_of} > n={n})",
         )
 
@@ -98,8 +101,12 @@ def _structured_outputs(request: Any) -> StructuredOutputsParams | None:
         asked.append(("response_format", "json", response_format.json_schema.schema_ or {}))
     elif response_format is not None and response_format.type == "json_object":
         asked.append(("response_format", "json_object", True))
-    for source, target in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                           ("guided_grammar", "grammar")):
+    for source, target in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         value = getattr(request, source)
         if value is not None:
             asked.append((source, target, value))
@@ -176,8 +183,11 @@ def _add_all(engine: Any, item: WorkItem, prompts: list[Any], params: SamplingPa
 def _usage(results: list[Any]) -> dict[str, int]:
     prompt_tokens = sum(len(result.prompt_token_ids or []) for result in results)
     completion_tokens = sum(len(choice.token_ids) for result in results for choice in result.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class _OpenAIRequests:
@@ -214,7 +224,9 @@ class CompletionRequests(_OpenAIRequests):
         # (and Scale's server drops null fields, so an unset max_tokens is always 16 there).
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         params = _sampling_params(request, self.defaults, max_tokens, request.logprobs, echo_logprobs)
-        tokenization = {"add_special_tokens": True if request.add_special_tokens is None else request.add_special_tokens}
+        tokenization = {
+            "add_special_tokens": True if request.add_special_tokens is None else request.add_special_tokens
+        }
         return _add_all(engine, item, _prompts(request.prompt), params, tokenization)
 
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
@@ -223,13 +235,15 @@ class CompletionRequests(_OpenAIRequests):
         for result in results:
             for choice in result.outputs:
                 text = (result.prompt or "") + choice.text if request.echo else choice.text
-                choices.append({
-                    "index": len(choices),
-                    "text": text,
-                    "logprobs": self._logprobs(result, choice, request) if request.logprobs is not None else None,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                })
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": text,
+                        "logprobs": self._logprobs(result, choice, request) if request.logprobs is not None else None,
+                        "finish_reason": choice.finish_reason,
+                        "stop_reason": choice.stop_reason,
+                    }
+                )
         return self._response("cmpl", "text_completion", item, choices, results)
 
     def _logprobs(self, result: Any, choice: Any, request: FilteredCompletionV2Request) -> dict[str, Any]:
@@ -253,8 +267,12 @@ class CompletionRequests(_OpenAIRequests):
             token_logprobs.append(alternatives[token_id].logprob)
             ranked = sorted(alternatives.items(), key=lambda pair: pair[1].logprob, reverse=True)
             top_logprobs.append({self._decoded(t): lp.logprob for t, lp in ranked[: max(request.logprobs, 1)]})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -284,7 +302,10 @@ class ChatRequests(_OpenAIRequests):
         if max_tokens is None:  # the model's max_new_tokens, else the rest of the context (the engine's default)
             max_tokens = self.defaults.max_tokens
         params = _sampling_params(
-            request, self.defaults, max_tokens, logprobs,
+            request,
+            self.defaults,
+            max_tokens,
+            logprobs,
             tool_outputs=tool_plan.structured_outputs if tool_plan else None,
         )
         # The chat template writes the special tokens itself.
@@ -302,7 +323,8 @@ class ChatRequests(_OpenAIRequests):
                     kind = part.get("type") if isinstance(part, dict) else part.type
                     if kind != "text":
                         raise RequestRefused(
-                            "unsupported_field", f"messages.{position}.content.{part_position}",
+                            "unsupported_field",
+                            f"messages.{position}.content.{part_position}",
                             f"only text parts are supported, got {kind!r}",
                         )
                     texts.append(part["text"] if isinstance(part, dict) else part.text)
@@ -343,13 +365,17 @@ class ChatRequests(_OpenAIRequests):
             if tool_plan is not None:
                 parsed = self.tool_calling.parse(tool_plan, request, choice)
                 content, tool_calls, finish_reason = parsed.content, parsed.tool_calls, parsed.finish_reason
-            choices.append({
-                "index": position,
-                "message": {"role": role, "content": content, "tool_calls": tool_calls},
-                "logprobs": {"content": self._logprobs(choice, request.top_logprobs or 0)} if request.logprobs else None,
-                "finish_reason": finish_reason,
-                "stop_reason": choice.stop_reason,
-            })
+            choices.append(
+                {
+                    "index": position,
+                    "message": {"role": role, "content": content, "tool_calls": tool_calls},
+                    "logprobs": {"content": self._logprobs(choice, request.top_logprobs or 0)}
+                    if request.logprobs
+                    else None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
         return self._response("chatcmpl", "chat.completion", item, choices, results)
 
     def _logprobs(self, choice: Any, top: int) -> list[dict[str, Any]]:
@@ -357,13 +383,15 @@ class ChatRequests(_OpenAIRequests):
         for token_id, alternatives in zip(choice.token_ids, choice.logprobs or []):
             token = self._decoded(token_id)
             ranked = sorted(alternatives.items(), key=lambda pair: pair[1].logprob, reverse=True)[:top]
-            content.append({
-                "token": token,
-                "logprob": alternatives[token_id].logprob,
-                "bytes": list(token.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": (t := self._decoded(tid)), "logprob": lp.logprob, "bytes": list(t.encode("utf-8"))}
-                    for tid, lp in ranked
-                ],
-            })
+            content.append(
+                {
+                    "token": token,
+                    "logprob": alternatives[token_id].logprob,
+                    "bytes": list(token.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": (t := self._decoded(tid)), "logprob": lp.logprob, "bytes": list(t.encode("utf-8"))}
+                        for tid, lp in ranked
+                    ],
+                }
+            )
         return content

@@ -43,8 +43,10 @@ logger = logging.getLogger(__name__)
 # A job's content is v1 prompts or a list of requests, never both; the tool loop serves the prompts (as
 # Scale's batch server does), and a list of requests runs as it would without tool_config.
 TOOL_APPLIED = "applied"
-TOOL_NOT_APPLIED = ("not applied: the code_evaluator loop serves v1 content (prompts); these chat/completion "
-                    "requests ran without it (chat requests can declare functions in `tools`)")
+TOOL_NOT_APPLIED = (
+    "not applied: the code_evaluator loop serves v1 content (prompts); these chat/completion "
+    "requests ran without it (chat requests can declare functions in `tools`)"
+)
 
 # Requests handed to the engine ahead of the scheduler: enough to keep every batch slot busy, few enough
 # that a shard of a million prompts does not hold them all in memory.
@@ -251,8 +253,12 @@ class ShardRunner:
                 self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
             self.report_progress({"requests_done": len(done)})
             self.copies = read_copies(self.shard.copies_path)
-            unfilled = {source: owed for source, indices in self.copies.items() if source in done
-                        if (owed := [index for index in indices if index not in done])}
+            unfilled = {
+                source: owed
+                for source, indices in self.copies.items()
+                if source in done
+                if (owed := [index for index in indices if index not in done])
+            }
             items = read_work_items(self.shard.input_path)
             head = next(items, None)
             if self.task.tool_config is not None and head is not None:  # said also when resumed with nothing left
@@ -294,7 +300,9 @@ class ShardRunner:
         self.stats.unsupported_engine_args = built.unsupported
         self.stats.dtype, self.stats.dtype_reason = built.dtype, built.dtype_reason
         self.stats.engine_start_s = round(time.monotonic() - t0, 3)
-        self.report(f"engine ready in {self.stats.engine_start_s:.1f}s, computing in {built.dtype}: {built.dtype_reason}")
+        self.report(
+            f"engine ready in {self.stats.engine_start_s:.1f}s, computing in {built.dtype}: {built.dtype_reason}"
+        )
         engine = llm.llm_engine
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
@@ -351,8 +359,7 @@ class ShardRunner:
         # One write and a flush per result and its copies: a killed worker leaves whole lines, plus at most
         # one torn one.
         copies = self.copies.get(index, ())
-        results.write(format_result(index, output)
-                      + copy_lines(output, copies))
+        results.write(format_result(index, output) + copy_lines(output, copies))
         results.flush()
         self._copies_written += len(copies)
         self.stats.generated += 1
@@ -374,15 +381,26 @@ class ShardRunner:
         rate = self.stats.completion_tokens / elapsed if elapsed > 0 else 0.0
         # Counts of this attempt's requests, plus those a resumed shard found done (their tokens are
         # counted when the shard completes).
-        self.report_progress({"requests_done": finished, "errors": self.stats.errors,
-                              "prompt_tokens": self.stats.prompt_tokens, "completion_tokens": self.stats.completion_tokens})
+        self.report_progress(
+            {
+                "requests_done": finished,
+                "errors": self.stats.errors,
+                "prompt_tokens": self.stats.prompt_tokens,
+                "completion_tokens": self.stats.completion_tokens,
+            }
+        )
         self.report(
             f"progress {finished}/{self.shard.item_count} requests, "
             f"{self.stats.completion_tokens} tokens generated, {rate:.0f} tokens/s"
         )
 
-    def _add_engine_handlers(self, llm: Any, model_config: BatchCompletionsModelConfig,
-                             tool_config: ToolConfig | None, sandbox: Sandbox | None) -> None:
+    def _add_engine_handlers(
+        self,
+        llm: Any,
+        model_config: BatchCompletionsModelConfig,
+        tool_config: ToolConfig | None,
+        sandbox: Sandbox | None,
+    ) -> None:
         from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
 
         self.handlers["completion"] = CompletionRequests(llm, model_config)
@@ -427,7 +445,10 @@ class ShardRunner:
                     results.seek(start)
                     output_file.write(results.read(length))
         self.stats.prompt_tokens, self.stats.completion_tokens, self.stats.errors = (
-            prompt_tokens, completion_tokens, errors)
+            prompt_tokens,
+            completion_tokens,
+            errors,
+        )
         self.stats.deduplicated = self.shard.copy_count
 
 

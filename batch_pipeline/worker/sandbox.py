@@ -110,16 +110,18 @@ class Sandbox:
         mib = limits.memory_bytes // 2**20
         self.isolation = Isolation(
             user=f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + self.slots - 1}, one per slot, with no groups, "
-                 "no capabilities and no new privileges (setpriv)",
+            "no capabilities and no new privileges (setpriv)",
             namespaces="network, PID, IPC, mount" if self._namespaces else "none (the kernel refused unshare)",
-            network="no network (an empty network namespace)" if self._namespaces
+            network="no network (an empty network namespace)"
+            if self._namespaces
             else "NOT isolated: the code can reach whatever the worker can",
             memory=f"{mib} MiB for all its processes together (cgroup v{self._cgroups.version}), "
-                   f"{limits.processes} processes" if self._cgroups
+            f"{limits.processes} processes"
+            if self._cgroups
             else f"{mib} MiB for all its processes together, their resident memory summed every "
-                 f"{WATCH_INTERVAL_S:g} s (no cgroup could be made); {mib} MiB of address space each",
+            f"{WATCH_INTERVAL_S:g} s (no cgroup could be made); {mib} MiB of address space each",
             leftovers=f"removed after each execution: the slot uid's files in {', '.join(SHARED_WRITABLE)} "
-                      "and its System V IPC objects; no POSIX message queue can be made",
+            "and its System V IPC objects; no POSIX message queue can be made",
         )
 
     def run(self, code: str, timeout_s: float | None = None) -> Execution:
@@ -142,15 +144,33 @@ class Sandbox:
                 handle.write(code)
             stdout_path, stderr_path = os.path.join(private, "stdout"), os.path.join(private, "stderr")
             status_read, status_write = os.pipe()
-            with open(program, "rb") as stdin, open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr, \
-                    open(status_read, "rb", buffering=0) as status:
+            with (
+                open(program, "rb") as stdin,
+                open(stdout_path, "wb") as stdout,
+                open(stderr_path, "wb") as stderr,
+                open(status_read, "rb", buffering=0) as status,
+            ):
                 entering = cgroup.entering() if cgroup else []
                 try:
                     process = subprocess.Popen(
-                        [*entering, *self._limits(timeout_s), self.python, "-I", "-S", "-c", _REAPER, str(status_write),
-                         *_command(self.python, uid, self._namespaces)],
-                        stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir, pass_fds=[status_write],
-                        env={**_ENVIRONMENT, "HOME": workdir, "TMPDIR": workdir}, start_new_session=True,
+                        [
+                            *entering,
+                            *self._limits(timeout_s),
+                            self.python,
+                            "-I",
+                            "-S",
+                            "-c",
+                            _REAPER,
+                            str(status_write),
+                            *_command(self.python, uid, self._namespaces),
+                        ],
+                        stdin=stdin,
+                        stdout=stdout,
+                        stderr=stderr,
+                        cwd=workdir,
+                        pass_fds=[status_write],
+                        env={**_ENVIRONMENT, "HOME": workdir, "TMPDIR": workdir},
+                        start_new_session=True,
                     )
                 finally:
                     os.close(status_write)
@@ -162,14 +182,17 @@ class Sandbox:
             output = _read_bounded(stdout_path, self.limits.output_chars)
             error = None
             if over_memory:
-                error = (f"MemoryError: the code's processes together used more than "
-                         f"{self.limits.memory_bytes // 2**20} MiB and were stopped")
+                error = (
+                    f"MemoryError: the code's processes together used more than "
+                    f"{self.limits.memory_bytes // 2**20} MiB and were stopped"
+                )
             elif timed_out:
                 error = f"TimeoutError: the code ran longer than {timeout_s:g} s and was stopped"
             elif returncode != 0:
                 error = _last_error_line(stderr_path, returncode)
-            return Execution(output=output, error=error, timed_out=timed_out,
-                             wall_s=round(time.monotonic() - started, 3))
+            return Execution(
+                output=output, error=error, timed_out=timed_out, wall_s=round(time.monotonic() - started, 3)
+            )
         finally:
             _remove_leftovers(uid)
             if cgroup is not None:
@@ -177,8 +200,9 @@ class Sandbox:
             shutil.rmtree(workdir, ignore_errors=True)
             shutil.rmtree(private, ignore_errors=True)
 
-    def _supervise(self, status: IO[bytes], uid: int, cgroup: ExecutionCgroup | None,
-                   deadline: float) -> tuple[int | None, bool, bool]:
+    def _supervise(
+        self, status: IO[bytes], uid: int, cgroup: ExecutionCgroup | None, deadline: float
+    ) -> tuple[int | None, bool, bool]:
         """Wait for the program (its reaper reports its exit status): (that status, whether it ran out of
         time, whether its processes together went over the memory limit). Either of the last two stops
         the wait at once."""
@@ -195,9 +219,15 @@ class Sandbox:
         """util-linux prlimit: set in the process that then execs the sandbox, inherited by all it starts
         (rather than a preexec_fn, which is not safe in the worker's threaded process)."""
         limits, cpu = self.limits, math.ceil(timeout_s) + 1
-        arguments = [f"--cpu={cpu}", f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
-                     f"--nofile={limits.open_files}", f"--nproc={limits.processes}", "--core=0",
-                     "--msgqueue=0"]  # POSIX message queues outlive processes, out of reach of the clean-up
+        arguments = [
+            f"--cpu={cpu}",
+            f"--as={limits.memory_bytes}",
+            f"--fsize={limits.file_bytes}",
+            f"--nofile={limits.open_files}",
+            f"--nproc={limits.processes}",
+            "--core=0",
+            "--msgqueue=0",
+        ]  # POSIX message queues outlive processes, out of reach of the clean-up
         return ["prlimit", *arguments, "--"]
 
     def _kill_everything(self, process: subprocess.Popen, uid: int) -> None:
@@ -208,8 +238,9 @@ class Sandbox:
         deadline = time.monotonic() + 10
         while processes_of(uid, zombies=True) and time.monotonic() < deadline:
             if processes_of(uid):
-                subprocess.run([*_as_slot_user(uid), self.python, "-I", "-S", "-c", _KILL_ALL], check=False,
-                               env=_ENVIRONMENT)
+                subprocess.run(
+                    [*_as_slot_user(uid), self.python, "-I", "-S", "-c", _KILL_ALL], check=False, env=_ENVIRONMENT
+                )
             time.sleep(0.02)
         try:  # the reaper leaves once it has no child left; the root wrappers go with it
             process.wait(timeout=10)
@@ -220,8 +251,14 @@ class Sandbox:
     def _check_uid_switch(self) -> None:
         """Fail closed: without a uid of its own the code would run as the worker, with its files and secrets."""
         uid = SANDBOX_UID_BASE
-        probe = [*_as_slot_user(uid), self.python, "-I", "-S", "-c",
-                 "import os; print(*os.getresuid(), *os.getresgid(), os.getgroups())"]
+        probe = [
+            *_as_slot_user(uid),
+            self.python,
+            "-I",
+            "-S",
+            "-c",
+            "import os; print(*os.getresuid(), *os.getresgid(), os.getgroups())",
+        ]
         try:
             done = subprocess.run(probe, capture_output=True, text=True, timeout=30, env=_ENVIRONMENT)
             if done.returncode == 0 and done.stdout.split() == [str(uid)] * 6 + ["[]"]:
@@ -254,8 +291,10 @@ def sandbox_python() -> str:
     for candidate in filter(None, [configured, sys.executable, "/usr/local/bin/python3", "/usr/bin/python3"]):
         if _open_to_others(os.path.realpath(candidate)):
             return candidate
-    raise SandboxUnavailable("tool_config: the code_evaluator sandbox has no Python interpreter that an "
-                             "unprivileged user may run; set BATCH_PIPELINE_SANDBOX_PYTHON")
+    raise SandboxUnavailable(
+        "tool_config: the code_evaluator sandbox has no Python interpreter that an "
+        "unprivileged user may run; set BATCH_PIPELINE_SANDBOX_PYTHON"
+    )
 
 
 def _open_to_others(path: str) -> bool:
@@ -320,8 +359,11 @@ def _process_statuses() -> Iterator[tuple[int, dict[str, str]]]:
 
 def processes_of(uid: int, zombies: bool = False) -> list[int]:
     """Live processes of a uid; zombies (dead, waiting for their parent to reap them) only if asked."""
-    return [pid for pid, status in _process_statuses()
-            if int(status["Uid"].split()[0]) == uid and (zombies or not status["State"].strip().startswith("Z"))]
+    return [
+        pid
+        for pid, status in _process_statuses()
+        if int(status["Uid"].split()[0]) == uid and (zombies or not status["State"].strip().startswith("Z"))
+    ]
 
 
 def resident_bytes(uid: int) -> int:
@@ -366,7 +408,7 @@ class CgroupParents:
                 for name in names:
                     path = own.get(name)
                     if path is not None and (path + "/").startswith(root.rstrip("/") + "/"):
-                        mounts.setdefault(name, mount_point + path[len(root.rstrip("/")):])
+                        mounts.setdefault(name, mount_point + path[len(root.rstrip("/")) :])
         candidates = []
         if "" in mounts:
             candidates.append(cls(2, mounts[""], mounts[""]))

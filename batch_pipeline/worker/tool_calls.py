@@ -67,7 +67,8 @@ class ToolCalling:
             offered = [tool.function.name for tool in request.tools]
             if named not in offered:
                 raise RequestRefused(
-                    "invalid_request", "tool_choice",
+                    "invalid_request",
+                    "tool_choice",
                     f"function {named!r} is not among the tools ({', '.join(offered)})",
                 )
         parser_cls = self._parser()
@@ -92,13 +93,16 @@ class ToolCalling:
         )
         tool_calls = [ToolCall(id=call.id or make_tool_call_id(), function=call).model_dump() for call in calls or []]
         # OpenAI's convention: "tool_calls" when auto chose to call, or "required" finished its calls.
-        called = (plan.auto and tool_calls) or (plan.vllm_request.tool_choice == "required" and choice.finish_reason == "stop")
+        called = (plan.auto and tool_calls) or (
+            plan.vllm_request.tool_choice == "required" and choice.finish_reason == "stop"
+        )
         return ParsedMessage(content, tool_calls, "tool_calls" if called else choice.finish_reason)
 
     def _parser(self) -> type:
         if self.parser_name is None:
             raise RequestRefused(
-                "unsupported_field", "tools",
+                "unsupported_field",
+                "tools",
                 "set model_config.tool_call_parser (the vLLM parser of this model's tool-call format)",
             )
         if self._parser_cls is None and self._parser_error is None:

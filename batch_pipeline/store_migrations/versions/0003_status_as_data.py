@@ -57,23 +57,44 @@ def _backfill() -> None:
 
     bind = op.get_bind()
     jobs = sa.table(
-        "batch_jobs", sa.column("job_id"), sa.column("request"), sa.column("labels"), sa.column("run_id"),
-        sa.column("cancelled_at"), sa.column("failed_at"), sa.column("status"), sa.column("model"),
+        "batch_jobs",
+        sa.column("job_id"),
+        sa.column("request"),
+        sa.column("labels"),
+        sa.column("run_id"),
+        sa.column("cancelled_at"),
+        sa.column("failed_at"),
+        sa.column("status"),
+        sa.column("model"),
         sa.column("completed_at"),
     )
-    labels = sa.table("batch_job_labels", sa.column("job_id"), sa.column("key"), sa.column("value"), sa.column("digest"))
-    rows = bind.execute(sa.select(jobs.c.job_id, jobs.c.labels, jobs.c.run_id, jobs.c.cancelled_at, jobs.c.failed_at)).all()
+    labels = sa.table(
+        "batch_job_labels", sa.column("job_id"), sa.column("key"), sa.column("value"), sa.column("digest")
+    )
+    rows = bind.execute(
+        sa.select(jobs.c.job_id, jobs.c.labels, jobs.c.run_id, jobs.c.cancelled_at, jobs.c.failed_at)
+    ).all()
     for row in rows:
-        status = ("failed" if row.failed_at else "cancelled" if row.cancelled_at
-                  else "queued" if row.run_id is None else "running")
+        status = (
+            "failed"
+            if row.failed_at
+            else "cancelled"
+            if row.cancelled_at
+            else "queued"
+            if row.run_id is None
+            else "running"
+        )
         request = bind.execute(sa.select(jobs.c.request).where(jobs.c.job_id == row.job_id)).scalar()
         try:
             model = str(json.loads(request)["model_config"]["model"])[:256]
         except (ValueError, KeyError, TypeError):
             model = None
         bind.execute(
-            jobs.update().where(jobs.c.job_id == row.job_id)
+            jobs.update()
+            .where(jobs.c.job_id == row.job_id)
             .values(status=status, model=model, completed_at=row.failed_at or row.cancelled_at)
         )
         for key, value in json.loads(row.labels or "{}").items():
-            bind.execute(labels.insert().values(job_id=row.job_id, key=key, value=value, digest=label_digest(key, value)))
+            bind.execute(
+                labels.insert().values(job_id=row.job_id, key=key, value=value, digest=label_digest(key, value))
+            )

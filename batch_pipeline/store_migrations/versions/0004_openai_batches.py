@@ -41,4 +41,3 @@ def upgrade() -> None:
         sa.Column("finalized_at", sa.DateTime(timezone=True), nullable=True),
     )
     op.create_index("ix_openai_batches_owner_created", "openai_batches", ["owner", "created_at", "batch_id"])
-
