@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.contract.requests import CODE_EVALUATOR
 from batch_pipeline.hardware import hardware_refusals
 from batch_pipeline.paths import request_path_refusals
-from batch_pipeline.worker.code_evaluator import TOOL_NAME
 
 MAX_EXECUTION_TIMEOUT_S = 600
 # With trust_remote_code a request chooses Python that the worker imports with all its rights: only an
@@ -56,8 +56,8 @@ def _tool_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, 
     if tool_config is None:
         return []
     found = []
-    if tool_config.name != TOOL_NAME:
-        found.append(("tool_config.name", f"unknown tool {tool_config.name!r}; the one tool is {TOOL_NAME!r}"))
+    if tool_config.name != CODE_EVALUATOR:
+        found.append(("tool_config.name", f"unknown tool {tool_config.name!r}; the one tool is {CODE_EVALUATOR!r}"))
     timeout = tool_config.execution_timeout_seconds
     if timeout is not None and timeout > MAX_EXECUTION_TIMEOUT_S:
         found.append(("tool_config.execution_timeout_seconds", f"at most {MAX_EXECUTION_TIMEOUT_S} s an execution"))

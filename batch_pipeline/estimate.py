@@ -30,7 +30,7 @@ from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestPr
 from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.hardware import kubernetes_quantity
 from batch_pipeline.models import _relative_checkpoint_file, cache_dir
-from batch_pipeline.shards import WorkItem, expected_output_tokens, work_items
+from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
 from batch_pipeline.submission import UnservableRequest
 
 # Problems listed per kind (all are counted): a million-prompt job's answer stays small.
@@ -143,8 +143,9 @@ def _count(
     request: CreateBatchCompletionsV2Request, model: _Model, records: Iterator[tuple[str, Any]], source: str
 ) -> _Counts:
     # The worker's handlers import vLLM: loaded on the first dry run, not when the API starts.
+    from batch_pipeline.worker.handlers import RequestRefused
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
-    from batch_pipeline.worker.runner import RequestRefused, V1Requests
+    from batch_pipeline.worker.v1_requests import V1Requests
 
     handlers = {
         "v1": V1Requests(),
@@ -344,17 +345,7 @@ def _runtime(request: CreateBatchCompletionsV2Request, counts: _Counts, history:
 def _workers(request: CreateBatchCompletionsV2Request, tokens: int) -> int:
     """Shard workers the job would run in, as plan_shards decides it, with the settings it reads (the
     launcher's own limit on workers at once is not known here)."""
-    from batch_pipeline.pipeline.job import DEFAULT_MIN_SHARD_TOKENS
-
-    workers = request.data_parallelism or 1
-    most = os.environ.get("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "").strip()
-    if most.isdigit() and int(most) > 0:
-        workers = min(workers, int(most))
-    least = os.environ.get("BATCH_PIPELINE_MIN_SHARD_TOKENS", "").strip()
-    least_tokens = int(least) if least.isdigit() else DEFAULT_MIN_SHARD_TOKENS
-    if least_tokens > 0:
-        workers = min(workers, max(1, tokens // least_tokens))
-    return workers
+    return PlanningSettings.from_environment(slots=None).shards_for(request.data_parallelism or 1, tokens)[0]
 
 
 def _short(exc: BaseException, limit: int = 500) -> str:

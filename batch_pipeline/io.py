@@ -28,7 +28,8 @@ class InputFileError(ValueError):
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     # url_to_fs, unlike get_fs_token_paths, never expands `*`, `?` or `[`: a path names one file.
-    return url_to_fs(path)
+    fs, resolved = url_to_fs(path)
+    return fs, str(resolved)
 
 
 def is_local(path: str) -> bool:
@@ -38,7 +39,7 @@ def is_local(path: str) -> bool:
 
 def exists(path: str) -> bool:
     fs, resolved = filesystem(path)
-    return fs.exists(resolved)
+    return bool(fs.exists(resolved))
 
 
 def join(base: str, *parts: str) -> str:
@@ -47,7 +48,7 @@ def join(base: str, *parts: str) -> str:
 
 def size(path: str) -> int:
     fs, resolved = filesystem(path)
-    return fs.size(resolved)
+    return int(fs.size(resolved))
 
 
 def remove(path: str) -> None:
@@ -69,8 +70,9 @@ def makedirs(path: str) -> None:
     fs.makedirs(resolved, exist_ok=True)
 
 
-def open_file(path: str, mode: str = "rb", **kwargs: Any) -> IO:
-    return fsspec.open(path, mode, **kwargs).open()
+def open_file(path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
+    handle: IO[Any] = fsspec.open(path, mode, **kwargs).open()
+    return handle
 
 
 def check_writable(path: str) -> None:
@@ -96,7 +98,7 @@ def check_writable(path: str) -> None:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike) -> Iterator[None]:
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     """Hold an exclusive lock on a local lock file (made if missing) for the block: processes of this
     machine that share a file (a model conversion, a database migration) take turns."""
     with open(path, "a") as handle:
@@ -108,7 +110,7 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str, mode: str = "w") -> Iterator[IO]:
+def atomic_write(path: str, mode: str = "w") -> Iterator[IO[Any]]:
     """Write `path` so that readers see the old file or the whole new one, never a part.
 
     Locally: a temporary file in the same directory, renamed over the target. Object stores publish an

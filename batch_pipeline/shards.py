@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from batch_pipeline import io
+from batch_pipeline.contract.openai import FilteredChatCompletionV2Request
 from batch_pipeline.contract.records import InputRecord, RecordKind, parse_record
+from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
 
 INPUT_FILE = "input.jsonl"
 COPIES_FILE = "copies.tsv"
@@ -106,18 +108,21 @@ def work_items(records: Iterable[tuple[str, Any]]) -> Iterator[tuple[WorkItem, I
 
 
 def _split(kind: RecordKind, record: InputRecord) -> Iterator[tuple[dict[str, Any], ItemSize]]:
-    if kind == "v1":
+    if isinstance(record, CreateBatchCompletionsV1RequestContent):
         shared = record.model_dump(exclude={"prompts"}, exclude_none=True)
-        for prompt in record.prompts:
-            yield {"prompt": prompt, **shared}, ItemSize(1, _text_tokens(prompt) + record.max_new_tokens)
+        for text in record.prompts:
+            yield {"prompt": text, **shared}, ItemSize(1, _text_tokens(text) + record.max_new_tokens)
         return
     request = record.model_dump(exclude_none=True, by_alias=True)
-    if kind == "chat":
+    prompts: list[Any]
+    if isinstance(record, FilteredChatCompletionV2Request):
         prompts = [record.messages]
     else:
         prompt = record.prompt
-        many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
-        prompts = prompt if many else [prompt]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompts = list(prompt)  # several prompts: strings, or lists of token ids
+        else:
+            prompts = [prompt]
     output = expected_output_tokens(kind, request)
     yield request, ItemSize(len(prompts) * (record.n or 1), sum(_prompt_tokens(prompt) + output for prompt in prompts))
 
@@ -126,7 +131,7 @@ def expected_output_tokens(kind: RecordKind, request: dict[str, Any]) -> int:
     """The most tokens one prompt of a request may generate, all its `n` candidates together; an estimate
     where the request sets no limit."""
     if kind == "v1":
-        return request["max_new_tokens"]
+        return int(request["max_new_tokens"])
     if kind == "chat":
         limit = request.get("max_completion_tokens") or request.get("max_tokens") or UNBOUNDED_OUTPUT_ESTIMATE
     else:
@@ -163,6 +168,48 @@ def repeat_key(item: WorkItem) -> int | None:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
 
 
+# A shard is worth its engine start (10-20 s here) when it has this much to do: on 2 CPU cores, ~20 s of
+# generation. GPU deployments generate far faster per engine start and should raise it.
+DEFAULT_MIN_SHARD_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class PlanningSettings:
+    """How jobs are split: at most `max_shards` shards (None: no limit), each worth at least
+    `min_tokens_per_shard` estimated tokens (0: any), repeats of deterministic requests generated once."""
+
+    max_shards: int | None
+    min_tokens_per_shard: int = DEFAULT_MIN_SHARD_TOKENS
+    deduplicate: bool = True
+
+    @classmethod
+    def from_environment(cls, slots: int | None) -> PlanningSettings:
+        """BATCH_PIPELINE_MAX_SHARDS_PER_JOB (default `slots`: what the launcher runs at once),
+        BATCH_PIPELINE_MIN_SHARD_TOKENS (default 8192) and BATCH_PIPELINE_DEDUPLICATE (default 1)."""
+        most = os.environ.get("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "").strip()
+        return cls(
+            max_shards=int(most) if most else slots,
+            min_tokens_per_shard=int(os.environ.get("BATCH_PIPELINE_MIN_SHARD_TOKENS", DEFAULT_MIN_SHARD_TOKENS)),
+            deduplicate=os.environ.get("BATCH_PIPELINE_DEDUPLICATE", "1") != "0",
+        )
+
+    def shards_for(self, requested: int, tokens: int) -> tuple[int, str | None]:
+        """The shards a job of about `tokens` estimated tokens that asked for `requested` runs in, and why
+        fewer (None when as asked)."""
+        used, reason = requested, None
+        if self.max_shards is not None and self.max_shards < used:
+            used, reason = self.max_shards, f"this deployment runs at most {self.max_shards} shard workers at once"
+        if used > 1 and self.min_tokens_per_shard > 0:
+            fits = max(1, tokens // self.min_tokens_per_shard)
+            if fits < used:
+                used = fits
+                reason = (
+                    f"the job's ~{tokens} tokens fill {fits} shard{'s' if fits > 1 else ''} of at least "
+                    f"{self.min_tokens_per_shard} (each shard starts an engine of its own)"
+                )
+        return used, reason
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """How many shards a job runs in, against the `data_parallelism` it asked for, and why fewer."""
@@ -176,38 +223,26 @@ class ShardPlan:
 
 
 def plan_shard_count(
-    items: Iterator[tuple[WorkItem, ItemSize]],
-    requested: int,
-    slots: int | None,
-    min_tokens_per_shard: int,
+    items: Iterator[tuple[WorkItem, ItemSize]], requested: int, settings: PlanningSettings
 ) -> tuple[ShardPlan, Iterator[tuple[WorkItem, ItemSize]]]:
-    """Shards for a job: as many as asked, but no more than the deployment runs at once (`slots`; None for
-    no limit) and no more than the work fills at `min_tokens_per_shard` estimated tokens each, since every
-    shard pays a whole engine start (10-20 s on the CPU) before its first token.
+    """Shards for a job: as many as asked, but no more than the deployment runs at once and no more than
+    the work fills at the settings' least tokens a shard, since every shard pays a whole engine start
+    (10-20 s on the CPU) before its first token.
 
     Reads ahead only as far as the decision needs (at most the tokens of the shards it may use); returns the
     plan and the items, those read ahead included.
     """
-    used, reason = requested, None
-    if slots is not None and slots < used:
-        used, reason = slots, f"this deployment runs at most {slots} shard workers at once"
-    if used > 1 and min_tokens_per_shard > 0:
+    most = requested if settings.max_shards is None else min(requested, settings.max_shards)
+    tokens = 0
+    if most > 1 and settings.min_tokens_per_shard > 0:
         read_ahead: list[tuple[WorkItem, ItemSize]] = []
-        tokens = 0
         for entry in items:
             read_ahead.append(entry)
             tokens += entry[1].tokens
-            if tokens >= used * min_tokens_per_shard:
+            if tokens >= most * settings.min_tokens_per_shard:
                 break
-        else:
-            fits = max(1, tokens // min_tokens_per_shard)
-            if fits < used:
-                used = fits
-                reason = (
-                    f"the job's ~{tokens} tokens fill {fits} shard{'s' if fits > 1 else ''} of at least "
-                    f"{min_tokens_per_shard} (each shard starts an engine of its own)"
-                )
         items = itertools.chain(read_ahead, items)
+    used, reason = settings.shards_for(requested, tokens)
     return ShardPlan(requested=requested, used=used, reason=reason), items
 
 

@@ -4,8 +4,8 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.definitions import batch_completions_job, defs
-from batch_pipeline.pipeline.execute import run_config_for
 
 REQUEST = {
     "output_data_path": "/tmp/out.json",

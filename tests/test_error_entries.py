@@ -5,7 +5,7 @@ import pytest
 from vllm.exceptions import VLLMValidationError
 
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
-from batch_pipeline.worker.runner import engine_error_output
+from batch_pipeline.worker.handlers import engine_error_output
 
 
 def test_an_entry_built_from_a_code_and_a_message_takes_openais_shape():

@@ -8,6 +8,7 @@ import pytest
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.shards import (
+    PlanningSettings,
     ShardTask,
     format_result,
     partial_outputs,
@@ -32,7 +33,9 @@ def _items(records):
 
 def test_a_small_job_runs_in_one_shard_whatever_it_asks_and_says_why():
     records = [_chat(f"question {i}") for i in range(20)]  # ~25 tokens each
-    plan, items = plan_shard_count(_items(records), requested=4, slots=None, min_tokens_per_shard=8192)
+    plan, items = plan_shard_count(
+        _items(records), requested=4, settings=PlanningSettings(max_shards=None, min_tokens_per_shard=8192)
+    )
     assert (plan.requested, plan.used) == (4, 1)
     assert "8192" in plan.reason and "engine" in plan.reason
     assert [item.index for item, _ in items] == list(range(20))  # nothing lost to the read-ahead
@@ -40,11 +43,17 @@ def test_a_small_job_runs_in_one_shard_whatever_it_asks_and_says_why():
 
 def test_a_job_is_split_no_further_than_its_work_fills_or_the_deployment_runs_at_once():
     records = [_chat(f"question {i}", max_tokens=1000) for i in range(20)]  # ~20k tokens
-    plan, _ = plan_shard_count(_items(records), requested=8, slots=None, min_tokens_per_shard=8192)
+    plan, _ = plan_shard_count(
+        _items(records), requested=8, settings=PlanningSettings(max_shards=None, min_tokens_per_shard=8192)
+    )
     assert plan.used == 2
-    plan, _ = plan_shard_count(_items(records), requested=8, slots=None, min_tokens_per_shard=0)
+    plan, _ = plan_shard_count(
+        _items(records), requested=8, settings=PlanningSettings(max_shards=None, min_tokens_per_shard=0)
+    )
     assert (plan.used, plan.reason) == (8, None)
-    plan, _ = plan_shard_count(_items(records), requested=8, slots=3, min_tokens_per_shard=0)
+    plan, _ = plan_shard_count(
+        _items(records), requested=8, settings=PlanningSettings(max_shards=3, min_tokens_per_shard=0)
+    )
     assert plan.used == 3 and "at most 3 shard workers at once" in plan.reason
 
 
@@ -56,7 +65,9 @@ def test_planning_reads_ahead_only_as_far_as_it_needs():
             read.append(i)
             yield f"content.{i}", _chat(f"question {i}", max_tokens=100)
 
-    plan, items = plan_shard_count(work_items(records()), requested=2, slots=None, min_tokens_per_shard=1000)
+    plan, items = plan_shard_count(
+        work_items(records()), requested=2, settings=PlanningSettings(max_shards=None, min_tokens_per_shard=1000)
+    )
     assert plan.used == 2
     assert len(read) < 30  # 2 shards' worth of ~100-token requests, not the whole input
     assert sum(1 for _ in items) == 100_000

@@ -35,7 +35,7 @@ def _plan(tokenizer, model_config: dict, **request):
     ],
 )
 def test_tools_that_cannot_be_served_are_refused_naming_the_field(tokenizer, model_config, request_fields, field):
-    from batch_pipeline.worker.runner import RequestRefused
+    from batch_pipeline.worker.handlers import RequestRefused
 
     with pytest.raises(RequestRefused) as refused:
         _plan(tokenizer, model_config, **request_fields)

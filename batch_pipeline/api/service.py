@@ -25,7 +25,7 @@ from batch_pipeline.contract.base import WireModel
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.jobs_store import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.pipeline.sensors import find_run
+from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.submission import UnservableRequest, check_servable, submit
 

@@ -73,7 +73,7 @@ def wire_value_problem(value: Any, forbidden: re.Pattern[str] = _UNSTORABLE) -> 
     return None
 
 
-def _plain_ascii_strings(items: list | tuple, forbidden: re.Pattern[str]) -> bool:
+def _plain_ascii_strings(items: list[Any] | tuple[Any, ...], forbidden: re.Pattern[str]) -> bool:
     """Whether every item is an ASCII string without a forbidden character: a million prompts are checked
     at C speed (`isascii` is a flag of the string) instead of one regular-expression search each."""
     try:

@@ -12,7 +12,7 @@ from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestCont
 InputRecord = CreateBatchCompletionsV1RequestContent | FilteredCompletionV2Request | FilteredChatCompletionV2Request
 RecordKind = Literal["v1", "completion", "chat"]
 
-_ADAPTERS: dict[RecordKind, TypeAdapter] = {
+_ADAPTERS: dict[RecordKind, TypeAdapter[Any]] = {
     "v1": TypeAdapter(CreateBatchCompletionsV1RequestContent),
     "completion": TypeAdapter(FilteredCompletionV2Request),
     "chat": TypeAdapter(FilteredChatCompletionV2Request),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -22,6 +22,10 @@ class GpuType(str, Enum):
     NVIDIA_HOPPER_H100 = "nvidia-hopper-h100"
     NVIDIA_HOPPER_H100_1G20GB = "nvidia-hopper-h100-1g20gb"
     NVIDIA_HOPPER_H100_3G40GB = "nvidia-hopper-h100-3g40gb"
+
+
+# The one tool `tool_config.name` may name here: the worker's code_evaluator loop over v1 prompts.
+CODE_EVALUATOR = "code_evaluator"
 
 
 class ToolConfig(WireModel):
@@ -126,10 +130,11 @@ class _BatchCompletionsRequestBase(WireModel):
     nodes_per_worker: int | None = Field(None, description=_HARDWARE_DESCRIPTIONS["nodes_per_worker"])
 
     @model_validator(mode="after")
-    def _exactly_one_input(self):
-        if self.input_data_path is None and self.content is None:
+    def _exactly_one_input(self) -> Self:
+        content = getattr(self, "content", None)  # each request type declares its own
+        if self.input_data_path is None and content is None:
             raise ValueError("Either input_data_path or content needs to be provided.")
-        if self.input_data_path is not None and self.content is not None:
+        if self.input_data_path is not None and content is not None:
             raise ValueError("Only one of input_data_path and content can be provided.")
         return self
 

@@ -1,4 +1,5 @@
-"""The Dagster config schema of a pydantic model, so the launchpad shows the request as typed config.
+"""The Dagster config schema of a pydantic model, so the launchpad shows the request as typed config; and
+the run config of a request (what the jobs sensor, schedules and `batch-pipeline run` launch).
 
 Field names, descriptions and defaults come from the contract. A union Dagster cannot express (content:
 an object or one of two lists; cpus: a string or a number) becomes `Any`; the contract validates it when
@@ -15,6 +16,8 @@ from typing import Any, Union
 import dagster as dg
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
+
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
 
 _SCALARS = {str: dg.String, int: dg.Int, float: dg.Float, bool: dg.Bool}
 
@@ -69,3 +72,13 @@ def _config_type(annotation: Any) -> tuple[Any, bool]:
 
 def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
+
+
+def run_config_for(request: CreateBatchCompletionsV2Request, log_level: str | None = None) -> dict[str, Any]:
+    """The run config of a request: the request itself, as the config of `validate_input`."""
+    config: dict[str, Any] = {
+        "ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}
+    }
+    if log_level:
+        config["loggers"] = {"console": {"config": {"log_level": log_level}}}
+    return config

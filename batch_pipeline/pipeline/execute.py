@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import dagster as dg
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
-
-
-def run_config_for(request: CreateBatchCompletionsV2Request, log_level: str | None = None) -> dict[str, Any]:
-    """The run config of a request: the request itself, as the config of `validate_input`."""
-    config: dict[str, Any] = {
-        "ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}
-    }
-    if log_level:
-        config["loggers"] = {"console": {"config": {"log_level": log_level}}}
-    return config
 
 
 def execute_request(

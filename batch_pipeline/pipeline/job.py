@@ -4,7 +4,6 @@ The ops orchestrate; inference happens in the shard workers the launcher starts.
 """
 
 import json
-import os
 import time
 from datetime import UTC, datetime
 
@@ -21,10 +20,12 @@ from batch_pipeline.openai_batches import finalize_batch
 from batch_pipeline.paths import metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
-from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
+from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
+from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
 from batch_pipeline.priority import InvalidPriority
 from batch_pipeline.shards import (
     MissingResult,
+    PlanningSettings,
     ShardSpec,
     ShardTask,
     merge_sorted_outputs,
@@ -43,21 +44,6 @@ HARDWARE_FIELDS = ("gpus", "gpu_type", "cpus", "memory", "storage")
 # Owner of the jobs registered for runs launched outside the API (launchpad, `batch-pipeline run`):
 # API admins see them.
 DAGSTER_OWNER = "dagster"
-
-
-def tagged_job_id(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
-    """The API's job id, on the run or on the run it re-executes (Dagster's Python API does not copy
-    tags to a re-execution)."""
-    if JOB_ID_TAG in run.tags:
-        return run.tags[JOB_ID_TAG]
-    root = instance.get_run_by_id(run.root_run_id) if run.root_run_id else None
-    return root.tags.get(JOB_ID_TAG) if root is not None else None
-
-
-def job_id_of(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str:
-    """The job id, else the id of the first run of this job, so a re-execution finds the work (and the
-    checkpoints) of the run it re-executes."""
-    return tagged_job_id(instance, run) or run.root_run_id or run.run_id
 
 
 def current_job_id(context: OpExecutionContext) -> str:
@@ -148,23 +134,6 @@ def _register_job(
     return record.job_id
 
 
-# A shard is worth its engine start (10-20 s here) when it has this much to do: on 2 CPU cores, ~20 s of
-# generation. GPU deployments generate far faster per engine start and should raise it.
-DEFAULT_MIN_SHARD_TOKENS = 8192
-
-
-def shard_planning_settings(shard_launcher: ShardLauncher) -> tuple[int | None, int, bool]:
-    """(most shards a job is split into, least estimated tokens per shard, whether repeats are generated
-    once), from BATCH_PIPELINE_MAX_SHARDS_PER_JOB (default: what the launcher runs at once),
-    BATCH_PIPELINE_MIN_SHARD_TOKENS (default 8192; 0: any) and BATCH_PIPELINE_DEDUPLICATE (default 1)."""
-    most = os.environ.get("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "").strip()
-    return (
-        int(most) if most else shard_launcher.shard_slots(),
-        int(os.environ.get("BATCH_PIPELINE_MIN_SHARD_TOKENS", DEFAULT_MIN_SHARD_TOKENS)),
-        os.environ.get("BATCH_PIPELINE_DEDUPLICATE", "1") != "0",
-    )
-
-
 @dg.op(
     out={"shards": dg.DynamicOut(dict), "plan": dg.Out(dict)},
     description="Stream the prompts into shard inputs balanced by estimated tokens: `data_parallelism` of them, "
@@ -191,11 +160,12 @@ def plan_shards(
         records = iter([("content", content)])
     else:
         records = ((f"content.{position}", record) for position, record in enumerate(content))
-    slots, min_tokens, deduplicate = shard_planning_settings(shard_launcher)
+    settings = PlanningSettings.from_environment(shard_launcher.shard_slots())
     try:
-        plan, items = plan_shard_count(work_items(records), request["data_parallelism"] or 1, slots, min_tokens)
+        plan, items = plan_shard_count(work_items(records), request["data_parallelism"] or 1, settings)
         # A tool loop runs code whose output may change between runs: its requests are never merged.
-        shards = write_shards(items, plan.used, work_dir, deduplicate=deduplicate and not request.get("tool_config"))
+        deduplicate = settings.deduplicate and not request.get("tool_config")
+        shards = write_shards(items, plan.used, work_dir, deduplicate=deduplicate)
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     if not shards:

@@ -18,31 +18,19 @@ from pydantic import ValidationError
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, JobRecord, JobStore
-from batch_pipeline.pipeline.execute import run_config_for
-from batch_pipeline.pipeline.job import batch_completions, job_id_of
+from batch_pipeline.pipeline.config_schema import run_config_for
+from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
 from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
 from batch_pipeline.submission import StoredRequest
 
-ROOT_RUN_ID_TAG = "dagster/root_run_id"  # Dagster's tag on every re-execution
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
 SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
 # A row still unfinished this long after its run ended missed the status sensors (they were stopped, or
 # the row was written by a release before them): the jobs sensor sets it from the run.
 RECONCILE_AFTER_S = 60
-
-
-def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:
-    """The job's newest run: its own, or a re-execution of it (which need not carry the job's tags)."""
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: job_id}), limit=1)
-    if not runs:
-        return None
-    # Every re-execution is newer than the run it re-executes, and carries the first run's id as its root
-    # (a tagged run that is itself a re-execution is among them): the newest of them is the job's newest run.
-    first_run_id = runs[0].root_run_id or runs[0].run_id
-    reexecutions = instance.get_runs(filters=dg.RunsFilter(tags={ROOT_RUN_ID_TAG: first_run_id}), limit=1)
-    return reexecutions[0] if reexecutions else runs[0]
 
 
 # One tick's run requests travel to the daemon as one gRPC message, capped by Dagster at 100 MB. Requests

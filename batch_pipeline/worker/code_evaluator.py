@@ -24,8 +24,8 @@ from batch_pipeline.contract import (
 )
 from batch_pipeline.shards import WorkItem
 from batch_pipeline.worker.sandbox import Execution, Sandbox
+from batch_pipeline.worker.v1_requests import v1_output, v1_sampling_params
 
-TOOL_NAME = "code_evaluator"
 # The closing fence of a python block, then `>>>` on its own line: the model asks for the block to run.
 TOOL_CALL = "```\n>>>\n"
 CODE_FENCE = "```python"
@@ -109,8 +109,6 @@ class CodeEvaluatorRequests:
 
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any] | None:
         """The item's output once its loop ends; None while its code runs."""
-        from batch_pipeline.worker.sampling import v1_output
-
         loop = self._loops[item.index]
         result = results[0]
         round_output = v1_output(result, loop.with_logprobs)
@@ -161,8 +159,6 @@ class CodeEvaluatorRequests:
         return self.sandbox.run(code, self.timeout_s)
 
     def _add_round(self, engine: Any, loop: ToolLoop) -> str:
-        from batch_pipeline.worker.sampling import v1_sampling_params
-
         params = v1_sampling_params(loop.content, max_tokens=loop.remaining_tokens, extra_stop=(TOOL_CALL,))
         request_id = f"{loop.item.index}" if loop.prompt_tokens is None else f"{loop.item.index}.{loop.executions}"
         engine.add_request(request_id, loop.item.request["prompt"] + loop.text, params)

@@ -22,7 +22,7 @@ from batch_pipeline.contract import (
     FilteredCompletionV2Request,
 )
 from batch_pipeline.shards import WorkItem
-from batch_pipeline.worker.runner import RequestRefused
+from batch_pipeline.worker.handlers import RequestRefused
 from batch_pipeline.worker.tool_calls import ToolCalling, template_messages
 
 # Fields the OpenAI shapes carry that a batch engine cannot honour for any model here.

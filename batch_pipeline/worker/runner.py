@@ -19,13 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 from batch_pipeline import io
-from batch_pipeline.contract import (
-    BatchCompletionsModelConfig,
-    CreateBatchCompletionsV1RequestContent,
-    ErrorDetail,
-    ErrorOutput,
-    ToolConfig,
-)
+from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
 from batch_pipeline.shards import (
     ShardTask,
     WorkItem,
@@ -36,7 +30,9 @@ from batch_pipeline.shards import (
     read_work_items,
 )
 from batch_pipeline.worker.code_evaluator import CodeEvaluatorRequests
+from batch_pipeline.worker.handlers import RequestHandler, RequestRefused, engine_error_output, refused_output
 from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
+from batch_pipeline.worker.v1_requests import V1Requests
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +81,6 @@ class ShardStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class RequestRefused(ValueError):
-    """A request of the batch that cannot be served as asked: `param` is the request field to blame (None
-    where none is), and the message starts with it."""
-
-    def __init__(self, code: str, param: str | None, why: str) -> None:
-        super().__init__(f"{param}: {why}" if param else why)
-        self.code = code
-        self.param = param
 
 
 class InFlight:
@@ -163,67 +149,6 @@ def copy_lines(output: dict[str, Any], copies: list[int]) -> str:
     return "".join(format_result(index, {**output, "id": f"{prefix}-{index}"}) for index in copies)
 
 
-def error_output(code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """An error entry in OpenAI's shape; its `type` follows from the code (see ErrorDetail)."""
-    return ErrorOutput(error=ErrorDetail(code=code, message=message, param=param)).model_dump()
-
-
-# The field holding the prompt, by kind of request: what a prompt past the context blames.
-_PROMPT_FIELDS = {"v1": "prompts", "completion": "prompt", "chat": "messages"}
-
-
-def engine_error_output(exc: Exception, kind: str) -> dict[str, Any]:
-    """The error entry of a request the engine refused or failed on: a request vLLM judges invalid (past
-    the context, a value out of range) is the request's error, naming the field where vLLM names one;
-    anything else is the engine's."""
-    from vllm.exceptions import VLLMClientError
-
-    if not isinstance(exc, (VLLMClientError, ValueError, TypeError)):
-        return error_output("engine_error", f"{type(exc).__name__}: {exc}")
-    message = str(exc)
-    if "maximum context length" in message or "maximum model length" in message:
-        return error_output("prompt_too_long", message, _PROMPT_FIELDS.get(kind))
-    return error_output("invalid_request", message, getattr(exc, "parameter", None))
-
-
-class V1Requests:
-    """v1 content: one prompt per item, sampling parameters shared by the prompts of one content."""
-
-    def __init__(self) -> None:
-        self._contents: dict[str, CreateBatchCompletionsV1RequestContent] = {}
-        self._params: dict[str, Any] = {}
-
-    def submit(self, engine: Any, item: WorkItem) -> list[str]:
-        request_id = str(item.index)
-        engine.add_request(request_id, item.request["prompt"], self._sampling(item))
-        return [request_id]
-
-    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
-        from batch_pipeline.worker.sampling import v1_output
-
-        return v1_output(results[0], bool(self.content(item).return_token_log_probs)).model_dump()
-
-    def content(self, item: WorkItem) -> CreateBatchCompletionsV1RequestContent:
-        """The item's content (its shared parameters, no prompts), parsed once per distinct content."""
-        key = _shared_key(item)
-        if key not in self._contents:
-            shared = {name: value for name, value in item.request.items() if name != "prompt"}
-            self._contents[key] = CreateBatchCompletionsV1RequestContent(prompts=[], **shared)
-        return self._contents[key]
-
-    def _sampling(self, item: WorkItem) -> Any:
-        from batch_pipeline.worker.sampling import v1_sampling_params
-
-        key = _shared_key(item)
-        if key not in self._params:
-            self._params[key] = v1_sampling_params(self.content(item))
-        return self._params[key]
-
-
-def _shared_key(item: WorkItem) -> str:
-    return json.dumps({name: value for name, value in item.request.items() if name != "prompt"}, sort_keys=True)
-
-
 class ShardRunner:
     def __init__(
         self,
@@ -237,7 +162,7 @@ class ShardRunner:
         self.report = report
         self.report_progress = report_progress or (lambda figures: None)
         self.max_in_flight = max_in_flight
-        self.handlers: dict[str, Any] = {"v1": V1Requests()}
+        self.handlers: dict[str, RequestHandler] = {"v1": V1Requests()}
         self.tool_loop: CodeEvaluatorRequests | None = None  # v1 prompts under tool_config; set with the engine
         self.stats = ShardStats(shard_index=self.shard.shard_index, items=self.shard.item_count)
         self.copies: dict[int, list[int]] = {}  # source index -> indices answered by its output
@@ -351,7 +276,7 @@ class ShardRunner:
         try:
             in_flight.add(item, self.handlers[item.kind].submit(engine, item))
         except RequestRefused as exc:
-            self._write(results, item.index, error_output(exc.code, str(exc), exc.param))
+            self._write(results, item.index, refused_output(exc))
         except Exception as exc:  # vLLM refuses the single request (e.g. prompt too long)
             self._write(results, item.index, engine_error_output(exc, item.kind))
 

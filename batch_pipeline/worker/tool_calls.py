@@ -18,7 +18,7 @@ from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import StructuredOutputsParams
 
 from batch_pipeline.contract import BatchCompletionsModelConfig, FilteredChatCompletionV2Request
-from batch_pipeline.worker.runner import RequestRefused
+from batch_pipeline.worker.handlers import RequestRefused
 
 
 @dataclass

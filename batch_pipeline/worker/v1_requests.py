@@ -1,10 +1,13 @@
-"""Requests of the batch as vLLM sampling parameters, and vLLM results as the contract's outputs."""
+"""v1 content: its prompts as vLLM requests with the content's shared sampling parameters (Scale's v1
+mapping), and vLLM's results as `CompletionOutput`s."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from batch_pipeline.contract import CompletionOutput, CreateBatchCompletionsV1RequestContent, TokenOutput
+from batch_pipeline.shards import WorkItem
 
 
 def v1_sampling_params(
@@ -44,3 +47,37 @@ def v1_output(result: Any, with_logprobs: bool) -> CompletionOutput:
         num_completion_tokens=len(completion.token_ids),
         tokens=tokens,
     )
+
+
+class V1Requests:
+    """v1 content: one prompt per item, sampling parameters shared by the prompts of one content."""
+
+    def __init__(self) -> None:
+        self._contents: dict[str, CreateBatchCompletionsV1RequestContent] = {}
+        self._params: dict[str, Any] = {}
+
+    def submit(self, engine: Any, item: WorkItem) -> list[str]:
+        request_id = str(item.index)
+        engine.add_request(request_id, item.request["prompt"], self._sampling(item))
+        return [request_id]
+
+    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
+        return v1_output(results[0], bool(self.content(item).return_token_log_probs)).model_dump()
+
+    def content(self, item: WorkItem) -> CreateBatchCompletionsV1RequestContent:
+        """The item's content (its shared parameters, no prompts), parsed once per distinct content."""
+        key = _shared_key(item)
+        if key not in self._contents:
+            shared = {name: value for name, value in item.request.items() if name != "prompt"}
+            self._contents[key] = CreateBatchCompletionsV1RequestContent(prompts=[], **shared)
+        return self._contents[key]
+
+    def _sampling(self, item: WorkItem) -> Any:
+        key = _shared_key(item)
+        if key not in self._params:
+            self._params[key] = v1_sampling_params(self.content(item))
+        return self._params[key]
+
+
+def _shared_key(item: WorkItem) -> str:
+    return json.dumps({name: value for name, value in item.request.items() if name != "prompt"}, sort_keys=True)

@@ -1,0 +1,62 @@
+"""What every request handler of the shard worker shares: the protocol the run loop drives, the error a
+handler raises for a request it cannot serve, and the error entries the output holds in its place.
+
+A handler (v1 prompts in `v1_requests`, completion and chat requests in `openai_requests`, the
+code_evaluator loop in `code_evaluator`) turns a work item into engine requests and their results into the
+item's output; the loop in `runner` knows nothing of any endpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from batch_pipeline.contract import ErrorDetail, ErrorOutput
+from batch_pipeline.shards import WorkItem
+
+
+class RequestHandler(Protocol):
+    def submit(self, engine: Any, item: WorkItem) -> list[str]:
+        """Add the item's engine requests (`engine.add_request`); their ids, in the order `output` takes
+        their results. Raises RequestRefused for an item that cannot be served as asked."""
+        ...
+
+    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
+        """The item's output (its wire shape as a dict) from its engine requests' results."""
+        ...
+
+
+class RequestRefused(ValueError):
+    """A request of the batch that cannot be served as asked: `param` is the request field to blame (None
+    where none is), and the message starts with it."""
+
+    def __init__(self, code: str, param: str | None, why: str) -> None:
+        super().__init__(f"{param}: {why}" if param else why)
+        self.code = code
+        self.param = param
+
+
+def error_output(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """An error entry in OpenAI's shape; its `type` follows from the code (see ErrorDetail)."""
+    return ErrorOutput(error=ErrorDetail(code=code, message=message, param=param)).model_dump()
+
+
+def refused_output(exc: RequestRefused) -> dict[str, Any]:
+    return error_output(exc.code, str(exc), exc.param)
+
+
+# The field holding the prompt, by kind of request: what a prompt past the context blames.
+PROMPT_FIELDS = {"v1": "prompts", "completion": "prompt", "chat": "messages"}
+
+
+def engine_error_output(exc: Exception, kind: str) -> dict[str, Any]:
+    """The error entry of a request the engine refused or failed on: a request vLLM judges invalid (past
+    the context, a value out of range) is the request's error, naming the field where vLLM names one;
+    anything else is the engine's."""
+    from vllm.exceptions import VLLMClientError
+
+    if not isinstance(exc, (VLLMClientError, ValueError, TypeError)):
+        return error_output("engine_error", f"{type(exc).__name__}: {exc}")
+    message = str(exc)
+    if "maximum context length" in message or "maximum model length" in message:
+        return error_output("prompt_too_long", message, PROMPT_FIELDS.get(kind))
+    return error_output("invalid_request", message, getattr(exc, "parameter", None))
