@@ -7,13 +7,25 @@ export DAGSTER_HOME := $(CURDIR)/dagster_home
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 MODEL := smollm2-135m-instruct
 
-.PHONY: run test serve bench install model clean
+.PHONY: run test test-fast lint serve bench install model clean
 
 run: model
 	$(VENV)/bin/batch-pipeline run examples/sample_request.json
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# What to run before pushing: every test that starts no vLLM engine, no Dagster daemon and no whole
+# deployment (those are marked slow; `make test` runs them too).
+test-fast: model
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Lint and format (ruff), the layers (import-linter's contracts in pyproject.toml), types (mypy).
+lint: install
+	$(VENV)/bin/ruff check batch_pipeline tests bench
+	$(VENV)/bin/ruff format --check batch_pipeline tests bench
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 serve: model
 	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.serve

@@ -87,6 +87,7 @@ def _records(request: CreateBatchCompletionsV2Request) -> tuple[Iterator[tuple[s
     """The raw records as the job's plan_shards step reads them, and the field they come from."""
     if request.content is None:
         path = request.input_data_path
+        assert path is not None  # the request's validator requires content or input_data_path
         if not _exists(path):
             raise UnservableRequest([("input_data_path", f"no file at {path}")])
         return io.iter_json_records(path), "input_data_path"
@@ -143,11 +144,11 @@ def _count(
     request: CreateBatchCompletionsV2Request, model: _Model, records: Iterator[tuple[str, Any]], source: str
 ) -> _Counts:
     # The worker's handlers import vLLM: loaded on the first dry run, not when the API starts.
-    from batch_pipeline.worker.handlers import RequestRefused
+    from batch_pipeline.worker.handlers import RequestHandler, RequestRefused
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
     from batch_pipeline.worker.v1_requests import V1Requests
 
-    handlers = {
+    handlers: dict[str, RequestHandler] = {
         "v1": V1Requests(),
         "completion": CompletionRequests(model, request.model_cfg),
         "chat": ChatRequests(model, request.model_cfg),

@@ -9,6 +9,7 @@ upgraded once per process; one engine per process and URL.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import json
@@ -19,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
-from typing import Any
+from typing import Any, overload
 
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
@@ -34,10 +35,12 @@ SCHEMA_VERSION_TABLE = "batch_pipeline_schema_version"
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
+JOB_ID_LENGTH = 64  # the job_id column's bound
+
 jobs = sa.Table(
     "batch_jobs",
     metadata,
-    sa.Column("job_id", sa.String(64), primary_key=True),
+    sa.Column("job_id", sa.String(JOB_ID_LENGTH), primary_key=True),
     sa.Column("owner", sa.String(128), nullable=False, index=True),
     sa.Column("idempotency_key", sa.String(256), nullable=True),
     # The request as stored: inline content is not in it but in the file `content_path` names.
@@ -341,7 +344,7 @@ class JobStore:
 
     def get(self, job_id: str) -> JobRecord | None:
         # Not an id the store makes (longer than its column, a NUL Postgres cannot compare): absent, not an error.
-        if len(job_id) > jobs.c.job_id.type.length or "\x00" in job_id:
+        if len(job_id) > JOB_ID_LENGTH or "\x00" in job_id:
             return None
         return self._one(jobs.c.job_id == job_id)
 
@@ -389,7 +392,7 @@ class JobStore:
         records = records[:limit]
         return Page(records, records[-1].job_id if more and records else None)
 
-    def awaiting_launch(self, chunk: int = 200) -> Iterator[list[JobRecord]]:
+    def awaiting_launch(self, chunk: int = 200) -> Iterator[builtins.list[JobRecord]]:
         """The queued jobs without a Dagster run, oldest first, a chunk of records at a time (one query
         each): a caller that stops early reads no more."""
         query = (
@@ -406,7 +409,7 @@ class JobStore:
                 by_id = {row.job_id: JobRecord.from_row(row) for row in rows}
             yield [by_id[job_id] for job_id in wanted if job_id in by_id]
 
-    def unfinished_with_runs(self) -> list[tuple[str, str]]:
+    def unfinished_with_runs(self) -> builtins.list[tuple[str, str]]:
         """(job id, run id) of every job whose row says a run has it and that has not finished."""
         query = sa.select(jobs.c.job_id, jobs.c.run_id).where(
             jobs.c.status.in_((QUEUED, RUNNING)), jobs.c.run_id.is_not(None)
@@ -414,7 +417,7 @@ class JobStore:
         with self.engine.connect() as connection:
             return [(row.job_id, row.run_id) for row in connection.execute(query)]
 
-    def completed_figures(self, model: str, limit: int = 20) -> list[dict[str, Any]]:
+    def completed_figures(self, model: str, limit: int = 20) -> builtins.list[dict[str, Any]]:
         """The newest `limit` completed jobs of a model, newest first: each one's `results` (its
         completion_tokens, completion_tokens_per_s, wall_s, num_requests, ...) with `shards`, the shard
         workers it ran in. Every owner's jobs: throughput is the deployment's, and no job is named."""
@@ -563,7 +566,7 @@ class JobStore:
 
     # --- figures for /metrics ---------------------------------------------------------------------------
 
-    def counts_by_status_and_model(self) -> list[tuple[str, str, int, int, int]]:
+    def counts_by_status_and_model(self) -> builtins.list[tuple[str, str, int, int, int]]:
         """(status, model, jobs, requests done, completion tokens) over every job."""
         query = sa.select(
             jobs.c.status,
@@ -580,7 +583,7 @@ class JobStore:
         with self.engine.connect() as connection:
             return _utc(connection.execute(query).scalar())
 
-    def queue_wait_buckets(self, bounds: Iterable[float]) -> tuple[list[int], int, float]:
+    def queue_wait_buckets(self, bounds: Iterable[float]) -> tuple[builtins.list[int], int, float]:
         """Jobs whose run started, counted at or under each bound of their wait from submission to start;
         with the count and the sum of all waits (a Prometheus histogram's figures)."""
         bounds = list(bounds)
@@ -631,6 +634,10 @@ def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
     cursor.close()
 
 
+@overload
+def _utc(value: datetime) -> datetime: ...
+@overload
+def _utc(value: None) -> None: ...
 def _utc(value: datetime | None) -> datetime | None:
     if value is None:
         return None

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from batch_pipeline import io
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
-from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine
+from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.jobs_store import FAILED, JobRecord, JobStore
 from batch_pipeline.openai_store import BatchResults, FileRecord, OpenAIStore
 from batch_pipeline.submission import CONTENT_FILE
@@ -112,19 +112,21 @@ def check_input_file(source: str, endpoint: str, work_dir: str) -> CheckedInput:
     return checked
 
 
-class _ChatLine(BatchInputLine):
+class _ChatLine(BatchInputLineBase):
     body: FilteredChatCompletionV2Request
 
 
-class _CompletionLine(BatchInputLine):
+class _CompletionLine(BatchInputLineBase):
     body: FilteredCompletionV2Request
 
 
 # A line parsed and validated in one pass (pydantic from its bytes); the slow path only names what is wrong.
-_TYPED_LINES: dict[str, type[BatchInputLine]] = {"chat": _ChatLine, "completion": _CompletionLine}
+_TYPED_LINES: dict[str, type[_ChatLine] | type[_CompletionLine]] = {"chat": _ChatLine, "completion": _CompletionLine}
 
 
-def _checked_line(raw: bytes, number: int, endpoint: str, kind: str, checked: CheckedInput) -> Any:
+def _checked_line(
+    raw: bytes, number: int, endpoint: str, kind: str, checked: CheckedInput
+) -> _ChatLine | _CompletionLine | None:
     try:
         line = _TYPED_LINES[kind].model_validate_json(raw)
     except ValidationError as exc:

@@ -149,7 +149,9 @@ class OpenAIStore:
                 sa.select(batches.c.output_file_id, batches.c.error_file_id).where(batches.c.batch_id == batch_id)
             ).first()
             stale_ids = [file_id for file_id in (old or ()) if file_id]
-            stale = connection.execute(sa.select(files.c.path).where(files.c.file_id.in_(stale_ids))).scalars().all()
+            stale: list[str] = list(
+                connection.execute(sa.select(files.c.path).where(files.c.file_id.in_(stale_ids))).scalars()
+            )
             if stale_ids:
                 connection.execute(files.delete().where(files.c.file_id.in_(stale_ids)))
             for file in (results.output_file, results.error_file):

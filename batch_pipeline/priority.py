@@ -48,7 +48,8 @@ def read_priority(priority: str | None) -> PriorityReading:
     if priority is not None and len(priority) > MAX_PRIORITY_CHARS:
         # Not echoed: it is the one thing here that is too long to show.
         raise InvalidPriority(f"at most {MAX_PRIORITY_CHARS} characters (got {len(priority)})")
-    text = (priority or "").strip().lower()
+    stripped = (priority or "").strip()
+    text = stripped.lower()
     if not text:
         return PriorityReading(0, "0 (normal: no priority given)")
     if text in NAMED_PRIORITIES:
@@ -63,7 +64,7 @@ def read_priority(priority: str | None) -> PriorityReading:
         return PriorityReading(level, f"{level} ({given} is {side} priority, {level})")
     return PriorityReading(
         0,
-        f"0 (normal: {priority.strip()!a} is not a known priority; known are integers "
+        f"0 (normal: {stripped!a} is not a known priority; known are integers "
         f"{MIN_PRIORITY}..{MAX_PRIORITY} and {', '.join(NAMED_PRIORITIES)})",
     )
 

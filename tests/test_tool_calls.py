@@ -32,6 +32,14 @@ def _plan(tokenizer, model_config: dict, **request):
             "tool_choice: 'auto' needs model_config.enable_auto_tool_choice",
         ),
         ({"tool_call_parser": "pythonic"}, {"tool_choice": "required"}, "tool_choice: set only together with tools"),
+        # vLLM looks up no parser while auto tool choice is off: this was a server error ('NoneType' is not
+        # callable) for every such request
+        (
+            {"tool_call_parser": "pythonic", "enable_auto_tool_choice": False},
+            {"tools": [WEATHER], "tool_choice": "required"},
+            "tool_choice: tool calls need model_config.enable_auto_tool_choice",
+        ),
+        ({"tool_call_parser": ""}, {"tools": [WEATHER]}, "tools: set model_config.tool_call_parser"),
     ],
 )
 def test_tools_that_cannot_be_served_are_refused_naming_the_field(tokenizer, model_config, request_fields, field):

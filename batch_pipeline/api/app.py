@@ -5,7 +5,7 @@ uvicorn --factory batch_pipeline.api.app:create_app
 
 import json
 import os
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import dagster as dg
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
@@ -72,11 +72,17 @@ class ErrorBody(BaseModel):
 
 
 # What the routes answer besides success and FastAPI's 422, so clients (and the OpenAPI document) know.
-_UNAUTHORIZED = {401: {"model": ErrorBody, "description": "API keys are configured and none valid was sent"}}
-_NOT_FOUND = {404: {"model": ErrorBody, "description": "No such job, or not one of the caller's"}}
-_TOO_LARGE = {413: {"model": ErrorBody, "description": "The body exceeds BATCH_PIPELINE_MAX_BODY_BYTES"}}
-_FORBIDDEN = {403: {"model": ErrorBody, "description": "Not an admin key"}}
-_CONFLICT = {409: {"model": ErrorBody, "description": "The Idempotency-Key was used before with a different request"}}
+# Typed as FastAPI's `responses` parameter takes them.
+_Responses = dict[int | str, dict[str, Any]]
+_UNAUTHORIZED: _Responses = {
+    401: {"model": ErrorBody, "description": "API keys are configured and none valid was sent"}
+}
+_NOT_FOUND: _Responses = {404: {"model": ErrorBody, "description": "No such job, or not one of the caller's"}}
+_TOO_LARGE: _Responses = {413: {"model": ErrorBody, "description": "The body exceeds BATCH_PIPELINE_MAX_BODY_BYTES"}}
+_FORBIDDEN: _Responses = {403: {"model": ErrorBody, "description": "Not an admin key"}}
+_CONFLICT: _Responses = {
+    409: {"model": ErrorBody, "description": "The Idempotency-Key was used before with a different request"}
+}
 
 CallerDep = Annotated[Caller, Depends(current_caller)]
 ServiceDep = Annotated[BatchJobService, Depends(job_service)]
@@ -219,7 +225,9 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if openai_routes.is_openai_path(request):
-            kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error"
+            kind: Literal["invalid_request_error", "authentication_error"] = (
+                "authentication_error" if exc.status_code == 401 else "invalid_request_error"
+            )
             response = openai_routes.openai_error(exc.status_code, str(exc.detail), kind=kind)
             response.headers.update(exc.headers or {})
             return response

@@ -19,6 +19,7 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -77,7 +78,7 @@ def parse_json_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in errors])
 
 
-def _named_errors(raw: bytes, model: type[BaseModel]) -> list[dict] | None:
+def _named_errors(raw: bytes, model: type[BaseModel]) -> list[ErrorDetails] | None:
     """pydantic's JSON parser refuses some documents Python's reads (lone surrogate escapes, numbers of
     hundreds of digits, nesting past 200 levels) with a position only; read by Python's parser, the
     contract refuses the same value naming its field. None when that names nothing better."""

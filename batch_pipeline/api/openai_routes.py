@@ -3,7 +3,7 @@ OpenAI's shape so the `openai` SDK reads them (`OpenAI(base_url=".../v1", api_ke
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,7 +39,7 @@ def _service(request: Request) -> OpenAIBatchService:
 
 CallerDep = Annotated[Caller, Depends(_caller)]
 ServiceDep = Annotated[OpenAIBatchService, Depends(_service)]
-_ERRORS = {status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413)}
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413)}
 router = APIRouter(prefix="/v1", tags=["OpenAI Batch API"], responses=_ERRORS, route_class=WireBodyRoute)
 
 _UPLOAD_BODY = {

@@ -155,11 +155,13 @@ class OpenAIBatchService:
         errors = list(checked.errors)
         request = None
         if not errors:
+            # Each line of a file without errors names the model, and such a file has at least one line.
+            assert checked.model is not None
             try:
                 request = StoredRequest(
                     content_path=io.join(work_dir, CONTENT_FILE),
                     output_data_path=io.join(work_dir, OUTPUT_FILE),
-                    model_config=model_config_for(checked.model),
+                    model_cfg=model_config_for(checked.model),
                     max_runtime_sec=body.window_seconds,
                     labels=body.metadata or {},
                 )
@@ -171,7 +173,7 @@ class OpenAIBatchService:
             request = StoredRequest(
                 content_path=io.join(work_dir, CONTENT_FILE),
                 output_data_path=io.join(work_dir, OUTPUT_FILE),
-                model_config={"model": (checked.model or "")[:256]},
+                model_cfg={"model": (checked.model or "")[:256]},
                 max_runtime_sec=body.window_seconds,
                 labels=body.metadata or {},
             )
@@ -219,11 +221,13 @@ class OpenAIBatchService:
                     "input_file_id",
                     f"the input file does not validate ({len(checked.errors) + checked.more_errors} errors): {shown}",
                 )
+            # Each line of a file without errors names the model, and such a file has at least one line.
+            assert checked.model is not None
             try:
                 request = CreateBatchCompletionsV2Request(
                     input_data_path=io.join(work_dir, CONTENT_FILE),
                     output_data_path=io.join(work_dir, OUTPUT_FILE),
-                    model_config=model_config_for(checked.model),
+                    model_cfg=model_config_for(checked.model),
                     max_runtime_sec=body.window_seconds,
                 )
                 check_servable(request, own_dir=work_dir)

@@ -65,7 +65,7 @@ def _stored_request_view(record: JobRecord) -> _StoredRequestView:
     except ValidationError:
         # A row an older release stored that no longer validates (the sensor fails such a job with the
         # reason): it is still described, with the parts that cannot be shown left empty.
-        return _StoredRequestView(output_data_path="", model_config=BatchCompletionsModelConfig(model=""))
+        return _StoredRequestView(output_data_path="", model_cfg=BatchCompletionsModelConfig(model=""))
 
 
 class BatchJobService:
@@ -120,7 +120,7 @@ class BatchJobService:
         if run is not None:
             self.instance.add_run_tags(run.run_id, {"dagster/priority": str(run_priority(priority))})
         self.store.set_priority(job_id, priority)
-        return self.describe(self.store.get(job_id)), True
+        return self.describe(self._record(caller, job_id)), True
 
     def cancel(self, caller: Caller, job_id: str) -> bool:
         record = self._record(caller, job_id)
@@ -172,7 +172,7 @@ class BatchJobService:
             job_id=record.job_id,
             input_data_path=request.input_data_path,
             output_data_path=request.output_data_path,
-            model_config=request.model_cfg,
+            model_cfg=request.model_cfg,
             priority=record.priority,
             status=status,
             created_at=record.created_at.isoformat(),

@@ -131,12 +131,17 @@ class BatchList(WireModel):
     has_more: bool = False
 
 
-class BatchInputLine(WireModel):
-    """One line of a batch's input file."""
+class BatchInputLineBase(WireModel):
+    """The fields of a batch input line besides its body: the base of lines whose body has a model."""
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
     url: str = Field(max_length=256)
+
+
+class BatchInputLine(BatchInputLineBase):
+    """One line of a batch's input file."""
+
     body: dict[str, Any]
 
 

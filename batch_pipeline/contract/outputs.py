@@ -38,7 +38,9 @@ class ErrorDetail(WireModel):
     read it; `type` follows from `code` when not given."""
 
     message: str = Field(description="What went wrong, naming the field where one is to blame.")
-    type: str = Field(description="OpenAI's error type: invalid_request_error or server_error.")
+    # Callers may leave `type` out: the validator below fills it from `code` before the fields are read, so a
+    # valid ErrorDetail always has it (the default only tells type checkers the argument is optional).
+    type: str = Field("", description="OpenAI's error type: invalid_request_error or server_error.")
     param: str | None = Field(None, description="The request field to blame, where one is.")
     code: str = Field(description="Machine-readable reason, e.g. prompt_too_long, invalid_request, cancelled.")
 

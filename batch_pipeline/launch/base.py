@@ -3,7 +3,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import dagster as dg
@@ -60,7 +60,7 @@ class ForwardsProgress:
             yield params
 
 
-def worker_stats(task: ShardTask, reports: list[Any]) -> dict[str, Any]:
+def worker_stats(task: ShardTask, reports: Sequence[Any]) -> dict[str, Any]:
     """The stats a worker reports last, as its Pipes custom message."""
     if not reports:
         raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")

@@ -192,7 +192,7 @@ class K8sShardLauncher(ShardLauncher):
         limits: dict[str, str] = {}
         requests: dict[str, str] = {}
         if gpus:
-            limits[MIG_RESOURCES.get(gpu_type, "nvidia.com/gpu")] = str(gpus)
+            limits[MIG_RESOURCES.get(gpu_type or "", "nvidia.com/gpu")] = str(gpus)  # no gpu_type: whole GPUs
         for field, resource in (("cpus", "cpu"), ("memory", "memory"), ("storage", "ephemeral-storage")):
             if hardware.get(field) is not None:
                 requests[resource] = limits[resource] = kubernetes_quantity(field, hardware[field])[0]

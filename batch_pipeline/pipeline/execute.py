@@ -28,5 +28,7 @@ def execute_request(
         raise_on_error=False,
     )
     # No daemon runs the status sensors here: how the run ended goes into its job's row now.
-    record_run_end(instance, JobStore(), instance.get_run_by_id(result.run_id))
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None  # execute_job has just stored this run in the instance
+    record_run_end(instance, JobStore(), run)
     return result

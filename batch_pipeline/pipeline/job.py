@@ -5,7 +5,9 @@ The ops orchestrate; inference happens in the shard workers the launcher starts.
 
 import json
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 from dagster import OpExecutionContext
@@ -149,6 +151,7 @@ def plan_shards(
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
     content = request.get("content")
+    records: Iterator[tuple[str, Any]]  # (where the record is, the record)
     if request.get("content_path"):  # content sent inline, written at submission
         records = (
             (f"content.{position}", record)

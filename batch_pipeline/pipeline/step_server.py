@@ -23,4 +23,5 @@ def start() -> None:
 
 def stop() -> None:
     """Stop it: the next step starts a new one, in the environment of that moment."""
-    forkserver._forkserver._stop()  # no public way; CPython's own tests stop it so
+    # No public way; CPython's own tests stop it so. typeshed leaves the private method out of its stubs.
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]

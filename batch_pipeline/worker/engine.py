@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import platform
+from collections.abc import Set
 from typing import Any
 
 from batch_pipeline import io
@@ -67,7 +68,7 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 
 
 def choose_dtype(
-    model_config: BatchCompletionsModelConfig, on_cpu: bool, flags: set[str] | None = None
+    model_config: BatchCompletionsModelConfig, on_cpu: bool, flags: Set[str] | None = None
 ) -> tuple[str | None, str]:
     """The dtype to run the model in, and why: a request that names one gets exactly that; otherwise the
     model's own, except on a CPU that cannot compute bfloat16 natively, where vLLM runs 16-bit models
@@ -79,8 +80,7 @@ def choose_dtype(
         return None, "the model's own, on an accelerator"
     if model_config.quantization is not None:
         return None, "the model's own, for quantized weights"
-    flags = cpu_flags() if flags is None else flags
-    if flags & _BF16_FLAGS:
+    if (cpu_flags() if flags is None else flags) & _BF16_FLAGS:
         return None, "the model's own: this CPU computes bfloat16 natively"
     return "float32", f"this CPU ({platform.machine()}) computes no bfloat16 natively (avx512_bf16, amx_bf16 or bf16)"
 

@@ -20,8 +20,9 @@ class RequestHandler(Protocol):
         their results. Raises RequestRefused for an item that cannot be served as asked."""
         ...
 
-    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
-        """The item's output (its wire shape as a dict) from its engine requests' results."""
+    def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any] | None:
+        """The item's output (its wire shape as a dict) from its engine requests' results; None where the
+        item is not finished with them (a tool loop's code runs: the output comes later)."""
         ...
 
 

@@ -52,10 +52,14 @@ class ServerDefaults:
     own reading of it, the one its OpenAI server uses), else vLLM's OpenAI defaults for the request type.
     One prompt then gets one answer here and there."""
 
-    def __init__(self, engine_model_config: Any, request_type: type) -> None:
+    def __init__(
+        self, engine_model_config: Any, request_type: type[ChatCompletionRequest] | type[CompletionRequest]
+    ) -> None:
         self.model = engine_model_config.get_diff_sampling_param()
         # vLLM's table (temperature 1.0, top_p 1.0, penalties off...), a pydantic private attribute on the class.
-        table = request_type._DEFAULT_SAMPLING_PARAMS
+        # vLLM annotates it as the dict; read from the class it is pydantic's ModelPrivateAttr holding the dict as
+        # its `default`, hence the getattr (a plain dict, were it ever one, is taken as it is).
+        table: Any = request_type._DEFAULT_SAMPLING_PARAMS
         self.fallbacks: dict[str, Any] = getattr(table, "default", table)
 
     def sampling(self, request: Any) -> dict[str, Any]:
@@ -191,7 +195,8 @@ def _usage(results: list[Any]) -> dict[str, int]:
 
 
 class _OpenAIRequests:
-    request_type: type  # vLLM's request type of the same shape, whose defaults this one takes
+    # vLLM's request type of the same shape, whose defaults this one takes
+    request_type: type[ChatCompletionRequest] | type[CompletionRequest]
 
     def __init__(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
         self.tokenizer = llm.get_tokenizer()
@@ -231,7 +236,7 @@ class CompletionRequests(_OpenAIRequests):
 
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
         request = FilteredCompletionV2Request.model_validate(item.request)
-        choices = []
+        choices: list[dict[str, Any]] = []
         for result in results:
             for choice in result.outputs:
                 text = (result.prompt or "") + choice.text if request.echo else choice.text
@@ -253,7 +258,11 @@ class CompletionRequests(_OpenAIRequests):
             prompt_logprobs = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
             positions += list(zip(result.prompt_token_ids, prompt_logprobs))
         positions += list(zip(choice.token_ids, choice.logprobs or []))
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        assert request.logprobs is not None  # asked for only where the request wants log-probabilities
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         offset = 0
         for token_id, alternatives in positions:
             token = self._decoded(token_id)

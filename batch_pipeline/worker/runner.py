@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -140,7 +140,7 @@ def _prompt_key(item: WorkItem) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
-def copy_lines(output: dict[str, Any], copies: list[int]) -> str:
+def copy_lines(output: dict[str, Any], copies: Sequence[int]) -> str:
     """Checkpoint lines of the requests that repeat the one answered by `output`: its output, under an id
     of each one's own (an OpenAI object's id ends with its request's index, see openai_requests)."""
     if "id" not in output:

@@ -189,6 +189,8 @@ class Sandbox:
             elif timed_out:
                 error = f"TimeoutError: the code ran longer than {timeout_s:g} s and was stopped"
             elif returncode != 0:
+                # _supervise reports no status only together with timed_out or over_memory (handled above).
+                assert returncode is not None
                 error = _last_error_line(stderr_path, returncode)
             return Execution(
                 output=output, error=error, timed_out=timed_out, wall_s=round(time.monotonic() - started, 3)
@@ -406,9 +408,9 @@ class CgroupParents:
                 else:
                     continue
                 for name in names:
-                    path = own.get(name)
-                    if path is not None and (path + "/").startswith(root.rstrip("/") + "/"):
-                        mounts.setdefault(name, mount_point + path[len(root.rstrip("/")) :])
+                    own_path = own.get(name)
+                    if own_path is not None and (own_path + "/").startswith(root.rstrip("/") + "/"):
+                        mounts.setdefault(name, mount_point + own_path[len(root.rstrip("/")) :])
         candidates = []
         if "" in mounts:
             candidates.append(cls(2, mounts[""], mounts[""]))

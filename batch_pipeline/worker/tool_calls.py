@@ -99,7 +99,7 @@ class ToolCalling:
         return ParsedMessage(content, tool_calls, "tool_calls" if called else choice.finish_reason)
 
     def _parser(self) -> type:
-        if self.parser_name is None:
+        if not self.parser_name:  # vLLM looks up no parser for an empty name either
             raise RequestRefused(
                 "unsupported_field",
                 "tools",
@@ -118,6 +118,11 @@ class ToolCalling:
         if self._parser_error is not None:
             # The job's model_config is to blame, not a field of the request.
             raise RequestRefused("invalid_request", "model_config.tool_call_parser", self._parser_error)
+        if self._parser_cls is None:
+            # vLLM gives no parser while auto tool choice is off, and without one no tool call can be read.
+            raise RequestRefused(
+                "unsupported_field", "tool_choice", "tool calls need model_config.enable_auto_tool_choice here"
+            )
         return self._parser_cls
 
     def _new_parser(self, parser_cls: type, vllm_request: ChatCompletionRequest, request: Any) -> Any:
