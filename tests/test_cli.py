@@ -47,6 +47,14 @@ def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dags
     assert "1 of the 2 shards asked: the job's ~" in completed.stdout
     assert "computed in " in completed.stdout
     assert f"[0] {outputs[0]['text'].strip()[:200]!r}" in completed.stdout
+    # A quiet console: the run's progress, not vLLM's, torch's or Dagster's own warnings (those go to the
+    # shard's worker.log, beside its checkpoint).
+    console = completed.stdout + completed.stderr
+    assert "progress 20/20 requests" in console
+    for noise in ("Warning", "WARNING", "Loading safetensors", "deprecated"):
+        assert noise not in console, console[-3000:]
+    (worker_log,) = Path(os.environ["DAGSTER_HOME"]).glob("work/*/shards/000/worker.log")
+    assert "safetensors" in worker_log.read_text()
 
 
 def test_models_lists_the_catalog():

@@ -4,11 +4,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
+from batch_pipeline import io
 from batch_pipeline.launch.base import (
     ForwardsProgress,
     ProgressCallback,
@@ -20,12 +22,28 @@ from batch_pipeline.shards import ShardTask
 
 # How often a step checks that its run has not ended without it (its run worker killed).
 RUN_STATUS_CHECK_S = 2.0
+WORKER_LOG = "worker.log"
 
 
 def local_shard_concurrency() -> int:
     """How many shard workers may run at once on this machine: each holds a whole engine (~2.3 GiB for
     the catalog model on the CPU), and more workers than cores only share the same cores."""
     return int(os.environ.get("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", max(1, os.cpu_count() or 1)))
+
+
+def worker_log_path(task: ShardTask) -> str:
+    """Where a shard worker's own output goes: beside its checkpoint when the work dir is local (private to
+    the service's user), else in the local temporary directory."""
+    if io.is_local(task.shard.directory):
+        return os.path.join(io.filesystem(task.shard.directory)[1], WORKER_LOG)
+    name = f"batch_pipeline-{task.job_id or 'job'}-shard{task.shard.shard_index:03d}-{WORKER_LOG}"
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+def _tail(path: str, limit: int = 3000) -> str:
+    with open(path, "rb") as log:
+        log.seek(max(0, os.path.getsize(path) - limit))
+        return log.read().decode("utf-8", "replace")
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -55,16 +73,25 @@ class LocalShardLauncher(ShardLauncher):
         reader = _TempFileMessageReader()
         reader.on_progress = on_progress
         # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
-        with dg.open_pipes_session(
-            context=context,
-            context_injector=dg.PipesEnvContextInjector(),
-            message_reader=reader,
-            extras={"task": task.to_dict()},
-        ) as session:
+        log_path = worker_log_path(task)
+        with (
+            dg.open_pipes_session(
+                context=context,
+                context_injector=dg.PipesEnvContextInjector(),
+                message_reader=reader,
+                extras={"task": task.to_dict()},
+            ) as session,
+            open(log_path, "ab") as log,
+        ):
+            # vLLM's and torch's own output goes to the log: the run's console shows the worker's reports
+            # (progress, the engine's dtype, failures), which come through Pipes.
             process = subprocess.Popen(
                 [self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
                 env={**os.environ, **self._cpu_share(task), **self.env, **session.get_bootstrap_env_vars()},
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
+            context.log.debug(f"shard {task.shard.shard_index}: the worker's output is in {log_path}")
             try:
                 returncode = self._wait(context, process, task)
             except dg.DagsterExecutionInterruptedError:  # the run was cancelled: let the worker stop cleanly
@@ -76,6 +103,7 @@ class LocalShardLauncher(ShardLauncher):
             failure = next((r["failure"] for r in reversed(reports) if isinstance(r, dict) and "failure" in r), None)
             raise dg.Failure(
                 f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
+                + ("" if failure else f"; the end of its output ({log_path}):\n{_tail(log_path)}")
             )
         return worker_stats(task, reports)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import dagster as dg
 
@@ -18,6 +19,14 @@ from batch_pipeline.pipeline.sensors import (
     record_failed_runs,
     record_stopped_runs,
     record_succeeded_runs,
+)
+
+# Dagster's own uses of its beta and preview features, warned about in every step process: it copies each
+# sensor with the sensor's (empty) owners when it binds the resources, and every Pipes session reads its
+# message reader's `expected_writer_count`. Not ours to act on; our console shows the run's own lines.
+warnings.filterwarnings("ignore", message="Parameter `owners`", category=dg.BetaWarning)
+warnings.filterwarnings(
+    "ignore", message="Function `PipesMessageReader.expected_writer_count`", category=dg.PreviewWarning
 )
 
 
