@@ -250,9 +250,8 @@ def _model_of(model_config: BatchCompletionsModelConfig) -> _Model:
     """The model as a shard worker builds it (worker/engine.py), short of loading weights. Never with the
     model's own code: the API process holds every tenant's keys and jobs, whatever the operator lets
     shard workers run."""
-    from vllm.tokenizers.registry import cached_tokenizer_from_config
-
     from batch_pipeline.worker.engine import engine_arguments
+    from batch_pipeline.worker.vllm_api import cached_tokenizer_from_config
 
     config = model_config.model_copy(update={"trust_remote_code": False})
     weights = "model_config.checkpoint_path" if model_config.checkpoint_path else "model_config.model"
@@ -279,7 +278,7 @@ def _model_of(model_config: BatchCompletionsModelConfig) -> _Model:
 
 @functools.lru_cache(maxsize=32)  # per process; vLLM caches the tokenizers itself
 def _engine_model_config(arguments_json: str) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
+    from batch_pipeline.worker.vllm_api import EngineArgs
 
     return EngineArgs(**json.loads(arguments_json)).create_model_config()
 

@@ -1,55 +1,44 @@
-"""The code_evaluator tool loop end to end: real vLLM writes the code, the sandbox runs it, generation goes
-on from the output. The model is small, so each prompt shows it the format first (few-shot), and the
-code it is asked to run is spelled out in the question for it to copy."""
+"""The code_evaluator tool loop end to end: real vLLM, the real sandbox, the real Dagster job.
+
+No assertion reads what the model writes. Each prompt is a transcript handed back: it ends with a python
+block and `>>>`, so that block runs before anything is generated, and what it prints (or its error) is the
+start of the output, exactly; the counts of executions follow from the tool config (`max_iterations: 1`:
+the model's own calls stay in the text, unrun). What the model writes after that is checked only through
+bounds that hold whatever it writes. The loop's mechanics round by round, with every round scripted, are
+in test_tool_loop.py.
+"""
 
 import json
-import re
 import socket
 import threading
 from pathlib import Path
 
 import pytest
 
+from batch_pipeline.worker.code_evaluator import TOOL_CALL
 from tests.conftest import MODEL, sandbox_processes
 
 pytestmark = pytest.mark.slow
 
-
-def few_shot(examples: list[tuple[str, str]]) -> str:
-    return "".join(f"Q: run `{code}`\n```python\n{code}\n```\n>>>\n{out}\nA: {out}\n\n" for code, out in examples)
-
-
-FEW_SHOT = few_shot(
-    [("print(3 + 4)", "7"), ("print(10 * 12)", "120"), ("print(2 ** 5)", "32"), ("print(81 // 9)", "9")]
-)
-# Statements too, for prompts that open the block themselves and leave the model to close it.
-STATEMENTS_FEW_SHOT = few_shot(
-    [
+# Examples of the format, so that the model goes on in it; nothing below depends on whether it does.
+FEW_SHOT = "".join(
+    f"Q: run `{code}`\n```python\n{code}\n```\n>>>\n{out}\nA: {out}\n\n"
+    for code, out in [
         ("print(3 + 4)", "7"),
         ("import math; print(math.sqrt(16))", "4.0"),
         ("x = 5; print(x * 2)", "10"),
         ("print(sorted([3, 1, 2]))", "[1, 2, 3]"),
-        ("import time; time.sleep(0); print('done')", "done"),
     ]
 )
 
 
-def ask(code: str) -> str:
-    return f"{FEW_SHOT}Q: run `{code}`\n"
-
-
-def ask_to_close(code: str) -> str:
-    return f"{STATEMENTS_FEW_SHOT}Q: run `{code}`\n```python\n{code}\n"
-
-
 def ask_to_run(code: str) -> str:
     """A prompt that itself ends asking for its block to run: the code runs whatever the model would write."""
-    return f"{ask_to_close(code)}```\n>>>\n"
+    return f"{FEW_SHOT}Q: run `{code}`\n```python\n{code}\n{TOOL_CALL}"
 
 
-# What the model writes is asserted: float32 on every machine, since greedy text follows the dtype's
-# numerics, and unset the dtype would be bfloat16 on some CPUs and float32 on others.
-MODEL_CONFIG = {"model": MODEL, "dtype": "float32"}
+# No dtype: no assertion depends on the model's numerics.
+MODEL_CONFIG = {"model": MODEL}
 
 
 def run_tool_job(run_job, tmp_path: Path, prompts: list[str], max_new_tokens: int = 48, **tool_config) -> tuple:
@@ -64,61 +53,77 @@ def run_tool_job(run_job, tmp_path: Path, prompts: list[str], max_new_tokens: in
     )
     assert result.success
     metadata = json.loads(Path(str(output) + ".metadata.json").read_text())
-    return json.loads(output.read_text()), metadata
-
-
-def test_a_model_written_computation_comes_back_and_generation_continues(run_job, tmp_path, tokenizer):
-    (answer,), metadata = run_tool_job(run_job, tmp_path, [ask("print(123 * 456)")])
-    text = answer["text"]
-    assert text.startswith("```python\nprint(123 * 456)\n```\n>>>\n56088\n"), text
-    assert "A: 56088" in text  # the model read the output and went on from it
-    # Only generated tokens count; the tool's "56088\n" does not.
-    assert answer["num_completion_tokens"] < len(tokenizer.encode(text, add_special_tokens=False))
     (shard,) = metadata["shards"]
+    return json.loads(output.read_text()), shard
+
+
+def tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def first_line(text: str) -> str:
+    return text.split("\n", 1)[0]
+
+
+def test_a_handed_back_block_runs_first_and_generation_goes_on_from_its_output(run_job, tmp_path, tokenizer):
+    compute, name_error, flood = (
+        ask_to_run(code) for code in ("print(123 * 456)", "print(count)", "print('word ' * 200)")
+    )
+    budget = 48
+    (computed, failed, flooded), shard = run_tool_job(
+        run_job, tmp_path, [compute, name_error, flood], max_new_tokens=budget, max_iterations=1
+    )
+
+    # The tool's output (or its error) starts the text, right after the prompt's `>>>`.
+    assert computed["text"].startswith("56088\n"), computed["text"]
+    error = first_line(failed["text"]) + "\n"
+    assert error.startswith("NameError: name 'count' is not defined"), failed["text"]
+    # Then the model went on (a round generates at least one token), the error fed back as the output is:
+    # only generated tokens count as completion tokens, and the tool's text counts against the budget.
+    assert 1 <= computed["num_completion_tokens"] <= budget - tokens(tokenizer, "56088\n")
+    assert 1 <= failed["num_completion_tokens"] <= budget - tokens(tokenizer, error)
+    # An output longer than the budget ends the text right after it: nothing is generated.
+    assert flooded["text"] == "word " * 200 + "\n" and flooded["num_completion_tokens"] == 0
+    for output, prompt in ((computed, compute), (failed, name_error), (flooded, flood)):
+        assert output["num_prompt_tokens"] == tokens(tokenizer, prompt)
+        # max_iterations 1: a call the model wrote after the output stays in the text, unrun, and ends it.
+        assert TOOL_CALL not in output["text"].removesuffix(TOOL_CALL), output["text"]
+
     assert shard["tool_config"] == "applied"
-    assert shard["tool_executions"] >= 1 and shard["tool_failed_executions"] == 0
+    assert (shard["tool_executions"], shard["tool_failed_executions"], shard["tool_timed_out_executions"]) == (3, 1, 0)
     assert shard["sandbox"]["network"].startswith("no network")
     assert shard["sandbox"]["user"].startswith("uids 61000") and "together" in shard["sandbox"]["memory"]
 
 
-FIX_EXAMPLES = [("total", "7"), ("width", "12")]
-FIX_FEW_SHOT = "".join(
-    f"Q: print `{name}`, defining it if needed\n```python\nprint({name})\n```\n>>>\n"
-    f"NameError: name '{name}' is not defined\n```python\n{name} = {value}\nprint({name})\n```\n>>>\n"
-    f"{value}\nA: {value}\n\n"
-    for name, value in FIX_EXAMPLES
-)
-FIX_PROMPT = FIX_FEW_SHOT + "Q: print `count`, defining it if needed\n"
-
-
-def test_a_name_error_is_fed_back_and_generation_goes_on_when_retry_is_on(run_job, tmp_path):
-    (answer,), metadata = run_tool_job(run_job, tmp_path, [FIX_PROMPT], max_new_tokens=64)
-    text = answer["text"]
-    first_error = "```python\nprint(count)\n```\n>>>\nNameError: name 'count' is not defined"
-    assert text.startswith(first_error), text
-    # The model read the error and wrote another block, which ran too. Whether its second try defines
-    # `count` depends on the CPU's numerics (on some it repeats the first block): the loop is what is tested.
-    assert metadata["shards"][0]["tool_executions"] >= 2
-    assert metadata["shards"][0]["tool_failed_executions"] >= 1
-    after_error = text.split("\n", 5)[5]
-    assert after_error.startswith("```python\n") and "```\n>>>\n" in after_error, text
-    if fixed := re.search(r"```python\ncount = (\d+)\nprint\(count\)\n```\n>>>\n(\d+)\n", text):
-        assert fixed[1] == fixed[2], text  # a corrected block ran and printed its value
-
-
-def test_without_retry_an_error_ends_the_loop(run_job, tmp_path):
-    (answer,), metadata = run_tool_job(run_job, tmp_path, [FIX_PROMPT], should_retry_on_error=False)
-    assert re.fullmatch(
-        r"```python\nprint\(count\)\n```\n>>>\nNameError: name 'count' is not defined[^\n]*\n", answer["text"]
-    ), answer["text"]
-    assert metadata["shards"][0]["tool_executions"] == 1
+def test_without_retry_an_error_ends_the_text_right_after_it(run_job, tmp_path):
+    (failed, computed), shard = run_tool_job(
+        run_job,
+        tmp_path,
+        [ask_to_run("print(count)"), ask_to_run("print(123 * 456)")],
+        max_iterations=1,
+        should_retry_on_error=False,
+    )
+    # The error, and nothing after it: not a token generated.
+    assert failed["text"].startswith("NameError: name 'count' is not defined"), failed["text"]
+    assert failed["text"].count("\n") == 1 and failed["text"].endswith("\n"), failed["text"]
+    assert failed["num_completion_tokens"] == 0
+    # A block that runs still goes on.
+    assert computed["text"].startswith("56088\n") and computed["num_completion_tokens"] >= 1
+    assert (shard["tool_executions"], shard["tool_failed_executions"]) == (2, 1)
 
 
 def test_max_iterations_bounds_the_executions_of_a_prompt(run_job, tmp_path):
-    (answer,), metadata = run_tool_job(run_job, tmp_path, [ask("print(6 * 7)")], max_new_tokens=200, max_iterations=2)
-    assert metadata["shards"][0]["tool_executions"] == 2
-    # The model asked a third time; that block is in the text, not run.
-    assert answer["text"].count("```\n>>>\n") == 3 and answer["text"].endswith("```\n>>>\n"), answer["text"]
+    """After the handed-back block, whether the model writes more blocks is its own affair: whatever it
+    writes, at most max_iterations of them run, and a call past the bound stays in the text, ending it."""
+    (answer,), shard = run_tool_job(
+        run_job, tmp_path, [ask_to_run("print(6 * 7)")], max_new_tokens=200, max_iterations=2
+    )
+    text, executions = answer["text"], shard["tool_executions"]
+    assert text.startswith("42\n"), text
+    assert 1 <= executions <= 2 and shard["tool_failed_executions"] <= executions - 1
+    # Every call the model wrote ran, but for a last one left unrun at the end of the text.
+    calls = text.count(TOOL_CALL)
+    assert calls == executions - 1 or (calls == executions and text.endswith(TOOL_CALL)), text
 
 
 def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, tmp_path, monkeypatch):
@@ -150,37 +155,41 @@ def test_hostile_code_is_contained_and_the_rest_of_the_batch_completes(run_job, 
         "environment": "import os; print(dict(os.environ))",
         "socket": f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')",
     }
-    # Each prompt ends asking for its block to run, so what runs does not depend on the model's numerics;
-    # the model then goes on from the output.
     prompts = [ask_to_run("print(123 * 456)"), *(ask_to_run(code) for code in hostile.values())]
     try:
-        outputs, metadata = run_tool_job(
+        outputs, shard = run_tool_job(
             run_job, tmp_path, prompts, max_new_tokens=48, max_iterations=1, execution_timeout_seconds=3
         )
     finally:
         stop.set()
+    # Each text starts with what its block printed, or its error: the sandbox's doing, not the model's.
     texts = dict(zip(["compute", *hostile], (output["text"] for output in outputs)))
     assert texts["compute"].startswith("56088\n"), texts["compute"]
-    assert "TimeoutError" in texts["loop"]
+    assert texts["loop"].startswith("TimeoutError: the code ran longer than 3 s"), texts["loop"]
     # The bomb hits the process limit (fork fails) or the time limit, whichever comes first.
-    assert "BlockingIOError" in texts["fork_bomb"] or "TimeoutError" in texts["fork_bomb"]
-    assert "MemoryError" in texts["allocation"]
-    assert "[output truncated to 8192 characters]" in texts["output"] and len(texts["output"]) < 20_000
-    assert "PermissionError" in texts["write"] and victim.read_text() == "the job's own data"
-    assert "s3cr3t-value" not in texts["environment"] and "BATCH_PIPELINE" not in texts["environment"]
+    assert first_line(texts["fork_bomb"]).startswith(("BlockingIOError", "TimeoutError")), texts["fork_bomb"]
+    assert texts["allocation"].startswith("MemoryError"), texts["allocation"]
+    assert texts["output"].startswith("x" * 8192 + "\n[output truncated to 8192 characters]\n")
+    assert len(texts["output"]) < 20_000
+    assert texts["write"].startswith("PermissionError") and victim.read_text() == "the job's own data"
+    printed = first_line(texts["environment"])
+    assert printed.startswith("{") and "'PATH': " in printed, texts["environment"]
+    assert "BATCH_PIPELINE" not in printed and "s3cr3t-value" not in texts["environment"]
     assert not texts["socket"].startswith("connected") and not accepted
-    (shard,) = metadata["shards"]
-    assert shard["tool_executions"] == 8 and shard["tool_failed_executions"] == 6  # all but compute, environment
-    assert outputs[0]["num_completion_tokens"] > 0  # generation went on after the run
+    assert (shard["tool_executions"], shard["tool_failed_executions"]) == (8, 6)  # all but compute, environment
+    assert 1 <= shard["tool_timed_out_executions"] <= 2  # the loop, and the bomb if time stopped it
+    assert outputs[0]["num_completion_tokens"] >= 1  # generation went on after the run
     assert not sandbox_processes()
 
 
 def test_with_a_list_of_requests_the_tool_is_not_applied_and_the_job_says_so(run_job, tmp_path):
     """Scale's server accepts tool_config with chat and completion requests; the loop serves v1 prompts
     only, so the requests run as they would without it, and the shard's stats (in the job's metadata) say so."""
+    # min_tokens = max_tokens: exactly 8 tokens each, whatever the model would have ended with.
+    length = {"max_tokens": 8, "min_tokens": 8, "temperature": 0}
     requests = [
-        {"prompt": ask_to_run("print(123 * 456)"), "max_tokens": 8, "temperature": 0},
-        {"messages": [{"role": "user", "content": ask_to_run("print(123 * 456)")}], "max_tokens": 8, "temperature": 0},
+        {"prompt": ask_to_run("print(123 * 456)"), **length},
+        {"messages": [{"role": "user", "content": ask_to_run("print(123 * 456)")}], **length},
     ]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(request) + "\n" for request in requests))
     output = tmp_path / "output.json"
@@ -195,10 +204,10 @@ def test_with_a_list_of_requests_the_tool_is_not_applied_and_the_job_says_so(run
     assert result.success
     completion, chat = json.loads(output.read_text())
     assert completion["object"] == "text_completion" and chat["object"] == "chat.completion"
+    # Generated as asked and no more: no tool text was added to either.
     assert completion["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"] == 8
-    assert not completion["choices"][0]["text"].startswith("56088")  # no code ran for it
     metadata = json.loads(Path(str(output) + ".metadata.json").read_text())
     assert metadata["tool_config"].startswith("not applied: the code_evaluator loop serves v1 content")
     (shard,) = metadata["shards"]
     assert shard["tool_config"] == metadata["tool_config"]
-    assert shard["tool_executions"] == 0 and shard["sandbox"] is None
+    assert shard["tool_executions"] == 0 and shard["sandbox"] is None  # no code ran, no sandbox was made

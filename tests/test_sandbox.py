@@ -4,6 +4,7 @@ process unharmed, nothing left running, nothing of the host touched.
 Most cases run in two modes: with everything this machine allows (namespaces, a cgroup), and bare, as
 in a Kubernetes pod that refuses `unshare` and has no writable cgroup (both forced here)."""
 
+import ast
 import json
 import os
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, CgroupParents, Sandbox, SandboxLimits
+from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, SANDBOX_UIDS, CgroupParents, Sandbox, SandboxLimits
 from tests.conftest import sandbox_processes
 
 ROOT = os.geteuid() == 0
@@ -245,11 +246,13 @@ def test_the_code_runs_as_its_slot_uid_in_every_mode(sandbox):
             "    except OSError as exc:\n        print(type(exc).__name__)\n"
         )
         lines = result.output.splitlines()
-        assert lines[0] in {f"{uid} {uid} []" for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + 2)}, result
+        assert lines[0] in {f"{uid} {uid} []" for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UIDS)}, (
+            result
+        )
         assert lines[1] == "0000000000000000"
         assert "DONE" not in result.output and "root's secret" not in result.output, result
         assert not (private / "planted").exists()
-        assert sandbox.isolation.user.startswith(f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + 1}")
+        assert sandbox.isolation.user.startswith(f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + SANDBOX_UIDS - 1}")
         marker = f"sandbox-detached-{os.getpid()}"
         assert sandbox.run(DETACHED.format(marker=marker)).ok
         assert not processes_named(marker)
@@ -362,7 +365,7 @@ print(json.dumps({{"isolation": sandbox.isolation.to_dict(), "runs": [[r.output,
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout.splitlines()[-1])
         uid, secret_read, leftovers, detached, fork_bomb, memory = report["runs"]
-        assert uid == [f"{SANDBOX_UID_BASE}\n", None]
+        assert int(uid[0]) in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UIDS) and uid[1] is None
         assert "PermissionError" in secret_read[1]
         assert leftovers[1] is None, leftovers
         assert not any(os.path.lexists(f"{d}/{marker}") for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"))
@@ -447,3 +450,37 @@ def test_a_jobs_files_are_private(tmp_path):
             assert "secret prompt" not in result.output and "PermissionError" in result.error
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=True)
+
+
+TWO_WORKERS = """
+import sys, time
+from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
+sandbox = Sandbox(SandboxLimits(timeout_s=20), slots=1)
+time.sleep(float(sys.argv[1]))
+result = sandbox.run(sys.argv[2])
+print(repr((result.output, result.error)))
+"""
+
+
+@needs_root
+def test_executions_of_two_workers_on_one_machine_never_share_a_uid():
+    """Each execution ends by killing every process of its uid and removing that uid's files: two workers
+    (shards side by side) that both ran their first slot as the same uid killed each other's code."""
+    slow = subprocess.Popen(
+        [sys.executable, "-c", TWO_WORKERS, "0", "import os, time\ntime.sleep(3)\nprint('slept', os.getuid())"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    quick = subprocess.run(
+        [sys.executable, "-c", TWO_WORKERS, "1", "import os\nprint('quick', os.getuid())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    slow_out, slow_err = slow.communicate(timeout=120)
+    slow_output, slow_error = ast.literal_eval(slow_out.splitlines()[-1])
+    quick_output, quick_error = ast.literal_eval(quick.stdout.splitlines()[-1])
+    assert slow_error is None and slow_output.startswith("slept "), (slow_out, slow_err)
+    assert quick_error is None and quick_output.startswith("quick "), quick.stdout
+    assert slow_output.split()[1] != quick_output.split()[1]  # each ran as a uid of its own

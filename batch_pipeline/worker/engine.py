@@ -92,7 +92,7 @@ def engine_arguments(model_config: BatchCompletionsModelConfig) -> tuple[dict[st
     lists arguments of several vLLM generations, and dropping one of another generation is safer than
     refusing a batch that otherwise runs.
     """
-    from vllm.engine.arg_utils import EngineArgs
+    from batch_pipeline.worker.vllm_api import EngineArgs
 
     accepted = {field.name for field in dataclasses.fields(EngineArgs)}
     checkpoint = model_config.checkpoint_path
@@ -146,7 +146,7 @@ def build_llm(model_config: BatchCompletionsModelConfig) -> Engine:
     # automatic ones wait for the engine (engine start 10.1 s instead of 12.6 s here).
     gc.disable()
     try:
-        from vllm import LLM
+        from batch_pipeline.worker.vllm_api import LLM
 
         gc.freeze()
         arguments, unsupported = engine_arguments(model_config)
@@ -161,6 +161,6 @@ def build_llm(model_config: BatchCompletionsModelConfig) -> Engine:
 
 
 def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
+    from batch_pipeline.worker.vllm_api import current_platform
 
     return current_platform.is_cpu()

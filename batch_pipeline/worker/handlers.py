@@ -53,7 +53,7 @@ def engine_error_output(exc: Exception, kind: str) -> dict[str, Any]:
     """The error entry of a request the engine refused or failed on: a request vLLM judges invalid (past
     the context, a value out of range) is the request's error, naming the field where vLLM names one;
     anything else is the engine's."""
-    from vllm.exceptions import VLLMClientError
+    from batch_pipeline.worker.vllm_api import VLLMClientError
 
     if not isinstance(exc, (VLLMClientError, ValueError, TypeError)):
         return error_output("engine_error", f"{type(exc).__name__}: {exc}")

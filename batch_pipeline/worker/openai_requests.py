@@ -10,12 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm import SamplingParams
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
 from batch_pipeline.contract import (
     BatchCompletionsModelConfig,
     FilteredChatCompletionV2Request,
@@ -24,6 +18,15 @@ from batch_pipeline.contract import (
 from batch_pipeline.shards import WorkItem
 from batch_pipeline.worker.handlers import RequestRefused
 from batch_pipeline.worker.tool_calls import ToolCalling, template_messages
+from batch_pipeline.worker.vllm_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    VLLMValidationError,
+    openai_sampling_defaults,
+)
 
 # Fields the OpenAI shapes carry that a batch engine cannot honour for any model here.
 _COMPLETION_REFUSED = {
@@ -56,11 +59,7 @@ class ServerDefaults:
         self, engine_model_config: Any, request_type: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> None:
         self.model = engine_model_config.get_diff_sampling_param()
-        # vLLM's table (temperature 1.0, top_p 1.0, penalties off...), a pydantic private attribute on the class.
-        # vLLM annotates it as the dict; read from the class it is pydantic's ModelPrivateAttr holding the dict as
-        # its `default`, hence the getattr (a plain dict, were it ever one, is taken as it is).
-        table: Any = request_type._DEFAULT_SAMPLING_PARAMS
-        self.fallbacks: dict[str, Any] = getattr(table, "default", table)
+        self.fallbacks = openai_sampling_defaults(request_type)
 
     def sampling(self, request: Any) -> dict[str, Any]:
         return {

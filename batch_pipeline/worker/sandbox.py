@@ -17,6 +17,7 @@ where one can be made, else by summing their resident memory while it runs. Wher
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import os
 import queue
@@ -32,9 +33,11 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import IO
 
-# Slots run as uids SANDBOX_UID_BASE + slot: unused by any account, one per slot so that one execution's
-# processes can neither signal nor exhaust the process limit of another.
+# Executions run as uids from SANDBOX_UID_BASE on, unused by any account: one uid per running execution on
+# this machine, whichever worker runs it (see UidLeases), so that one execution's processes can neither
+# signal nor exhaust the process limit of another, and cleaning up after one never touches another.
 SANDBOX_UID_BASE = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UID_BASE", "61000"))
+SANDBOX_UIDS = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UIDS", "64"))
 _NAMESPACES = ["unshare", "--net", "--ipc", "--pid", "--mount-proc", "--fork", "--kill-child=SIGKILL"]
 _ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 # All a root worker needs to run the sandbox (the pod specs of tool_config shards keep these, drop the rest).
@@ -104,13 +107,14 @@ class Sandbox:
         for slot in range(self.slots):
             self._free.put(slot)
         self.python = sandbox_python()
+        self._uids = UidLeases()
         self._check_uid_switch()
         self._namespaces = self._probe_namespaces()
         self._cgroups = self._probe_cgroups()
         mib = limits.memory_bytes // 2**20
         self.isolation = Isolation(
-            user=f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + self.slots - 1}, one per slot, with no groups, "
-            "no capabilities and no new privileges (setpriv)",
+            user=f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + SANDBOX_UIDS - 1}, one per running execution on "
+            "this machine, with no groups, no capabilities and no new privileges (setpriv)",
             namespaces="network, PID, IPC, mount" if self._namespaces else "none (the kernel refused unshare)",
             network="no network (an empty network namespace)"
             if self._namespaces
@@ -127,12 +131,12 @@ class Sandbox:
     def run(self, code: str, timeout_s: float | None = None) -> Execution:
         slot = self._free.get()
         try:
-            return self._run_in_slot(code, slot, timeout_s or self.limits.timeout_s)
+            with self._uids.lease() as uid:
+                return self._run_in_slot(code, slot, uid, timeout_s or self.limits.timeout_s)
         finally:
             self._free.put(slot)
 
-    def _run_in_slot(self, code: str, slot: int, timeout_s: float) -> Execution:
-        uid = SANDBOX_UID_BASE + slot
+    def _run_in_slot(self, code: str, slot: int, uid: int, timeout_s: float) -> Execution:
         private = tempfile.mkdtemp(prefix="batch-pipeline-exec-")  # 0700, the worker's: code and captures
         workdir = tempfile.mkdtemp(prefix="batch-pipeline-sandbox-")
         cgroup = ExecutionCgroup(self._cgroups, slot, self.limits) if self._cgroups else None
@@ -252,7 +256,10 @@ class Sandbox:
 
     def _check_uid_switch(self) -> None:
         """Fail closed: without a uid of its own the code would run as the worker, with its files and secrets."""
-        uid = SANDBOX_UID_BASE
+        with self._uids.lease() as uid:
+            self._probe_uid_switch(uid)
+
+    def _probe_uid_switch(self, uid: int) -> None:
         probe = [
             *_as_slot_user(uid),
             self.python,
@@ -276,11 +283,14 @@ class Sandbox:
         )
 
     def _probe_namespaces(self) -> bool:
-        probe = _command("true", SANDBOX_UID_BASE, namespaces=True)
-        try:
-            return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return False
+        with self._uids.lease() as uid:
+            try:
+                return (
+                    subprocess.run(_command("true", uid, namespaces=True), capture_output=True, timeout=10).returncode
+                    == 0
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                return False
 
     def _probe_cgroups(self) -> CgroupParents | None:
         return CgroupParents.find()
@@ -431,6 +441,41 @@ class CgroupParents:
             # Refused (EBUSY) where the worker's own cgroup holds processes and is not a namespace's root.
             with open(os.path.join(self.memory, "cgroup.subtree_control"), "w") as handle:
                 handle.write("+memory +pids")
+
+
+class UidLeases:
+    """The sandbox uids of this machine, leased one per running execution across every worker process: a
+    lease is an exclusive lock on the uid's file in a directory of the worker's user, so that killing every
+    process of a uid and removing its files after an execution never reach another worker's execution."""
+
+    def __init__(self) -> None:
+        self.directory = os.path.join(tempfile.gettempdir(), f"batch-pipeline-uid-leases-{os.geteuid()}")
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        found = os.lstat(self.directory)
+        # Made by this user, for it alone: not a directory a sandboxed uid planted in the shared /tmp.
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid() or found.st_mode & 0o077:
+            raise SandboxUnavailable(
+                f"tool_config: the sandbox's lock directory {self.directory} is not the worker's own (owner uid "
+                f"{found.st_uid}, mode {stat.S_IMODE(found.st_mode):o}); remove it"
+            )
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[int]:
+        """A uid no other execution of this machine runs as, until the block ends (waits while all are taken)."""
+        while True:
+            for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UIDS):
+                descriptor = os.open(os.path.join(self.directory, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+                try:
+                    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(descriptor)
+                    continue
+                try:
+                    yield uid
+                    return
+                finally:
+                    os.close(descriptor)  # releases the lock
+            time.sleep(WATCH_INTERVAL_S)
 
 
 class ExecutionCgroup:

@@ -11,14 +11,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.entrypoints.generate.base.protocol import ToolCall
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.parser import ParserManager
-from vllm.renderers.chat_utils import make_tool_call_id
-from vllm.sampling_params import StructuredOutputsParams
-
 from batch_pipeline.contract import BatchCompletionsModelConfig, FilteredChatCompletionV2Request
 from batch_pipeline.worker.handlers import RequestRefused
+from batch_pipeline.worker.vllm_api import (
+    ChatCompletionRequest,
+    ParserManager,
+    StructuredOutputsParams,
+    ToolCall,
+    make_tool_call_id,
+)
 
 
 @dataclass

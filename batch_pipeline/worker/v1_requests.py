@@ -15,8 +15,7 @@ def v1_sampling_params(
 ):
     """The mapping of Scale's v1 content to vLLM, as its reference batch runner does it; a tool loop's
     round passes its remaining budget and the tool's own stop string."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from batch_pipeline.worker.vllm_api import RequestOutputKind, SamplingParams
 
     return SamplingParams(
         output_kind=RequestOutputKind.FINAL_ONLY,
