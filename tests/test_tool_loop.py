@@ -434,6 +434,22 @@ def test_a_prompt_the_engine_refuses_is_an_error_entry_and_a_transcript_it_refus
     assert len(engine.rounds(grows)) == 1 and stats.tool_executions == 1 and stats.errors == 1
 
 
+class FailingEngine(ScriptedEngine):  # test double: an engine that fails (not refuses) a prompt's second round
+    def add_request(self, request_id: str, prompt: str, params: Any) -> None:
+        if "." in request_id:  # a round after the first
+            raise RuntimeError("the engine's worker died")
+        super().add_request(request_id, prompt, params)
+
+
+@needs_sandbox
+def test_an_engine_failure_on_a_later_round_fails_the_shard_rather_than_cutting_the_output_short(monkeypatch, tmp_path):
+    shard = make_shard(tmp_path, ["Q: run\n"])
+    engine = FailingEngine({"Q: run\n": [block("print(1)"), "done"]})
+    with pytest.raises(RuntimeError, match="the engine's worker died"):
+        run_shard(monkeypatch, shard, engine, code_evaluator())
+    assert written(shard) == []  # nothing written in its place: a retry of the shard does the prompt again
+
+
 @needs_sandbox
 def test_while_a_prompts_code_runs_the_other_prompts_keep_generating(monkeypatch, tmp_path):
     slow, other = "Q: a slow one\n", "Q: b quick\n"

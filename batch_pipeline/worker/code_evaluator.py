@@ -23,6 +23,7 @@ from batch_pipeline.contract import (
     ToolConfig,
 )
 from batch_pipeline.shards import WorkItem
+from batch_pipeline.worker.handlers import is_request_error
 from batch_pipeline.worker.sandbox import Execution, Sandbox
 from batch_pipeline.worker.v1_requests import v1_output, v1_sampling_params
 
@@ -142,9 +143,14 @@ class CodeEvaluatorRequests:
                 yield loop.item, self._finish(loop)
                 continue
             try:
-                yield loop.item, [self._add_round(engine, loop)]
-            except Exception:  # the engine refused the longer prompt (past the context): it ends here, kept
+                request_id = self._add_round(engine, loop)
+            except Exception as exc:
+                if not is_request_error(exc):
+                    raise  # the worker's failure: it fails the shard, rather than cutting outputs short
+                # The engine refused the longer prompt (past the context): the text ends here, kept.
                 yield loop.item, self._finish(loop)
+                continue
+            yield loop.item, [request_id]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -49,13 +49,19 @@ def refused_output(exc: RequestRefused) -> dict[str, Any]:
 PROMPT_FIELDS = {"v1": "prompts", "completion": "prompt", "chat": "messages"}
 
 
+def is_request_error(exc: Exception) -> bool:
+    """Whether the engine refused a request as invalid (past the context, a value out of range), rather
+    than failed."""
+    from batch_pipeline.worker.vllm_api import VLLMClientError
+
+    return isinstance(exc, (VLLMClientError, ValueError, TypeError))
+
+
 def engine_error_output(exc: Exception, kind: str) -> dict[str, Any]:
     """The error entry of a request the engine refused or failed on: a request vLLM judges invalid (past
     the context, a value out of range) is the request's error, naming the field where vLLM names one;
     anything else is the engine's."""
-    from batch_pipeline.worker.vllm_api import VLLMClientError
-
-    if not isinstance(exc, (VLLMClientError, ValueError, TypeError)):
+    if not is_request_error(exc):
         return error_output("engine_error", f"{type(exc).__name__}: {exc}")
     message = str(exc)
     if "maximum context length" in message or "maximum model length" in message:

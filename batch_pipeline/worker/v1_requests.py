@@ -19,7 +19,7 @@ def v1_sampling_params(
 
     return SamplingParams(
         output_kind=RequestOutputKind.FINAL_ONLY,
-        max_tokens=max_tokens or content.max_new_tokens,
+        max_tokens=content.max_new_tokens if max_tokens is None else max_tokens,
         temperature=content.temperature,
         stop=[*(content.stop_sequences or []), *extra_stop] or None,
         # 0 = the sampled token's own log-probability, nothing more.
