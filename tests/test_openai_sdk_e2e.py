@@ -78,7 +78,6 @@ def test_the_openai_sdk_uploads_runs_polls_and_downloads_a_batch(served):
         body = line["response"]["body"]
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"].strip()
         assert 1 <= body["usage"]["completion_tokens"] <= 8
-    assert "Paris" in outputs[0]["response"]["body"]["choices"][0]["message"]["content"]
 
     [failed] = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
     assert failed["custom_id"] == "too-long" and failed["error"]["code"] == "prompt_too_long"
