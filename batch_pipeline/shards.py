@@ -23,9 +23,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from batch_pipeline import io
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request
-from batch_pipeline.contract.records import InputRecord, RecordKind, parse_record
+from batch_pipeline.contract.records import InputRecord, RecordKind, describe_validation_error, parse_record
 from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
 
 INPUT_FILE = "input.jsonl"
@@ -436,14 +438,22 @@ class ShardTask:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ShardTask:
-        return cls(
-            shard=ShardSpec(**raw["shard"]),
-            model_config=raw["model_config"],
-            shard_count=raw.get("shard_count", 1),
-            deadline=raw.get("deadline"),
-            job_id=raw.get("job_id", ""),
-            hardware=raw.get("hardware") or {},
-            labels=raw.get("labels") or {},
-            tool_config=raw.get("tool_config"),
-        )
+    def from_dict(cls, raw: Any) -> ShardTask:
+        """The task as the worker (or a step) receives it, checked field by field: a task of another release
+        (a renamed or missing field) fails here, naming the field, not steps later."""
+        try:
+            return _SHARD_TASK.validate_python(raw)
+        except ValidationError as exc:
+            raise ValueError(f"not a shard task of this release: {describe_validation_error(exc)}") from None
+
+
+_SHARD_TASK: TypeAdapter[ShardTask] = TypeAdapter(ShardTask)
+_SHARD_SPEC: TypeAdapter[ShardSpec] = TypeAdapter(ShardSpec)
+
+
+def shard_spec(raw: Any) -> ShardSpec:
+    """A shard's spec as a step's input carries it, checked as ShardTask.from_dict checks a task."""
+    try:
+        return _SHARD_SPEC.validate_python(raw)
+    except ValidationError as exc:
+        raise ValueError(f"not a shard spec of this release: {describe_validation_error(exc)}") from None

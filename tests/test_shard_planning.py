@@ -216,3 +216,15 @@ def test_a_default_small_job_runs_one_engine_in_the_fast_dtype_and_answers_repea
     assert result.success
     metadata = json.loads(Path(str(named) + ".metadata.json").read_text())
     assert metadata["dtype"] == "float32" and metadata["shards"][0]["dtype_reason"] == "named by the request"
+
+
+def test_a_shard_task_of_another_shape_fails_where_it_is_read_naming_the_field(tmp_path):
+    (shard,) = write_shards(_items([_chat("question")]), 1, str(tmp_path / "job"))
+    task = ShardTask(shard=shard, model_config={"model": MODEL}, job_id="batch-1")
+    assert ShardTask.from_dict(json.loads(json.dumps(task.to_dict()))) == task  # as Pipes carries it
+    renamed = task.to_dict()
+    renamed["shard"]["items"] = renamed["shard"].pop("item_count")
+    with pytest.raises(ValueError, match=r"shard\.item_count: Field required"):
+        ShardTask.from_dict(renamed)
+    with pytest.raises(ValueError, match=r"shard_count: Input should be a valid integer"):
+        ShardTask.from_dict({**task.to_dict(), "shard_count": "two"})

@@ -28,10 +28,10 @@ from batch_pipeline.priority import InvalidPriority
 from batch_pipeline.shards import (
     MissingResult,
     PlanningSettings,
-    ShardSpec,
     ShardTask,
     merge_sorted_outputs,
     plan_shard_count,
+    shard_spec,
     work_items,
     write_output_array,
     write_shards,
@@ -237,7 +237,7 @@ def run_shard(
 @dg.op(description="Merge the shard outputs in input order into one JSON array at output_data_path.")
 def merge_outputs(context: OpExecutionContext, request: dict, shard_results: list[dict]) -> dict:
     shard_results = sorted(shard_results, key=lambda result: result["task"]["shard"]["shard_index"])
-    specs = [ShardSpec(**result["task"]["shard"]) for result in shard_results]
+    specs = [shard_spec(result["task"]["shard"]) for result in shard_results]
     expected = sum(spec.item_count for spec in specs)
     output_path = request["output_data_path"]
     started = time.monotonic()
