@@ -9,7 +9,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import IO
+from typing import IO, Any
 
 from pydantic import ValidationError
 
@@ -155,17 +155,8 @@ class OpenAIBatchService:
         errors = list(checked.errors)
         request = None
         if not errors:
-            # Each line of a file without errors names the model, and such a file has at least one line.
-            assert checked.model is not None
             try:
-                request = StoredRequest(
-                    content_path=io.join(work_dir, CONTENT_FILE),
-                    output_data_path=io.join(work_dir, OUTPUT_FILE),
-                    model_cfg=model_config_for(checked.model),
-                    max_runtime_sec=body.window_seconds,
-                    labels=body.metadata or {},
-                )
-                check_servable(request, own_dir=work_dir)
+                request = _job_request(checked, body, work_dir, dry_run=False)
             except (ValidationError, ValueError, OSError) as exc:
                 errors = _model_errors(exc)
                 request = None
@@ -221,16 +212,8 @@ class OpenAIBatchService:
                     "input_file_id",
                     f"the input file does not validate ({len(checked.errors) + checked.more_errors} errors): {shown}",
                 )
-            # Each line of a file without errors names the model, and such a file has at least one line.
-            assert checked.model is not None
             try:
-                request = CreateBatchCompletionsV2Request(
-                    input_data_path=io.join(work_dir, CONTENT_FILE),
-                    output_data_path=io.join(work_dir, OUTPUT_FILE),
-                    model_cfg=model_config_for(checked.model),
-                    max_runtime_sec=body.window_seconds,
-                )
-                check_servable(request, own_dir=work_dir)
+                request = _job_request(checked, body, work_dir, dry_run=True)
                 history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
                 return estimate(request, history)
             except (ValidationError, UnservableRequest, OSError) as exc:
@@ -296,6 +279,30 @@ class OpenAIBatchService:
         if job is None:
             raise BatchNotFound(batch_id)
         return batch, job
+
+
+def _job_request(
+    checked: CheckedInput, body: CreateBatchRequest, work_dir: str, dry_run: bool
+) -> CreateBatchCompletionsV2Request:
+    """The job request of a batch whose input checked clean, its content and output in the job's work dir;
+    raises what makes its model unservable. A dry run reads the content as an input file (no job names it
+    as its own)."""
+    # Each line of a file without errors names the model, and such a file has at least one line.
+    assert checked.model is not None
+    content, output = io.join(work_dir, CONTENT_FILE), io.join(work_dir, OUTPUT_FILE)
+    fields: dict[str, Any] = {
+        "output_data_path": output,
+        "model_cfg": model_config_for(checked.model),
+        "max_runtime_sec": body.window_seconds,
+        "labels": body.metadata or {},
+    }
+    request = (
+        CreateBatchCompletionsV2Request(input_data_path=content, **fields)
+        if dry_run
+        else StoredRequest(content_path=content, **fields)
+    )
+    check_servable(request, own_dir=work_dir)
+    return request
 
 
 def _make_work_dir(path: str) -> None:
