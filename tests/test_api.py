@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import httpx
+import pytest
 
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
@@ -202,6 +203,7 @@ def test_priority_update_before_launch_reaches_the_run_tags(deployment_factory, 
     assert bad.status_code == 422
 
 
+@pytest.mark.slow
 def test_two_hundred_concurrent_posts_become_two_hundred_jobs_and_runs_once(deployment_factory, tmp_path):
     api = deployment_factory(max_concurrent_runs=0)  # runs stay queued: this is about the control plane
     url = api.serve_http()  # real sockets: 200 clients at once against uvicorn

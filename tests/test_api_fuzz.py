@@ -31,6 +31,7 @@ def deployment(tmp_path_factory):
         deployment.stop()
 
 
+@pytest.mark.slow
 def test_no_input_fails_the_server_and_every_response_matches_the_schema(deployment):
     schema = schemathesis.openapi.from_asgi("/openapi.json", deployment.client.app)
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -103,6 +104,7 @@ def _put(document, path, value):
     return document
 
 
+@pytest.mark.slow
 def test_hostile_values_anywhere_in_a_body_get_4xx(deployment):
     """Schemathesis' bodies with one value swapped for a hostile one (NaN, infinities, lone surrogates, NUL,
     huge numbers, deep nesting), posted as raw JSON: no answer is a 5xx, and every job stored can become a

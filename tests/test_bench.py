@@ -43,6 +43,7 @@ def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     assert all(row["plan_peak_rss_mb"] > 0 and row["merge_s"] >= 0 for row in rows)
 
 
+@pytest.mark.slow
 def test_the_openai_batch_benchmark_uploads_checks_and_writes_every_line(tmp_path):
     out = tmp_path / "openai_batch.json"
     subprocess.run(

@@ -407,6 +407,7 @@ def test_rows_an_older_release_stored_with_inline_content_are_bounded_per_tick(s
     assert len(_sensor_run_requests(api)) == 1  # a tick takes one at least
 
 
+@pytest.mark.slow
 def test_with_the_daemon_a_poisoned_job_does_not_stop_the_queue(served, tmp_path):
     api, client = served
     _poison(api, tmp_path)

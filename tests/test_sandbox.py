@@ -90,6 +90,7 @@ def test_a_sleeping_process_tree_is_killed_whole(sandbox):
     assert result.timed_out
 
 
+@pytest.mark.slow
 def test_a_fork_bomb_is_contained(sandbox):
     result = sandbox.run(
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=2
@@ -164,6 +165,7 @@ def _accept(listener: socket.socket):
         return None
 
 
+@pytest.mark.slow
 @needs_root
 def test_parallel_executions_use_every_slot():
     sandbox = Sandbox(SandboxLimits(timeout_s=20), slots=2)
@@ -336,6 +338,7 @@ def run_python(script: str, *, as_: list[str], python: str = sys.executable) -> 
 POD = [f"--bounding-set=-all,{','.join('+' + cap for cap in POD_CAPABILITIES)}", "--inh-caps=-all", "--no-new-privs"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ROOT, reason="runs a root process with a reduced capability set")
 def test_with_only_the_pod_capabilities_the_sandbox_holds():
     """Root with CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETUID, SETGID only, as tool_config shard pods run:

@@ -104,6 +104,7 @@ def served(tmp_path):
     server.kill()
 
 
+@pytest.mark.slow
 def test_serve_starts_api_webserver_and_daemon_and_ctrl_c_stops_them_all(served):
     served.wait_until_up()
     started = _descendants(served.process.pid)
