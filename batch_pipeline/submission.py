@@ -131,9 +131,8 @@ def submit(
 def _remove(path: str | None) -> None:
     if path is None:
         return
-    with contextlib.suppress(OSError):
-        fs, resolved = io.filesystem(path)
-        fs.rm(resolved)
+    with contextlib.suppress(OSError):  # a file left behind is not worth failing the request over
+        io.remove(path)
 
 
 def _write_content(path: str, content: bytes) -> None:
