@@ -4,11 +4,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
 
-from batch_pipeline.shards import ShardTask
+from batch_pipeline.shards import ShardStats, ShardTask
 
 # A worker's running counts (requests_done, errors, prompt_tokens, completion_tokens), as it reports them.
 ProgressCallback = Callable[[dict[str, int]], None]
@@ -60,24 +61,51 @@ class ForwardsProgress:
             yield params
 
 
-def worker_stats(task: ShardTask, reports: Sequence[Any]) -> dict[str, Any]:
-    """The stats a worker reports last, as its Pipes custom message."""
+@dataclass(frozen=True)
+class PodHardware:
+    """What a shard's pod was sized to, and a sentence saying what of it was inferred (None: all asked for)."""
+
+    hardware: dict[str, Any]
+    inferred: str | None
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """A shard done: the task its worker ran, the stats it reported, and its pod where the launcher sized one."""
+
+    task: ShardTask
+    stats: ShardStats
+    pod: PodHardware | None = None
+
+    def metadata_entry(self) -> dict[str, Any]:
+        """The shard's entry in the job's metadata file: what each shard ran on is part of it."""
+        entry = self.stats.to_dict()
+        if self.pod is not None:
+            entry |= {"pod_hardware": self.pod.hardware, "pod_hardware_inferred": self.pod.inferred}
+        return entry
+
+
+def worker_stats(task: ShardTask, reports: Sequence[Any]) -> ShardStats:
+    """The stats a worker reports last, as its Pipes custom message, checked against this release's."""
     if not reports:
         raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
-    return reports[-1]
+    try:
+        return ShardStats.from_dict(reports[-1])
+    except ValueError as exc:  # a worker of another release: a retry would report the same
+        raise dg.Failure(f"shard {task.shard.shard_index}: {exc}", allow_retries=False) from None
 
 
 class ShardLauncher(dg.ConfigurableResource):
     """Runs the shard worker for one task through Dagster Pipes, wherever the deployment puts it.
 
     Implementations: `LocalShardLauncher` (a subprocess on this machine); a Kubernetes launcher replaces it
-    in production. A launcher returns the worker's stats, and raises when the worker fails, so that the
-    step's retry policy starts it again and it resumes from its checkpoint.
+    in production. A launcher returns the shard's result (the worker's stats), and raises when the worker
+    fails, so that the step's retry policy starts it again and it resumes from its checkpoint.
     """
 
     def run_shard(
         self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
-    ) -> dict[str, Any]:
+    ) -> ShardResult:
         raise NotImplementedError
 
     def shard_slots(self) -> int | None:

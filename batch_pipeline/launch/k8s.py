@@ -29,8 +29,10 @@ from pydantic import Field
 from batch_pipeline.hardware import InvalidHardware, hardware_problems, kubernetes_quantity
 from batch_pipeline.launch.base import (
     ForwardsProgress,
+    PodHardware,
     ProgressCallback,
     ShardLauncher,
+    ShardResult,
     raise_if_past_deadline,
     worker_stats,
 )
@@ -288,7 +290,7 @@ class K8sShardLauncher(ShardLauncher):
 
     def run_shard(
         self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
-    ) -> dict[str, Any]:
+    ) -> ShardResult:
         from dagster_k8s import PipesK8sClient
         from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
 
@@ -328,9 +330,8 @@ class K8sShardLauncher(ShardLauncher):
             raise_if_past_deadline(task)
             reason = _worker_failure(str(exc)) or str(exc).strip().splitlines()[0]
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker failed: {reason}") from None
-        # The job's metadata says what each shard ran on, and what of it was inferred.
         stats = worker_stats(task, completed.get_custom_messages())
-        return {**stats, "pod_hardware": hardware, "pod_hardware_inferred": inferred}
+        return ShardResult(task=task, stats=stats, pod=PodHardware(hardware=hardware, inferred=inferred))
 
 
 def shard_pod_selector(task: ShardTask) -> dict[str, str]:

@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any
 
 import dagster as dg
 from pydantic import Field
@@ -15,6 +14,7 @@ from batch_pipeline.launch.base import (
     ForwardsProgress,
     ProgressCallback,
     ShardLauncher,
+    ShardResult,
     raise_if_past_deadline,
     worker_stats,
 )
@@ -69,7 +69,7 @@ class LocalShardLauncher(ShardLauncher):
 
     def run_shard(
         self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
-    ) -> dict[str, Any]:
+    ) -> ShardResult:
         reader = _TempFileMessageReader()
         reader.on_progress = on_progress
         # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
@@ -105,7 +105,7 @@ class LocalShardLauncher(ShardLauncher):
                 f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
                 + ("" if failure else f"; the end of its output ({log_path}):\n{_tail(log_path)}")
             )
-        return worker_stats(task, reports)
+        return ShardResult(task=task, stats=worker_stats(task, reports))
 
     def shard_slots(self) -> int | None:
         return local_shard_concurrency()

@@ -6,6 +6,7 @@ The ops orchestrate; inference happens in the shard workers the launcher starts.
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,7 +18,7 @@ from batch_pipeline import io
 from batch_pipeline.capabilities import shard_model_config
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
-from batch_pipeline.launch import ShardLauncher
+from batch_pipeline.launch import ShardLauncher, ShardResult
 from batch_pipeline.openai_batches import finalize_batch
 from batch_pipeline.paths import metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
@@ -28,10 +29,10 @@ from batch_pipeline.priority import InvalidPriority
 from batch_pipeline.shards import (
     MissingResult,
     PlanningSettings,
+    ShardPlan,
     ShardTask,
     merge_sorted_outputs,
     plan_shard_count,
-    shard_spec,
     work_items,
     write_output_array,
     write_shards,
@@ -46,6 +47,23 @@ HARDWARE_FIELDS = ("gpus", "gpu_type", "cpus", "memory", "storage")
 # Owner of the jobs registered for runs launched outside the API (launchpad, `batch-pipeline run`):
 # API admins see them.
 DAGSTER_OWNER = "dagster"
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """How the job was split: its shard plan, and how many requests take an earlier repeat's output."""
+
+    plan: ShardPlan
+    deduplicated: int
+
+
+@dataclass(frozen=True)
+class MergedOutput:
+    """The job's output, merged: where, how many results, and how long the merge took."""
+
+    output_data_path: str
+    results: int
+    merge_s: float
 
 
 def current_job_id(context: OpExecutionContext) -> str:
@@ -67,7 +85,7 @@ def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> fl
     config_schema=config_schema_for(StoredRequest),
     description="Check the request (the run config) against the contract and the paths it names.",
 )
-def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> dict:
+def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> StoredRequest:
     try:
         request = StoredRequest.model_validate(context.op_config)
     except ValidationError as exc:
@@ -101,7 +119,7 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
     if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), UTC)):
         raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
     _enforce_deadline(context, request.max_runtime_sec)
-    return request.model_dump(mode="json", by_alias=True)
+    return request
 
 
 def _enforce_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> None:
@@ -137,44 +155,31 @@ def _register_job(
 
 
 @dg.op(
-    out={"shards": dg.DynamicOut(dict), "plan": dg.Out(dict)},
+    out={"shards": dg.DynamicOut(ShardTask), "plan": dg.Out(PlanSummary)},
     description="Stream the prompts into shard inputs balanced by estimated tokens: `data_parallelism` of them, "
     "or fewer where the deployment cannot run them at once or the work is too small to pay for their engines.",
 )
 def plan_shards(
     context: OpExecutionContext,
-    request: dict,
+    request: StoredRequest,
     job_storage: JobStorage,
     job_store: JobStoreResource,
     shard_launcher: ShardLauncher,
 ):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
-    content = request.get("content")
-    records: Iterator[tuple[str, Any]]  # (where the record is, the record)
-    if request.get("content_path"):  # content sent inline, written at submission
-        records = (
-            (f"content.{position}", record)
-            for position, (_, record) in enumerate(io.iter_json_records(request["content_path"]))
-        )
-    elif content is None:
-        records = io.iter_json_records(request["input_data_path"])
-    elif isinstance(content, dict):
-        records = iter([("content", content)])
-    else:
-        records = ((f"content.{position}", record) for position, record in enumerate(content))
     settings = PlanningSettings.from_environment(shard_launcher.shard_slots())
     try:
-        plan, items = plan_shard_count(work_items(records), request["data_parallelism"] or 1, settings)
+        plan, items = plan_shard_count(work_items(_records(request)), request.data_parallelism or 1, settings)
         # A tool loop runs code whose output may change between runs: its requests are never merged.
-        deduplicate = settings.deduplicate and not request.get("tool_config")
+        deduplicate = settings.deduplicate and request.tool_config is None
         shards = write_shards(items, plan.used, work_dir, deduplicate=deduplicate)
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
     job_store.get_store().record_shards(job_id, {shard.shard_index: shard.item_count for shard in shards})
-    deadline = job_deadline(context, request["max_runtime_sec"])
+    deadline = job_deadline(context, request.max_runtime_sec)
     copies = sum(s.copy_count for s in shards)
     context.log.info(
         f"{sum(s.item_count for s in shards)} requests in {len(shards)} shards under {work_dir}: "
@@ -182,20 +187,39 @@ def plan_shards(
         + (f"; {copies} repeat an earlier deterministic request and take its output" if copies else "")
         + (f"; {plan.used} shards of the {plan.requested} asked: {plan.reason}" if plan.reason else "")
     )
-    yield dg.Output(plan.to_dict() | {"deduplicated": copies}, "plan")
-    hardware = {field: request.get(field) for field in HARDWARE_FIELDS if request.get(field) is not None}
+    yield dg.Output(PlanSummary(plan=plan, deduplicated=copies), "plan")
+    # A task carries the request's parts as JSON, as the worker reads them.
+    model_config = shard_model_config(request.model_cfg.model_dump(mode="json", by_alias=True))
+    tool_config = request.tool_config.model_dump(mode="json", by_alias=True) if request.tool_config else None
+    given = request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
+    hardware = {field: given[field] for field in HARDWARE_FIELDS if field in given}
     for shard in shards:
         task = ShardTask(
             shard=shard,
-            model_config=shard_model_config(request["model_config"]),
+            model_config=model_config,
             shard_count=len(shards),
             deadline=deadline,
             job_id=job_id,
             hardware=hardware,
-            labels=request.get("labels") or {},
-            tool_config=request.get("tool_config"),
+            labels=request.labels,
+            tool_config=tool_config,
         )
-        yield dg.DynamicOutput(task.to_dict(), output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
+        yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
+
+
+def _records(request: StoredRequest) -> Iterator[tuple[str, Any]]:
+    """(where the record is, the record) of each record of the request, raw, as a file would hold it."""
+    if request.content_path is not None:  # content sent inline, written at submission
+        return (
+            (f"content.{position}", record)
+            for position, (_, record) in enumerate(io.iter_json_records(request.content_path))
+        )
+    if request.input_data_path is not None:
+        return io.iter_json_records(request.input_data_path)
+    content = request.model_dump(mode="json", by_alias=True, include={"content"})["content"]
+    if isinstance(content, dict):
+        return iter([("content", content)])
+    return ((f"content.{position}", record) for position, record in enumerate(content))
 
 
 @dg.op(
@@ -204,42 +228,43 @@ def plan_shards(
     description="Run the shard worker (vLLM) on one shard; a retry resumes from its checkpoint.",
 )
 def run_shard(
-    context: OpExecutionContext, task: dict, shard_launcher: ShardLauncher, job_store: JobStoreResource
-) -> dict:
-    shard_task = ShardTask.from_dict(task)
+    context: OpExecutionContext, task: ShardTask, shard_launcher: ShardLauncher, job_store: JobStoreResource
+) -> ShardResult:
     store = job_store.get_store()
 
     def record_progress(figures: dict[str, int]) -> None:
-        store.record_shard_progress(shard_task.job_id, shard_task.shard.shard_index, figures)
+        store.record_shard_progress(task.job_id, task.shard.shard_index, figures)
 
-    stats = shard_launcher.run_shard(context, shard_task, on_progress=record_progress)
+    result = shard_launcher.run_shard(context, task, on_progress=record_progress)
+    stats = result.stats
     record_progress(
         {
-            "requests_done": stats["items"],
-            "errors": stats["errors"],
-            "prompt_tokens": stats["prompt_tokens"],
-            "completion_tokens": stats["completion_tokens"],
+            "requests_done": stats.items,
+            "errors": stats.errors,
+            "prompt_tokens": stats.prompt_tokens,
+            "completion_tokens": stats.completion_tokens,
         }
     )
     context.add_output_metadata(
         {
-            "requests": stats["items"],
-            "errors": stats["errors"],
-            "completion_tokens": stats["completion_tokens"],
-            "engine_start_s": stats["engine_start_s"],
-            "generate_s": stats["generate_s"],
-            "resumed": stats["resumed"],
+            "requests": stats.items,
+            "errors": stats.errors,
+            "completion_tokens": stats.completion_tokens,
+            "engine_start_s": stats.engine_start_s,
+            "generate_s": stats.generate_s,
+            "resumed": stats.resumed,
         }
     )
-    return {"task": task, "stats": stats}
+    return result
 
 
 @dg.op(description="Merge the shard outputs in input order into one JSON array at output_data_path.")
-def merge_outputs(context: OpExecutionContext, request: dict, shard_results: list[dict]) -> dict:
-    shard_results = sorted(shard_results, key=lambda result: result["task"]["shard"]["shard_index"])
-    specs = [shard_spec(result["task"]["shard"]) for result in shard_results]
+def merge_outputs(
+    context: OpExecutionContext, request: StoredRequest, shard_results: list[ShardResult]
+) -> MergedOutput:
+    specs = sorted((result.task.shard for result in shard_results), key=lambda spec: spec.shard_index)
     expected = sum(spec.item_count for spec in specs)
-    output_path = request["output_data_path"]
+    output_path = request.output_data_path
     started = time.monotonic()
     try:
         written = write_output_array(output_path, merge_sorted_outputs([spec.output_path for spec in specs]), expected)
@@ -249,7 +274,7 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
         raise dg.Failure(f"output_data_path: cannot write {output_path}: {exc}") from None
     merge_s = round(time.monotonic() - started, 3)
     context.add_output_metadata({"output_data_path": output_path, "results": written, "merge_s": merge_s})
-    return {"output_data_path": output_path, "results": written, "merge_s": merge_s}
+    return MergedOutput(output_data_path=output_path, results=written, merge_s=merge_s)
 
 
 @dg.op(
@@ -257,11 +282,11 @@ def merge_outputs(context: OpExecutionContext, request: dict, shard_results: lis
     "the merged output. Other jobs have nothing to do here."
 )
 def write_batch_files(
-    context: OpExecutionContext, merged: dict, job_store: JobStoreResource, job_storage: JobStorage
+    context: OpExecutionContext, merged: MergedOutput, job_store: JobStoreResource, job_storage: JobStorage
 ) -> dict:
     job_id = current_job_id(context)
     results = finalize_batch(
-        job_store.get_store(), job_id, merged["output_data_path"], job_storage.work_dir(job_id), job_storage.files_dir()
+        job_store.get_store(), job_id, merged.output_data_path, job_storage.work_dir(job_id), job_storage.files_dir()
     )
     if results is None:
         return {}
@@ -278,38 +303,40 @@ def write_batch_files(
 @dg.op(description="Write the job's counts, tokens and timings beside the output, and as run metadata.")
 def write_job_metadata(
     context: OpExecutionContext,
-    request: dict,
-    merged: dict,
-    shard_results: list[dict],
-    plan: dict,
+    request: StoredRequest,
+    merged: MergedOutput,
+    shard_results: list[ShardResult],
+    plan: PlanSummary,
     job_store: JobStoreResource,
 ) -> dict:
-    shards = sorted((result["stats"] for result in shard_results), key=lambda stats: stats["shard_index"])
+    shard_results = sorted(shard_results, key=lambda result: result.stats.shard_index)
+    stats = [result.stats for result in shard_results]
+    shards = [result.metadata_entry() for result in shard_results]
     wall_s = round(time.time() - _run_start(context), 3)
-    completion_tokens = sum(s["completion_tokens"] for s in shards)
-    metadata = {
+    completion_tokens = sum(s.completion_tokens for s in stats)
+    metadata: dict[str, Any] = {
         "job_id": current_job_id(context),
         "dagster_run_id": context.run_id,
-        "model": request["model_config"]["model"],
-        "output_data_path": merged["output_data_path"],
-        "num_requests": merged["results"],
-        "num_errors": sum(s["errors"] for s in shards),
-        "prompt_tokens": sum(s["prompt_tokens"] for s in shards),
+        "model": request.model_cfg.model,
+        "output_data_path": merged.output_data_path,
+        "num_requests": merged.results,
+        "num_errors": sum(s.errors for s in stats),
+        "prompt_tokens": sum(s.prompt_tokens for s in stats),
         "completion_tokens": completion_tokens,
         "wall_s": wall_s,
         "completion_tokens_per_s": round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
-        "merge_s": merged["merge_s"],
+        "merge_s": merged.merge_s,
         "finished_at": datetime.now(UTC).isoformat(),
         # How the job ran where it differed from what it asked: fewer shards, outputs shared by repeats,
         # the dtype chosen for the hardware (each shard's choice and reason are in `shards`).
-        "data_parallelism": {key: plan[key] for key in ("requested", "used", "reason")},
-        "num_deduplicated": plan["deduplicated"],
-        "dtype": ", ".join(sorted({s["dtype"] for s in shards if s.get("dtype")})) or None,
+        "data_parallelism": plan.plan.to_dict(),
+        "num_deduplicated": plan.deduplicated,
+        "dtype": ", ".join(sorted({s.dtype for s in stats if s.dtype})) or None,
         # Whether the job's tool_config was applied (the code_evaluator loop serves v1 prompts only).
-        "tool_config": next((s["tool_config"] for s in shards if s.get("tool_config")), None),
+        "tool_config": next((s.tool_config for s in stats if s.tool_config), None),
         "shards": shards,
     }
-    with io.atomic_write(metadata_path(merged["output_data_path"]), "w") as handle:
+    with io.atomic_write(metadata_path(merged.output_data_path), "w") as handle:
         json.dump(metadata, handle, indent=2)
     context.add_output_metadata(
         {key: value for key, value in metadata.items() if key != "shards"} | {"shards": dg.MetadataValue.json(shards)}
@@ -354,7 +381,7 @@ def write_job_metadata(
             asset_key=OUTPUTS_ASSET,
             partition=metadata["job_id"],
             description=f"outputs of job {metadata['job_id']}",
-            metadata=summary | {"output_data_path": dg.MetadataValue.path(merged["output_data_path"])},
+            metadata=summary | {"output_data_path": dg.MetadataValue.path(merged.output_data_path)},
         )
     )
     return metadata
