@@ -13,7 +13,7 @@ from batch_pipeline.shards import (
     work_items,
     write_shards,
 )
-from batch_pipeline.worker.runner import recover_checkpoint
+from batch_pipeline.worker.checkpoint import recover_checkpoint
 
 CONTENT = {"prompts": ["a", "b", "c"], "max_new_tokens": 4, "temperature": 0.0}
 

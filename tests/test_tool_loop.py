@@ -25,6 +25,7 @@ from batch_pipeline.worker import runner as runner_module
 from batch_pipeline.worker.code_evaluator import TOOL_CALL
 from batch_pipeline.worker.engine import Engine
 from batch_pipeline.worker.runner import DeadlineExceeded, ShardRunner, ShardStats
+from tests.conftest import sandbox_processes
 
 # The sandbox runs code only in a root worker (see test_sandbox.py); elsewhere it refuses to start.
 needs_sandbox = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs code only in a root worker")
@@ -215,7 +216,7 @@ def run_shard(
 
     def build_llm(model_config: Any) -> Engine:
         assert engine is not None, "an engine was built"
-        return Engine(ScriptedLLM(engine), unsupported=[], dtype="float32", dtype_reason="a scripted engine")
+        return Engine(ScriptedLLM(engine), engine, unsupported=[], dtype="float32", dtype_reason="a scripted engine")
 
     monkeypatch.setattr(engine_module, "build_llm", build_llm)
     task = ShardTask(shard=shard, model_config={"model": "scripted"}, tool_config=tool_config, deadline=deadline)
@@ -500,6 +501,22 @@ def test_at_the_deadline_prompts_in_flight_are_aborted_unwritten_and_a_retry_red
     assert [output["text"] for output in outputs(shard)] == ["A: plain", block("print(6 * 7)") + "42\nA: 42"]
     assert written(shard) == [0, 1]
     assert (stats.resumed, stats.generated, stats.tool_executions) == (1, 1, 1)
+
+
+@needs_sandbox
+def test_at_the_deadline_a_prompt_waiting_on_its_code_stops_the_shard_and_its_code(monkeypatch, tmp_path):
+    """With nothing in the engine and every prompt's code running, the deadline still stops the shard, and
+    the code with it: not after the code's own timeout, and no sandbox process is left."""
+    looping = "Q: sleeps\n"
+    shard = make_shard(tmp_path, [looping])
+    engine = ScriptedEngine({looping: [block("import time; time.sleep(20)"), "A: woke"]})
+
+    with pytest.raises(DeadlineExceeded, match="1 requests in flight"):
+        run_shard(monkeypatch, shard, engine, code_evaluator(execution_timeout_seconds=30), deadline=time.time() + 2)
+
+    assert len(engine.rounds(looping)) == 1  # its code never finished, so no second round was asked for
+    assert not sandbox_processes()
+    assert written(shard) == []
 
 
 def test_a_resumed_shard_skips_finished_items_and_redoes_a_torn_one(monkeypatch, tmp_path):

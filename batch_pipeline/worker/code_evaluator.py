@@ -22,7 +22,7 @@ from batch_pipeline.contract import (
     TokenOutput,
     ToolConfig,
 )
-from batch_pipeline.shards import WorkItem
+from batch_pipeline.shards import ShardStats, WorkItem
 from batch_pipeline.worker.handlers import is_request_error
 from batch_pipeline.worker.sandbox import Execution, Sandbox
 from batch_pipeline.worker.v1_requests import v1_output, v1_sampling_params
@@ -30,6 +30,13 @@ from batch_pipeline.worker.v1_requests import v1_output, v1_sampling_params
 # The closing fence of a python block, then `>>>` on its own line: the model asks for the block to run.
 TOOL_CALL = "```\n>>>\n"
 CODE_FENCE = "```python"
+# What a shard's stats say of its tool_config: the loop serves v1 content (prompts, as Scale's batch server
+# does); a list of requests runs as it would without tool_config.
+TOOL_APPLIED = "applied"
+TOOL_NOT_APPLIED = (
+    "not applied: the code_evaluator loop serves v1 content (prompts); these chat/completion "
+    "requests ran without it (chat requests can declare functions in `tools`)"
+)
 
 
 @dataclass
@@ -74,8 +81,8 @@ def last_round(result: Any) -> tuple[str, bool]:
 
 
 class CodeEvaluatorRequests:
-    """v1 requests run through the tool loop; same submit/output protocol as the runner's other handlers,
-    plus `resume` for prompts whose code has finished."""
+    """v1 requests run through the tool loop: a multi-round handler (see handlers.MultiRoundHandler) whose
+    prompts wait outside the engine while their code runs."""
 
     def __init__(self, v1: Any, tool_config: ToolConfig, tokenizer: Any, sandbox: Sandbox) -> None:
         self.v1 = v1
@@ -124,12 +131,12 @@ class CodeEvaluatorRequests:
             return None
         return self._finish(loop)
 
-    def resume(self, engine: Any, block: bool) -> Iterator[tuple[WorkItem, list[str] | dict[str, Any]]]:
+    def resume(self, engine: Any, wait_s: float) -> Iterator[tuple[WorkItem, list[str] | dict[str, Any]]]:
         """Prompts whose code has run: each with its next round's engine ids, or its output when the loop
-        ends there. `block` waits for at least one when none has finished yet."""
+        ends there. Waits up to `wait_s` for one when none has finished yet."""
         finished = [future for future in self._running if future.done()]
-        if not finished and block and self._running:
-            finished = list(wait(self._running, return_when=FIRST_COMPLETED).done)
+        if not finished and wait_s > 0 and self._running:
+            finished = list(wait(self._running, timeout=wait_s, return_when=FIRST_COMPLETED).done)
         for future in finished:
             loop = self._running.pop(future)
             execution = future.result()
@@ -152,8 +159,14 @@ class CodeEvaluatorRequests:
                 continue
             yield loop.item, [request_id]
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, stats: ShardStats) -> None:
+        # Code still running is stopped, not waited for: the shard stops at once (at its deadline, say),
+        # and no execution outlives it.
+        self.sandbox.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        stats.tool_executions = self.executions
+        stats.tool_failed_executions = self.failed_executions
+        stats.tool_timed_out_executions = self.timed_out_executions
 
     def _start_execution(self, loop: ToolLoop) -> None:
         loop.executions += 1

@@ -3,15 +3,17 @@ handler raises for a request it cannot serve, and the error entries the output h
 
 A handler (v1 prompts in `v1_requests`, completion and chat requests in `openai_requests`, the
 code_evaluator loop in `code_evaluator`) turns a work item into engine requests and their results into the
-item's output; the loop in `runner` knows nothing of any endpoint.
+item's output; the loop in `runner` knows nothing of any endpoint. A multi-round handler (the tool loop)
+also holds items between rounds, doing work outside the engine, and hands them back through `resume`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
 
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
-from batch_pipeline.shards import WorkItem
+from batch_pipeline.shards import ShardStats, WorkItem
 
 
 class RequestHandler(Protocol):
@@ -23,6 +25,26 @@ class RequestHandler(Protocol):
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any] | None:
         """The item's output (its wire shape as a dict) from its engine requests' results; None where the
         item is not finished with them (a tool loop's code runs: the output comes later)."""
+        ...
+
+
+@runtime_checkable
+class MultiRoundHandler(RequestHandler, Protocol):
+    """A handler whose items may leave the engine between rounds (`submit` may return no ids, `output` may
+    return None): the loop asks it for them back, and ends only when it holds none."""
+
+    @property
+    def waiting(self) -> int:
+        """Items it holds outside the engine (neither in it nor finished)."""
+        ...
+
+    def resume(self, engine: Any, wait_s: float) -> Iterator[tuple[WorkItem, list[str] | dict[str, Any]]]:
+        """Items ready to go on: each with its next round's engine ids, or its output when it ends there.
+        Waits up to `wait_s` for one when none is ready."""
+        ...
+
+    def close(self, stats: ShardStats) -> None:
+        """Stop what it runs outside the engine; add its figures to the shard's stats."""
         ...
 
 

@@ -28,6 +28,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -107,6 +108,7 @@ class Sandbox:
         for slot in range(self.slots):
             self._free.put(slot)
         self.python = sandbox_python()
+        self._stopping = threading.Event()
         self._uids = UidLeases()
         self._check_uid_switch()
         self._namespaces = self._probe_namespaces()
@@ -127,6 +129,10 @@ class Sandbox:
             leftovers=f"removed after each execution: the slot uid's files in {', '.join(SHARED_WRITABLE)} "
             "and its System V IPC objects; no POSIX message queue can be made",
         )
+
+    def stop(self) -> None:
+        """End every running execution now, as if its time were up (the shard is stopping); later ones too."""
+        self._stopping.set()
 
     def run(self, code: str, timeout_s: float | None = None) -> Execution:
         slot = self._free.get()
@@ -218,7 +224,7 @@ class Sandbox:
                 return (int(reported) if reported else -signal.SIGKILL), False, False
             if cgroup.memory_exceeded() if cgroup else resident_bytes(uid) > self.limits.memory_bytes:
                 return None, False, True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._stopping.is_set():
                 return None, True, False
 
     def _limits(self, timeout_s: float) -> list[str]:
