@@ -116,6 +116,11 @@ def run_batch(spec: dict, work: Path) -> dict:
                 json.dumps({"custom_id": f"r{index}", "method": "POST", "url": "/v1/chat/completions", "body": body})
                 + "\n"
             )
+    return run_batch_file(batch_in, batch_out, path)
+
+
+def run_batch_file(batch_in: Path, batch_out: Path, model_path: str) -> dict:
+    """vLLM's `run_batch` on a ready OpenAI batch file, a cold process timed from start to exit."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"}
     started = time.monotonic()
     subprocess.run(
@@ -128,7 +133,7 @@ def run_batch(spec: dict, work: Path) -> dict:
             "-o",
             str(batch_out),
             "--model",
-            path,
+            model_path,
             "--enforce-eager",
         ],
         env=env,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 from control_plane import clean_environment, machine, start_api, write_dagster_yaml
-from engine_overhead import prompts
+from engine_overhead import prompts, run_batch_file
 from served import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,34 +212,6 @@ def ours_e2e(client: httpx.Client, source: Path) -> dict:
     return {"wall_s": wall, "completion_tokens": tokens}
 
 
-def run_batch_e2e(source: Path, output: Path, model_path: str) -> dict:
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    started = time.monotonic()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.run_batch",
-            "-i",
-            str(source),
-            "-o",
-            str(output),
-            "--model",
-            model_path,
-            "--enforce-eager",
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
-    wall = time.monotonic() - started
-    tokens = sum(
-        json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
-        for line in filter(None, output.read_text().split("\n"))
-    )
-    return {"wall_s": wall, "completion_tokens": tokens}
-
-
 def part_two(options: argparse.Namespace, work: Path) -> dict:
     from batch_pipeline.models import resolve_model
 
@@ -258,7 +230,7 @@ def part_two(options: argparse.Namespace, work: Path) -> dict:
                 if system == "ours":
                     results[system].append(ours_e2e(client, ours_file))
                 else:
-                    results[system].append(run_batch_e2e(vllm_file, work / f"out-{round_index}.jsonl", model_path))
+                    results[system].append(run_batch_file(vllm_file, work / f"out-{round_index}.jsonl", model_path))
                 print(system, {k: round(v, 2) for k, v in results[system][-1].items()}, flush=True)
     finally:
         os.killpg(serve.pid, signal.SIGINT)
