@@ -7,21 +7,19 @@ failed validate_input step.
 
 from __future__ import annotations
 
-import os
-
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.requests import CODE_EVALUATOR
 from batch_pipeline.hardware import hardware_refusals
 from batch_pipeline.paths import request_path_refusals
+from batch_pipeline.settings import settings
 
 MAX_EXECUTION_TIMEOUT_S = 600
-# With trust_remote_code a request chooses Python that the worker imports with all its rights: only an
-# operator who vets the models may allow it.
-ALLOW_REMOTE_CODE_ENV = "BATCH_PIPELINE_ALLOW_REMOTE_CODE"
 
 
 def remote_code_allowed() -> bool:
-    return os.environ.get(ALLOW_REMOTE_CODE_ENV, "").strip().lower() in ("1", "true", "yes")
+    """With trust_remote_code a request chooses Python that the worker imports with all its rights: only
+    an operator who vets the models may allow it."""
+    return settings().allow_remote_code
 
 
 def shard_model_config(model_config: dict) -> dict:
@@ -39,7 +37,8 @@ def refusals(request: CreateBatchCompletionsV2Request, own_dir: str | None = Non
         found.append(
             (
                 "model_config.trust_remote_code",
-                f"this server does not run a model's own code (the operator allows it with {ALLOW_REMOTE_CODE_ENV}=1)",
+                "this server does not run a model's own code "
+                "(the operator allows it with BATCH_PIPELINE_ALLOW_REMOTE_CODE=1)",
             )
         )
     found.extend(_tool_refusals(request))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from batch_pipeline.settings import SettingsError, client_settings, settings
+
 FINISHED = ("completed", "failed", "cancelled")
 
 
@@ -59,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     models = commands.add_parser("models", help="list the built-in model catalog")
     models.add_argument("--prepare", metavar="NAME", help="convert a catalog model into the cache now")
     args = parser.parse_args(argv)
+    # `run` and `models` work as the service does, with its settings; the others are the API's clients.
+    read_settings = settings if args.command in ("run", "models") else client_settings
+    try:
+        read_settings()
+    except SettingsError as exc:
+        parser.error(str(exc))
     if args.command == "models":
         return _prepare(args.prepare) if args.prepare else _models()
     if args.command == "run":

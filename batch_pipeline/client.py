@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import httpx
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from batch_pipeline.settings import client_settings
 
 
 class ApiError(RuntimeError):
@@ -16,8 +15,9 @@ class ApiError(RuntimeError):
 
 class BatchClient:
     def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0) -> None:
-        self.url = (url or os.environ.get("BATCH_PIPELINE_URL") or DEFAULT_URL).rstrip("/")
-        api_key = api_key or os.environ.get("BATCH_PIPELINE_API_KEY")
+        configured = client_settings()
+        self.url = (url or configured.url).rstrip("/")
+        api_key = api_key or configured.api_key
         headers = {"x-api-key": api_key} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 

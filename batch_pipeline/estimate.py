@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import statistics
 import threading
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestPr
 from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.hardware import kubernetes_quantity
 from batch_pipeline.models import _relative_checkpoint_file, cache_dir
+from batch_pipeline.settings import settings
 from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
 from batch_pipeline.submission import UnservableRequest
 
@@ -37,18 +37,26 @@ from batch_pipeline.submission import UnservableRequest
 MAX_LISTED = 100
 # Completed jobs of the model whose throughput the estimate takes the median of.
 HISTORY_JOBS = 20
-# Dry runs at once in this process: each holds a thread for as long as its input takes to read.
-MAX_CONCURRENT_ENV = "BATCH_PIPELINE_MAX_CONCURRENT_DRY_RUNS"
 _CONTENT = TypeAdapter(BatchContent)
 # What a dry run needs of an object-store checkpoint: its configs and tokenizer, never its weights.
 _TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
-_MAX_CONCURRENT = int(os.environ.get(MAX_CONCURRENT_ENV, "2"))
-_slots = threading.BoundedSemaphore(_MAX_CONCURRENT)
+# Dry runs at once in this process: each holds a thread for as long as its input takes to read. Made at the
+# first dry run, so that the setting is read when the process serves, not when it imports this module.
+_slots: threading.BoundedSemaphore | None = None
+_slots_made = threading.Lock()
 
 
 class DryRunsBusy(RuntimeError):
     """As many dry runs as this process takes at once are in progress."""
+
+
+def _dry_run_slots() -> threading.BoundedSemaphore:
+    global _slots
+    with _slots_made:
+        if _slots is None:
+            _slots = threading.BoundedSemaphore(settings().max_concurrent_dry_runs)
+        return _slots
 
 
 def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]]) -> BatchCompletionsEstimate:
@@ -56,15 +64,16 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
     completed jobs' figures, newest first (`JobStore.completed_figures`). Raises UnservableRequest naming
     the field for what makes the whole job fail (an unreadable input, a model with no tokenizer here), and
     DryRunsBusy when the process runs as many dry runs as it takes."""
-    if not _slots.acquire(blocking=False):
-        raise DryRunsBusy(f"{_MAX_CONCURRENT} dry runs are in progress here; try again shortly")
+    slots = _dry_run_slots()
+    if not slots.acquire(blocking=False):
+        raise DryRunsBusy(f"{settings().max_concurrent_dry_runs} dry runs are in progress here; try again shortly")
     try:
         model = _model_of(request.model_cfg)
         records, source = _records(request)
         with model.lock:  # a tokenizer is not safe to share between threads
             counts = _count(request, model, records, source)
     finally:
-        _slots.release()
+        slots.release()
     return BatchCompletionsEstimate(
         model=request.model_cfg.model,
         context_length=model.context_length,

@@ -9,25 +9,17 @@ BATCH_PIPELINE_MAX_CPUS, BATCH_PIPELINE_MAX_MEMORY, BATCH_PIPELINE_MAX_STORAGE (
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from batch_pipeline.settings import KUBERNETES_QUANTITY, settings
+
 # A number means this unit, as the pod's requests have always read it.
 BARE_UNITS = {"cpus": "", "memory": "Gi", "storage": "Gi"}
-MAXIMA_ENV = {
-    "gpus": "BATCH_PIPELINE_MAX_GPUS",
-    "cpus": "BATCH_PIPELINE_MAX_CPUS",
-    "memory": "BATCH_PIPELINE_MAX_MEMORY",
-    "storage": "BATCH_PIPELINE_MAX_STORAGE",
-}
-# Kubernetes' quantity grammar without a sign (apimachinery's resource.Quantity). parse_quantity alone
-# would also take what the API server refuses: "NaN", " 8", "1_000", "16 Gi".
-_QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|[numkMGTPE])?")
+HARDWARE_FIELDS = ("gpus", "cpus", "memory", "storage")
 EXAMPLES = "e.g. 8, 500m, 16Gi"
 
 
@@ -41,7 +33,7 @@ def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise InvalidHardware(f"{field}: {value!r} is not a Kubernetes quantity ({EXAMPLES})")
     text = f"{value}{BARE_UNITS[field]}" if isinstance(value, (int, float)) else value
-    if not _QUANTITY.fullmatch(text):
+    if not KUBERNETES_QUANTITY.fullmatch(text):
         raise InvalidHardware(f"{field}: {value!r} is not a Kubernetes quantity ({EXAMPLES})")
     amount = parse_quantity(text)
     if amount <= 0:
@@ -50,22 +42,15 @@ def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
 
 
 def hardware_maxima() -> dict[str, tuple[str, Decimal]]:
-    """The operator's bound per field: (as written, value in base units). Raises ValueError naming the
-    variable that is not a valid bound, so a deployment can check its settings when it starts."""
+    """The operator's bound per field: (as written, value in base units). Raises SettingsError (a
+    ValueError) naming the variable that is not a valid bound."""
+    configured = settings()  # has checked each bound
     maxima = {}
-    for field, name in MAXIMA_ENV.items():
-        written = os.environ.get(name, "").strip()
-        if not written:
-            continue
-        try:
-            if field == "gpus":
-                maxima[field] = (written, Decimal(int(written)))
-            else:
-                maxima[field] = (written, kubernetes_quantity(field, written)[1])
-        except ValueError:
-            raise ValueError(
-                f"{name}: {written!r} is not a valid maximum ({EXAMPLES} for quantities, a count for GPUs)"
-            ) from None
+    for field in HARDWARE_FIELDS:
+        written = getattr(configured, f"max_{field}")
+        if written is not None:
+            amount = Decimal(written) if field == "gpus" else kubernetes_quantity(field, written)[1]
+            maxima[field] = (str(written), amount)
     return maxima
 
 
@@ -74,7 +59,7 @@ def hardware_problems(hardware: Mapping[str, Any]) -> list[tuple[str, str]]:
     deployment may carry; fields left out (None) are not checked."""
     maxima = hardware_maxima()
     found = []
-    for field in MAXIMA_ENV:
+    for field in HARDWARE_FIELDS:
         value = hardware.get(field)
         if value is None:
             continue
@@ -97,4 +82,4 @@ def hardware_problems(hardware: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 def hardware_refusals(request: Any) -> list[tuple[str, str]]:
     """`(field, why)` for each hardware field of a batch completions request that no pod may carry."""
-    return hardware_problems({field: getattr(request, field, None) for field in MAXIMA_ENV})
+    return hardware_problems({field: getattr(request, field, None) for field in HARDWARE_FIELDS})

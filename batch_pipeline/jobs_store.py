@@ -27,6 +27,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
 from batch_pipeline import io
+from batch_pipeline.settings import settings
 
 metadata = sa.MetaData()
 # Not Alembic's default name: the job store may share a database with Dagster's own storage.
@@ -207,7 +208,7 @@ class Page:
 
 def default_store_url() -> str:
     home = os.environ.get("DAGSTER_HOME", "dagster_home")
-    return os.environ.get("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{os.path.abspath(home)}/batch_jobs.db")
+    return settings().jobs_db or f"sqlite:///{os.path.abspath(home)}/batch_jobs.db"
 
 
 _engines: dict[str, sa.Engine] = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batch_pipeline import io
+from batch_pipeline.settings import settings
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,9 @@ class ModelNotFoundError(ValueError):
 
 
 def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "batch_pipeline" / "models"
-    return Path(os.environ.get("BATCH_PIPELINE_MODEL_CACHE", default))
+    if configured := settings().model_cache:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "batch_pipeline" / "models"
 
 
 def resolve_model(model: str) -> str:

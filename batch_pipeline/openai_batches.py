@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -30,13 +29,11 @@ from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, Filt
 from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.jobs_store import FAILED, JobRecord, JobStore
 from batch_pipeline.openai_store import BatchResults, FileRecord, OpenAIStore
+from batch_pipeline.settings import settings
 from batch_pipeline.submission import CONTENT_FILE
 
 CUSTOM_IDS_FILE = "custom_ids.jsonl"
 OUTPUT_FILE = "output.json"
-MODEL_CATALOG_ENV = "BATCH_PIPELINE_MODEL_CATALOG"
-MAX_BATCH_REQUESTS_ENV = "BATCH_PIPELINE_MAX_BATCH_REQUESTS"
-DEFAULT_MAX_BATCH_REQUESTS = 100_000  # OpenAI's limit is 50,000
 # A batch's errors list at most this many lines; a file wrong throughout is not echoed whole.
 MAX_LISTED_ERRORS = 100
 MAX_MODEL_CHARS = 256
@@ -63,7 +60,7 @@ class CheckedInput:
 
 
 def max_batch_requests() -> int:
-    return int(os.environ.get(MAX_BATCH_REQUESTS_ENV, DEFAULT_MAX_BATCH_REQUESTS))
+    return settings().max_batch_requests
 
 
 def check_input_file(source: str, endpoint: str, work_dir: str) -> CheckedInput:
@@ -187,7 +184,7 @@ def model_config_for(model: str) -> BatchCompletionsModelConfig:
     """The model config of a batch's `model`: the operator's catalog entry of that name
     (BATCH_PIPELINE_MODEL_CATALOG, a YAML mapping of names to model configs), else the name itself as
     `model_config.model` (a built-in catalog name, a Hugging Face id, a local path or an s3:// checkpoint)."""
-    path = os.environ.get(MODEL_CATALOG_ENV)
+    path = settings().model_catalog
     if path:
         with open(path) as handle:
             catalog = yaml.safe_load(handle) or {}

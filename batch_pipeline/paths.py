@@ -24,10 +24,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from batch_pipeline import io
 from batch_pipeline.models import CATALOG
+from batch_pipeline.settings import settings
 
-ALLOWED_PROTOCOLS_ENV = "BATCH_PIPELINE_ALLOWED_PROTOCOLS"
-DATA_ROOTS_ENV = "BATCH_PIPELINE_DATA_ROOTS"
-DEFAULT_PROTOCOLS = ("file", "s3")
 # fsspec's names for the local filesystem ("file", "local"): allowing one allows both.
 LOCAL_PROTOCOLS = LocalFileSystem.protocol
 S3_PROTOCOLS = ("s3", "s3a")
@@ -46,12 +44,11 @@ class PathPolicy:
 
     @classmethod
     def from_environment(cls) -> PathPolicy:
-        configured = os.environ.get(ALLOWED_PROTOCOLS_ENV)
-        names = configured.split(",") if configured is not None else DEFAULT_PROTOCOLS
-        protocols = {name.strip() for name in names if name.strip()}
+        configured = settings()
+        protocols = {name.strip() for name in configured.allowed_protocols.split(",") if name.strip()}
         if protocols & set(LOCAL_PROTOCOLS):
             protocols |= set(LOCAL_PROTOCOLS)
-        roots = tuple(Path(root).resolve() for root in os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep) if root)
+        roots = tuple(Path(root).resolve() for root in configured.data_roots.split(os.pathsep) if root)
         return cls(frozenset(protocols), roots)
 
     def data_path_refusal(self, path: str) -> str | None:

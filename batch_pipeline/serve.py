@@ -13,13 +13,19 @@ import sys
 import time
 from pathlib import Path
 
+from batch_pipeline.settings import SettingsError, settings
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batch_pipeline.serve", description=__doc__)
-    parser.add_argument("--host", default=os.environ.get("BATCH_PIPELINE_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("BATCH_PIPELINE_PORT", "8000")))
+    try:  # before the three services start: one message naming the variable instead of three tracebacks
+        configured = settings()
+    except SettingsError as exc:
+        parser.error(str(exc))
+    parser.add_argument("--host", default=configured.host)
+    parser.add_argument("--port", type=int, default=configured.port)
     parser.add_argument("--dagster-port", type=int, default=int(os.environ.get("DAGSTER_WEBSERVER_PORT", "3000")))
     parser.add_argument("--workspace", default=str(REPO / "workspace.yaml"))
     args = parser.parse_args(argv)

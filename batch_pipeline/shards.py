@@ -29,6 +29,7 @@ from batch_pipeline import io
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request
 from batch_pipeline.contract.records import InputRecord, RecordKind, describe_validation_error, parse_record
 from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
+from batch_pipeline.settings import settings
 
 INPUT_FILE = "input.jsonl"
 COPIES_FILE = "copies.tsv"
@@ -170,29 +171,24 @@ def repeat_key(item: WorkItem) -> int | None:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
 
 
-# A shard is worth its engine start (10-20 s here) when it has this much to do: on 2 CPU cores, ~20 s of
-# generation. GPU deployments generate far faster per engine start and should raise it.
-DEFAULT_MIN_SHARD_TOKENS = 8192
-
-
 @dataclass(frozen=True)
 class PlanningSettings:
     """How jobs are split: at most `max_shards` shards (None: no limit), each worth at least
     `min_tokens_per_shard` estimated tokens (0: any), repeats of deterministic requests generated once."""
 
     max_shards: int | None
-    min_tokens_per_shard: int = DEFAULT_MIN_SHARD_TOKENS
+    min_tokens_per_shard: int
     deduplicate: bool = True
 
     @classmethod
     def from_environment(cls, slots: int | None) -> PlanningSettings:
-        """BATCH_PIPELINE_MAX_SHARDS_PER_JOB (default `slots`: what the launcher runs at once),
-        BATCH_PIPELINE_MIN_SHARD_TOKENS (default 8192) and BATCH_PIPELINE_DEDUPLICATE (default 1)."""
-        most = os.environ.get("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "").strip()
+        """The deployment's settings (BATCH_PIPELINE_MAX_SHARDS_PER_JOB, unset: `slots`, what the launcher
+        runs at once; _MIN_SHARD_TOKENS; _DEDUPLICATE)."""
+        configured = settings()
         return cls(
-            max_shards=int(most) if most else slots,
-            min_tokens_per_shard=int(os.environ.get("BATCH_PIPELINE_MIN_SHARD_TOKENS", DEFAULT_MIN_SHARD_TOKENS)),
-            deduplicate=os.environ.get("BATCH_PIPELINE_DEDUPLICATE", "1") != "0",
+            max_shards=configured.max_shards_per_job or slots,
+            min_tokens_per_shard=configured.min_shard_tokens,
+            deduplicate=configured.deduplicate,
         )
 
     def shards_for(self, requested: int, tokens: int) -> tuple[int, str | None]:

@@ -4,7 +4,6 @@ uvicorn --factory batch_pipeline.api.app:create_app
 """
 
 import json
-import os
 from typing import Annotated, Any, Literal
 
 import dagster as dg
@@ -37,10 +36,10 @@ from batch_pipeline.contract import (
     UpdateBatchCompletionsV2Response,
 )
 from batch_pipeline.estimate import DryRunsBusy
-from batch_pipeline.hardware import hardware_maxima
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.priority import InvalidPriority
+from batch_pipeline.settings import settings
 from batch_pipeline.submission import from_v1
 
 
@@ -196,13 +195,9 @@ def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
 
 
 def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = None) -> FastAPI:
-    hardware_maxima()  # a mistyped BATCH_PIPELINE_MAX_* fails the deployment, not every request with hardware
+    configured = settings()  # a mistyped variable fails the deployment, not the requests that read it
     if service is None:
-        service = BatchJobService(
-            JobStore(),
-            dg.DagsterInstance.get(),
-            JobStorage(work_dir_base=os.environ.get("BATCH_PIPELINE_WORK_DIR", "")),
-        )
+        service = BatchJobService(JobStore(), dg.DagsterInstance.get(), JobStorage(work_dir_base=configured.work_dir))
     app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")
     app.state.job_service = service
     app.state.openai_service = OpenAIBatchService(service)

@@ -12,10 +12,11 @@ import base64
 import hashlib
 import hmac
 import logging
-import os
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
+
+from batch_pipeline.settings import settings
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,10 @@ class ApiKeys:
 
     @classmethod
     def from_environment(cls) -> ApiKeys:
-        entries = os.environ.get("BATCH_PIPELINE_API_KEYS", "").split(",")
-        path = os.environ.get("BATCH_PIPELINE_API_KEYS_FILE")
-        if path:
-            with open(path) as handle:
+        configured = settings()
+        entries = configured.api_keys.split(",")
+        if configured.api_keys_file:
+            with open(configured.api_keys_file) as handle:
                 entries += handle.read().splitlines()
         keys = cls(entries)
         if not keys._keys:

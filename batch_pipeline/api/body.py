@@ -9,7 +9,6 @@ API holds about one copy of a body plus its model, and `/healthz` answers while 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import threading
 from collections.abc import Callable, Coroutine
@@ -24,14 +23,25 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.settings import settings
 
 # Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file.
 SPOOL_IN_MEMORY_BYTES = 1024 * 1024
 # A parsed body costs a few times its size (its model, the stored JSON): bodies over LARGE_BODY_BYTES are
 # parsed and handled this many at a time, so concurrent large POSTs queue instead of adding up past the
-# pod's memory limit; small ones never wait.
+# pod's memory limit; small ones never wait. The slots are made at the first large body, so that the
+# setting is read when the API serves, not when it imports this module.
 LARGE_BODY_BYTES = 8 * 1024 * 1024
-_large_body_slots = threading.BoundedSemaphore(int(os.environ.get("BATCH_PIPELINE_MAX_CONCURRENT_LARGE_BODIES", "1")))
+_large_body_slots: threading.BoundedSemaphore | None = None
+_large_body_slots_made = threading.Lock()
+
+
+def _large_body_semaphore() -> threading.BoundedSemaphore:
+    global _large_body_slots
+    with _large_body_slots_made:
+        if _large_body_slots is None:
+            _large_body_slots = threading.BoundedSemaphore(settings().max_concurrent_large_bodies)
+        return _large_body_slots
 
 
 class WireBodyRoute(APIRoute):
@@ -54,7 +64,7 @@ class WireBodyRoute(APIRoute):
                     size = await _receive_into(spool, request)
                 except ClientDisconnect:
                     return Response(status_code=400)  # the client left (or the size limit answered 413)
-                slots = _large_body_slots if size > LARGE_BODY_BYTES else None
+                slots = _large_body_semaphore() if size > LARGE_BODY_BYTES else None
                 if slots is not None:  # waited for in a worker thread: the event loop and /healthz go on
                     await run_in_threadpool(slots.acquire)
                 try:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+from batch_pipeline.settings import settings
+
 # A multipart body's boundaries and part headers around an upload of the largest size.
 _MULTIPART_MARGIN = 64 * 1024
 
@@ -16,7 +15,7 @@ class BodySizeLimit:
 
     def __init__(self, app: ASGIApp, max_bytes: int | None = None, larger: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes or int(os.environ.get("BATCH_PIPELINE_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
+        self.max_bytes = max_bytes or settings().max_body_bytes
         # Routes whose bodies are streamed to storage, never parsed whole (file uploads), by exact path.
         self.larger = larger or {}
 

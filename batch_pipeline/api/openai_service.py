@@ -4,7 +4,6 @@ HTTP; raises domain errors that the routes map to OpenAI's error bodies."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -40,16 +39,16 @@ from batch_pipeline.openai_batches import (
     write_result_files,
 )
 from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
+from batch_pipeline.settings import settings
 from batch_pipeline.shards import make_private_directory
 from batch_pipeline.submission import CONTENT_FILE, StoredRequest, UnservableRequest, check_servable, submit
 
-DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 _CHUNK = 1024 * 1024
 
 
 def max_file_bytes() -> int:
     """The largest upload (BATCH_PIPELINE_MAX_FILE_BYTES): its multipart body may be this plus a little."""
-    return int(os.environ.get("BATCH_PIPELINE_MAX_FILE_BYTES", DEFAULT_MAX_FILE_BYTES))
+    return settings().max_file_bytes
 
 
 class FileNotFound(LookupError):

@@ -1,3 +1,6 @@
+"""The local shard launcher: each shard's worker a subprocess on this machine, through Dagster Pipes, its own
+output in the shard's worker.log and a share of the cores."""
+
 from __future__ import annotations
 
 import os
@@ -18,6 +21,7 @@ from batch_pipeline.launch.base import (
     raise_if_past_deadline,
     worker_stats,
 )
+from batch_pipeline.settings import settings
 from batch_pipeline.shards import ShardTask
 
 # How often a step checks that its run has not ended without it (its run worker killed).
@@ -28,7 +32,7 @@ WORKER_LOG = "worker.log"
 def local_shard_concurrency() -> int:
     """How many shard workers may run at once on this machine: each holds a whole engine (~2.3 GiB for
     the catalog model on the CPU), and more workers than cores only share the same cores."""
-    return int(os.environ.get("BATCH_PIPELINE_LOCAL_SHARD_CONCURRENCY", max(1, os.cpu_count() or 1)))
+    return settings().local_shard_concurrency or max(1, os.cpu_count() or 1)
 
 
 def worker_log_path(task: ShardTask) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import dagster as dg
@@ -20,6 +19,7 @@ from batch_pipeline.pipeline.sensors import (
     record_stopped_runs,
     record_succeeded_runs,
 )
+from batch_pipeline.settings import settings
 
 # Dagster's own uses of its beta and preview features, warned about in every step process: it copies each
 # sensor with the sensor's (empty) owners when it binds the resources, and every Pipes session reads its
@@ -34,18 +34,22 @@ def shard_launcher_from_environment() -> ShardLauncher:
     """Local subprocesses unless BATCH_PIPELINE_SHARD_LAUNCHER=k8s: then a pod per shard, from
     BATCH_PIPELINE_WORKER_IMAGE, BATCH_PIPELINE_K8S_NAMESPACE, BATCH_PIPELINE_K8S_SERVICE_ACCOUNT, and
     outside the cluster BATCH_PIPELINE_KUBECONFIG."""
-    if os.environ.get("BATCH_PIPELINE_SHARD_LAUNCHER", "local") != "k8s":
+    configured = settings()
+    if configured.shard_launcher != "k8s":
         return LocalShardLauncher()
     from batch_pipeline.launch.k8s import K8sShardLauncher
 
     return K8sShardLauncher(
-        image=os.environ["BATCH_PIPELINE_WORKER_IMAGE"],
-        namespace=os.environ.get("BATCH_PIPELINE_K8S_NAMESPACE", "default"),
-        service_account_name=os.environ.get("BATCH_PIPELINE_K8S_SERVICE_ACCOUNT") or None,
-        kubeconfig_file=os.environ.get("BATCH_PIPELINE_KUBECONFIG") or None,
-        poll_interval_s=float(os.environ.get("BATCH_PIPELINE_K8S_POLL_INTERVAL_S", "10")),
+        image=configured.worker_image,
+        namespace=configured.k8s_namespace,
+        service_account_name=configured.k8s_service_account or None,
+        kubeconfig_file=configured.kubeconfig or None,
+        poll_interval_s=configured.k8s_poll_interval_s,
     )
 
+
+# Read before anything is built from them: a mistyped variable stops the code location from loading, naming it.
+_loaded_with = settings()
 
 # Step processes fork from a server that has imported this module and the instance's storage once per run
 # (step_server), instead of each being a fresh Python that imports them again: ~2.3 s -> ~0.2 s per step,
@@ -66,9 +70,9 @@ defs = dg.Definitions(
     sensors=[batch_jobs_sensor, record_succeeded_runs, record_stopped_runs, record_failed_runs],
     schedules=schedules_from_environment(),
     resources={
-        "job_store": JobStoreResource(url=os.environ.get("BATCH_PIPELINE_JOBS_DB", "")),
+        "job_store": JobStoreResource(url=_loaded_with.jobs_db),
         "shard_launcher": shard_launcher_from_environment(),
-        "job_storage": JobStorage(work_dir_base=os.environ.get("BATCH_PIPELINE_WORK_DIR", "")),
+        "job_storage": JobStorage(work_dir_base=_loaded_with.work_dir),
     },
     executor=local_executor,
 )

@@ -8,7 +8,6 @@ naming the file, the line and the field.
 
 from __future__ import annotations
 
-import os
 import re
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -24,9 +23,9 @@ from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
+from batch_pipeline.settings import settings
 from batch_pipeline.submission import submit
 
-SCHEDULES_ENV = "BATCH_PIPELINE_SCHEDULES"
 SCHEDULE_LABEL = "schedule"
 # Placeholders a template's paths may use, filled from the tick's time in the schedule's timezone.
 PLACEHOLDERS = {
@@ -183,5 +182,5 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
 
 
 def schedules_from_environment() -> list[dg.ScheduleDefinition]:
-    path = os.environ.get(SCHEDULES_ENV)
+    path = settings().schedules
     return [schedule_for(spec) for spec in load_schedule_specs(path)] if path else []

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -24,22 +23,21 @@ from batch_pipeline.pipeline.partial_results import keep_partial_results, partia
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
+from batch_pipeline.settings import settings
 from batch_pipeline.submission import StoredRequest
 
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
-SENSOR_INTERVAL_S = int(os.environ.get("BATCH_PIPELINE_SENSOR_INTERVAL_S", "2"))
+# The sensors below are declared with it, so it is read when the definitions load (a code server starts).
+SENSOR_INTERVAL_S = settings().sensor_interval_s
 # A row still unfinished this long after its run ended missed the status sensors (they were stopped, or
 # the row was written by a release before them): the jobs sensor sets it from the run.
 RECONCILE_AFTER_S = 60
 
 
-# One tick's run requests travel to the daemon as one gRPC message, capped by Dagster at 100 MB. Requests
-# name their content by reference, so this bounds only rows an older release stored with inline content.
-DEFAULT_MAX_TICK_BYTES = 32 * 1024 * 1024
-
-
 def _max_tick_bytes() -> int:
-    return int(os.environ.get("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", DEFAULT_MAX_TICK_BYTES))
+    """One tick's run requests travel to the daemon as one gRPC message, capped by Dagster at 100 MB.
+    Requests name their content by reference, so this bounds only rows an older release stored inline."""
+    return settings().sensor_max_tick_bytes
 
 
 @dg.sensor(

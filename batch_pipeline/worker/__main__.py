@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from batch_pipeline.settings import settings
 from batch_pipeline.worker.engine import set_engine_environment
 
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batch_pipeline.worker", description=__doc__)
     parser.add_argument("--task", help="a task JSON file, when not launched by Dagster Pipes")
     args = parser.parse_args(argv)
+    settings()  # a bad BATCH_PIPELINE_ value fails the shard now, naming it
     set_engine_environment()
 
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from batch_pipeline import io
+from batch_pipeline.settings import settings
 from batch_pipeline.shards import format_result, iter_result_lines
 
-CHECKPOINT_UPLOAD_S = float(os.environ.get("BATCH_PIPELINE_CHECKPOINT_UPLOAD_S", "30"))
 # The errors of a full or failing disk: the worker's failure names the file they stopped.
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 
@@ -29,8 +29,8 @@ _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 class Checkpoint:
     """The shard's results file. Appends and flushes to a local file are what make a shard resumable; when
     the shard's directory is on an object store (shards in pods on different nodes), that local file
-    starts as the stored copy and is uploaded whole every CHECKPOINT_UPLOAD_S and when the worker stops,
-    so a retry elsewhere loses at most that much work."""
+    starts as the stored copy and is uploaded whole every BATCH_PIPELINE_CHECKPOINT_UPLOAD_S and when the
+    worker stops, so a retry elsewhere loses at most that much work."""
 
     def __init__(self, results_path: str) -> None:
         self.remote = None if io.is_local(results_path) else results_path
@@ -69,7 +69,7 @@ class Checkpoint:
                     yield index, json.loads(payload)
 
     def upload_if_due(self) -> None:
-        if self.remote is not None and time.monotonic() - self._last_upload >= CHECKPOINT_UPLOAD_S:
+        if self.remote is not None and time.monotonic() - self._last_upload >= settings().checkpoint_upload_s:
             self.upload()
 
     def upload(self) -> None:

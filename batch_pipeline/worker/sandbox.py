@@ -31,12 +31,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO
 
 # Executions run as uids from SANDBOX_UID_BASE on, unused by any account: one uid per running execution on
 # this machine, whichever worker runs it (see UidLeases), so that one execution's processes can neither
 # signal nor exhaust the process limit of another, and cleaning up after one never touches another.
+# This module reads its settings (batch_pipeline/settings.py documents and checks them) from the environment
+# itself: it also runs alone under the system's Python, without pydantic (tests/test_sandbox.py).
 SANDBOX_UID_BASE = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UID_BASE", "61000"))
 SANDBOX_UIDS = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UIDS", "64"))
 _NAMESPACES = ["unshare", "--net", "--ipc", "--pid", "--mount-proc", "--fork", "--kill-child=SIGKILL"]
@@ -55,7 +57,9 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class SandboxLimits:
     timeout_s: float = 60.0
-    memory_bytes: int = int(os.environ.get("BATCH_PIPELINE_SANDBOX_MEMORY_MB", "1024")) * 2**20
+    memory_bytes: int = field(
+        default_factory=lambda: int(os.environ.get("BATCH_PIPELINE_SANDBOX_MEMORY_MB", "1024")) * 2**20
+    )
     file_bytes: int = 16 * 2**20  # any file it writes, its captured output included
     processes: int = 32
     open_files: int = 64
@@ -101,8 +105,8 @@ class Sandbox:
 
     Raises SandboxUnavailable where no slot uid can be switched to: code never runs as the worker's user."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), slots: int | None = None) -> None:
-        self.limits = limits
+    def __init__(self, limits: SandboxLimits | None = None, slots: int | None = None) -> None:
+        self.limits = limits or SandboxLimits()
         self.slots = slots or max(1, min(8, os.cpu_count() or 1))
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(self.slots):
@@ -113,7 +117,7 @@ class Sandbox:
         self._check_uid_switch()
         self._namespaces = self._probe_namespaces()
         self._cgroups = self._probe_cgroups()
-        mib = limits.memory_bytes // 2**20
+        mib = self.limits.memory_bytes // 2**20
         self.isolation = Isolation(
             user=f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + SANDBOX_UIDS - 1}, one per running execution on "
             "this machine, with no groups, no capabilities and no new privileges (setpriv)",
@@ -122,7 +126,7 @@ class Sandbox:
             if self._namespaces
             else "NOT isolated: the code can reach whatever the worker can",
             memory=f"{mib} MiB for all its processes together (cgroup v{self._cgroups.version}), "
-            f"{limits.processes} processes"
+            f"{self.limits.processes} processes"
             if self._cgroups
             else f"{mib} MiB for all its processes together, their resident memory summed every "
             f"{WATCH_INTERVAL_S:g} s (no cgroup could be made); {mib} MiB of address space each",

@@ -1,0 +1,253 @@
+"""Every BATCH_PIPELINE_* environment variable, with its default and what it does.
+
+`settings()` reads the environment when it is called, not when this module is imported, so a process (or a
+test) that changes a variable is seen by the next call; each process calls it once as it starts, so that a
+bad value fails the start naming the variable. README.md's settings table is printed from these fields:
+`python -m batch_pipeline.settings`.
+
+This module imports nothing else of ours, so that every layer (API, pipeline, launchers, worker, stores)
+can read its settings here. The one exception is worker/sandbox.py, which also runs without pydantic and
+reads its four variables itself; they are documented and checked here all the same.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from decimal import Decimal
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "BATCH_PIPELINE_"
+# Kubernetes' quantity grammar without a sign (apimachinery's resource.Quantity). parse_quantity alone
+# would also take what the API server refuses: "NaN", " 8", "1_000", "16 Gi".
+KUBERNETES_QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|[numkMGTPE])?")
+# The one variable whose empty value is not "unset": no protocol at all.
+_EMPTY_IS_A_VALUE = {"allowed_protocols"}
+
+
+class SettingsError(ValueError):
+    """A variable with a value this service cannot use; the message names it and says what is wrong."""
+
+
+class _EnvironmentSettings(BaseSettings):
+    # An alias per field rather than env_prefix: names stay case-sensitive, as os.environ.get read them
+    # (with case_sensitive, env_prefix would look for BATCH_PIPELINE_sensor_interval_s).
+    model_config = SettingsConfigDict(
+        alias_generator=lambda name: ENV_PREFIX + name.upper(), case_sensitive=True, frozen=True
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
+        """A variable set to "" (or spaces) reads as unset, as `os.environ.get(...) or default` did."""
+        if not isinstance(value, str):
+            return value
+        value = value.strip()
+        if value or info.field_name in _EMPTY_IS_A_VALUE:
+            return value
+        return cls.model_fields[str(info.field_name)].get_default(call_default_factory=True)
+
+
+class Settings(_EnvironmentSettings):
+    """The service's settings: the API, the pipeline, the launchers and the shard worker."""
+
+    # The API
+    api_keys: str = Field(
+        "", description="API keys, comma-separated; `KEY:admin` marks an admin key (no keys at all: the API is open)"
+    )
+    api_keys_file: str = Field("", description="A file of more API keys, one per line")
+    host: str = Field(
+        "127.0.0.1", description="`python -m batch_pipeline.serve`: the address the API and the Dagster UI listen on"
+    )
+    port: int = Field(8000, description="`python -m batch_pipeline.serve`: the API's port")
+    max_body_bytes: int = Field(64 * 2**20, description="Largest request body, in bytes (64 MiB); larger ones get 413")
+    max_concurrent_large_bodies: int = Field(
+        1, ge=1, description="Bodies over 8 MB an API process parses at once; the others wait"
+    )
+    max_file_bytes: int = Field(
+        200 * 2**20, description="Largest `POST /v1/files` upload, in bytes (200 MiB, OpenAI's)"
+    )
+    max_batch_requests: int = Field(
+        100_000, description="Most requests in an OpenAI batch's input file (OpenAI's limit is 50,000)"
+    )
+    max_concurrent_dry_runs: int = Field(2, ge=0, description="Dry runs an API process runs at once; more get 429")
+    model_catalog: str = Field("", description="A YAML file mapping an OpenAI batch's `model` names to model configs")
+    # What a request may ask for
+    allowed_protocols: str = Field(
+        "file,s3",
+        description="Protocols a request's paths may use, comma-separated (`file` also admits `local`; empty: none)",
+    )
+    data_roots: str = Field(
+        "", description="Directories, `:`-separated, that local paths must lie inside (unset: any local path)"
+    )
+    allow_remote_code: bool = Field(
+        False, description="`1` lets a request's `trust_remote_code` run a model's own Python in the worker"
+    )
+    max_gpus: int | None = Field(None, ge=0, description="Most GPUs a request may ask for (unset: no bound)")
+    max_cpus: str | None = Field(
+        None, description="Most CPUs a request may ask for, a Kubernetes quantity (`64`, `500m`; unset: no bound)"
+    )
+    max_memory: str | None = Field(
+        None, description="Most memory a request may ask for, a Kubernetes quantity in bytes (`512Gi`; unset: no bound)"
+    )
+    max_storage: str | None = Field(
+        None,
+        description="Most ephemeral storage a request may ask for, a quantity as for memory (unset: no bound)",
+    )
+    # Where things are kept
+    jobs_db: str = Field(
+        "", description="The job store's SQLAlchemy URL (unset: SQLite `batch_jobs.db` in `$DAGSTER_HOME`)"
+    )
+    work_dir: str = Field(
+        "", description="Where jobs' work dirs go: a directory or `s3://bucket/prefix` (unset: `$DAGSTER_HOME/work`)"
+    )
+    model_cache: str = Field(
+        "",
+        description="Where catalog models and synced checkpoints are kept (unset: `~/.cache/batch_pipeline/models`)",
+    )
+    # The pipeline
+    sensor_interval_s: int = Field(
+        2, description="Seconds between the sensors' polls of the job store (read when the definitions load)"
+    )
+    sensor_max_tick_bytes: int = Field(
+        32 * 2**20, description="Bytes of requests one sensor tick launches at most (32 MiB; always at least one job)"
+    )
+    schedules: str = Field("", description="A YAML file of recurring batches (see `examples/schedules.yaml`)")
+    max_shards_per_job: int | None = Field(
+        None, ge=1, description="Most shards a job is split into (unset: what the launcher runs at once)"
+    )
+    # A shard is worth its engine start (10-20 s on 2 CPU cores) when it has about 20 s of generation to do
+    # there; GPU deployments generate far faster per engine start and should raise it.
+    min_shard_tokens: int = Field(
+        8192, ge=0, description="Estimated tokens a shard must have to be worth its engine start (0: any)"
+    )
+    deduplicate: bool = Field(
+        True, description="`0` generates repeats of a deterministic request again instead of copying the first's output"
+    )
+    local_shard_concurrency: int | None = Field(
+        None, ge=1, description="Shard workers the local launcher runs at once (unset: the core count)"
+    )
+    shard_launcher: Literal["local", "k8s"] = Field(
+        "local", description="`k8s` runs each shard worker in a pod of its own; `local`, a subprocess"
+    )
+    worker_image: str = Field("", description="With the `k8s` launcher: the shard workers' image (required)")
+    k8s_namespace: str = Field("default", description="With the `k8s` launcher: the shard pods' namespace")
+    k8s_service_account: str = Field(
+        "", description="With the `k8s` launcher: the shard pods' service account (unset: the namespace's default)"
+    )
+    kubeconfig: str = Field(
+        "",
+        description="With the `k8s` launcher outside the cluster: the kubeconfig file (unset: the in-cluster config)",
+    )
+    k8s_poll_interval_s: float = Field(
+        10.0, description="With the `k8s` launcher: seconds between reads of a shard pod's state"
+    )
+    # The shard worker
+    checkpoint_upload_s: float = Field(
+        30.0, description="Seconds between uploads of a shard's checkpoint to a remote work dir"
+    )
+    sandbox_uid_base: int = Field(
+        61000, description="`code_evaluator`: the first uid sandboxed executions run as (unused by any account)"
+    )
+    sandbox_uids: int = Field(
+        64, ge=1, description="`code_evaluator`: uids from the first, one per execution running on the machine"
+    )
+    sandbox_memory_mb: int = Field(
+        1024, ge=1, description="`code_evaluator`: memory of one execution, all its processes together, in MiB"
+    )
+    sandbox_python: str = Field(
+        "",
+        description="`code_evaluator`: the Python executions run (unset: the worker's, else the system's `python3`)",
+    )
+
+    @field_validator("max_cpus", "max_memory", "max_storage")
+    @classmethod
+    def _positive_quantity(cls, value: str | None) -> str | None:
+        if value is not None:
+            matched = KUBERNETES_QUANTITY.fullmatch(value)
+            if matched is None or Decimal(matched[1]) <= 0:
+                raise ValueError("must be a positive Kubernetes quantity (e.g. 8, 500m, 16Gi)")
+        return value
+
+    @model_validator(mode="after")
+    def _k8s_has_an_image(self) -> Settings:
+        if self.shard_launcher == "k8s" and not self.worker_image:
+            raise ValueError(f"{ENV_PREFIX}WORKER_IMAGE: must be set when {ENV_PREFIX}SHARD_LAUNCHER=k8s")
+        return self
+
+
+class ClientSettings(_EnvironmentSettings):
+    """The `batch-pipeline` CLI's own settings, as a client of the API; the server never reads them."""
+
+    url: str = Field("http://127.0.0.1:8000", description="The API's base URL (`--url` wins)")
+    api_key: str = Field("", description="The API key sent with each request (`--api-key` wins)")
+
+
+def settings() -> Settings:
+    """The settings as the environment has them now. Raises SettingsError naming each invalid variable."""
+    return _read(Settings)
+
+
+def client_settings() -> ClientSettings:
+    return _read(ClientSettings)
+
+
+Read = TypeVar("Read", bound=_EnvironmentSettings)
+# Building the settings takes ~0.7 ms, and a request reads them several times: they are built again only
+# when a BATCH_PIPELINE_ variable has changed (the objects are frozen, so sharing one is safe).
+_built: dict[type[_EnvironmentSettings], tuple[tuple[tuple[str, str], ...], Any]] = {}
+
+
+def _read(kind: type[Read]) -> Read:
+    environment = tuple(sorted(item for item in os.environ.items() if item[0].startswith(ENV_PREFIX)))
+    built = _built.get(kind)
+    if built is not None and built[0] == environment:
+        return built[1]
+    try:
+        fresh = kind()
+    except ValidationError as exc:
+        raise SettingsError("; ".join(_problem(error) for error in exc.errors(include_url=False))) from None
+    _built[kind] = (environment, fresh)
+    return fresh
+
+
+def _problem(error: ErrorDetails) -> str:
+    variable = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "value_error":
+        why = str(error["ctx"]["error"])
+    else:
+        why = error["msg"].replace("Input should be", "must be")
+    # A check across variables names them itself and has no one input to show.
+    return f"{variable}: {why}, got {error['input']!r}" if variable else why
+
+
+def _shown_default(field: FieldInfo) -> str:
+    if field.default in (None, ""):
+        return "unset"
+    if isinstance(field.default, bool):
+        return f"`{int(field.default)}`"
+    if isinstance(field.default, float):
+        return f"`{field.default:g}`"
+    return f"`{field.default}`"
+
+
+def settings_table() -> str:
+    """README.md's table of the variables: the service's, then the CLI's."""
+    rows = ["| variable | default | what it does |", "|---|---|---|"]
+    for kind, reader in ((Settings, ""), (ClientSettings, "*Client:* ")):
+        for field in kind.model_fields.values():
+            rows.append(f"| `{field.alias}` | {_shown_default(field)} | {reader}{field.description} |")
+    return "\n".join(rows) + "\n"
+
+
+def variable_names() -> set[str]:
+    return {field.alias for kind in (Settings, ClientSettings) for field in kind.model_fields.values() if field.alias}
+
+
+if __name__ == "__main__":
+    print(settings_table(), end="")
