@@ -1,3 +1,6 @@
+"""What every shard launcher shares: the resource's interface, the shard's result (the worker's stats,
+checked against this release's), and Pipes progress forwarded to the job store as it arrives."""
+
 from __future__ import annotations
 
 import contextlib

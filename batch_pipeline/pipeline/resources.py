@@ -1,3 +1,5 @@
+"""The resources every op of a job shares: the job store, and where a job's work files live."""
+
 from __future__ import annotations
 
 import os
