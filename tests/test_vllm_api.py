@@ -1,11 +1,20 @@
 """The names the worker takes from vLLM still exist in the pinned version, where worker/vllm_api.py says
-they are: a new vLLM that moved one fails here, naming it, rather than in a shard worker at run time."""
+they are: a new vLLM that moved one fails here, naming it, rather than in a shard worker at run time. And
+the worker's prompts reach a real engine as this vLLM wants them, rendered by its renderer: no deprecation."""
 
 import importlib
+import logging
+import os
+import unittest
+import warnings
 
 import pytest
 
+from batch_pipeline.contract import BatchCompletionsModelConfig
+from batch_pipeline.shards import WorkItem
 from batch_pipeline.worker import vllm_api
+from batch_pipeline.worker.handlers import engine_error_output
+from tests.conftest import MODEL
 
 
 @pytest.mark.parametrize("name", sorted(vllm_api.MODULES))
@@ -25,3 +34,85 @@ def test_the_openai_request_defaults_the_worker_falls_back_to_are_readable():
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_name"):
         vllm_api.no_such_name  # noqa: B018
+
+
+# --- A real engine: prompts added as the shard worker adds them ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The built-in model's engine, built in this process as a shard worker builds it."""
+    from batch_pipeline.worker.engine import build_llm, set_engine_environment
+
+    environment = set(os.environ)
+    set_engine_environment()
+    try:
+        yield build_llm(BatchCompletionsModelConfig(model=MODEL, max_model_len=256, dtype="float32"))
+    finally:
+        for name in set(os.environ) - environment:
+            del os.environ[name]
+
+
+@pytest.fixture(scope="module")
+def handlers(built):
+    from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
+    from batch_pipeline.worker.v1_requests import V1Requests
+
+    model_config = BatchCompletionsModelConfig(model=MODEL)
+    return {
+        "v1": V1Requests(),
+        "completion": CompletionRequests(built.llm, model_config),
+        "chat": ChatRequests(built.llm, model_config),
+    }
+
+
+def _run(engine, handlers, items):
+    """Each item's output, its requests added and run to the end as the shard runner does."""
+    from vllm.logger import _print_warning_once
+
+    _print_warning_once.cache_clear()  # vLLM logs each deprecation once a process: whatever came before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with unittest.TestCase().assertNoLogs("vllm", logging.WARNING):
+            submitted = {item.index: handlers[item.kind].submit(engine, item) for item in items}
+    finished = {}
+    while len(finished) < sum(map(len, submitted.values())):
+        finished.update({result.request_id: result for result in engine.step() if result.finished})
+    return [handlers[item.kind].output(item, [finished[i] for i in submitted[item.index]]) for item in items]
+
+
+@pytest.mark.slow
+def test_every_kind_of_prompt_reaches_the_engine_rendered_with_no_deprecation(built, handlers, tokenizer):
+    token_ids = tokenizer.encode("Hello there")
+    say_ok = [{"role": "user", "content": "Say OK."}]
+    items = [
+        WorkItem(0, "v1", {"prompt": "Once upon a time", "max_new_tokens": 4, "temperature": 0.0}),
+        WorkItem(1, "completion", {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}),
+        WorkItem(2, "completion", {"prompt": token_ids, "max_tokens": 4, "temperature": 0}),
+        WorkItem(3, "chat", {"messages": say_ok, "max_tokens": 4, "temperature": 0}),
+    ]
+    v1, text, tokens, chat = _run(built.engine, handlers, items)
+    assert v1["num_prompt_tokens"] == len(tokenizer.encode("Once upon a time")) and v1["num_completion_tokens"] == 4
+    assert text["usage"]["prompt_tokens"] == v1["num_prompt_tokens"] and text["choices"][0]["text"] == v1["text"]
+    assert tokens["usage"]["prompt_tokens"] == len(token_ids)
+    # The chat template writes the special tokens; none is added to them.
+    templated = tokenizer.apply_chat_template(say_ok, add_generation_prompt=True, return_dict=True)
+    assert chat["usage"]["prompt_tokens"] == len(templated["input_ids"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        ("v1", {"prompt": "word " * 400, "max_new_tokens": 4, "temperature": 0.0}, "prompts"),
+        ("completion", {"prompt": "word " * 400, "max_tokens": 4}, "prompt"),
+        ("completion", {"prompt": [100] * 300, "max_tokens": 4}, "prompt"),
+        ("chat", {"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 4}, "messages"),
+    ],
+)
+def test_a_prompt_past_the_context_is_refused_naming_its_field(built, handlers, kind, body, param):
+    with pytest.raises(vllm_api.VLLMValidationError) as refused:
+        handlers[kind].submit(built.engine, WorkItem(0, kind, body))
+    error = engine_error_output(refused.value, kind)["error"]
+    assert (error["code"], error["param"]) == ("prompt_too_long", param), error
+    assert not built.llm.llm_engine.has_unfinished_requests()

@@ -175,7 +175,7 @@ class ShardRunner:
         self.report(
             f"engine ready in {self.stats.engine_start_s:.1f}s, computing in {built.dtype}: {built.dtype_reason}"
         )
-        engine = llm.llm_engine
+        engine = built.engine
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
         multi_round = [handler for handler in self.handlers.values() if isinstance(handler, MultiRoundHandler)]

