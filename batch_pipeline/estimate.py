@@ -29,7 +29,7 @@ from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestPr
 from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.hardware import kubernetes_quantity
 from batch_pipeline.models import _relative_checkpoint_file, cache_dir
-from batch_pipeline.settings import settings
+from batch_pipeline.settings import SlotsSizedBySetting, settings
 from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
 from batch_pipeline.submission import UnservableRequest
 
@@ -41,22 +41,12 @@ _CONTENT = TypeAdapter(BatchContent)
 # What a dry run needs of an object-store checkpoint: its configs and tokenizer, never its weights.
 _TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
-# Dry runs at once in this process: each holds a thread for as long as its input takes to read. Made at the
-# first dry run, so that the setting is read when the process serves, not when it imports this module.
-_slots: threading.BoundedSemaphore | None = None
-_slots_made = threading.Lock()
+# Dry runs at once in this process: each holds a thread for as long as its input takes to read.
+_slots = SlotsSizedBySetting(lambda configured: configured.max_concurrent_dry_runs)
 
 
 class DryRunsBusy(RuntimeError):
     """As many dry runs as this process takes at once are in progress."""
-
-
-def _dry_run_slots() -> threading.BoundedSemaphore:
-    global _slots
-    with _slots_made:
-        if _slots is None:
-            _slots = threading.BoundedSemaphore(settings().max_concurrent_dry_runs)
-        return _slots
 
 
 def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]]) -> BatchCompletionsEstimate:
@@ -64,7 +54,7 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
     completed jobs' figures, newest first (`JobStore.completed_figures`). Raises UnservableRequest naming
     the field for what makes the whole job fail (an unreadable input, a model with no tokenizer here), and
     DryRunsBusy when the process runs as many dry runs as it takes."""
-    slots = _dry_run_slots()
+    slots = _slots.semaphore()
     if not slots.acquire(blocking=False):
         raise DryRunsBusy(f"{settings().max_concurrent_dry_runs} dry runs are in progress here; try again shortly")
     try:

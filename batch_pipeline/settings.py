@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
@@ -195,6 +197,22 @@ def settings() -> Settings:
 
 def client_settings() -> ClientSettings:
     return _read(ClientSettings)
+
+
+class SlotsSizedBySetting:
+    """A semaphore of as many slots as a setting says, made at its first use, so that the setting is read
+    when the process serves, not when it imports the module that holds the slots."""
+
+    def __init__(self, size: Callable[[Settings], int]) -> None:
+        self._size = size
+        self._made: threading.BoundedSemaphore | None = None
+        self._making = threading.Lock()
+
+    def semaphore(self) -> threading.BoundedSemaphore:
+        with self._making:
+            if self._made is None:
+                self._made = threading.BoundedSemaphore(self._size(settings()))
+            return self._made
 
 
 Read = TypeVar("Read", bound=_EnvironmentSettings)

@@ -2,13 +2,13 @@
 the cost estimated from the deployment's own history; nothing launched, stored or written."""
 
 import json
-import threading
 
 import pytest
 
 from batch_pipeline import estimate as estimate_module
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.execute import execute_request
+from batch_pipeline.settings import SlotsSizedBySetting
 from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL, step_failure_messages
 from tests.test_s3 import s3 as s3  # the moto S3 server fixture
@@ -172,10 +172,10 @@ def test_dry_runs_past_the_servers_limit_get_429_and_the_route_documents_the_par
     deployment_factory, tmp_path, monkeypatch
 ):
     api = deployment_factory()
-    slots = threading.BoundedSemaphore(1)
+    slots = SlotsSizedBySetting(lambda configured: 1)
     monkeypatch.setattr(estimate_module, "_slots", slots)
     body = _body(tmp_path, {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0})
-    with slots:  # one dry run in progress, as many as this server takes
+    with slots.semaphore():  # one dry run in progress, as many as this server takes
         busy = _dry_run(api, body)
     assert busy.status_code == 429 and busy.headers["retry-after"] == "5"
     assert _dry_run(api, body).status_code == 200

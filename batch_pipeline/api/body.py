@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -23,25 +22,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from batch_pipeline.contract.base import WireModel
-from batch_pipeline.settings import settings
+from batch_pipeline.settings import SlotsSizedBySetting
 
 # Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file.
 SPOOL_IN_MEMORY_BYTES = 1024 * 1024
 # A parsed body costs a few times its size (its model, the stored JSON): bodies over LARGE_BODY_BYTES are
 # parsed and handled this many at a time, so concurrent large POSTs queue instead of adding up past the
-# pod's memory limit; small ones never wait. The slots are made at the first large body, so that the
-# setting is read when the API serves, not when it imports this module.
+# pod's memory limit; small ones never wait.
 LARGE_BODY_BYTES = 8 * 1024 * 1024
-_large_body_slots: threading.BoundedSemaphore | None = None
-_large_body_slots_made = threading.Lock()
-
-
-def _large_body_semaphore() -> threading.BoundedSemaphore:
-    global _large_body_slots
-    with _large_body_slots_made:
-        if _large_body_slots is None:
-            _large_body_slots = threading.BoundedSemaphore(settings().max_concurrent_large_bodies)
-        return _large_body_slots
+_large_body_slots = SlotsSizedBySetting(lambda configured: configured.max_concurrent_large_bodies)
 
 
 class WireBodyRoute(APIRoute):
@@ -64,7 +53,7 @@ class WireBodyRoute(APIRoute):
                     size = await _receive_into(spool, request)
                 except ClientDisconnect:
                     return Response(status_code=400)  # the client left (or the size limit answered 413)
-                slots = _large_body_semaphore() if size > LARGE_BODY_BYTES else None
+                slots = _large_body_slots.semaphore() if size > LARGE_BODY_BYTES else None
                 if slots is not None:  # waited for in a worker thread: the event loop and /healthz go on
                     await run_in_threadpool(slots.acquire)
                 try:
