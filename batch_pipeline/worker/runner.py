@@ -103,6 +103,10 @@ def _prompt_key(item: WorkItem) -> str:
 
 
 class ShardRunner:
+    """One shard's pending requests through one engine: each item to its kind's handler, at most
+    `max_in_flight` begun at once, each output appended to the checkpoint as it finishes, then the sorted
+    output and the shard's stats."""
+
     def __init__(
         self,
         task: ShardTask,
