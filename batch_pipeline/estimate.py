@@ -7,6 +7,10 @@ stands: so a field the worker refuses, a chat template that does not render, and
 would get (chat through the template) are exactly the worker's. The prompts are counted with the model's
 tokenizer against its context. The time is estimated from the throughput this deployment measured on its
 latest completed jobs of the model.
+
+The reading, rendering and tokenizing run in a child process of their own, bounded in memory and time: a
+chat template is the request's own program (Jinja), free to loop for hours or build strings of gigabytes,
+and the API process serves every tenant.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import multiprocessing
+import os
+import resource
 import statistics
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +48,14 @@ _CONTENT = TypeAdapter(BatchContent)
 # What a dry run needs of an object-store checkpoint: its configs and tokenizer, never its weights.
 _TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
-# Dry runs at once in this process: each holds a thread for as long as its input takes to read.
+# Dry runs at once in this process: each holds a thread (and a child process) for as long as its input takes.
 _slots = SlotsSizedBySetting(lambda configured: configured.max_concurrent_dry_runs)
+# What the checking child needs, imported once by the forkserver it forks from rather than by each child.
+_CHILD_PRELOAD = [
+    "batch_pipeline.estimate",
+    "batch_pipeline.worker.openai_requests",
+    "batch_pipeline.worker.v1_requests",
+]
 
 
 class DryRunsBusy(RuntimeError):
@@ -58,15 +71,12 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
     if not slots.acquire(blocking=False):
         raise DryRunsBusy(f"{settings().max_concurrent_dry_runs} dry runs are in progress here; try again shortly")
     try:
-        model = _model_of(request.model_cfg)
-        records, source = _records(request)
-        with model.lock:  # a tokenizer is not safe to share between threads
-            counts = _count(request, model, records, source)
+        counts, context_length = _counted_apart(request)
     finally:
         slots.release()
     return BatchCompletionsEstimate(
         model=request.model_cfg.model,
-        context_length=model.context_length,
+        context_length=context_length,
         num_requests=counts.requests,
         num_prompts=counts.prompts,
         prompt_tokens=counts.prompt_tokens,
@@ -77,6 +87,99 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
         cut_at_context=counts.cut_listed,
         **_runtime(request, counts, history),
     )
+
+
+def _counted_apart(request: CreateBatchCompletionsV2Request) -> tuple[_Counts, int]:
+    """The request's counts and the model's context, from a child process that may add at most
+    BATCH_PIPELINE_DRY_RUN_MEMORY_MB to what it starts with and is stopped after BATCH_PIPELINE_DRY_RUN_TIMEOUT_S."""
+    configured = settings()
+    source = "content" if request.content is not None else "input_data_path"
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_CHILD_PRELOAD)  # no effect once this process's forkserver runs
+    receiving, sending = context.Pipe(duplex=False)
+    memory_bytes = configured.dry_run_memory_mb * 2**20
+    child = context.Process(
+        target=_count_in_child,
+        args=(request, sending, memory_bytes, configured.dry_run_timeout_s, dict(os.environ), os.getcwd()),
+        daemon=True,
+    )
+    child.start()
+    sending.close()  # the child's end: an EOF here then means the child is gone
+    try:
+        if not receiving.poll(configured.dry_run_timeout_s):
+            raise UnservableRequest(
+                [
+                    (
+                        source,
+                        f"the dry run was stopped after {configured.dry_run_timeout_s:g} s (a chat template that "
+                        "does not end?); the job's shards would spend their time on the same requests",
+                    )
+                ]
+            )
+        try:
+            outcome = receiving.recv()
+        except EOFError:
+            raise UnservableRequest(
+                [
+                    (
+                        source,
+                        f"the dry run's checking process ended without an answer (exit code {child.exitcode}); "
+                        f"it may hold at most {configured.dry_run_memory_mb} MiB",
+                    )
+                ]
+            ) from None
+    finally:
+        child.kill()
+        child.join()
+        receiving.close()
+    kind, *answer = outcome
+    if kind == "unservable":
+        raise UnservableRequest(answer[0])
+    if kind == "failed":
+        raise RuntimeError(f"the dry run failed: {answer[0]}")
+    counts, context_length = answer
+    return counts, context_length
+
+
+def _count_in_child(
+    request: CreateBatchCompletionsV2Request,
+    answer: Connection,
+    memory_bytes: int,
+    timeout_s: float,
+    environment: dict[str, str],
+    cwd: str,
+) -> None:
+    """The child's side: limits first, then the dry run's reading, rendering and counting; one message back."""
+    # Forked from the forkserver, it has that server's environment and directory: it reads the request's
+    # paths and the settings as the API process would now.
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
+    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + memory_bytes,) * 2)
+    cpu_s = int(timeout_s) + 5  # the parent stops it first; this holds should the parent be gone
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+    source = "content" if request.content is not None else "input_data_path"
+    try:
+        model = _model_of(request.model_cfg)
+        records, source = _records(request)
+        outcome: tuple[Any, ...] = ("counted", _count(request, model, records, source), model.context_length)
+    except UnservableRequest as exc:
+        outcome = ("unservable", exc.refused)
+    except MemoryError:
+        outcome = ("unservable", [(source, f"checking the requests took more than {memory_bytes // 2**20} MiB")])
+    except Exception as exc:
+        outcome = ("failed", f"{type(exc).__name__}: {_short(exc)}")
+    answer.send(outcome)
+    answer.close()
+
+
+def _address_space() -> int:
+    """This process's virtual memory now, in bytes: the child's limit counts from what it starts with."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 # --- reading the requests --------------------------------------------------------------------------------
@@ -227,7 +330,6 @@ class _Model:
 
     model_config: Any  # vLLM's ModelConfig: the context, the model's generation defaults
     tokenizer: Any
-    lock: threading.Lock  # one per tokenizer: dry runs of one model take turns with it
 
     @property
     def llm_engine(self) -> _Model:
@@ -239,10 +341,6 @@ class _Model:
     @property
     def context_length(self) -> int:
         return self.model_config.max_model_len
-
-
-_tokenizer_locks: dict[int, threading.Lock] = {}
-_tokenizer_locks_guard = threading.Lock()
 
 
 def _model_of(model_config: BatchCompletionsModelConfig) -> _Model:
@@ -270,9 +368,7 @@ def _model_of(model_config: BatchCompletionsModelConfig) -> _Model:
         if "max_model_len" in str(exc) and (model_config.max_model_len or model_config.max_context_length):
             failing = "model_config.max_model_len" if model_config.max_model_len else "model_config.max_context_length"
         raise UnservableRequest([(failing, f"the model cannot be read here: {_short(exc)}")]) from None
-    with _tokenizer_locks_guard:
-        lock = _tokenizer_locks.setdefault(id(tokenizer), threading.Lock())  # vLLM keeps its tokenizers
-    return _Model(engine_config, tokenizer, lock)
+    return _Model(engine_config, tokenizer)
 
 
 @functools.lru_cache(maxsize=32)  # per process; vLLM caches the tokenizers itself

@@ -78,6 +78,12 @@ class Settings(_EnvironmentSettings):
         100_000, description="Most requests in an OpenAI batch's input file (OpenAI's limit is 50,000)"
     )
     max_concurrent_dry_runs: int = Field(2, ge=0, description="Dry runs an API process runs at once; more get 429")
+    dry_run_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a dry run may take to read, render and tokenize its requests; then a 422"
+    )
+    dry_run_memory_mb: int = Field(
+        2048, ge=64, description="Memory a dry run's checking process may add, in MiB (a chat template's strings too)"
+    )
     model_catalog: str = Field("", description="A YAML file mapping an OpenAI batch's `model` names to model configs")
     # What a request may ask for
     allowed_protocols: str = Field(

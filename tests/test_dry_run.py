@@ -228,3 +228,41 @@ def test_a_checkpoint_on_an_object_store_is_read_for_its_tokenizer_and_config_on
     assert answer["context_length"] == CONTEXT
     fetched = sorted(path.name for path in (tmp_path / "cache").rglob("*") if path.is_file())
     assert "model.safetensors" not in fetched and "tokenizer.json" in fetched  # no weights for a dry run
+
+
+# A chat template is the request's own Jinja: these would hold the API process's memory or a thread for as
+# long as they ran, had the dry run rendered them there.
+TEMPLATE_OF_GIGABYTES = (
+    "{% set s = 'a' * 2000000000 %}{{ s | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+TEMPLATE_WITHOUT_END = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+
+
+def _chat(template: str) -> dict:
+    return {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "chat_template": template}
+
+
+def test_a_chat_template_building_gigabytes_is_stopped_at_the_dry_runs_memory_and_refused_by_its_index(
+    deployment_factory, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("BATCH_PIPELINE_DRY_RUN_MEMORY_MB", "512")
+    api = deployment_factory()
+    answer = _dry_run(api, _body(tmp_path, [_chat("{{ messages[0].content }}"), _chat(TEMPLATE_OF_GIGABYTES)]))
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["num_requests"] == 2 and body["num_cannot_run"] == 1
+    (refused,) = body["cannot_run"]
+    assert refused["index"] == 1 and refused["message"].startswith("chat_template: MemoryError")
+    _nothing_stored(api)
+
+
+def test_a_chat_template_that_does_not_end_stops_the_dry_run_at_its_time_limit(
+    deployment_factory, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("BATCH_PIPELINE_DRY_RUN_TIMEOUT_S", "5")
+    api = deployment_factory()
+    answer = _dry_run(api, _body(tmp_path, [_chat(TEMPLATE_WITHOUT_END)]))
+    assert answer.status_code == 422, answer.text
+    assert "the dry run was stopped after 5 s" in answer.text and "content" in answer.text
+    # Its slot is free again, and the next dry run is answered.
+    assert _dry_run(api, _body(tmp_path, [_chat("{{ messages[0].content }}")])).status_code == 200

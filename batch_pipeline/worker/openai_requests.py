@@ -357,7 +357,7 @@ class ChatRequests(_OpenAIRequests):
                 **(request.chat_template_kwargs or {}),
             )
         except Exception as exc:  # a template that does not render is this request's problem only
-            raise RequestRefused("invalid_request", "chat_template", str(exc)) from None
+            raise RequestRefused("invalid_request", "chat_template", str(exc) or type(exc).__name__) from None
 
     def output(self, item: WorkItem, results: list[Any]) -> dict[str, Any]:
         request = FilteredChatCompletionV2Request.model_validate(item.request)
