@@ -245,7 +245,7 @@ class _Recorder:
 def _count(
     request: CreateBatchCompletionsV2Request, model: _Model, records: Iterator[tuple[str, Any]], source: str
 ) -> _Counts:
-    # The worker's handlers import vLLM: loaded on the first dry run, not when the API starts.
+    # The worker's handlers import vLLM: in the dry run's child (its forkserver), never in the API process.
     from batch_pipeline.worker.handlers import RequestHandler, RequestRefused
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
     from batch_pipeline.worker.v1_requests import V1Requests
