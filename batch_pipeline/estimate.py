@@ -91,9 +91,10 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
 
 def _counted_apart(request: CreateBatchCompletionsV2Request) -> tuple[_Counts, int]:
     """The request's counts and the model's context, from a child process that may add at most
-    BATCH_PIPELINE_DRY_RUN_MEMORY_MB to what it starts with and is stopped after BATCH_PIPELINE_DRY_RUN_TIMEOUT_S."""
+    BATCH_PIPELINE_DRY_RUN_MEMORY_MB to what it starts with and is stopped after
+    BATCH_PIPELINE_DRY_RUN_TIMEOUT_S."""
     configured = settings()
-    source = "content" if request.content is not None else "input_data_path"
+    source = _source_field(request)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_CHILD_PRELOAD)  # no effect once this process's forkserver runs
     receiving, sending = context.Pipe(duplex=False)
@@ -158,10 +159,10 @@ def _count_in_child(
     resource.setrlimit(resource.RLIMIT_AS, (_address_space() + memory_bytes,) * 2)
     cpu_s = int(timeout_s) + 5  # the parent stops it first; this holds should the parent be gone
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    source = "content" if request.content is not None else "input_data_path"
+    source = _source_field(request)
     try:
         model = _model_of(request.model_cfg)
-        records, source = _records(request)
+        records = _records(request)
         outcome: tuple[Any, ...] = ("counted", _count(request, model, records, source), model.context_length)
     except UnservableRequest as exc:
         outcome = ("unservable", exc.refused)
@@ -185,19 +186,24 @@ def _address_space() -> int:
 # --- reading the requests --------------------------------------------------------------------------------
 
 
-def _records(request: CreateBatchCompletionsV2Request) -> tuple[Iterator[tuple[str, Any]], str]:
-    """The raw records as the job's plan_shards step reads them, and the field they come from."""
+def _source_field(request: CreateBatchCompletionsV2Request) -> str:
+    """The field the request's records come from."""
+    return "content" if request.content is not None else "input_data_path"
+
+
+def _records(request: CreateBatchCompletionsV2Request) -> Iterator[tuple[str, Any]]:
+    """The raw records as the job's plan_shards step reads them."""
     if request.content is None:
         path = request.input_data_path
         assert path is not None  # the request's validator requires content or input_data_path
         if not _exists(path):
             raise UnservableRequest([("input_data_path", f"no file at {path}")])
-        return io.iter_json_records(path), "input_data_path"
+        return io.iter_json_records(path)
     # As written to content.json at submission and read back from there.
     content = _CONTENT.dump_python(request.content, mode="json", by_alias=True, exclude_none=True)
     if isinstance(content, dict):
-        return iter([("content", content)]), "content"
-    return ((f"content.{position}", record) for position, record in enumerate(content)), "content"
+        return iter([("content", content)])
+    return ((f"content.{position}", record) for position, record in enumerate(content))
 
 
 def _exists(path: str) -> bool:
