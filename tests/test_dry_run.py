@@ -13,6 +13,9 @@ from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL, step_failure_messages
 from tests.test_s3 import s3 as s3  # the moto S3 server fixture
 
+# Each dry run checks its requests in a child process that imports vLLM (~10 s a test here).
+pytestmark = pytest.mark.slow
+
 ALICE = {"x-api-key": USER_KEY}
 BOB = {"x-api-key": OTHER_KEY}
 CONTEXT = 8192  # SmolLM2-135M's max_position_embeddings
@@ -107,7 +110,6 @@ def test_a_dry_run_with_no_history_says_so(deployment_factory, tmp_path):
     )
 
 
-@pytest.mark.slow
 def test_a_dry_run_after_a_completed_job_estimates_from_its_throughput(deployment_factory, tmp_path):
     api = deployment_factory()
     content = {"prompts": ["Once upon a time", "The capital of France is"], "max_new_tokens": 24, "temperature": 0.0}

@@ -328,6 +328,7 @@ def test_a_batch_past_its_window_reads_expired_and_its_unreached_requests_say_so
     assert unreached["error"]["code"] == "batch_expired"
 
 
+@pytest.mark.slow  # its checking process imports vLLM
 def test_a_dry_run_of_a_batch_checks_and_tokenizes_its_file_and_creates_nothing(deployment, tokenizer):
     client = deployment.client
     lines = [_line("a", "The capital of France is"), _line("b", "word " * 9000), _line("c", "Count to three.")]
