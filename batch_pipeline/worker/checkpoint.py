@@ -35,6 +35,7 @@ class Checkpoint:
     def __init__(self, results_path: str) -> None:
         self.remote = None if io.is_local(results_path) else results_path
         self.local = results_path
+        self._upload_every_s = settings().checkpoint_upload_s  # read once: upload_if_due runs every engine step
         self._last_upload = time.monotonic()
         if self.remote is not None:
             self.local = os.path.join(tempfile.mkdtemp(prefix="batch-pipeline-shard-"), "results.tsv")
@@ -69,7 +70,7 @@ class Checkpoint:
                     yield index, json.loads(payload)
 
     def upload_if_due(self) -> None:
-        if self.remote is not None and time.monotonic() - self._last_upload >= settings().checkpoint_upload_s:
+        if self.remote is not None and time.monotonic() - self._last_upload >= self._upload_every_s:
             self.upload()
 
     def upload(self) -> None:
