@@ -1,6 +1,9 @@
 """`make serve`: the API, the Dagster webserver and the Dagster daemon, stopped together on Ctrl-C.
 
 python -m batch_pipeline.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
+
+The Dagster UI listens on loopback whatever `--host` says: it has no login, and whoever reaches it can
+launch and terminate any run. Reach it from elsewhere through an SSH tunnel or an authenticating proxy.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from batch_pipeline.settings import SettingsError, settings
 
 REPO = Path(__file__).resolve().parents[1]
+# The Dagster UI's address: loopback only (see the module docstring).
+DAGSTER_UI_HOST = "127.0.0.1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             "-w",
             args.workspace,
             "-h",
-            args.host,
+            DAGSTER_UI_HOST,
             "-p",
             str(args.dagster_port),
         ],
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     processes = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands.items()}
     print(
-        f"API on http://{args.host}:{args.port}  Dagster UI on http://{args.host}:{args.dagster_port}  "
+        f"API on http://{args.host}:{args.port}  Dagster UI on http://{DAGSTER_UI_HOST}:{args.dagster_port}  "
         f"(DAGSTER_HOME={os.environ['DAGSTER_HOME']}); Ctrl-C stops all",
         flush=True,
     )

@@ -65,3 +65,34 @@ def test_launchpad_fields_carry_the_spec_descriptions():
     }
     assert "Maximum runtime of the batch inference in seconds. Default to one day." in descriptions
     assert "Random seed for the model." in descriptions
+
+
+@pytest.mark.parametrize(
+    ("resource", "field", "value"),
+    [
+        # What an anonymous launchRun used to set: the worker's environment and executable (a shell as the
+        # service's user), another work dir, another job store.
+        ("shard_launcher", "env", {"PYTHONSTARTUP": "/tmp/evil.py"}),
+        ("shard_launcher", "python_executable", "/bin/sh"),
+        ("job_storage", "work_dir_base", "/tmp/elsewhere"),
+        ("job_store", "url", "sqlite:////tmp/other.db"),
+    ],
+)
+@pytest.mark.parametrize("job_name", ["batch_completions", "keep_partial_results"])
+def test_no_run_config_reconfigures_a_resource(job_name, resource, field, value):
+    job = defs.get_job_def(job_name)
+    if resource not in job.resource_defs:
+        pytest.skip(f"{job_name} has no {resource}")
+    config = {"resources": {resource: {"config": {field: value}}}}
+    if job_name == "batch_completions":
+        request = CreateBatchCompletionsV2Request.model_validate(REQUEST)
+        config |= run_config_for(request)
+    with pytest.raises(dg.DagsterInvalidConfigError, match=rf'unexpected config entry "{field}".*resources:{resource}'):
+        dg.validate_run_config(job, config)
+
+
+def test_resources_are_the_deployments():
+    """The launchpad shows no resource config to edit, and the job's resources are what the settings built."""
+    job = batch_completions_job()
+    for name in ("shard_launcher", "job_storage", "job_store"):
+        assert job.resource_defs[name].config_schema.as_field().config_type.fields == {}, name

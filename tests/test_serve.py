@@ -49,6 +49,21 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The IPv4 and IPv6 addresses a socket listens on at `port` on this machine (/proc/net/tcp*)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in rows.readlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(address)
+                    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]  # little-endian 32-bit words
+                    found.add(socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words)))
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as status:
@@ -72,6 +87,8 @@ class Served:
                 sys.executable,
                 "-m",
                 "batch_pipeline.serve",
+                "--host",  # the API on every address; the Dagster UI must keep to loopback all the same
+                "0.0.0.0",
                 "--port",
                 str(self.api_port),
                 "--dagster-port",
@@ -138,9 +155,12 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the_api(served, tmp_path):
-    from dagster_graphql import DagsterGraphQLClient
+    from dagster_graphql import DagsterGraphQLClient, DagsterGraphQLClientError
 
     served.wait_until_up()
+    # `--host 0.0.0.0` moved the API; the UI, which has no login, stays on loopback.
+    assert _listening_addresses(served.api_port) == {"0.0.0.0"}
+    assert _listening_addresses(served.dagster_port) == {"127.0.0.1"}
     (served.home / ".nux").mkdir()  # the community sign-up modal was dismissed once ("Skip"), as users do
     (served.home / ".nux" / "nux.yaml").write_text("seen: 1\n")
     content = {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0}
@@ -153,6 +173,16 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
     job_id = httpx.post(f"{served.api}/v2/batch-completions", json=body, timeout=30).json()["job_id"]
     # What the launchpad's "Launch run" sends: the webserver's GraphQL mutation with the request as config.
     graphql = DagsterGraphQLClient("127.0.0.1", port_number=served.dagster_port)
+    # A launch that reconfigures a resource (the worker's environment: a shell as the service's user) is
+    # refused before any run is made, naming the field.
+    with pytest.raises(DagsterGraphQLClientError, match=r'(?s)RunConfigValidationInvalid.*unexpected config entry "env"'):
+        graphql.submit_job_execution(
+            "batch_completions",
+            run_config={
+                "ops": {"validate_input": {"config": {**body, "output_data_path": str(tmp_path / "evil.json")}}},
+                "resources": {"shard_launcher": {"config": {"env": {"PYTHONSTARTUP": str(tmp_path / "evil.py")}}}},
+            },
+        )
     launchpad_run = graphql.submit_job_execution(
         "batch_completions",
         run_config={"ops": {"validate_input": {"config": {**body, "output_data_path": str(tmp_path / "ui.json")}}}},

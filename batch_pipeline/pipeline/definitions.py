@@ -11,7 +11,7 @@ from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, deployment_resource
 from batch_pipeline.pipeline.schedules import schedules_from_environment
 from batch_pipeline.pipeline.sensors import (
     batch_jobs_sensor,
@@ -69,10 +69,11 @@ defs = dg.Definitions(
     jobs=[batch_completions, keep_partial_results],
     sensors=[batch_jobs_sensor, record_succeeded_runs, record_stopped_runs, record_failed_runs],
     schedules=schedules_from_environment(),
+    # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={
-        "job_store": JobStoreResource(url=_loaded_with.jobs_db),
-        "shard_launcher": shard_launcher_from_environment(),
-        "job_storage": JobStorage(work_dir_base=_loaded_with.work_dir),
+        "job_store": deployment_resource(JobStoreResource(url=_loaded_with.jobs_db)),
+        "shard_launcher": deployment_resource(shard_launcher_from_environment()),
+        "job_storage": deployment_resource(JobStorage(work_dir_base=_loaded_with.work_dir)),
     },
     executor=local_executor,
 )

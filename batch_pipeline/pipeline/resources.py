@@ -1,4 +1,5 @@
-"""The resources every op of a job shares: the job store, and where a job's work files live."""
+"""The resources every op of a job shares: the job store, where a job's work files live, the shard launcher;
+each fixed by the deployment (`deployment_resource`), never by a run's config."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ from pydantic import Field
 
 from batch_pipeline import io
 from batch_pipeline.jobs_store import JobStore
+
+
+def deployment_resource(resource: dg.ConfigurableResource) -> dg.ResourceDefinition:
+    """`resource` exactly as the deployment built it. A ConfigurableResource's fields are defaults that any
+    run's config may override (`resources: {shard_launcher: {config: {env: ...}}}`): from the launchpad or
+    GraphQL that set the worker's environment, its Python, the work dir and the job store. This definition
+    takes no config at all, so Dagster refuses such a launch before any step runs, naming the field."""
+    return dg.ResourceDefinition(
+        resource_fn=lambda _: resource,
+        config_schema={},
+        description=f"{type(resource).__name__}: {type(resource).__doc__ or ''}".strip().split("\n")[0],
+    )
 
 
 class JobStorage(dg.ConfigurableResource):
