@@ -29,10 +29,12 @@ def shard_model_config(model_config: dict) -> dict:
     return {**model_config, "trust_remote_code": trusted}
 
 
-def refusals(request: CreateBatchCompletionsV2Request, own_dir: str | None = None) -> list[tuple[str, str]]:
-    """`(field, why)` for each part of the request this deployment cannot honour (`own_dir`: the job's work
-    dir, see request_path_refusals)."""
-    found = request_path_refusals(request, own_dir)
+def refusals(
+    request: CreateBatchCompletionsV2Request, owner: str | None, own_dir: str | None = None
+) -> list[tuple[str, str]]:
+    """`(field, why)` for each part of `owner`'s request this deployment cannot honour (`own_dir`: the job's
+    work dir, see request_path_refusals)."""
+    found = request_path_refusals(request, owner, own_dir)
     if request.model_cfg.trust_remote_code and not remote_code_allowed():
         found.append(
             (

@@ -10,12 +10,16 @@ Model paths (`model`, `tokenizer`, `checkpoint_path`) are opened by vLLM and tra
 unless they are URLs. Such a value is a catalog name, a Hugging Face id (`name` or `org/name` in the hub's
 grammar, and no directory of that name here), a URL (held to the protocols above), or else a local path:
 absolute, `./`, `../`, `~`, or anything else that is not an id.
+
+With a tenants file (`batch_pipeline/tenants.py`) the roots are the requesting team's: its local
+directories and its bucket prefixes, and nothing else; an admin's (or an operator's launchpad run's) are
+every team's and the data roots above.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import fsspec
@@ -25,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from batch_pipeline import io
 from batch_pipeline.models import CATALOG
 from batch_pipeline.settings import settings
+from batch_pipeline.tenants import TEAM_OWNER_PREFIX, DataRoots, tenants
 
 # fsspec's names for the local filesystem ("file", "local"): allowing one allows both.
 LOCAL_PROTOCOLS = LocalFileSystem.protocol
@@ -39,8 +44,12 @@ def metadata_path(output_data_path: str) -> str:
 @dataclass(frozen=True)
 class PathPolicy:
     protocols: frozenset[str]
-    # Empty: any local path (a single-user machine); else local paths must lie inside one of them.
+    # Empty: any local path (a single-user machine, unless `confined`); else local paths lie inside one.
     roots: tuple[Path, ...]
+    # (protocol, `bucket/prefix/`) a remote path must lie under; None: any bucket of an allowed protocol.
+    remote_roots: tuple[tuple[str, str], ...] | None = None
+    # A team's policy: no roots means no paths at all.
+    confined: bool = False
 
     @classmethod
     def from_environment(cls) -> PathPolicy:
@@ -51,13 +60,29 @@ class PathPolicy:
         roots = tuple(Path(root).resolve() for root in configured.data_roots.split(os.pathsep) if root)
         return cls(frozenset(protocols), roots)
 
+    @classmethod
+    def for_owner(cls, owner: str | None) -> PathPolicy:
+        """The policy for the paths of a job `owner` makes: its team's roots when there is a tenants file."""
+        policy = cls.from_environment()
+        registry = tenants()
+        if registry is None or owner is None:
+            return policy
+        team = registry.team_of_owner(owner)
+        if team is not None:
+            roots = team.roots
+        elif owner.startswith(TEAM_OWNER_PREFIX):  # a team no longer in the file: nowhere
+            roots = DataRoots((), ())
+        else:  # admins and operators (launchpad runs, schedules)
+            roots = registry.all_roots() | DataRoots(policy.roots, ())
+        return replace(policy, roots=roots.local, remote_roots=roots.remote, confined=True)
+
     def data_path_refusal(self, path: str) -> str | None:
         """Why fsspec must not open `path` for this request, or None."""
         if why := _unreadable(path) or self._url_refusal(path):
             return why
         if not io.is_local(path):
-            return None if _bucket_and_key(path)[1] else "a remote path names a file (s3://bucket/key)"
-        if not self.roots:
+            return self._remote_refusal(path)
+        if not self.roots and not self.confined:
             return None
         # The relative or ~ form is judged before fsspec makes it absolute against this process's directory,
         # which need not be the directory of the step process that opens it.
@@ -79,9 +104,20 @@ class PathPolicy:
             return None
         if "file" not in self.protocols:
             return "local paths are not served here"
-        if not self.roots:
+        if not self.roots and not self.confined:
             return None
         return self._local_refusal(written=name, resolved=name)
+
+    def _remote_refusal(self, path: str) -> str | None:
+        bucket, key = _bucket_and_key(path)
+        if not key:
+            return "a remote path names a file (s3://bucket/key)"
+        if self.remote_roots is None:
+            return None
+        inside = DataRoots((), self.remote_roots).holds_remote(_protocol(path), f"{bucket}/{key}")
+        if not inside or ".." in key.split("/"):
+            return "outside the bucket prefixes of your team's data roots"
+        return None
 
     def _url_refusal(self, path: str) -> str | None:
         if "::" in path:
@@ -106,15 +142,16 @@ class PathPolicy:
             )
         real = Path(resolved).resolve()
         if not any(real.is_relative_to(root) for root in self.roots):
-            return "outside the data roots this server may read and write (after .. and symlinks)"
+            whose = "your team's data roots" if self.confined else "the data roots this server may read and write"
+            return f"outside {whose} (after .. and symlinks)"
         return None
 
 
-def request_path_refusals(request, own_dir: str | None = None) -> list[tuple[str, str]]:
-    """`(field, why)` for each path a request names that the policy refuses. `own_dir` is the job's own work
-    dir: the service may place a job's files there (an OpenAI batch's output), outside the data roots, and no
-    requester can name it (a job's id is made after its request is sent)."""
-    policy = PathPolicy.from_environment()
+def request_path_refusals(request, owner: str | None, own_dir: str | None = None) -> list[tuple[str, str]]:
+    """`(field, why)` for each path a request of `owner`'s names that the policy refuses. `own_dir` is the
+    job's own work dir: the service may place a job's files there (an OpenAI batch's output), outside the
+    data roots, and no requester can name it (a job's id is made after its request is sent)."""
+    policy = PathPolicy.for_owner(owner)
     found = []
     data_paths = [("input_data_path", request.input_data_path), ("output_data_path", request.output_data_path)]
     for field, path in data_paths:

@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.settings import SettingsError, settings
+from batch_pipeline.tenants import TenantsFileError
 
 REPO = Path(__file__).resolve().parents[1]
 # The Dagster UI's address: loopback only (see the module docstring).
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workspace", default=str(REPO / "workspace.yaml"))
     args = parser.parse_args(argv)
     os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
+    try:
+        secure_service_paths()
+    except TenantsFileError as exc:
+        parser.error(str(exc))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     _create_storage()
     bin_dir = Path(sys.executable).parent

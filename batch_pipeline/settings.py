@@ -63,8 +63,14 @@ class Settings(_EnvironmentSettings):
         "", description="API keys, comma-separated; `KEY:admin` marks an admin key (no keys at all: the API is open)"
     )
     api_keys_file: str = Field("", description="A file of more API keys, one per line")
+    tenants: str = Field(
+        "",
+        description="A YAML file of the teams sharing the deployment: each team's key digests and data roots, "
+        "and the admins' (set: it replaces the two key variables above)",
+    )
     host: str = Field(
-        "127.0.0.1", description="`python -m batch_pipeline.serve`: the address the API and the Dagster UI listen on"
+        "127.0.0.1",
+        description="`python -m batch_pipeline.serve`: the address the API listens on (the UI keeps to loopback)",
     )
     port: int = Field(8000, description="`python -m batch_pipeline.serve`: the API's port")
     max_body_bytes: int = Field(64 * 2**20, description="Largest request body, in bytes (64 MiB); larger ones get 413")

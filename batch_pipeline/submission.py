@@ -68,11 +68,12 @@ def from_v1(body: CreateBatchCompletionsV1Request) -> CreateBatchCompletionsV2Re
     )
 
 
-def check_servable(request: CreateBatchCompletionsV2Request, own_dir: str | None = None) -> None:
+def check_servable(request: CreateBatchCompletionsV2Request, owner: str | None, own_dir: str | None = None) -> None:
     """Raise InvalidPriority or UnservableRequest, naming the field, for what this deployment cannot run
-    (`own_dir`: the job's work dir, where the service may place the job's own files)."""
+    for `owner` (its team's data roots; `own_dir`: the job's work dir, where the service may place the
+    job's own files)."""
     run_priority(request.priority)
-    if refused := refusals(request, own_dir):
+    if refused := refusals(request, owner, own_dir):
         raise UnservableRequest(refused)
 
 
@@ -93,7 +94,7 @@ def submit(
     (`failure_reason`). Returns the record and whether it was created."""
     job_id = job_id or NewJob.new_id()
     if failure_reason is None:
-        check_servable(request, own_dir=work_dir_of(job_id))
+        check_servable(request, owner, own_dir=work_dir_of(job_id))
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     content_path = getattr(request, "content_path", None)

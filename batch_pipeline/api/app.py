@@ -38,6 +38,7 @@ from batch_pipeline.contract import (
 from batch_pipeline.estimate import DryRunsBusy
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.priority import InvalidPriority
 from batch_pipeline.settings import settings
 from batch_pipeline.submission import from_v1
@@ -196,6 +197,7 @@ def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
 
 def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = None) -> FastAPI:
     configured = settings()  # a mistyped variable fails the deployment, not the requests that read it
+    secure_service_paths()  # so does a wrong tenants file, or a service path inside a team's roots
     if service is None:
         service = BatchJobService(JobStore(), dg.DagsterInstance.get(), JobStorage(work_dir_base=configured.work_dir))
     app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")

@@ -1,9 +1,12 @@
-"""API keys: from BATCH_PIPELINE_API_KEYS (comma-separated) or BATCH_PIPELINE_API_KEYS_FILE (one per line).
+"""Who is calling: a team of the tenants file (BATCH_PIPELINE_TENANTS), or else one of the keys of
+BATCH_PIPELINE_API_KEYS (comma-separated) or BATCH_PIPELINE_API_KEYS_FILE (one per line).
 
-An entry is `KEY` or `KEY:admin`. Clients send the key as `x-api-key`, as the user name of HTTP basic
-auth (Scale's llmengine SDK sends both), or as a bearer token (`Authorization: Bearer KEY`, the `openai`
-SDK's way). With no key configured the API is open: every caller is the
-same admin user, and a warning says so at start-up.
+With a tenants file, every key of a team acts for the team, and admin keys for everyone. Without one, an
+entry is `KEY` or `KEY:admin`, and each key owns its jobs. A key may hold any character (`a:b` is the key
+`a:b`; only a final `:admin` is read as the role). Clients send the key as `x-api-key`, as the user name
+of HTTP basic auth (Scale's llmengine SDK sends both), or as a bearer token (`Authorization: Bearer KEY`,
+the `openai` SDK's way). With no key configured the API is open: every caller is the same admin user,
+and a warning says so at start-up.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from dataclasses import dataclass
 from fastapi import HTTPException, Request
 
 from batch_pipeline.settings import settings
+from batch_pipeline.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants, tenants
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Caller:
-    owner: str  # a digest of the key: jobs are owned by keys, and keys are never stored
+    owner: str  # whom the caller's jobs belong to: its team, or a digest of its key (keys are never stored)
     is_admin: bool
 
 
@@ -31,17 +35,23 @@ OPEN_ACCESS = Caller(owner="anonymous", is_admin=True)
 
 
 class ApiKeys:
-    def __init__(self, entries: list[str]) -> None:
+    def __init__(self, entries: list[str], registry: Tenants | None = None) -> None:
+        self._tenants = registry
         self._keys: dict[str, bool] = {}
         for entry in entries:
             entry = entry.strip()
             if not entry or entry.startswith("#"):
                 continue
-            key, _, role = entry.partition(":")
-            self._keys[key] = role.strip() == "admin"
+            key, admin = (entry.removesuffix(":admin"), True) if entry.endswith(":admin") else (entry, False)
+            self._keys[key] = admin
 
     @classmethod
     def from_environment(cls) -> ApiKeys:
+        registry = tenants()
+        if registry is not None:
+            if not registry.has_keys():
+                logger.warning("the tenants file %s lists no API key: no one can call the API", registry.source)
+            return cls([], registry)
         configured = settings()
         entries = configured.api_keys.split(",")
         if configured.api_keys_file:
@@ -50,33 +60,55 @@ class ApiKeys:
         keys = cls(entries)
         if not keys._keys:
             logger.warning("no API keys configured: the API is open to anyone who can reach it")
+        else:
+            logger.warning("no tenants file (BATCH_PIPELINE_TENANTS): every key's requests share the same data roots")
         return keys
 
     def authenticate(self, request: Request) -> Caller:
-        if not self._keys:
+        if self._tenants is None and not self._keys:
             return OPEN_ACCESS
-        authorization = request.headers.get("authorization")
-        presented = request.headers.get("x-api-key") or _basic_auth_user(authorization) or _bearer(authorization)
-        if presented:
-            for key, is_admin in self._keys.items():
-                if hmac.compare_digest(key.encode(), presented.encode()):
-                    return Caller(owner=hashlib.sha256(key.encode()).hexdigest()[:24], is_admin=is_admin)
+        if (presented := presented_key(request)) and (caller := self._identify(presented)) is not None:
+            return caller
         raise HTTPException(
             status_code=401, detail="a valid API key is required", headers={"WWW-Authenticate": "Basic"}
         )
 
+    def _identify(self, presented: bytes) -> Caller | None:
+        if self._tenants is not None:
+            found = self._tenants.identify(presented)
+            if found is None:
+                return None
+            team, is_admin = found
+            return Caller(owner=ADMINS_OWNER if is_admin else TEAM_OWNER_PREFIX + str(team), is_admin=is_admin)
+        for key, is_admin in self._keys.items():
+            if hmac.compare_digest(key.encode(), presented):
+                return Caller(owner=hashlib.sha256(key.encode()).hexdigest()[:24], is_admin=is_admin)
+        return None
 
-def _basic_auth_user(header: str | None) -> str | None:
+
+def presented_key(request: Request) -> bytes | None:
+    """The key's bytes as the client sent them: a header's value is its bytes (Starlette decoded them as
+    Latin-1), and basic auth's user its base64-decoded bytes, so a key of any characters compares whole."""
+    authorization = request.headers.get("authorization")
+    header = request.headers.get("x-api-key")
+    if header:
+        return header.encode("latin-1")
+    return _basic_auth_user(authorization) or _bearer(authorization)
+
+
+def _basic_auth_user(header: str | None) -> bytes | None:
     if not header or not header.lower().startswith("basic "):
         return None
     try:
-        decoded = base64.b64decode(header[6:]).decode()
-    except (ValueError, UnicodeDecodeError):
+        decoded = base64.b64decode(header[6:], validate=True)
+    except ValueError:
         return None
-    return decoded.partition(":")[0] or None
+    # The SDKs send the key as the user with an empty password (`KEY:`); a key may hold colons itself.
+    user = decoded[:-1] if decoded.endswith(b":") else decoded.partition(b":")[0]
+    return user or None
 
 
-def _bearer(header: str | None) -> str | None:
+def _bearer(header: str | None) -> bytes | None:
     if not header or not header.lower().startswith("bearer "):
         return None
-    return header[7:].strip() or None
+    return header[7:].strip().encode("latin-1") or None

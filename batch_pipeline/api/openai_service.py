@@ -155,7 +155,7 @@ class OpenAIBatchService:
         request = None
         if not errors:
             try:
-                request = _job_request(checked, body, work_dir, dry_run=False)
+                request = _job_request(checked, body, work_dir, caller.owner, dry_run=False)
             except (ValidationError, ValueError, OSError) as exc:
                 errors = _model_errors(exc)
                 request = None
@@ -212,7 +212,7 @@ class OpenAIBatchService:
                     f"the input file does not validate ({len(checked.errors) + checked.more_errors} errors): {shown}",
                 )
             try:
-                request = _job_request(checked, body, work_dir, dry_run=True)
+                request = _job_request(checked, body, work_dir, caller.owner, dry_run=True)
                 history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
                 return estimate(request, history)
             except (ValidationError, UnservableRequest, OSError) as exc:
@@ -281,7 +281,7 @@ class OpenAIBatchService:
 
 
 def _job_request(
-    checked: CheckedInput, body: CreateBatchRequest, work_dir: str, dry_run: bool
+    checked: CheckedInput, body: CreateBatchRequest, work_dir: str, owner: str, dry_run: bool
 ) -> CreateBatchCompletionsV2Request:
     """The job request of a batch whose input checked clean, its content and output in the job's work dir;
     raises what makes its model unservable. A dry run reads the content as an input file (no job names it
@@ -300,7 +300,7 @@ def _job_request(
         if dry_run
         else StoredRequest(content_path=content, **fields)
     )
-    check_servable(request, own_dir=work_dir)
+    check_servable(request, owner, own_dir=work_dir)
     return request
 
 

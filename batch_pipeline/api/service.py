@@ -83,7 +83,7 @@ class BatchJobService:
     def estimate(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> BatchCompletionsEstimate:
         """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
         submission may not read is read; then the request read and tokenized; no job, no file."""
-        check_servable(request)
+        check_servable(request, caller.owner)
         return estimate(request, self.store.completed_figures(request.model_cfg.model, HISTORY_JOBS))
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:

@@ -19,6 +19,7 @@ from batch_pipeline.pipeline.sensors import (
     record_stopped_runs,
     record_succeeded_runs,
 )
+from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.settings import settings
 
 # Dagster's own uses of its beta and preview features, warned about in every step process: it copies each
@@ -50,6 +51,8 @@ def shard_launcher_from_environment() -> ShardLauncher:
 
 # Read before anything is built from them: a mistyped variable stops the code location from loading, naming it.
 _loaded_with = settings()
+# The same for the tenants file; and the instance's files are made private before a run writes any.
+secure_service_paths()
 
 # Step processes fork from a server that has imported this module and the instance's storage once per run
 # (step_server), instead of each being a fresh Python that imports them again: ~2.3 s -> ~0.2 s per step,

@@ -91,8 +91,13 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
     except ValidationError as exc:
         raise dg.Failure(f"invalid request: {describe_validation_error(exc)}") from None
     job_id = tagged_job_id(context.instance, context.run)
+    store = job_store.get_store()
+    record = store.get(job_id) if job_id is not None else None
+    # Held to the paths of the team whose job it is, again now that the run starts (the tenants file may
+    # have changed since); a run from the launchpad is an operator's.
+    owner = record.owner if record is not None else DAGSTER_OWNER
     try:
-        check_servable(request, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
+        check_servable(request, owner, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
     except UnservableRequest as exc:
         raise dg.Failure(str(exc)) from None
     except InvalidPriority as exc:
@@ -103,9 +108,7 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
         io.check_writable(request.output_data_path)
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
-    store = job_store.get_store()
     if request.content_path is not None:
-        record = store.get(job_id) if job_id is not None else None
         # Only the submission path names a content file: the one it wrote for this job.
         if record is None or record.content_path != request.content_path:
             raise dg.Failure(

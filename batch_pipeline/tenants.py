@@ -1,0 +1,266 @@
+"""The teams sharing a deployment: the tenants file named by BATCH_PIPELINE_TENANTS.
+
+```yaml
+tenants:
+  team-a:
+    api_keys_sha256: ["<hex sha256 of a key>"]   # keys are never stored in clear
+    data_roots: ["/srv/batch/team-a", "s3://team-a-data/batch/"]
+admins:
+  api_keys_sha256: ["..."]
+```
+
+Every key of a team acts for the team: it sees the team's jobs, files and batches, and the paths its
+requests name must lie inside the team's data roots. Admin keys see every team's. The file is read once
+a process starts to serve and checked whole; a mistake is named with its line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from fsspec.core import split_protocol
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+
+from batch_pipeline.settings import settings
+
+# A team's name is a DNS label, so that it can name a Kubernetes object or a Kueue queue as it is.
+TenantName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
+KeyDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", to_lower=True)]
+# Owners of jobs made by a team's keys and by admin keys. Without a tenants file each key owns its jobs
+# (its digest's first 24 hex digits); a team's prefix cannot be mistaken for one.
+TEAM_OWNER_PREFIX = "team:"
+ADMINS_OWNER = "admins"
+
+
+class TenantsFileError(ValueError):
+    """A tenants file this service cannot use; the message names the file, the line and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantConfig(_Strict):
+    api_keys_sha256: list[KeyDigest] = Field(default_factory=list)
+    data_roots: list[str] = Field(default_factory=list)
+
+    @field_validator("data_roots")
+    @classmethod
+    def _roots_are_absolute_or_urls(cls, roots: list[str]) -> list[str]:
+        for root in roots:
+            protocol = split_protocol(root)[0]
+            if "::" in root or "\x00" in root:
+                raise ValueError(f"{root!r}: a data root is one directory or one bucket prefix")
+            if protocol is None and not os.path.isabs(root):
+                raise ValueError(f"{root!r}: a local data root must be an absolute path")
+            if protocol is not None and not split_protocol(root)[1].strip("/"):
+                raise ValueError(f"{root!r}: a remote data root names at least its bucket")
+        return roots
+
+
+class AdminsConfig(_Strict):
+    api_keys_sha256: list[KeyDigest] = Field(default_factory=list)
+
+
+class TenantsFile(_Strict):
+    tenants: dict[TenantName, TenantConfig]
+    admins: AdminsConfig = Field(default_factory=AdminsConfig)
+
+
+@dataclass(frozen=True)
+class DataRoots:
+    """Where a team's paths may lie: local directories (resolved once, when the file is read) and remote
+    prefixes (`protocol`, `bucket/prefix/`)."""
+
+    local: tuple[Path, ...]
+    remote: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, roots: list[str] | tuple[str, ...]) -> DataRoots:
+        local, remote = [], []
+        for root in roots:
+            protocol, rest = split_protocol(root)
+            if protocol is None or protocol in ("file", "local"):
+                local.append(Path(rest).resolve())
+            else:
+                remote.append((_protocol_family(protocol), rest.strip("/") + "/"))
+        return cls(tuple(local), tuple(remote))
+
+    def __or__(self, other: DataRoots) -> DataRoots:
+        return DataRoots(self.local + other.local, self.remote + other.remote)
+
+    def holds_remote(self, protocol: str, bucket_and_key: str) -> bool:
+        family = _protocol_family(protocol)
+        return any(family == root_family and bucket_and_key.startswith(prefix) for root_family, prefix in self.remote)
+
+
+def _protocol_family(protocol: str) -> str:
+    """One name for the protocols that open the same store (`s3a` is `s3` to s3fs)."""
+    return "s3" if protocol in ("s3", "s3a") else protocol
+
+
+@dataclass(frozen=True)
+class Team:
+    name: str
+    roots: DataRoots
+
+    @property
+    def owner(self) -> str:
+        return TEAM_OWNER_PREFIX + self.name
+
+
+class Tenants:
+    """The tenants file, read and checked."""
+
+    def __init__(self, parsed: TenantsFile, source: str) -> None:
+        self.source = source
+        self.teams = {name: Team(name, DataRoots.of(config.data_roots)) for name, config in parsed.tenants.items()}
+        # Digest -> team name, or None for an admin key.
+        self._keys: list[tuple[bytes, str | None]] = [
+            (bytes.fromhex(digest), name)
+            for name, config in parsed.tenants.items()
+            for digest in config.api_keys_sha256
+        ]
+        self._keys += [(bytes.fromhex(digest), None) for digest in parsed.admins.api_keys_sha256]
+
+    @classmethod
+    def load(cls, path: str) -> Tenants:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}" if mark is not None else "?"
+            raise TenantsFileError(f"{path}:{where}: not YAML: {getattr(exc, 'problem', exc)}") from None
+        try:
+            parsed = TenantsFile.model_validate(data)
+        except ValidationError as exc:
+            error = exc.errors(include_url=False)[0]
+            field = ".".join(str(part) for part in error["loc"]) or "the file"
+            line = _line_of(root, error["loc"])
+            raise TenantsFileError(f"{path}:line {line}: {field}: {error['msg']}") from None
+        tenants = cls(parsed, path)
+        tenants._check_disjoint(root)
+        return tenants
+
+    def _check_disjoint(self, root: Any) -> None:
+        """A key acts for one team only, and no team's root lies inside another's: either would let one
+        team read or write the other's data."""
+        seen: dict[bytes, str] = {}
+        for digest, name in self._keys:
+            holder = name or "admins"
+            if digest in seen and seen[digest] != holder:
+                raise TenantsFileError(
+                    f"{self.source}: one API key digest is listed for both {seen[digest]} and {holder}"
+                )
+            seen[digest] = holder
+        for team in self.teams.values():
+            for other in self.teams.values():
+                if other is team:
+                    continue
+                for mine in team.roots.local:
+                    if any(mine.is_relative_to(theirs) for theirs in other.roots.local):
+                        line = _line_of(root, ("tenants", team.name, "data_roots"))
+                        raise TenantsFileError(
+                            f"{self.source}:line {line}: tenants.{team.name}.data_roots: {mine} lies inside "
+                            f"{other.name}'s data roots"
+                        )
+                for family, prefix in team.roots.remote:
+                    if any(family == f and prefix.startswith(p) for f, p in other.roots.remote):
+                        line = _line_of(root, ("tenants", team.name, "data_roots"))
+                        raise TenantsFileError(
+                            f"{self.source}:line {line}: tenants.{team.name}.data_roots: {family}://{prefix} lies "
+                            f"inside {other.name}'s data roots"
+                        )
+
+    def identify(self, key: bytes) -> tuple[str | None, bool] | None:
+        """(team name, False) for a team's key, (None, True) for an admin's, None for no key of the file.
+        Every digest is compared, in constant time, so the answer's timing says nothing of which matched."""
+        presented = hashlib.sha256(key).digest()
+        found: tuple[str | None, bool] | None = None
+        for digest, name in self._keys:
+            if hmac.compare_digest(digest, presented) and found is None:
+                found = (name, name is None)
+        return found
+
+    def has_keys(self) -> bool:
+        return bool(self._keys)
+
+    def team_of_owner(self, owner: str) -> Team | None:
+        if not owner.startswith(TEAM_OWNER_PREFIX):
+            return None
+        return self.teams.get(owner.removeprefix(TEAM_OWNER_PREFIX))
+
+    def all_roots(self) -> DataRoots:
+        roots = DataRoots((), ())
+        for team in self.teams.values():
+            roots = roots | team.roots
+        return roots
+
+    def check_service_paths(self, paths: dict[str, str]) -> None:
+        """Refuse to serve when a service path (its work dir, DAGSTER_HOME, the job store) and a team's
+        roots overlap: that team could then read or replace every team's jobs."""
+        for what, path in paths.items():
+            protocol, rest = split_protocol(path)
+            for team in self.teams.values():
+                if protocol in (None, "file", "local"):
+                    real = Path(rest).resolve()
+                    overlap = any(real.is_relative_to(root) or root.is_relative_to(real) for root in team.roots.local)
+                else:
+                    overlap = team.roots.holds_remote(protocol, rest.strip("/") + "/")
+                if overlap:
+                    raise TenantsFileError(
+                        f"{self.source}: {what} ({path}) overlaps the data roots of {team.name}: keep the service's "
+                        "files out of every team's roots"
+                    )
+
+
+_loaded: dict[tuple[str, int, int], Tenants] = {}
+
+
+def tenants() -> Tenants | None:
+    """The tenants file BATCH_PIPELINE_TENANTS names, read again only when it changes; None without one."""
+    path = settings().tenants
+    if not path:
+        return None
+    try:
+        status = os.stat(path)
+    except OSError as exc:
+        raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
+    stamp = (path, status.st_mtime_ns, status.st_size)
+    if stamp not in _loaded:
+        _loaded.clear()
+        _loaded[stamp] = Tenants.load(path)
+    return _loaded[stamp]
+
+
+def _line_of(node: Any, loc: tuple[int | str, ...] | list[int | str]) -> int:
+    """The line (1-based) of the deepest YAML node `loc` reaches: the field an error names, or its parent;
+    a key's own line where pydantic says the key is wrong (`[key]`)."""
+    line = node.start_mark.line + 1 if node is not None else 1
+    parts = list(loc)
+    for index, part in enumerate(parts):
+        child = None
+        if isinstance(node, yaml.MappingNode):
+            pairs = [(key, value) for key, value in node.value if key.value == str(part)]
+            if pairs:
+                key, value = pairs[0]
+                wrong_key = index + 1 < len(parts) and parts[index + 1] == "[key]"
+                child = key if wrong_key or value is None else value
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            child = node.value[part]
+        if child is None:
+            break
+        node, line = child, child.start_mark.line + 1
+    return line

@@ -1,0 +1,260 @@
+"""Two teams sharing one deployment through the tenants file: each sees its own jobs and files, names only
+paths inside its own data roots, and learns nothing of the other's; admins see both."""
+
+import base64
+import hashlib
+import json
+import os
+import stat
+import subprocess
+
+import dagster as dg
+import pytest
+from fastapi.testclient import TestClient
+
+from batch_pipeline.api.app import create_app
+from batch_pipeline.api.auth import ApiKeys
+from batch_pipeline.api.service import BatchJobService
+from batch_pipeline.jobs_store import JobStore
+from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.tenants import Tenants, TenantsFileError
+from tests.conftest import MODEL
+
+# Keys may hold any character: a colon, a space, non-ASCII.
+TEAM_A_KEYS = ("acme:9f8e7d6c5b4a", "a second key of team a, with spaces é")
+TEAM_B_KEY = "bravo-key"
+ADMIN_KEY = "root:of:all"
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _headers(key: str) -> dict[str, bytes]:
+    return {"x-api-key": key.encode()}  # a key's UTF-8 bytes, as clients send them
+
+
+def _basic(user: str, password: str = "") -> dict[str, str]:
+    return {"authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+@pytest.fixture
+def teams(tmp_path, monkeypatch):
+    """Roots for team-a and team-b, and the tenants file naming them, as the deployment's."""
+    roots = {"a": tmp_path / "srv" / "team-a", "b": tmp_path / "srv" / "team-b"}
+    for root in roots.values():
+        root.mkdir(parents=True)
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        "tenants:\n"
+        "  team-a:\n"
+        f"    api_keys_sha256: [{', '.join(_digest(key) for key in TEAM_A_KEYS)}]\n"
+        f'    data_roots: ["{roots["a"]}", "s3://team-a-data/batch/"]\n'
+        "  team-b:\n"
+        f"    api_keys_sha256: [{_digest(TEAM_B_KEY)}]\n"
+        f'    data_roots: ["{roots["b"]}"]\n'
+        "admins:\n"
+        f"  api_keys_sha256: [{_digest(ADMIN_KEY)}]\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+    return roots
+
+
+@pytest.fixture
+def api(teams, tmp_path, monkeypatch):
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{home}/batch_jobs.db")
+    instance = dg.DagsterInstance.from_config(str(home))
+    service = BatchJobService(JobStore(f"sqlite:///{home}/batch_jobs.db"), instance, JobStorage())
+    with TestClient(create_app(service)) as client:  # keys from the tenants file, as a deployment reads them
+        yield client
+    instance.dispose()
+
+
+def _request(output: str, **fields) -> dict:
+    return {
+        "output_data_path": output,
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0},
+        **fields,
+    }
+
+
+def _refused_fields(response) -> dict[str, str]:
+    assert response.status_code == 422, response.text
+    return {".".join(map(str, error["loc"][1:])): error["msg"] for error in response.json()["detail"]}
+
+
+def test_every_key_of_a_team_sees_its_jobs_and_no_other_team_does(api, teams):
+    created = api.post(
+        "/v2/batch-completions", json=_request(str(teams["a"] / "out.json")), headers=_headers(TEAM_A_KEYS[0])
+    )
+    assert created.status_code == 200, created.text
+    job_id = created.json()["job_id"]
+
+    assert api.get(f"/v2/batch-completions/{job_id}", headers=_headers(TEAM_A_KEYS[1])).status_code == 200
+    assert [
+        job["job_id"] for job in api.get("/v2/batch-completions", headers=_headers(TEAM_A_KEYS[1])).json()["jobs"]
+    ] == [job_id]
+    assert api.get(f"/v2/batch-completions/{job_id}", headers=_headers(TEAM_B_KEY)).status_code == 404
+    assert api.get("/v2/batch-completions", headers=_headers(TEAM_B_KEY)).json()["jobs"] == []
+    assert api.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=_headers(TEAM_B_KEY)).status_code == 404
+    assert api.get(f"/v2/batch-completions/{job_id}", headers=_headers(ADMIN_KEY)).status_code == 200
+
+
+def test_a_key_is_the_whole_key_whatever_it_holds(api):
+    """`acme` alone used to authenticate for `acme:9f8e…`: the key was cut at its first colon."""
+    key = TEAM_A_KEYS[0]
+    assert api.get("/v2/batch-completions", headers=_headers(key)).status_code == 200
+    assert api.get("/v2/batch-completions", headers=_basic(key)).status_code == 200  # llmengine's basic auth
+    assert api.get("/v2/batch-completions", headers={"authorization": f"Bearer {key}".encode()}).status_code == 200
+    for near in ("acme", "acme:", key[:-1], key + " x", key.upper()):
+        assert api.get("/v2/batch-completions", headers=_headers(near)).status_code == 401, near
+    assert api.get("/v2/batch-completions", headers=_basic("acme", "9f8e7d6c5b4a")).status_code == 401
+
+
+def test_without_a_tenants_file_a_key_with_a_colon_is_still_the_whole_key(tmp_path):
+    keys = ApiKeys(["acme:9f8e7d6c5b4a", "boss:admin"])
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+    app = create_app(BatchJobService(store, dg.DagsterInstance.ephemeral(), JobStorage()), keys)
+    with TestClient(app) as client:
+        assert client.get("/v2/batch-completions", headers=_headers("acme")).status_code == 401
+        assert client.get("/v2/batch-completions", headers=_headers("acme:9f8e7d6c5b4a")).status_code == 200
+        assert client.get("/metrics", headers=_headers("boss")).status_code == 200  # `:admin` is the role
+        assert client.get("/metrics", headers=_headers("acme:9f8e7d6c5b4a")).status_code == 403
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_team_names_no_path_of_another_team_and_learns_nothing_of_it(api, teams, dry_run):
+    secret = teams["a"] / "prompts.json"
+    secret.write_text(json.dumps([{"prompt": "team a's system prompt"}]))
+    secret.chmod(0o600)
+    params = {"dry_run": "true"} if dry_run else {}
+    own_output = str(teams["b"] / "out.json")
+
+    def refused(body) -> dict[str, str]:
+        return _refused_fields(
+            api.post("/v2/batch-completions", params=params, json=body, headers=_headers(TEAM_B_KEY))
+        )
+
+    body = _request(own_output)
+    del body["content"]
+    # Another team's file, and another team's missing file: the same answer, no word of either existing.
+    existing = refused({**body, "input_data_path": str(secret)})
+    missing = refused({**body, "input_data_path": str(teams["a"] / "nothing-here.json")})
+    assert set(existing) == {"input_data_path"}
+    assert existing == missing
+    assert "team a's system prompt" not in json.dumps(existing)
+    # Another team's output (and its metadata beside it) would be replaced.
+    assert set(refused(_request(str(teams["a"] / "out.json")))) == {"output_data_path"}
+    # Another bucket, or team a's bucket: team b has no object store root at all.
+    for url in ("s3://team-a-data/batch/out.json", "s3://any-bucket/out.json"):
+        assert set(refused(_request(url))) == {"output_data_path"}, url
+    # A model directory of another team's.
+    assert set(refused({**_request(own_output), "model_config": {"model": str(teams["a"])}})) == {"model_config.model"}
+
+
+def test_a_symlink_in_a_teams_root_does_not_lead_into_another_teams(api, teams):
+    (teams["b"] / "shortcut").symlink_to(teams["a"])
+    body = _request(str(teams["b"] / "shortcut" / "out.json"))
+    assert set(_refused_fields(api.post("/v2/batch-completions", json=body, headers=_headers(TEAM_B_KEY)))) == {
+        "output_data_path"
+    }
+
+
+def test_object_store_paths_are_held_to_the_teams_bucket_and_prefix(api, teams):
+    key = _headers(TEAM_A_KEYS[0])
+    for url in (
+        "s3://team-a-data/other/out.json",
+        "s3://team-a-data/batch/../other/out.json",
+        "s3://team-a-data2/batch/o",
+    ):
+        assert set(_refused_fields(api.post("/v2/batch-completions", json=_request(url), headers=key))) == {
+            "output_data_path"
+        }, url
+    created = api.post("/v2/batch-completions", json=_request("s3://team-a-data/batch/out.json"), headers=key)
+    assert created.status_code == 200, created.text
+
+
+def test_admins_name_any_teams_paths(api, teams):
+    for team in ("a", "b"):
+        created = api.post(
+            "/v2/batch-completions", json=_request(str(teams[team] / "out.json")), headers=_headers(ADMIN_KEY)
+        )
+        assert created.status_code == 200, created.text
+    elsewhere = _request(str(teams["a"].parent / "out.json"))
+    assert _refused_fields(api.post("/v2/batch-completions", json=elsewhere, headers=_headers(ADMIN_KEY)))
+
+
+def test_openai_files_are_the_teams(api):
+    uploaded = api.post(
+        "/v1/files",
+        files={"file": ("in.jsonl", b'{"custom_id": "1"}\n')},
+        data={"purpose": "batch"},
+        headers={"authorization": f"Bearer {TEAM_A_KEYS[0]}"},
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    file_id = uploaded.json()["id"]
+    assert (
+        api.get(f"/v1/files/{file_id}", headers={"authorization": f"Bearer {TEAM_A_KEYS[1]}".encode()}).status_code
+        == 200
+    )
+    assert api.get(f"/v1/files/{file_id}", headers={"authorization": f"Bearer {TEAM_B_KEY}"}).status_code == 404
+    assert api.get("/v1/files", headers={"authorization": f"Bearer {TEAM_B_KEY}"}).json()["data"] == []
+
+
+def test_dagster_home_is_private_to_the_service(api, tmp_path):
+    home = tmp_path / "dagster_home"
+    assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
+    runs_db = home / "history" / "runs.db"
+    assert runs_db.exists()
+    # What sandboxed model code runs as: another uid, no groups.
+    read = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat", str(runs_db)], capture_output=True
+    )
+    assert read.returncode != 0 and b"Permission denied" in read.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("tenants:\n  team-a:\n    api_keys_sha256: []\n    data_root: [/srv/a]\n", "line 4: tenants.team-a.data_root"),
+        ("tenants:\n  team-a:\n    api_keys_sha256: [nothex]\n", "line 3: tenants.team-a.api_keys_sha256.0"),
+        ("tenants:\n  Team A:\n    data_roots: [/srv/a]\n", r"line 2: tenants.Team A.\[key\]"),
+        ("tenants:\n  team-a:\n    data_roots: [relative/dir]\n", "line 3: tenants.team-a.data_roots"),
+        (
+            "tenants:\n  team-a:\n    data_roots: [/srv/a]\n  team-b:\n    data_roots: [/srv/a/b]\n",
+            "line 5: tenants.team-b.data_roots",
+        ),
+        ("tenants:\n  team-a: {data_roots: [/srv/a]\n", "line 3"),
+        ("admins: {}\n", "line 1: tenants"),
+    ],
+)
+def test_a_mistake_in_the_tenants_file_is_named_with_its_line(tmp_path, text, named):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(text)
+    with pytest.raises(TenantsFileError, match=f"^{path}:{named}"):
+        Tenants.load(str(path))
+
+
+def test_one_key_for_two_teams_is_refused(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    digest = _digest("shared")
+    path.write_text(
+        f"tenants:\n  team-a:\n    api_keys_sha256: [{digest}]\n  team-b:\n    api_keys_sha256: [{digest}]\n"
+    )
+    with pytest.raises(TenantsFileError, match="both team-a and team-b"):
+        Tenants.load(str(path))
+
+
+def test_the_service_refuses_to_start_with_its_files_inside_a_teams_root(teams, tmp_path, monkeypatch):
+    monkeypatch.setenv("DAGSTER_HOME", str(teams["a"] / "dagster_home"))
+    with pytest.raises(TenantsFileError, match="DAGSTER_HOME .* overlaps the data roots of team-a"):
+        create_app(BatchJobService(JobStore("sqlite://"), dg.DagsterInstance.ephemeral(), JobStorage()))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", str(teams["b"] / "work"))
+    with pytest.raises(TenantsFileError, match="work dir .* overlaps the data roots of team-b"):
+        create_app(BatchJobService(JobStore("sqlite://"), dg.DagsterInstance.ephemeral(), JobStorage()))
