@@ -15,7 +15,7 @@ import pytest
 from batch_pipeline.jobs_store import JobStore, jobs
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, run_tags
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, run_tags
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL
 
@@ -257,6 +257,80 @@ def test_priority_is_bounded_on_create_and_update(served, tmp_path):
         response = _post(client, f"/v2/batch-completions/{job_id}", {"job_id": job_id, "priority": priority})
         assert response.status_code == 422, (priority[:20], response.status_code, response.text)
     assert api.store.get(job_id).priority == " 7 "
+
+
+# The largest labels a job may carry: 64 pairs, 64-character keys, 512-character values.
+LARGEST_LABELS = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(64)}
+# Labels past each bound, and what the 422 must name: the label, or how many there are.
+LABELS_PAST_THE_BOUNDS = [
+    ({"k" * 65: "v"}, "k" * 64),
+    ({"x" * 5000: "v"}, "x" * 64),  # a 5 kB key was a 500
+    ({"team": "v" * 513}, "'team'"),
+    ({"team": "v" * 6000}, "'team'"),  # a 6,000-character value broke Dagster's tag index on Postgres
+    ({"team": "y" * 2**21}, "'team'"),
+    ({f"k{i}": "v" for i in range(65)}, "at most 64 labels"),
+    ({f"k{i}": "v" for i in range(20_000)}, "at most 64 labels"),
+]
+
+
+def test_labels_past_their_bounds_get_422_naming_the_label_and_the_largest_allowed_are_the_runs_tags(served, tmp_path):
+    api, client = served
+    for labels, named in LABELS_PAST_THE_BOUNDS:
+        v1_model_config = _with(_v1_body(tmp_path), "model_config.labels", labels)
+        for route, body, location in [
+            ("/v2/batch-completions", _v1_body(tmp_path, labels=labels), ["body", "labels"]),
+            ("/v1/llm/batch-completions", _v1_body(tmp_path, labels=labels), ["body", "labels"]),
+            # Where Scale's SDK puts a v1 job's labels.
+            ("/v1/llm/batch-completions", v1_model_config, ["body", "model_config", "labels"]),
+        ]:
+            response = _post(client, route, body)
+            assert response.status_code == 422, (route, named[:20], response.status_code, response.text[:500])
+            ((error,),) = [[error for error in response.json()["detail"] if error["loc"] == location]]
+            assert named in error["msg"], (route, error)
+            assert len(response.content) < 2000, "the answer does not echo the label"
+    # A v1 job's labels are both sets together: 40 and 40 different ones are more than 64.
+    split = _with(_v1_body(tmp_path, labels={f"a{i}": "v" for i in range(40)}), "model_config.labels", {})
+    split["model_config"]["labels"] = {f"b{i}": "v" for i in range(40)}
+    response = _post(client, "/v1/llm/batch-completions", split)
+    assert response.status_code == 422, response.text
+    assert [error["loc"] for error in response.json()["detail"]] == [["body", "model_config"]]
+    assert "model_config.labels and labels together are 80 labels" in response.json()["detail"][0]["msg"]
+    # An OpenAI batch's metadata (its job's labels) is held to OpenAI's 16 pairs, 64 and 512 characters.
+    bearer = {"Authorization": f"Bearer {USER_KEY}"}
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"team": "v" * 513}):
+        body = {"input_file_id": "file-none", "endpoint": "/v1/completions", "metadata": metadata}
+        response = _post(client, "/v1/batches", body, headers=bearer)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "metadata", response.text
+    assert api.store.list().jobs == []
+
+    # The largest labels allowed are the job's labels, and its run's tags, on both routes.
+    v2 = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels=LARGEST_LABELS))
+    v1 = _post(client, "/v1/llm/batch-completions", _with(_v1_body(tmp_path), "model_config.labels", LARGEST_LABELS))
+    # The same 64 keys in both v1 sets are 64 labels.
+    both = _post(
+        client,
+        "/v1/llm/batch-completions",
+        _with(_v1_body(tmp_path, labels=LARGEST_LABELS), "model_config.labels", LARGEST_LABELS),
+    )
+    for response in (v2, v1, both):
+        assert response.status_code == 200, response.text
+        job = client.get(f"/v2/batch-completions/{response.json()['job_id']}").json()["job"]
+        assert json.loads(job["metadata"]["labels"]) == LARGEST_LABELS
+    tick = _sensor_run_requests(api)
+    assert len(tick) == 3
+    for request in tick:
+        assert {key: value for key, value in request.tags.items() if key.startswith(LABEL_TAG_PREFIX)} == {
+            LABEL_TAG_PREFIX + key: value for key, value in LARGEST_LABELS.items()
+        }
+
+
+def test_a_model_name_longer_than_the_store_keeps_gets_422(served, tmp_path):
+    api, client = served
+    for route in ("/v1/llm/batch-completions", "/v2/batch-completions"):
+        response = _post(client, route, _with(_v1_body(tmp_path), "model_config.model", "m" * 257))
+        assert response.status_code == 422, response.text
+        assert _locations(response) == [["body", "model_config", "model"]], response.text
+    assert api.store.list().jobs == []
 
 
 def test_idempotency_key_empty_is_refused_and_a_different_body_conflicts(served, tmp_path):

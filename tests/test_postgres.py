@@ -3,6 +3,7 @@
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -10,9 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import dagster as dg
 import pytest
 import sqlalchemy as sa
 
+from batch_pipeline.contract.labels import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX
 from tests.api_fixtures import REPO, USER_KEY, Deployment
 from tests.conftest import MODEL
 
@@ -71,18 +75,7 @@ def postgres():
 
 
 def test_api_sensor_and_job_run_on_postgres_with_the_shipped_instance_config(postgres, tmp_path, monkeypatch):
-    jobs_db = f"postgresql+psycopg2://postgres@127.0.0.1:{postgres}/batch"
-    for key, value in {
-        "DAGSTER_PG_USERNAME": "postgres",
-        "DAGSTER_PG_PASSWORD": "",
-        "DAGSTER_PG_HOST": "127.0.0.1",
-        "DAGSTER_PG_PORT": str(postgres),
-        "DAGSTER_PG_DB": "batch",
-        "BATCH_PIPELINE_JOBS_DB": jobs_db,
-        "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1",
-        "DAGSTER_HOME": str(tmp_path / "home"),
-    }.items():
-        monkeypatch.setenv(key, value)
+    jobs_db = _postgres_environment(postgres, tmp_path / "home", monkeypatch)
     api = Deployment(
         tmp_path / "home",
         max_concurrent_runs=1,
@@ -154,3 +147,95 @@ def test_api_sensor_and_job_run_on_postgres_with_the_shipped_instance_config(pos
     assert {"batch_jobs", "runs", "event_logs", "jobs"} <= tables  # the job store and Dagster's storage, one database
     assert run_status.status == "SUCCESS"
     assert not list((tmp_path / "home").glob("**/*.db"))  # nothing fell back to SQLite
+
+
+def _postgres_environment(port: int, home: Path, monkeypatch) -> str:
+    """Dagster's storage and the job store in the test's server, as the shipped instance config reads them;
+    the job store's URL."""
+    jobs_db = f"postgresql+psycopg2://postgres@127.0.0.1:{port}/batch"
+    for key, value in {
+        "DAGSTER_PG_USERNAME": "postgres",
+        "DAGSTER_PG_PASSWORD": "",
+        "DAGSTER_PG_HOST": "127.0.0.1",
+        "DAGSTER_PG_PORT": str(port),
+        "DAGSTER_PG_DB": "batch",
+        "BATCH_PIPELINE_JOBS_DB": jobs_db,
+        "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1",
+        "DAGSTER_HOME": str(home),
+    }.items():
+        monkeypatch.setenv(key, value)
+    return jobs_db
+
+
+def _largest_labels() -> dict[str, str]:
+    """The largest labels allowed, in bytes: every character 4 bytes of UTF-8, none repeated in a pattern that
+    Postgres could compress in its index."""
+    draw = random.Random(25)
+
+    def text(length: int) -> str:
+        return "".join(chr(draw.randrange(0x10000, 0x1FFFF)) for _ in range(length))
+
+    return {text(MAX_LABEL_KEY_CHARS): text(MAX_LABEL_VALUE_CHARS) for _ in range(MAX_LABELS)}
+
+
+def test_labels_past_the_bounds_get_422_and_the_largest_allowed_make_one_run_on_postgres(
+    postgres, tmp_path, monkeypatch
+):
+    jobs_db = _postgres_environment(postgres, tmp_path / "home", monkeypatch)
+    # Runs are queued and never started: the job's one run is all this watches.
+    instance_yaml = (REPO / "deploy" / "dagster-postgres.yaml").read_text()
+    assert "max_concurrent_runs: 2" in instance_yaml
+    api = Deployment(
+        tmp_path / "home",
+        max_concurrent_runs=0,
+        instance_yaml=instance_yaml.replace("max_concurrent_runs: 2", "max_concurrent_runs: 0"),
+        jobs_db=jobs_db,
+    )
+    headers = {"x-api-key": USER_KEY}
+    body = {
+        "output_data_path": str(tmp_path / "out.json"),
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["The capital of France is"], "max_new_tokens": 4, "temperature": 0.0},
+    }
+    try:
+        # A 6,000-character value broke Dagster's tag index here, and a 5 kB key the job store's.
+        unbounded = random.Random(6000)
+        for labels in (
+            {"team": "".join(chr(unbounded.randrange(0x10000, 0x1FFFF)) for _ in range(6000))},
+            {"k" * 5000: "v"},
+            {f"k{i}": "v" for i in range(MAX_LABELS + 1)},
+        ):
+            response = api.client.post("/v2/batch-completions", json={**body, "labels": labels}, headers=headers)
+            assert response.status_code == 422, response.text[:500]
+            assert [error["loc"] for error in response.json()["detail"]] == [["body", "labels"]]
+        # The model is a run tag and a column of the job store too.
+        long_model = {**body, "model_config": {"model": "m" * 257}}
+        response = api.client.post("/v2/batch-completions", json=long_model, headers=headers)
+        assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "model_config", "model"]
+        assert api.store.list().jobs == []
+
+        labels = _largest_labels()
+        job_id = api.client.post("/v2/batch-completions", json={**body, "labels": labels}, headers=headers).json()[
+            "job_id"
+        ]
+        api.start_daemon()
+        deadline = time.monotonic() + 180
+        while api.store.get(job_id).run_id is None:  # the sensor found the job's run by its tags and linked it
+            log = (api.home / "daemon.log").read_text() if (api.home / "daemon.log").exists() else ""
+            assert time.monotonic() < deadline, f"the job's run was never linked; daemon log tail:\n{log[-3000:]}"
+            time.sleep(1)
+        time.sleep(8)  # more ticks of the 1 s sensor: none may launch the job again
+        runs = api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))
+        assert [run.run_id for run in runs] == [api.store.get(job_id).run_id]
+        assert runs[0].tags[JOB_ID_TAG] == job_id
+        assert {key: value for key, value in runs[0].tags.items() if key.startswith(LABEL_TAG_PREFIX)} == {
+            LABEL_TAG_PREFIX + key: value for key, value in labels.items()
+        }
+        listed = api.client.get(
+            "/v2/batch-completions",
+            params={"label": f"{next(iter(labels))}:{next(iter(labels.values()))}"},
+            headers=headers,
+        )
+        assert [job["job_id"] for job in listed.json()["jobs"]] == [job_id]
+    finally:
+        api.stop()

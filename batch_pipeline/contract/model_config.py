@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.labels import Labels
+
+# The job store's model column (String(256)), and the run's model tag: Postgres refuses a longer one.
+MAX_MODEL_CHARS = 256
 
 
 class BatchCompletionsModelConfig(WireModel):
@@ -163,8 +167,16 @@ class BatchCompletionsModelConfig(WireModel):
         None, description="Role of the response in the conversation. Only supported in chat completions."
     )
 
+    # A validator, not a Field constraint, so that the JSON schema stays the spec's.
+    @field_validator("model")
+    @classmethod
+    def _model_fits_the_store(cls, value: str) -> str:
+        if len(value) > MAX_MODEL_CHARS:
+            raise ValueError(f"at most {MAX_MODEL_CHARS} characters (got {len(value)})")
+        return value
+
 
 class CreateBatchCompletionsV1ModelConfig(BatchCompletionsModelConfig):
     """The v1 model config: the v2 one plus labels."""
 
-    labels: dict[str, str] = Field(default={}, description="Labels to attach to the batch inference job.")
+    labels: Labels = Field(default={}, description="Labels to attach to the batch inference job.")

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.labels import OpenAIMetadata
 
 # The endpoints a batch may target, and the kind of request each line's body is.
 BATCH_ENDPOINTS: dict[str, Literal["chat", "completion"]] = {
@@ -54,8 +55,10 @@ class CreateBatchRequest(WireModel):
         pattern=r"^[1-9][0-9]?h$",
         description="Hours the batch may take (OpenAI's is 24h): its max_runtime_sec, at most 48h here.",
     )
-    metadata: dict[str, str] | None = Field(
-        None, description="At most 16 pairs: keys up to 64 characters, values up to 512."
+    metadata: OpenAIMetadata = Field(
+        None,
+        description="The batch's job labels, bounded as OpenAI's: at most 16 pairs, keys up to 64 characters, "
+        "values up to 512.",
     )
 
     @field_validator("completion_window")
@@ -63,18 +66,6 @@ class CreateBatchRequest(WireModel):
     def _within_two_days(cls, value: str) -> str:
         if int(value[:-1]) > 48:
             raise ValueError("at most 48h")
-        return value
-
-    @field_validator("metadata")
-    @classmethod
-    def _openai_metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > 16:
-            raise ValueError("at most 16 pairs")
-        for key, entry in value.items():
-            if len(key) > 64 or len(entry) > 512:
-                raise ValueError(f"key {key[:64]!a}: keys are at most 64 characters, values at most 512")
         return value
 
     @property

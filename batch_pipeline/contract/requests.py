@@ -5,9 +5,10 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, Self
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.labels import MAX_LABELS, Labels
 from batch_pipeline.contract.model_config import BatchCompletionsModelConfig, CreateBatchCompletionsV1ModelConfig
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
 
@@ -102,7 +103,7 @@ Priority = Annotated[str | None, Field(description="Priority of the batch infere
 class _BatchCompletionsRequestBase(WireModel):
     input_data_path: InputDataPath = None
     output_data_path: OutputDataPath
-    labels: dict[str, str] = Field(default={}, description="Labels to attach to the batch inference job.")
+    labels: Labels = Field(default={}, description="Labels to attach to the batch inference job.")
     data_parallelism: int | None = Field(
         1,
         ge=1,
@@ -144,6 +145,19 @@ class CreateBatchCompletionsV1Request(_BatchCompletionsRequestBase):
 
     content: CreateBatchCompletionsV1RequestContent | None = None
     model_cfg: CreateBatchCompletionsV1ModelConfig = Field(alias="model_config")
+
+    # The job's labels are both sets together (see submission.from_v1): together they are bounded too.
+    @field_validator("model_cfg")
+    @classmethod
+    def _labels_together_within_the_bound(
+        cls, model_cfg: CreateBatchCompletionsV1ModelConfig, info: ValidationInfo
+    ) -> CreateBatchCompletionsV1ModelConfig:
+        labels = info.data.get("labels")  # absent when they were refused themselves
+        if labels is not None and (together := len({**model_cfg.labels, **labels})) > MAX_LABELS:
+            raise ValueError(
+                f"labels: model_config.labels and labels together are {together} labels, at most {MAX_LABELS}"
+            )
+        return model_cfg
 
 
 def _content_kind(value: Any) -> str | None:
