@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.requests import CODE_EVALUATOR
-from batch_pipeline.hardware import hardware_refusals
+from batch_pipeline.hardware import engine_argument_refusals, hardware_refusals
 from batch_pipeline.paths import request_path_refusals
 from batch_pipeline.settings import settings
 
@@ -45,6 +45,7 @@ def refusals(
         )
     found.extend(_tool_refusals(request))
     found.extend(hardware_refusals(request))
+    found.extend(engine_argument_refusals(request.model_cfg))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
     return found

@@ -5,6 +5,11 @@ on the hardware a shard's pod gets, which may be inferred from the weights.
 
 Maxima (unset = no bound), in the same units as the request: BATCH_PIPELINE_MAX_GPUS (a count),
 BATCH_PIPELINE_MAX_CPUS, BATCH_PIPELINE_MAX_MEMORY, BATCH_PIPELINE_MAX_STORAGE (quantities: `64`, `512Gi`).
+
+The engine arguments that size what a shard's engine allocates (`max_model_len`, `max_num_seqs`,
+`block_size`, `num_gpu_blocks_override`, ...) are bounded the same way, by BATCH_PIPELINE_MAX_<FIELD>, each
+with a default that a deployment of today's GPUs serves (see settings.py): vLLM takes them as given, so a
+request could otherwise have an engine allocate what no machine holds, or skip vLLM's own memory check.
 """
 
 from __future__ import annotations
@@ -83,3 +88,44 @@ def hardware_problems(hardware: Mapping[str, Any]) -> list[tuple[str, str]]:
 def hardware_refusals(request: Any) -> list[tuple[str, str]]:
     """`(field, why)` for each hardware field of a batch completions request that no pod may carry."""
     return hardware_problems({field: getattr(request, field, None) for field in HARDWARE_FIELDS})
+
+
+# Each bounded engine argument of model_config, and the setting holding its maximum (`max_<field>`, without
+# doubling a leading `max_`). The deprecated max_context_length fills max_model_len, so shares its bound.
+ENGINE_ARGUMENT_MAXIMA = {
+    field: "max_" + field.removeprefix("max_")
+    for field in (
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_seq_len_to_capture",
+        "block_size",
+        "num_gpu_blocks_override",
+        "swap_space",
+        "gpu_memory_utilization",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+    )
+} | {"max_context_length": "max_model_len"}
+
+
+def engine_argument_refusals(model_config: Any) -> list[tuple[str, str]]:
+    """`(field, why)` for each engine argument of a request's model config over this deployment's maximum
+    (the contract has refused what no engine takes: non-positive counts, a fraction past 1)."""
+    configured = settings()
+    found = []
+    for field, setting in ENGINE_ARGUMENT_MAXIMA.items():
+        value, maximum = getattr(model_config, field, None), getattr(configured, setting)
+        if value is not None and value > maximum:
+            found.append((f"model_config.{field}", f"{value} is more than this deployment's maximum of {maximum}"))
+    # One engine spans tensor x pipeline parallel GPUs: no more than a request may ask for.
+    spanned = (model_config.tensor_parallel_size or 1) * (model_config.pipeline_parallel_size or 1)
+    if configured.max_gpus is not None and spanned > configured.max_gpus:
+        found.append(
+            (
+                "model_config.tensor_parallel_size",
+                f"tensor x pipeline parallelism spans {spanned} GPUs, more than this deployment's maximum of "
+                f"{configured.max_gpus}",
+            )
+        )
+    return found

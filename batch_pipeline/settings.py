@@ -113,6 +113,32 @@ class Settings(_EnvironmentSettings):
         None,
         description="Most ephemeral storage a request may ask for, a quantity as for memory (unset: no bound)",
     )
+    # The engine arguments a request may set, each at most this (model_config's field of the same name):
+    # what one shard's engine may allocate, and how long it may take to start.
+    max_model_len: int = Field(
+        131072, ge=1, description="Largest `model_config.max_model_len` (and `max_context_length`), in tokens"
+    )
+    max_num_seqs: int = Field(1024, ge=1, description="Largest `model_config.max_num_seqs`")
+    max_num_batched_tokens: int = Field(131072, ge=1, description="Largest `model_config.max_num_batched_tokens`")
+    max_seq_len_to_capture: int = Field(131072, ge=1, description="Largest `model_config.max_seq_len_to_capture`")
+    max_block_size: int = Field(
+        256, ge=1, description="Largest `model_config.block_size`, in tokens (a request's must be a power of two)"
+    )
+    # An override skips vLLM's own measure of what fits: 32768 blocks of 16 tokens is 512k tokens of cache.
+    max_num_gpu_blocks_override: int = Field(
+        32768, ge=1, description="Largest `model_config.num_gpu_blocks_override` (vLLM sizes the cache itself without)"
+    )
+    max_swap_space: float = Field(64.0, ge=0, description="Largest `model_config.swap_space`, in GiB per GPU")
+    max_gpu_memory_utilization: float = Field(
+        0.95, gt=0, le=1, description="Largest `model_config.gpu_memory_utilization` (a fraction of each GPU)"
+    )
+    max_tensor_parallel_size: int = Field(
+        8,
+        ge=1,
+        description="Largest `model_config.tensor_parallel_size` (with `BATCH_PIPELINE_MAX_GPUS` set, the GPUs "
+        "tensor x pipeline parallelism spans are bounded by it too)",
+    )
+    max_pipeline_parallel_size: int = Field(8, ge=1, description="Largest `model_config.pipeline_parallel_size`")
     # Where things are kept
     jobs_db: str = Field(
         "", description="The job store's SQLAlchemy URL (unset: SQLite `batch_jobs.db` in `$DAGSTER_HOME`)"

@@ -11,6 +11,18 @@ from batch_pipeline.contract.labels import Labels
 
 # The job store's model column (String(256)), and the run's model tag: Postgres refuses a longer one.
 MAX_MODEL_CHARS = 256
+# Engine arguments that count something (tokens, sequences, blocks, GPUs): vLLM takes none below 1, and a
+# shard that fails at its engine's start is a worse answer than a 422 naming the field.
+COUNT_ARGUMENTS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_seq_len_to_capture",
+    "num_gpu_blocks_override",
+    "block_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+)
 
 
 class BatchCompletionsModelConfig(WireModel):
@@ -167,12 +179,42 @@ class BatchCompletionsModelConfig(WireModel):
         None, description="Role of the response in the conversation. Only supported in chat completions."
     )
 
-    # A validator, not a Field constraint, so that the JSON schema stays the spec's.
+    # Bounds in validators, not Field constraints, so that the JSON schema stays the spec's. How large each
+    # may be is the operator's call (BATCH_PIPELINE_MAX_*, checked at admission), not the contract's.
     @field_validator("model")
     @classmethod
     def _model_fits_the_store(cls, value: str) -> str:
         if len(value) > MAX_MODEL_CHARS:
             raise ValueError(f"at most {MAX_MODEL_CHARS} characters (got {len(value)})")
+        return value
+
+    @field_validator(*COUNT_ARGUMENTS)
+    @classmethod
+    def _at_least_one(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int | None) -> int | None:
+        # Every attention backend's kernel takes blocks of a power of two (or a multiple of one).
+        if value is not None and value & (value - 1):
+            raise ValueError(f"must be a power of two (16, 32, 64, ...), got {value}")
+        return value
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _a_fraction(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
+            raise ValueError("must be a fraction of the GPU's memory: more than 0, at most 1")
+        return value
+
+    @field_validator("swap_space")
+    @classmethod
+    def _not_negative(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError("must be 0 or more GiB")
         return value
 
 
