@@ -1,6 +1,7 @@
 """The pod each shard runs in on Kubernetes, built from the request and validated strictly against the
 Kubernetes API schema (kubernetes-validate); dagster-k8s's Pipes client builds the final pod body."""
 
+import os
 import re
 from pathlib import Path
 
@@ -33,12 +34,13 @@ def _task(hardware=None, labels=None, deadline=NOW + 3600):
 
 
 def _pod(launcher, task, run_id=None) -> dict:
-    """The pod as the API server receives it, validated strictly against that version's schema."""
+    """The pod as the API server receives it, validated strictly against that version's schema: what
+    run_shard hands the Pipes client (the spec carries the image and the command)."""
     meta, spec = launcher.pod_overrides(task, now=NOW, run_id=run_id)
     pod = build_pod_body(
         pod_name="batch-0123abcd-shard-002",
-        image=launcher.image,
-        command=["python", "-m", "batch_pipeline.worker"],
+        image=None,
+        command=None,
         env_vars={"A": "b"},
         base_pod_meta=meta,
         base_pod_spec=spec,
@@ -161,11 +163,15 @@ def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_se
         "Role",
         "RoleBinding",
         "NetworkPolicy",
+        "Namespace",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     }
     for obj in objects:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
     values = yaml.safe_load((repo / "k8s" / "values.yaml").read_text())
-    assert values["runLauncher"]["type"] == "K8sRunLauncher"
+    launcher = values["runLauncher"]["config"]["customRunLauncher"]
+    assert (launcher["module"], launcher["class"]) == ("dagster_k8s", "K8sRunLauncher")
     assert values["postgresql"]["postgresqlScheme"] == "postgresql+psycopg2"
     (deployment,) = values["dagster-user-deployments"]["deployments"]
     env = {item["name"]: item["value"] for item in deployment["env"]}
@@ -261,18 +267,123 @@ def test_a_tool_shard_runs_as_root_with_only_the_capabilities_its_sandbox_needs(
     assert len(security["capabilities"]["add"]) == len(SANDBOX_CAPABILITIES)
     assert security["allowPrivilegeEscalation"] is False and security["readOnlyRootFilesystem"] is True
     assert spec["automountServiceAccountToken"] is False
-    assert _mounts(pod) == {"/tmp": "emptyDir", "/home/worker": "emptyDir"}
+    assert _mounts(pod) == {"/tmp": "emptyDir", "/home/worker": "emptyDir", "/var/lib/batch-pipeline/tmp": "emptyDir"}
+
+
+# What the sandboxed code tries, as its slot's uid, in the pod's scratch: argv is the local stand-ins for
+# /tmp, the worker's home, its TMPDIR, the uid-lease directory, a file the worker left in /tmp, and the
+# execution's own working directory. Prints what each attempt did.
+SANDBOXED_ATTEMPTS = """
+import json, os, sys
+tmp, home, worker_tmp, leases, workers_file, workdir = sys.argv[1:]
+def attempt(action):
+    try:
+        action()
+        return "done"
+    except PermissionError:
+        return "refused"
+print(json.dumps({
+    "rename the uid leases": attempt(lambda: os.rename(leases, leases + "-mine")),
+    "plant a lease directory": attempt(lambda: os.mkdir(os.path.join(worker_tmp, "planted"))),
+    "list the worker's temp dir": attempt(lambda: os.listdir(worker_tmp)),
+    "write in the worker's home": attempt(lambda: open(os.path.join(home, "planted"), "w").close()),
+    "move the worker's file in /tmp": attempt(lambda: os.rename(workers_file, workers_file + "-mine")),
+    "write its own file in /tmp": attempt(lambda: open(os.path.join(tmp, "mine"), "w").close()),
+    "write in its working directory": attempt(lambda: open(os.path.join(workdir, "mine"), "w").close()),
+}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays the sandbox's uids against the pod's scratch")
+def test_a_tool_shards_scratch_is_sticky_and_its_uid_leases_out_of_the_sandboxs_reach():
+    """The tool pod's emptyDirs as the kubelet makes them (0777), its init container's own command run on
+    them, the sandbox's uid leases made where the worker's TMPDIR puts them; then a sandboxed uid tries to
+    take them over (as model-written code did: every later sandbox then failed)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, sandbox_python
+
+    pod = _pod(LAUNCHER, _tool_task())
+    (container,), (init,) = pod["spec"]["containers"], pod["spec"]["initContainers"]
+    assert init["image"] == container["image"] and init["volumeMounts"] == container["volumeMounts"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # it owns the emptyDirs: chmod needs none
+    worker_tmp = next(item["value"] for item in container["env"] if item["name"] == "TMPDIR")
+    assert worker_tmp in _mounts(pod)
+    root = Path(tempfile.mkdtemp(prefix="tool-pod-"))
+    try:
+        root.chmod(0o755)
+        local = {path: root / path.strip("/").replace("/", "-") for path in _mounts(pod)}
+        for directory in local.values():
+            directory.mkdir()
+            directory.chmod(0o777)
+        command = [sys.executable if part == "python" else str(local.get(part, part)) for part in init["command"]]
+        subprocess.run(command, check=True)
+        assert {path: oct(directory.stat().st_mode & 0o7777) for path, directory in local.items()} == {
+            "/tmp": "0o1777",
+            "/home/worker": "0o700",
+            worker_tmp: "0o711",
+        }
+        # the worker's sandbox, in the pod's environment: its leases and an execution's working directory
+        made = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import os, tempfile; from batch_pipeline.worker.sandbox import UidLeases; "
+                "print(UidLeases().directory); workdir = tempfile.mkdtemp(prefix='batch-pipeline-sandbox-'); "
+                f"os.chown(workdir, {SANDBOX_UID_BASE}, {SANDBOX_UID_BASE}); print(workdir)",
+            ],
+            env={**os.environ, "TMPDIR": str(local[worker_tmp])},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        leases, workdir = made.stdout.split()
+        assert Path(leases).parent == local[worker_tmp] and Path(workdir).parent == local[worker_tmp]
+        workers_file = local["/tmp"] / "worker.lock"
+        workers_file.touch()
+        scratch = [local["/tmp"], local["/home/worker"], local[worker_tmp], leases, workers_file, workdir]
+        tried = subprocess.run(
+            [sandbox_python(), "-I", "-c", SANDBOXED_ATTEMPTS, *map(str, scratch)],
+            user=SANDBOX_UID_BASE,
+            group=SANDBOX_UID_BASE,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(tried.stdout) == {
+            "rename the uid leases": "refused",
+            "plant a lease directory": "refused",
+            "list the worker's temp dir": "refused",
+            "write in the worker's home": "refused",
+            "move the worker's file in /tmp": "refused",
+            "write its own file in /tmp": "done",
+            "write in its working directory": "done",
+        }
+        assert Path(leases).is_dir()
+    finally:
+        shutil.rmtree(root)
 
 
 def test_shard_pods_carry_the_label_the_network_policy_selects():
-    import yaml
 
-    repo = Path(__file__).resolve().parents[1]
-    policy = yaml.safe_load((repo / "k8s" / "network-policy.yaml").read_text())
+    policy = _network_policy("batch-pipeline-shard-workers")
     # a request's own label of that name cannot take a pod out of the policy
     for task in (_task(labels={"component": "mine"}), _tool_task()):
         labels = _pod(LAUNCHER, task)["metadata"]["labels"]
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def _network_policy(name: str) -> dict:
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "k8s" / "network-policy.yaml"
+    (policy,) = [doc for doc in yaml.safe_load_all(path.read_text()) if doc and doc["metadata"]["name"] == name]
+    return policy
 
 
 def _egress_allowed(
@@ -315,9 +426,7 @@ def _egress_allowed(
 
 
 def test_the_network_policy_lets_shard_workers_reach_dns_and_the_object_store_and_nothing_inside():
-    import yaml
-
-    policy = yaml.safe_load((Path(__file__).resolve().parents[1] / "k8s" / "network-policy.yaml").read_text())
+    policy = _network_policy("batch-pipeline-shard-workers")
     kubernetes_validate.validate(policy, KUBERNETES_VERSION, strict=True)
     assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"} and policy["spec"]["ingress"] == []
     kube_system = {"kubernetes.io/metadata.name": "kube-system"}
@@ -342,6 +451,104 @@ def test_the_network_policy_lets_shard_workers_reach_dns_and_the_object_store_an
     ):
         assert not _egress_allowed(policy, port, ip=address), address
     assert not _egress_allowed(policy, 80, ip="52.216.8.1")  # plain HTTP to the outside neither
+
+
+# The pods of the control plane, by the labels their makers give them: the Dagster chart's (helm/dagster
+# templates: `component` on the webservers, the daemon and the code servers), dagster-k8s's on each run's
+# pod, ours on the API's; and any other pod of the cluster.
+CHART_POD_LABELS = {"app.kubernetes.io/name": "dagster", "app.kubernetes.io/instance": "dagster"}
+CONTROL_PLANE_PODS = {
+    "webserver": {**CHART_POD_LABELS, "component": "dagster-webserver"},
+    "read-only webserver": {**CHART_POD_LABELS, "component": "dagster-webserver-read-only"},
+    "daemon": {**CHART_POD_LABELS, "component": "dagster-daemon", "deployment": "daemon"},
+    "code server": {
+        "app.kubernetes.io/name": "dagster-user-deployments",
+        "app.kubernetes.io/instance": "dagster",
+        "component": "user-deployments",
+        "deployment": "batch-pipeline",
+    },
+    "run": {
+        "app.kubernetes.io/name": "dagster",
+        "app.kubernetes.io/instance": "dagster",
+        "app.kubernetes.io/part-of": "dagster",
+        "app.kubernetes.io/component": "run_worker",
+    },
+    "API": {"app.kubernetes.io/name": "batch-pipeline-api"},
+    "postgres": {"app.kubernetes.io/name": "postgresql"},
+    "other": {"app": "anything"},
+}
+
+
+def _ingress_allowed(policies: list[dict], to: dict, port: int, source: dict | None) -> bool:
+    """Whether a pod labelled `to` admits a TCP connection on `port` from a pod labelled `source` in the
+    same namespace (None: from outside the cluster), as the API reference defines it: a pod no Ingress
+    policy selects admits everything; a selected one what any of their rules allows."""
+
+    def selects(selector: dict, labels: dict | None) -> bool:
+        return labels is not None and selector.get("matchLabels", {}).items() <= labels.items()
+
+    selecting = [
+        policy
+        for policy in policies
+        if "Ingress" in policy["spec"]["policyTypes"] and selects(policy["spec"]["podSelector"], to)
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            ports = rule.get("ports")
+            if ports and not any(p.get("protocol", "TCP") == "TCP" and p.get("port") == port for p in ports):
+                continue
+            peers = rule.get("from")
+            if not peers or any(
+                set(peer) == {"podSelector"} and selects(peer["podSelector"], source) for peer in peers
+            ):
+                return True
+    return False
+
+
+def test_the_control_plane_admits_only_the_pods_that_need_it(tmp_path):
+    import yaml
+
+    policies = [doc for doc in yaml.safe_load_all((REPO / "k8s" / "network-policy.yaml").read_text()) if doc]
+    pods = dict(CONTROL_PLANE_PODS)
+    # the shard pod and the run pod with their real labels, as the launchers build them
+    pods["shard"] = _pod(LAUNCHER, _task(labels={"component": "dagster-daemon"}))["metadata"]["labels"]
+    run_labels = _run_pod_labels(_values(), tmp_path)
+    assert CONTROL_PLANE_PODS["run"].items() <= run_labels.items()
+    pods["run"] = run_labels
+
+    def admitted(to: str, port: int) -> set:
+        sources = {name for name, labels in pods.items() if _ingress_allowed(policies, pods[to], port, labels)}
+        return sources | ({"outside"} if _ingress_allowed(policies, pods[to], port, None) else set())
+
+    everyone = set(pods) | {"outside"}
+    assert admitted("postgres", 5432) == {"webserver", "read-only webserver", "daemon", "code server", "run", "API"}
+    assert admitted("code server", 3030) == {"webserver", "read-only webserver", "daemon"}
+    assert admitted("webserver", 80) == set()  # operators port-forward to it
+    assert admitted("read-only webserver", 80) == everyone
+    assert admitted("daemon", 80) == set()
+    assert admitted("API", 8000) == everyone and admitted("API", 9000) == set()
+    assert admitted("shard", 80) == set()
+    # the read-only webserver is the chart's second webserver: the chart makes it only when asked
+    assert _values()["dagsterWebserver"]["enableReadOnly"] is True
+
+
+def _run_pod_labels(values: dict, tmp_path: Path) -> dict:
+    """The labels of a run's pod as dagster-k8s's run launcher gives them."""
+    from dagster_k8s.job import construct_dagster_k8s_job
+
+    launcher = _run_launcher(values, tmp_path)
+    context = launcher.get_container_context_for_run(_dagster_run(values))
+    job = construct_dagster_k8s_job(
+        job_config=context.get_k8s_job_config(job_image="i", run_launcher=launcher),
+        args=[],
+        job_name="dagster-run-0123abcd",
+        pod_name="dagster-run-0123abcd",
+        component="run_worker",
+        user_defined_k8s_config=context.run_k8s_config,
+    )
+    return dict(job.spec.template.metadata.labels)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -408,7 +615,7 @@ def test_the_api_pod_runs_locked_down_with_a_service_account_of_its_own_with_no_
     assert {"secretRef": {"name": API_KEYS_SECRET}} in container["envFrom"]
 
 
-def test_each_service_account_has_only_the_rights_its_pods_use():
+def test_each_service_account_has_only_the_rights_its_pods_use(tmp_path):
     objects = _manifests()
     roles = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Role"}
     rights: dict[str, set] = {}
@@ -420,7 +627,7 @@ def test_each_service_account_has_only_the_rights_its_pods_use():
             )
     values = _values()
     dagster_account, run_account = _service_accounts(values)
-    assert _run_pod(values)["serviceAccountName"] == run_account
+    assert _run_pod(values, tmp_path)["serviceAccountName"] == run_account
     # a run's pod starts, follows and removes its shard pods (Dagster Pipes reads their logs), nothing else
     assert rights[run_account] == {("pods", verb) for verb in ("create", "get", "list", "watch", "delete")} | {
         ("pods/log", "get")
@@ -437,58 +644,95 @@ def test_each_service_account_has_only_the_rights_its_pods_use():
         assert chart["serviceAccount"]["create"] is False and chart["rbacEnabled"] is False
 
 
-def _run_pod(values: dict) -> dict:
-    """The pod of a run's Job, built by dagster-k8s exactly as K8sRunLauncher does: its own config from the
-    chart values, merged with the code location's container context (the chart's
-    `dagsterUserDeployments.k8sContainerContext`, included in launched runs by default)."""
-    from dagster_k8s.container_context import K8sContainerContext
-    from dagster_k8s.job import DagsterK8sJobConfig, UserDefinedDagsterK8sConfig, construct_dagster_k8s_job
+def _run_launcher(values: dict, tmp_path: Path):
+    """dagster-k8s's K8sRunLauncher as the instance the chart renders makes it: the custom run launcher's
+    config, checked against the launcher's own config schema. Only where it finds the cluster differs: a
+    kubeconfig naming no reachable server (nothing here calls one)."""
+    from dagster._config import process_config
+    from dagster._core.definitions.definition_config_schema import convert_user_facing_definition_config_schema
+    from dagster_k8s import K8sRunLauncher
 
-    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
-    run_config_keys = {"containerConfig": "container_config", "podSpecConfig": "pod_spec_config"}
-    dagster_account, code_location_account = _service_accounts(values)
-    launcher_context = K8sContainerContext(
-        service_account_name=dagster_account,  # the chart's instance config
-        env_secrets=[secret["name"] for secret in launcher.get("envSecrets", [])],
-        volumes=launcher.get("volumes", []),
-        volume_mounts=launcher.get("volumeMounts", []),
-        security_context=launcher.get("securityContext"),
-        run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(
-            {run_config_keys[key]: value for key, value in launcher.get("runK8sConfig", {}).items()}
+    custom = values["runLauncher"]["config"]["customRunLauncher"]
+    assert values["runLauncher"]["type"] == "CustomRunLauncher"
+    assert (custom["module"], custom["class"]) == ("dagster_k8s", "K8sRunLauncher")
+    schema = convert_user_facing_definition_config_schema(K8sRunLauncher.config_type()).config_type
+    checked = process_config(schema, custom["config"])
+    assert checked.success, checked.errors
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    config = {**checked.value, "load_incluster_config": False, "kubeconfig_file": str(kubeconfig)}
+    return K8sRunLauncher(**config)
+
+
+def _dagster_run(values: dict, tags: dict | None = None, container_context: dict | None = None):
+    """A run of the code location, as the daemon hands it to the run launcher: its code server's image, and
+    the code location's container context only where the chart includes it in launched runs."""
+    from dagster._core.code_pointer import ModuleCodePointer
+    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    image = f"{deployment['image']['repository']}:{deployment['image']['tag']}"
+    if container_context is None and deployment.get("includeConfigInLaunchedRuns", {}).get("enabled", True):
+        container_context = _code_location_container_context(values)
+    origin = JobPythonOrigin(
+        "batch_completions",
+        RepositoryPythonOrigin(
+            executable_path="python",
+            code_pointer=ModuleCodePointer("batch_pipeline.pipeline.definitions", "defs", working_directory=None),
+            container_image=image,
+            container_context=container_context,
         ),
     )
+    return DagsterRun(job_name="batch_completions", run_id="0123abcd", tags=tags or {}, job_code_origin=origin)
+
+
+def _code_location_container_context(values: dict) -> dict:
+    """What the chart's `dagsterUserDeployments.k8sContainerContext` gives the code server to pass on to
+    its runs (with includeConfigInLaunchedRuns, the chart's default)."""
     (deployment,) = values["dagster-user-deployments"]["deployments"]
-    code_location_context = K8sContainerContext.create_from_config(
-        {
-            "k8s": {
-                "image_pull_policy": deployment["image"]["pullPolicy"],
-                "env_config_maps": [f"dagster-{deployment['name']}-user-env"],
-                "env_secrets": [secret["name"] for secret in deployment.get("envSecrets", [])],
-                "volume_mounts": deployment.get("volumeMounts", []),
-                "volumes": deployment.get("volumes", []),
-                "namespace": "batch",
-                "service_account_name": code_location_account,
-                "run_k8s_config": {"pod_spec_config": {"automount_service_account_token": True}},
-            }
+    return {
+        "k8s": {
+            "image_pull_policy": deployment["image"]["pullPolicy"],
+            "env_config_maps": [f"dagster-{deployment['name']}-user-env"],
+            "env_secrets": [secret["name"] for secret in deployment.get("envSecrets", [])],
+            "volume_mounts": deployment.get("volumeMounts", []),
+            "volumes": deployment.get("volumes", []),
+            "namespace": "batch",
+            "service_account_name": values["dagster-user-deployments"]["serviceAccount"]["name"],
+            "env": deployment.get("env", []),
         }
-    )
-    context = launcher_context.merge(code_location_context)
-    job_config = DagsterK8sJobConfig(
-        job_image="registry.example/batch-pipeline:latest",
-        dagster_home="/opt/dagster/dagster_home",
-        instance_config_map="dagster-instance",
-        postgres_password_secret="dagster-postgresql-secret",
+    }
+
+
+def _run_pod(values: dict, tmp_path: Path, tags: dict | None = None) -> dict:
+    """The pod of a run's Job, as the run launcher builds it (K8sRunLauncher._launch_k8s_job_with_args, up
+    to the API call): the launcher's container context for the run, where dagster-k8s applies its
+    allowlists, then the Job."""
+    from dagster_k8s.job import construct_dagster_k8s_job
+
+    launcher = _run_launcher(values, tmp_path)
+    run = _dagster_run(values, tags)
+    context = launcher.get_container_context_for_run(run)
+    job_config = context.get_k8s_job_config(
+        job_image=run.job_code_origin.repository_origin.container_image, run_launcher=launcher
     )
     job = construct_dagster_k8s_job(
-        job_config,
-        ["dagster", "api", "execute_run", "{}"],
-        "dagster-run-0123",
-        context.run_k8s_config,
-        pod_name="dagster-run-0123",
+        job_config=job_config,
+        args=["dagster", "api", "execute_run", "{}"],
+        job_name="dagster-run-0123abcd",
+        pod_name="dagster-run-0123abcd",
         component="run_worker",
+        user_defined_k8s_config=context.run_k8s_config,
+        labels={"dagster/job": "batch_completions", "dagster/run-id": run.run_id},
     )
     body = ApiClient().sanitize_for_serialization(job)
     kubernetes_validate.validate(body, KUBERNETES_VERSION, strict=True)
+    assert context.namespace == "batch"
     return body["spec"]["template"]["spec"]
 
 
@@ -523,46 +767,55 @@ CHART_USER_DEPLOYMENT_KEYS = {
     "initContainers",
     "sidecarContainers",
 }
-CHART_K8S_RUN_LAUNCHER_KEYS = {
+# The webserver's keys the chart reads (helm/dagster/templates/helpers/_deployment-webserver.tpl, _helpers.tpl).
+CHART_WEBSERVER_KEYS = {
+    "replicaCount",
     "image",
-    "imagePullPolicy",
-    "jobNamespace",
-    "loadInclusterConfig",
-    "kubeconfigFile",
+    "nameOverride",
+    "pathPrefix",
+    "service",
+    "workspace",
+    "env",
     "envConfigMaps",
     "envSecrets",
-    "envVars",
+    "deploymentLabels",
+    "labels",
+    "annotations",
+    "nodeSelector",
+    "affinity",
+    "tolerations",
+    "podSecurityContext",
+    "securityContext",
+    "resources",
+    "readinessProbe",
+    "livenessProbe",
+    "startupProbe",
+    "enableReadOnly",
+    "dbStatementTimeout",
+    "dbPoolRecycle",
+    "logLevel",
+    "schedulerName",
     "volumeMounts",
     "volumes",
-    "labels",
-    "failPodOnRunFailure",
-    "resources",
-    "schedulerName",
-    "securityContext",
-    "runK8sConfig",
-}
-CHART_RUN_K8S_CONFIG_KEYS = {
-    "containerConfig",
-    "podSpecConfig",
-    "podTemplateSpecMetadata",
-    "jobSpecConfig",
-    "jobMetadata",
+    "initContainerResources",
+    "extraContainers",
+    "extraPrependedInitContainers",
+    "checkDbReadyInitContainer",
 }
 CHART_SERVICE_ACCOUNT_KEYS = {"create", "name", "annotations"}
 
 
-def test_every_dagster_pod_of_ours_runs_locked_down_and_gets_no_api_keys():
+def test_every_dagster_pod_of_ours_runs_locked_down_and_gets_no_api_keys(tmp_path):
     values = _values()
     (deployment,) = values["dagster-user-deployments"]["deployments"]
-    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
-    assert set(deployment) <= CHART_USER_DEPLOYMENT_KEYS and set(launcher) <= CHART_K8S_RUN_LAUNCHER_KEYS
-    assert set(launcher["runK8sConfig"]) <= CHART_RUN_K8S_CONFIG_KEYS
+    assert set(deployment) <= CHART_USER_DEPLOYMENT_KEYS
+    assert set(values["dagsterWebserver"]) <= CHART_WEBSERVER_KEYS
     assert (
         set(values["serviceAccount"]) | set(values["dagster-user-deployments"]["serviceAccount"])
         <= CHART_SERVICE_ACCOUNT_KEYS
     )
     # each run's pod, as dagster-k8s builds it from these values
-    run_pod = _run_pod(values)
+    run_pod = _run_pod(values, tmp_path)
     (run_container,) = run_pod["containers"]
     _assert_locked_down(run_pod, run_container)
     # the code server: the chart puts these keys in its Deployment's pod and container as they are
@@ -592,10 +845,8 @@ def test_every_dagster_pod_of_ours_runs_locked_down_and_gets_no_api_keys():
     kubernetes_validate.validate(code_server, KUBERNETES_VERSION, strict=True)
     pod = code_server["spec"]["template"]["spec"]
     _assert_locked_down(pod, pod["containers"][0])
-    secrets = [
-        secret["name"]
-        for secret in deployment["envSecrets"] + values["runLauncher"]["config"]["k8sRunLauncher"]["envSecrets"]
-    ]
+    run_launcher = values["runLauncher"]["config"]["customRunLauncher"]["config"]
+    secrets = [secret["name"] for secret in deployment["envSecrets"]] + run_launcher["env_secrets"]
     assert API_KEYS_SECRET not in secrets
     assert not any(API_KEYS_SECRET in str(source) for source in run_container.get("envFrom", []))
     # Dagster's telemetry would write under DAGSTER_HOME, on the read-only root

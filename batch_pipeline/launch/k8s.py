@@ -5,7 +5,9 @@ a node selector, `cpus`/`memory`/`storage` → requests and limits, the job's de
 `activeDeadlineSeconds`, labels → pod labels. Image, namespace, service account, tolerations, env and
 secrets come from the deployment's config. Every pod runs with no capabilities, no privilege escalation,
 the runtime's seccomp profile, a read-only root filesystem and no service account token; as the image's
-non-root user, except the shards of a `tool_config` job (see `pod_security`). `PipesK8sClient` rather
+non-root user, except the shards of a `tool_config` job (see `pod_security` and `TOOL_SCRATCH_MODES`).
+Nothing a run's tags or config hold reaches the pod: `PipesK8sClient` builds it from these fields alone
+(dagster-k8s reads the `dagster-k8s/config` tag for run pods, never for Pipes pods). `PipesK8sClient` rather
 than `execute_k8s_job`: the worker already speaks Pipes (progress lines, stats), and the client follows the
 pod and reads its log stream.
 
@@ -76,6 +78,17 @@ SANDBOX_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETUID", "SE
 # With a read-only root filesystem, the only places the worker writes (the synced weights, vLLM's and
 # torch's caches, temp files), on the node's disk and counted in the pod's ephemeral-storage.
 SCRATCH_MOUNTS = {"tmp": "/tmp", "home": WORKER_HOME}
+WORKER_COMMAND = ["python", "-m", "batch_pipeline.worker"]
+# A tool_config pod's scratch, whose emptyDirs the kubelet makes 0777: the sandbox's uids share /tmp, so it
+# is sticky (no uid renames or removes another's files); the worker's home (caches, synced weights) is the
+# worker's alone; and the worker's temp dir (TMPDIR: the sandbox's uid leases, each execution's code and
+# captures, its working directory) is one the sandboxed uids may pass through to their own working
+# directory but neither list nor write. An init container sets the modes before the worker starts.
+WORKER_TMPDIR = "/var/lib/batch-pipeline/tmp"
+TOOL_SCRATCH_MOUNTS = {**SCRATCH_MOUNTS, "worker-tmp": WORKER_TMPDIR}
+TOOL_SCRATCH_MODES = {"/tmp": 0o1777, WORKER_HOME: 0o700, WORKER_TMPDIR: 0o711}
+# The init container's program: chmod PATH MODE (octal) for each pair of arguments.
+SET_MODES = "import os, sys; [os.chmod(path, int(mode, 8)) for path, mode in zip(sys.argv[1::2], sys.argv[2::2])]"
 JOB_ID_LABEL = LABEL_PREFIX + "job-id"
 SHARD_LABEL = LABEL_PREFIX + "shard"
 # The Dagster run that launched the pod: says whose an earlier pod of the same shard was.
@@ -180,9 +193,9 @@ class K8sShardLauncher(ShardLauncher):
         hardware: dict[str, Any] | None = None,
         run_id: str | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(metadata, spec) of the shard's pod, without the container's command and image, which the Pipes
-        client adds. Raises InvalidHardware naming the field, for sizes no pod can carry or over the
-        deployment's maxima (what was inferred from the weights too)."""
+        """(metadata, spec) of the shard's pod, to which the Pipes client adds only its name, its common
+        labels and the Pipes bootstrap environment. Raises InvalidHardware naming the field, for sizes no pod
+        can carry or over the deployment's maxima (what was inferred from the weights too)."""
         hardware = task.hardware if hardware is None else hardware
         gpu_type = hardware.get("gpu_type")
         gpus = hardware.get("gpus")
@@ -199,12 +212,16 @@ class K8sShardLauncher(ShardLauncher):
             if hardware.get(field) is not None:
                 requests[resource] = limits[resource] = kubernetes_quantity(field, hardware[field])[0]
         pod_security_context, container_security_context = pod_security(task)
+        scratch = SCRATCH_MOUNTS if task.tool_config is None else TOOL_SCRATCH_MOUNTS
+        mounts = [{"name": name, "mountPath": path} for name, path in scratch.items()]
         container: dict[str, Any] = {
             "name": "dagster-pipes-execution",
+            "image": self.image,
+            "command": list(WORKER_COMMAND),
             "imagePullPolicy": self.image_pull_policy,
             "resources": {"limits": limits, **({"requests": requests} if requests else {})},
             "securityContext": container_security_context,
-            "volumeMounts": [{"name": name, "mountPath": path} for name, path in SCRATCH_MOUNTS.items()],
+            "volumeMounts": mounts,
         }
         if self.env_secrets:
             container["envFrom"] = [{"secretRef": {"name": name}} for name in self.env_secrets]
@@ -212,12 +229,15 @@ class K8sShardLauncher(ShardLauncher):
             "containers": [container],
             "restartPolicy": "Never",
             "securityContext": pod_security_context,
-            "volumes": [{"name": name, "emptyDir": {}} for name in SCRATCH_MOUNTS],
+            "volumes": [{"name": name, "emptyDir": {}} for name in scratch],
             # the worker never calls the Kubernetes API (Pipes reads its log from outside), nor needs the
             # namespace's services as variables
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
         }
+        if task.tool_config is not None:
+            container["env"] = [{"name": "TMPDIR", "value": WORKER_TMPDIR}]  # where the sandbox's leases go
+            spec["initContainers"] = [self._scratch_modes_container(mounts)]
         if gpu_type is not None:
             if gpu_type not in self.gpu_node_selectors:
                 raise InvalidHardware(f"gpu_type: {gpu_type!r} has no node selector in this deployment")
@@ -234,6 +254,23 @@ class K8sShardLauncher(ShardLauncher):
         if run_id is not None:
             labels[RUN_ID_LABEL] = label_value(run_id)
         return {"labels": labels}, spec
+
+    def _scratch_modes_container(self, mounts: list[dict[str, str]]) -> dict[str, Any]:
+        """Sets TOOL_SCRATCH_MODES on the emptyDirs. As uid 0, their owner, it needs no capability."""
+        modes = [part for path, mode in TOOL_SCRATCH_MODES.items() for part in (path, f"{mode:o}")]
+        return {
+            "name": "scratch-modes",
+            "image": self.image,
+            "command": ["python", "-I", "-c", SET_MODES, *modes],
+            "imagePullPolicy": self.image_pull_policy,
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "privileged": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            },
+            "volumeMounts": mounts,
+        }
 
     def _kubernetes_api(self) -> Any:
         """The core API client, configured as the Pipes client configures its own."""
@@ -319,8 +356,6 @@ class K8sShardLauncher(ShardLauncher):
             )
             completed = client.run(
                 context=context,
-                image=self.image,
-                command=["python", "-m", "batch_pipeline.worker"],
                 namespace=self.namespace,
                 base_pod_meta=meta,
                 base_pod_spec=spec,
