@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import stat
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import fsspec
@@ -136,23 +138,132 @@ def atomic_write(path: str, mode: str = "w") -> Iterator[IO[Any]]:
         raise
 
 
-def iter_json_records(path: str) -> Iterator[tuple[str, Any]]:
+# --- files beneath a root, no symlink followed -----------------------------------------------------------
+# A path checked when a job is submitted is opened minutes later; a directory on the way may have been
+# swapped for a symlink since. These open `root/relative` by walking down from the root's descriptor, one
+# component at a time with O_NOFOLLOW, so the file opened is the one beneath the root or none at all.
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class SymlinkRefused(OSError):
+    """A component beneath a data root is a symlink (or not a directory where one is needed)."""
+
+
+def _components(relative: str) -> list[str]:
+    parts = [part for part in relative.split("/") if part]
+    if not parts or any(part in (".", "..") for part in parts):
+        raise ValueError(f"not a plain relative path: {relative!r}")
+    return parts
+
+
+def _directory_beneath(root: str, parts: list[str], make: bool) -> int:
+    """A descriptor of the directory `root/parts...`, made (0700) where missing when `make`."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the root itself: the operator's
+    try:
+        for part in parts:
+            try:
+                child = os.open(part, _DIRECTORY_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not make:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                child = os.open(part, _DIRECTORY_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise SymlinkRefused(exc.errno, f"{part}: a symlink or not a directory, beneath {root}") from None
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_beneath(root: str, relative: str, mode: str = "rb") -> IO[Any]:
+    """`root/relative` opened for reading, with no symlink followed beneath `root`."""
+    *directories, name = _components(relative)
+    directory = _directory_beneath(root, directories, make=False)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SymlinkRefused(exc.errno, f"{name}: a symlink, beneath {root}") from None
+        raise
+    finally:
+        os.close(directory)
+    return os.fdopen(fd, mode)
+
+
+def exists_beneath(root: str, relative: str) -> bool:
+    try:
+        open_beneath(root, relative).close()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def atomic_write_beneath(root: str, relative: str, mode: str = "w") -> Iterator[IO[Any]]:
+    """`atomic_write` of `root/relative`, its directories made where missing, no symlink followed beneath
+    `root`: the temporary file is created exclusively in the directory's descriptor and renamed over the
+    name there (a symlink at the name is replaced, not written through)."""
+    *directories, name = _components(relative)
+    directory = _directory_beneath(root, directories, make=True)
+    tmp = f".{name}.{uuid.uuid4().hex}.partial"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=directory)
+        try:
+            with os.fdopen(fd, mode) as handle:
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.rename(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+    finally:
+        os.close(directory)
+
+
+def check_writable_beneath(root: str, relative: str) -> None:
+    """`check_writable` of `root/relative`, no symlink followed beneath `root`."""
+    *directories, name = _components(relative)
+    directory = _directory_beneath(root, directories, make=True)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
+                raise IsADirectoryError(f"{name} is a directory")
+        probe = f".write-probe-{uuid.uuid4().hex}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=directory))
+        os.unlink(probe, dir_fd=directory)
+    finally:
+        os.close(directory)
+
+
+Opener = Callable[..., IO[Any]]
+
+
+def iter_json_records(path: str, opener: Opener = open_file) -> Iterator[tuple[str, Any]]:
     """Yield `(where, record)` for each request in a JSON or JSONL file, streaming.
 
     Accepted shapes: a JSON array of records, a single JSON object, or JSONL (one record per line).
-    `where` says where the record stands ("element 3", "line 4") for error messages.
+    `where` says where the record stands ("element 3", "line 4") for error messages. `opener(path, "rb")`
+    opens the file (a job's opens it beneath its data root).
     """
-    with open_file(path, "rb") as handle:
+    with opener(path, "rb") as handle:
         first = _first_significant_byte(handle)
         if first == b"[":
-            yield from _iter_array(path, handle)
+            yield from _iter_array(path, handle, opener)
         elif first == b"{":
             first_line = handle.readline()
             handle.seek(0)
             try:
                 json.loads(first_line)
             except json.JSONDecodeError:
-                yield from _iter_concatenated(path, handle)
+                yield from _iter_concatenated(path, handle, opener)
             else:
                 yield from _iter_lines(path, handle)
         elif first == b"":
@@ -174,22 +285,22 @@ def _first_significant_byte(handle: IO[bytes]) -> bytes:
         handle.seek(0)
 
 
-def _iter_array(path: str, handle: IO[bytes]) -> Iterator[tuple[str, Any]]:
+def _iter_array(path: str, handle: IO[bytes], opener: Opener) -> Iterator[tuple[str, Any]]:
     position = 0
     try:
         for position, record in enumerate(ijson.items(handle, "item", use_float=True)):
             yield f"element {position}", record
     except (ijson.JSONError, UnicodeDecodeError) as exc:
-        raise InputFileError(_locate_malformed(path, f"element {position}", exc)) from None
+        raise InputFileError(_locate_malformed(path, f"element {position}", exc, opener)) from None
 
 
-def _iter_concatenated(path: str, handle: IO[bytes]) -> Iterator[tuple[str, Any]]:
+def _iter_concatenated(path: str, handle: IO[bytes], opener: Opener) -> Iterator[tuple[str, Any]]:
     position = 0
     try:
         for position, record in enumerate(ijson.items(handle, "", multiple_values=True, use_float=True)):
             yield f"object {position}", record
     except (ijson.JSONError, UnicodeDecodeError) as exc:
-        raise InputFileError(_locate_malformed(path, f"object {position}", exc)) from None
+        raise InputFileError(_locate_malformed(path, f"object {position}", exc, opener)) from None
 
 
 def _iter_lines(path: str, handle: IO[bytes]) -> Iterator[tuple[str, Any]]:
@@ -205,11 +316,11 @@ def _iter_lines(path: str, handle: IO[bytes]) -> Iterator[tuple[str, Any]]:
         yield f"line {number}", record
 
 
-def _locate_malformed(path: str, where: str, exc: Exception) -> str:
+def _locate_malformed(path: str, where: str, exc: Exception, opener: Opener) -> str:
     """The best description of where a file stops being JSON: line and column when affordable."""
-    fs, resolved = filesystem(path)
-    if fs.size(resolved) <= _EXACT_ERROR_LOCATION_MAX_BYTES:
-        raw = fs.cat_file(resolved)
+    with opener(path, "rb") as handle:
+        raw = handle.read(_EXACT_ERROR_LOCATION_MAX_BYTES + 1)
+    if len(raw) <= _EXACT_ERROR_LOCATION_MAX_BYTES:
         try:
             text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as decode_error:

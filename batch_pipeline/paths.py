@@ -19,8 +19,10 @@ every team's and the data roots above.
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import IO, Any
 
 import fsspec
 from fsspec.core import split_protocol
@@ -145,6 +147,60 @@ class PathPolicy:
             whose = "your team's data roots" if self.confined else "the data roots this server may read and write"
             return f"outside {whose} (after .. and symlinks)"
         return None
+
+
+class DataFiles:
+    """The files a job's request names, opened as its owner's policy allows, when they are used.
+
+    A local path under a data root is opened beneath that root with no symlink followed (io's `*_beneath`):
+    what the policy checked at submission is what is opened, and a directory swapped for a symlink since is
+    refused rather than written through. Other paths (object stores, the job's own work dir, a policy with
+    no roots) are opened as they are.
+    """
+
+    def __init__(self, policy: PathPolicy, own_dir: str | None = None) -> None:
+        self.policy = policy
+        self.own_dir = own_dir
+
+    @classmethod
+    def for_owner(cls, owner: str | None, own_dir: str | None = None) -> DataFiles:
+        return cls(PathPolicy.for_owner(owner), own_dir)
+
+    def beneath(self, path: str) -> tuple[str, str] | None:
+        """(resolved root, path relative to it) for a local path under a root, or None to open it as it is.
+        Raises PermissionError for a local path under none of the roots, whatever it now resolves to."""
+        if not io.is_local(path) or _inside(path, self.own_dir) or not (self.policy.roots or self.policy.confined):
+            return None
+        written = os.path.normpath(_without_local_prefix(path))
+        # The first prefix that is a root (or resolves to one: a root reached through a link of the
+        # operator's); everything below it is walked with no symlink followed.
+        parts = written.split("/")
+        for cut in range(1, len(parts)):
+            prefix = "/".join(parts[:cut]) or "/"
+            real = Path(prefix).resolve()
+            if real in self.policy.roots:
+                return str(real), "/".join(parts[cut:])
+        raise PermissionError(f"{path}: outside the data roots")
+
+    def open(self, path: str, mode: str = "rb") -> IO[Any]:
+        if (found := self.beneath(path)) is None:
+            return io.open_file(path, mode)
+        return io.open_beneath(*found, mode=mode)
+
+    def exists(self, path: str) -> bool:
+        if (found := self.beneath(path)) is None:
+            return io.exists(path)
+        return io.exists_beneath(*found)
+
+    def check_writable(self, path: str) -> None:
+        if (found := self.beneath(path)) is None:
+            return io.check_writable(path)
+        return io.check_writable_beneath(*found)
+
+    def atomic_write(self, path: str, mode: str = "w") -> AbstractContextManager[IO[Any]]:
+        if (found := self.beneath(path)) is None:
+            return io.atomic_write(path, mode)
+        return io.atomic_write_beneath(*found, mode=mode)
 
 
 def request_path_refusals(request, owner: str | None, own_dir: str | None = None) -> list[tuple[str, str]]:

@@ -344,21 +344,21 @@ class MissingResult(RuntimeError):
     pass
 
 
-def write_output_array(path: str, results: Iterable[tuple[int, str]], expected: int) -> int:
-    """Write `(index, output JSON)` pairs, which must run 0, 1, ..., expected - 1, as one JSON array,
-    atomically. Raises MissingResult at a gap or a short count, and then leaves no file."""
+def write_output_array(output: IO[str], results: Iterable[tuple[int, str]], expected: int) -> int:
+    """Write `(index, output JSON)` pairs, which must run 0, 1, ..., expected - 1, as one JSON array into
+    `output` (an atomic write's handle). Raises MissingResult at a gap or a short count, so that the atomic
+    write leaves no file."""
     written = 0
-    with io.atomic_write(path, "w") as output:
-        output.write("[")
-        for index, payload in results:
-            if index != written:
-                raise MissingResult(f"no result for request {written}")
-            output.write(",\n" if written else "\n")
-            output.write(payload)
-            written += 1
-        if written != expected:
-            raise MissingResult(f"{written} results, expected {expected}")
-        output.write("\n]\n")
+    output.write("[")
+    for index, payload in results:
+        if index != written:
+            raise MissingResult(f"no result for request {written}")
+        output.write(",\n" if written else "\n")
+        output.write(payload)
+        written += 1
+    if written != expected:
+        raise MissingResult(f"{written} results, expected {expected}")
+    output.write("\n]\n")
     return written
 
 

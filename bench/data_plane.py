@@ -54,11 +54,13 @@ def plan(input_path: str, work_dir: str, shards: int) -> dict:
 
 
 def merge(work_dir: str, output_path: str, expected: int) -> dict:
+    from batch_pipeline import io
     from batch_pipeline.shards import merge_sorted_outputs, shard_directories, write_output_array
 
     started = time.perf_counter()
     outputs = [f"{directory}/output.tsv" for directory in shard_directories(work_dir)]
-    written = write_output_array(output_path, merge_sorted_outputs(outputs), expected)
+    with io.atomic_write(output_path) as output:
+        written = write_output_array(output, merge_sorted_outputs(outputs), expected)
     return {"seconds": time.perf_counter() - started, "items": written}
 
 

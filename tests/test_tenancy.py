@@ -15,9 +15,12 @@ from fastapi.testclient import TestClient
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
+from batch_pipeline.io import SymlinkRefused
 from batch_pipeline.jobs_store import JobStore
+from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.tenants import Tenants, TenantsFileError
+from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL
 
 # Keys may hold any character: a colon, a space, non-ASCII.
@@ -258,3 +261,82 @@ def test_the_service_refuses_to_start_with_its_files_inside_a_teams_root(teams, 
     monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", str(teams["b"] / "work"))
     with pytest.raises(TenantsFileError, match="work dir .* overlaps the data roots of team-b"):
         create_app(BatchJobService(JobStore("sqlite://"), dg.DagsterInstance.ephemeral(), JobStorage()))
+
+
+# --- what was checked is what is opened: no symlink followed beneath a data root -------------------------
+
+
+@pytest.fixture
+def data_root(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    (root / "out").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(root))
+    return root, outside
+
+
+def test_files_are_written_and_read_beneath_the_root(data_root):
+    root, _ = data_root
+    files = DataFiles.for_owner(None)
+    with files.atomic_write(str(root / "out" / "new" / "result.json")) as handle:
+        handle.write("[]")
+    assert (root / "out" / "new" / "result.json").read_text() == "[]"
+    assert files.exists(str(root / "out" / "new" / "result.json"))
+    with files.open(str(root / "out" / "new" / "result.json")) as handle:
+        assert handle.read() == b"[]"
+    files.check_writable(str(root / "out" / "other.json"))
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_written_through(data_root):
+    root, outside = data_root
+    target = root / "out" / "dir" / "result.json"
+    files = DataFiles.for_owner(None)
+    files.check_writable(str(target))  # the check a job makes when it starts
+    (root / "out" / "dir").rename(root / "out" / "dir.old")
+    (root / "out" / "dir").symlink_to(outside)  # ...and the swap while it runs
+    with pytest.raises(SymlinkRefused):
+        with files.atomic_write(str(target)) as handle:
+            handle.write("[]")
+    with pytest.raises(SymlinkRefused):
+        files.open(str(target))
+    assert list(outside.iterdir()) == []
+
+
+def test_a_file_swapped_for_a_symlink_is_replaced_not_written_through_and_not_read(data_root):
+    root, outside = data_root
+    (outside / "secret.json").write_text("other team's")
+    link = root / "out" / "result.json"
+    link.symlink_to(outside / "secret.json")
+    files = DataFiles.for_owner(None)
+    with pytest.raises(SymlinkRefused):
+        files.open(str(link))
+    with files.atomic_write(str(link)) as handle:
+        handle.write("[]")
+    assert not link.is_symlink() and link.read_text() == "[]"
+    assert (outside / "secret.json").read_text() == "other team's"
+
+
+@pytest.mark.slow
+def test_a_running_jobs_output_directory_swapped_for_a_symlink_fails_the_job_and_writes_nothing_outside(
+    deployment_factory, data_root
+):
+    root, outside = data_root
+    api = deployment_factory(max_concurrent_runs=1)
+    api.start_daemon()
+    output = root / "out" / "dir" / "result.json"
+    body = {
+        "output_data_path": str(output),
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["Once upon a time"] * 4, "max_new_tokens": 8, "temperature": 0.5},
+    }
+    job_id = api.client.post("/v2/batch-completions", json=body, headers={"x-api-key": USER_KEY}).json()["job_id"]
+    # Planned: validate_input checked the output's directory (and made it); the engine is still starting.
+    api.wait_for(job_id, lambda job: int(job["metadata"].get("requests_total", "0")) > 0, timeout=120)
+    (root / "out" / "dir").rename(root / "out" / "dir.checked")
+    (root / "out" / "dir").symlink_to(outside)
+
+    job = api.wait_for(job_id, lambda job: job["status"] in ("completed", "failed"), timeout=400)
+    assert job["status"] == "failed"
+    assert "output_data_path" in job["metadata"]["failure_reason"]
+    assert list(outside.iterdir()) == []

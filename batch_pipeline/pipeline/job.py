@@ -20,7 +20,7 @@ from batch_pipeline.contract.records import RecordError, describe_validation_err
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.launch import ShardLauncher, ShardResult
 from batch_pipeline.openai_batches import finalize_batch
-from batch_pipeline.paths import metadata_path
+from batch_pipeline.paths import DataFiles, metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
@@ -72,6 +72,14 @@ def current_job_id(context: OpExecutionContext) -> str:
     return job_id_of(context.instance, context.instance.get_run_by_id(context.run_id) or context.run)
 
 
+def job_data_files(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> DataFiles:
+    """How this job opens the files its request names: beneath its team's data roots (the job's owner's),
+    at the moment it opens them."""
+    job_id = current_job_id(context)
+    record = job_store.get_store().get(job_id)
+    return DataFiles.for_owner(record.owner if record is not None else DAGSTER_OWNER, job_storage.work_dir(job_id))
+
+
 def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> float:
     """The job's deadline in epoch seconds: its expires_at, carried by every run of the job (retries copy
     the tag). A run with no job record behind it (a test's `execute_request`) counts from its own start."""
@@ -102,10 +110,14 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
         raise dg.Failure(str(exc)) from None
     except InvalidPriority as exc:
         raise dg.Failure(f"priority: {exc}") from None
-    if request.input_data_path is not None and not io.exists(request.input_data_path):
-        raise dg.Failure(f"input_data_path: no file at {request.input_data_path}")
+    files = DataFiles.for_owner(owner, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
     try:
-        io.check_writable(request.output_data_path)
+        if request.input_data_path is not None and not files.exists(request.input_data_path):
+            raise dg.Failure(f"input_data_path: no file at {request.input_data_path}")
+    except OSError as exc:
+        raise dg.Failure(f"input_data_path: cannot read {request.input_data_path}: {exc}") from None
+    try:
+        files.check_writable(request.output_data_path)
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {request.output_data_path}: {exc}") from None
     if request.content_path is not None:
@@ -173,12 +185,17 @@ def plan_shards(
     work_dir = job_storage.work_dir(job_id)
     settings = PlanningSettings.from_environment(shard_launcher.shard_slots())
     try:
-        plan, items = plan_shard_count(work_items(_records(request)), request.data_parallelism or 1, settings)
+        records = _records(request, job_data_files(context, job_store, job_storage))
+        plan, items = plan_shard_count(work_items(records), request.data_parallelism or 1, settings)
         # A tool loop runs code whose output may change between runs: its requests are never merged.
         deduplicate = settings.deduplicate and request.tool_config is None
         shards = write_shards(items, plan.used, work_dir, deduplicate=deduplicate)
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
+    except io.SymlinkRefused as exc:
+        raise dg.Failure(
+            f"input_data_path: cannot read {request.input_data_path}: {exc}", allow_retries=False
+        ) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
     job_store.get_store().record_shards(job_id, {shard.shard_index: shard.item_count for shard in shards})
@@ -210,7 +227,7 @@ def plan_shards(
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
 
 
-def _records(request: StoredRequest) -> Iterator[tuple[str, Any]]:
+def _records(request: StoredRequest, files: DataFiles) -> Iterator[tuple[str, Any]]:
     """(where the record is, the record) of each record of the request, raw, as a file would hold it."""
     if request.content_path is not None:  # content sent inline, written at submission
         return (
@@ -218,7 +235,7 @@ def _records(request: StoredRequest) -> Iterator[tuple[str, Any]]:
             for position, (_, record) in enumerate(io.iter_json_records(request.content_path))
         )
     if request.input_data_path is not None:
-        return io.iter_json_records(request.input_data_path)
+        return io.iter_json_records(request.input_data_path, files.open)
     content = request.model_dump(mode="json", by_alias=True, include={"content"})["content"]
     if isinstance(content, dict):
         return iter([("content", content)])
@@ -263,14 +280,19 @@ def run_shard(
 
 @dg.op(description="Merge the shard outputs in input order into one JSON array at output_data_path.")
 def merge_outputs(
-    context: OpExecutionContext, request: StoredRequest, shard_results: list[ShardResult]
+    context: OpExecutionContext,
+    request: StoredRequest,
+    shard_results: list[ShardResult],
+    job_store: JobStoreResource,
+    job_storage: JobStorage,
 ) -> MergedOutput:
     specs = sorted((result.task.shard for result in shard_results), key=lambda spec: spec.shard_index)
     expected = sum(spec.item_count for spec in specs)
     output_path = request.output_data_path
     started = time.monotonic()
     try:
-        written = write_output_array(output_path, merge_sorted_outputs([spec.output_path for spec in specs]), expected)
+        with job_data_files(context, job_store, job_storage).atomic_write(output_path) as output:
+            written = write_output_array(output, merge_sorted_outputs([spec.output_path for spec in specs]), expected)
     except MissingResult as exc:
         raise dg.Failure(f"shard outputs are incomplete: {exc}") from None
     except OSError as exc:
@@ -311,6 +333,7 @@ def write_job_metadata(
     shard_results: list[ShardResult],
     plan: PlanSummary,
     job_store: JobStoreResource,
+    job_storage: JobStorage,
 ) -> dict:
     shard_results = sorted(shard_results, key=lambda result: result.stats.shard_index)
     stats = [result.stats for result in shard_results]
@@ -339,7 +362,7 @@ def write_job_metadata(
         "tool_config": next((s.tool_config for s in stats if s.tool_config), None),
         "shards": shards,
     }
-    with io.atomic_write(metadata_path(merged.output_data_path), "w") as handle:
+    with job_data_files(context, job_store, job_storage).atomic_write(metadata_path(merged.output_data_path)) as handle:
         json.dump(metadata, handle, indent=2)
     context.add_output_metadata(
         {key: value for key, value in metadata.items() if key != "shards"} | {"shards": dg.MetadataValue.json(shards)}

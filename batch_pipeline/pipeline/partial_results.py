@@ -10,11 +10,10 @@ import json
 import dagster as dg
 from dagster import OpExecutionContext
 
-from batch_pipeline import io
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
 from batch_pipeline.jobs_store import JobRecord
 from batch_pipeline.openai_batches import expired, finalize_batch
-from batch_pipeline.paths import metadata_path
+from batch_pipeline.paths import DataFiles, metadata_path
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.shards import partial_outputs, progress, write_output_array
 
@@ -47,7 +46,9 @@ def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResou
     done, total = progress(work_dir)
     output_path = record.request["output_data_path"]
     missing = json.dumps(ErrorOutput(error=ErrorDetail(code=config["code"], message=config["reason"])).model_dump())
-    write_output_array(output_path, partial_outputs(work_dir, lambda _: missing), total)
+    files = DataFiles.for_owner(record.owner, own_dir=work_dir)
+    with files.atomic_write(output_path) as output:
+        write_output_array(output, partial_outputs(work_dir, lambda _: missing), total)
     summary = {
         "job_id": record.job_id,
         "dagster_run_id": config["run_id"],
@@ -57,7 +58,7 @@ def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResou
         "num_unfinished": total - done,
         "reason": config["reason"],
     }
-    with io.atomic_write(metadata_path(output_path), "w") as handle:
+    with files.atomic_write(metadata_path(output_path)) as handle:
         json.dump(summary, handle, indent=2)
     store.record_results(record.job_id, config["run_id"], summary)
     finalize_batch(store, record.job_id, output_path, work_dir, job_storage.files_dir(), expired=expired(record))
