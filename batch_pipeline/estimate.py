@@ -18,11 +18,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import resource
 import statistics
+import threading
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -50,6 +53,9 @@ _TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
 # Dry runs at once in this process: each holds a thread (and a child process) for as long as its input takes.
 _slots = SlotsSizedBySetting(lambda configured: configured.max_concurrent_dry_runs)
+# The team a dry run is for (`Caller.owner`), set by the API as it authenticates the request: a team takes at
+# most its share of the slots, so that two slow chat templates of one team leave the others a slot.
+requesting_team: ContextVar[str | None] = ContextVar("requesting_team", default=None)
 # What the checking child needs, imported once by the forkserver it forks from rather than by each child.
 _CHILD_PRELOAD = [
     "batch_pipeline.estimate",
@@ -62,18 +68,60 @@ class DryRunsBusy(RuntimeError):
     """As many dry runs as this process takes at once are in progress."""
 
 
+class _TeamShares:
+    """How many dry-run slots each team holds in this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def take(self, team: str, share: int) -> bool:
+        with self._lock:
+            if self._held.get(team, 0) >= share:
+                return False
+            self._held[team] = self._held.get(team, 0) + 1
+            return True
+
+    def give_back(self, team: str) -> None:
+        with self._lock:
+            self._held[team] -= 1
+            if not self._held[team]:
+                del self._held[team]
+
+
+_team_shares = _TeamShares()
+
+
+def team_share(slots: int, configured_share: int | None) -> int:
+    """The dry-run slots one team may hold: the setting, or half of them rounded up (one of two, the
+    default), so that another team finds at least one free whatever one team sends."""
+    return configured_share if configured_share is not None else math.ceil(slots / 2)
+
+
 def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]]) -> BatchCompletionsEstimate:
     """The dry run of a request whose paths and fields `check_servable` accepted. `history` is the model's
     completed jobs' figures, newest first (`JobStore.completed_figures`). Raises UnservableRequest naming
     the field for what makes the whole job fail (an unreadable input, a model with no tokenizer here), and
     DryRunsBusy when the process runs as many dry runs as it takes."""
-    slots = _slots.semaphore()
-    if not slots.acquire(blocking=False):
-        raise DryRunsBusy(f"{settings().max_concurrent_dry_runs} dry runs are in progress here; try again shortly")
+    configured = settings()
+    team = requesting_team.get()
+    share = team_share(configured.max_concurrent_dry_runs, configured.max_dry_runs_per_team)
+    if team is not None and share and not _team_shares.take(team, share):
+        raise DryRunsBusy(
+            f"your team has {share} dry runs in progress here, its share of the {configured.max_concurrent_dry_runs} "
+            "this server runs at once (BATCH_PIPELINE_MAX_DRY_RUNS_PER_TEAM); try again when one has answered"
+        )
     try:
-        counts, context_length = _counted_apart(request)
+        slots = _slots.semaphore()
+        if not slots.acquire(blocking=False):
+            raise DryRunsBusy(f"{configured.max_concurrent_dry_runs} dry runs are in progress here; try again shortly")
+        try:
+            counts, context_length = _counted_apart(request)
+        finally:
+            slots.release()
     finally:
-        slots.release()
+        if team is not None and share:
+            _team_shares.give_back(team)
     return BatchCompletionsEstimate(
         model=request.model_cfg.model,
         context_length=context_length,

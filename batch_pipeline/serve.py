@@ -45,15 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     _create_storage()
     bin_dir = Path(sys.executable).parent
     commands = {
-        "api": [
-            str(bin_dir / "uvicorn"),
-            "--factory",
-            "batch_pipeline.api.app:create_app",
-            "--host",
-            args.host,
-            "--port",
-            str(args.port),
-        ],
+        "api": api_command(args.host, args.port),
         "dagster-webserver": [
             str(bin_dir / "dagster-webserver"),
             "-w",
@@ -87,6 +79,23 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.5)
     return _stop_all(processes)
+
+
+def api_command(host: str, port: int) -> list[str]:
+    """The API's uvicorn command line. Its HTTP protocol is uvicorn's own plus a bound on the time a client
+    takes to send a request's head (BATCH_PIPELINE_HEADER_TIMEOUT_S): uvicorn has none, and a client
+    sending a header a minute would hold its connection for ever."""
+    return [
+        str(Path(sys.executable).parent / "uvicorn"),
+        "--factory",
+        "batch_pipeline.api.app:create_app",
+        "--http",
+        "batch_pipeline.api.limits:HTTPProtocolWithHeadTimeout",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
 
 
 def _create_storage() -> None:

@@ -84,6 +84,32 @@ class Settings(_EnvironmentSettings):
         100_000, description="Most requests in an OpenAI batch's input file (OpenAI's limit is 50,000)"
     )
     max_concurrent_dry_runs: int = Field(2, ge=0, description="Dry runs an API process runs at once; more get 429")
+    # What one team or one client may hold of an API process (no team can stop the others)
+    max_dry_runs_per_team: int | None = Field(
+        None,
+        ge=1,
+        description="Dry runs one team may run at once in an API process; more get 429 "
+        "(unset: half of `BATCH_PIPELINE_MAX_CONCURRENT_DRY_RUNS`, rounded up)",
+    )
+    max_large_bodies_per_team: int = Field(
+        4,
+        ge=1,
+        description="Bodies over 8 MB one team may have in an API process at once, arriving, waiting or parsing; "
+        "more get 429. A team parses at most half of the large-body slots at once (rounded up), and a freed "
+        "slot goes to the next team in turn",
+    )
+    header_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="Seconds a client has to send a request's line and headers, from connecting or from the last "
+        "response; then the connection is closed (`serve` runs uvicorn with this bound; uvicorn has none)",
+    )
+    body_idle_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a request body may pause between chunks; then a 408 and the connection closed"
+    )
+    body_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a whole request body may take to arrive; then a 408 and the connection closed"
+    )
     dry_run_timeout_s: float = Field(
         300.0, gt=0, description="Seconds a dry run may take to read, render and tokenize its requests; then a 422"
     )

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from batch_pipeline.api import openai_routes
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
-from batch_pipeline.api.limits import BodySizeLimit
+from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, LargeBodySlots
 from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.openai_service import OpenAIBatchService, max_file_bytes
 from batch_pipeline.api.service import BatchJobService, IdempotencyConflict, JobNotFound, UnservableRequest
@@ -206,7 +206,9 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     app.state.api_keys = keys or ApiKeys.from_environment()
     app.include_router(router)
     app.include_router(openai_routes.router)
+    app.state.large_body_slots = LargeBodySlots.from_settings()
     app.add_middleware(BodySizeLimit, larger={"/v1/files": max_file_bytes()})
+    app.add_middleware(BodyTimeouts)  # outermost: it bounds the client's receive that the others read
     openai_routes.add_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)

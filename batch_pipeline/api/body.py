@@ -13,7 +13,8 @@ import tempfile
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+import anyio
+from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
@@ -21,16 +22,17 @@ from pydantic_core import ErrorDetails
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from batch_pipeline.api.limits import LargeBodySlots, TeamBusy
 from batch_pipeline.contract.base import WireModel
-from batch_pipeline.settings import SlotsSizedBySetting
+from batch_pipeline.estimate import requesting_team
 
 # Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file.
 SPOOL_IN_MEMORY_BYTES = 1024 * 1024
 # A parsed body costs a few times its size (its model, the stored JSON): bodies over LARGE_BODY_BYTES are
-# parsed and handled this many at a time, so concurrent large POSTs queue instead of adding up past the
-# pod's memory limit; small ones never wait.
+# parsed and handled in a few slots (BATCH_PIPELINE_MAX_CONCURRENT_LARGE_BODIES), shared fairly between
+# teams (api/limits.py), so concurrent large POSTs queue instead of adding up past the pod's memory limit;
+# small ones never wait. pydantic holds the GIL while it validates: more parsing threads would add no speed.
 LARGE_BODY_BYTES = 8 * 1024 * 1024
-_large_body_slots = SlotsSizedBySetting(lambda configured: configured.max_concurrent_large_bodies)
 
 
 class WireBodyRoute(APIRoute):
@@ -47,23 +49,78 @@ class WireBodyRoute(APIRoute):
             if not _declares_json(request):
                 return await handler(request)  # FastAPI's answer to a body that is not JSON
             # The caller is known before the body is read: no one without a key makes the API parse 64 MB.
-            request.app.state.api_keys.authenticate(request)
+            team = request.app.state.api_keys.authenticate(request).owner
+            requesting_team.set(team)  # whose share a dry run takes (estimate.py); the route runs in a copy
+            large_bodies: LargeBodySlots = request.app.state.large_body_slots
             with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
+                body = _LargeBodyPlace(large_bodies, team)
                 try:
-                    size = await _receive_into(spool, request)
+                    if _declared_length(request) > LARGE_BODY_BYTES:
+                        body.enter()  # before any of it is read
+                    await _receive_into(spool, request, body)
+                    if body.refused is not None:
+                        raise HTTPException(status_code=429, detail=body.refused, headers={"Retry-After": "5"})
+                    if not body.entered:
+                        parsed = await run_in_threadpool(_parse_spooled, spool, model)
+                        return await handler(_ParsedBodyRequest(request, parsed))
+                    if not await _slot_unless_client_leaves(large_bodies, team, request):
+                        return Response(status_code=400)  # the client left while it waited; no one reads this
+                    try:
+                        parsed = await run_in_threadpool(_parse_spooled, spool, model)
+                        return await handler(_ParsedBodyRequest(request, parsed))
+                    finally:
+                        large_bodies.release(team)
                 except ClientDisconnect:
-                    return Response(status_code=400)  # the client left (or the size limit answered 413)
-                slots = _large_body_slots.semaphore() if size > LARGE_BODY_BYTES else None
-                if slots is not None:  # waited for in a worker thread: the event loop and /healthz go on
-                    await run_in_threadpool(slots.acquire)
-                try:
-                    parsed = await run_in_threadpool(_parse_spooled, spool, model)
-                    return await handler(_ParsedBodyRequest(request, parsed))
+                    return Response(status_code=400)  # the client left (or a size or time limit answered)
                 finally:
-                    if slots is not None:
-                        slots.release()
+                    body.leave()
 
         return parse_then_handle
+
+
+class _LargeBodyPlace:
+    """A body's place among its team's large bodies, taken once it is known to be large: from its declared
+    length, or once as many bytes have arrived. Refused, the rest of the body is read and dropped, then
+    answered 429: answered before it is read, a client still sending could see its connection reset."""
+
+    def __init__(self, slots: LargeBodySlots, team: str) -> None:
+        self.slots = slots
+        self.team = team
+        self.entered = False
+        self.refused: str | None = None
+
+    def enter(self) -> None:
+        if self.entered or self.refused is not None:
+            return
+        try:
+            self.slots.enter(self.team)
+        except TeamBusy as exc:
+            self.refused = str(exc)
+        else:
+            self.entered = True
+
+    def leave(self) -> None:
+        if self.entered:
+            self.slots.leave(self.team)
+            self.entered = False
+
+
+async def _slot_unless_client_leaves(slots: LargeBodySlots, team: str, request: Request) -> bool:
+    """Waits on the event loop for one of the large-body slots; False, holding none, if the client leaves
+    first (its place and its turn then go to the next)."""
+    got_slot = False
+    async with anyio.create_task_group() as waiting:
+
+        async def until_client_leaves() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            waiting.cancel_scope.cancel()
+
+        waiting.start_soon(until_client_leaves)
+        await slots.acquire(team)
+        got_slot = True
+        waiting.cancel_scope.cancel()
+    return got_slot
 
 
 def parse_json_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
@@ -104,12 +161,20 @@ class _ParsedBodyRequest(Request):
         return self._parsed
 
 
-async def _receive_into(spool: Any, request: Request) -> int:
+async def _receive_into(spool: Any, request: Request, body: _LargeBodyPlace) -> int:
     size = 0
     async for chunk in request.stream():
-        spool.write(chunk)
         size += len(chunk)
+        if size > LARGE_BODY_BYTES:
+            body.enter()
+        if body.refused is None:
+            spool.write(chunk)
     return size
+
+
+def _declared_length(request: Request) -> int:
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else 0
 
 
 def _parse_spooled(spool: Any, model: type[BaseModel]) -> BaseModel:

@@ -1,8 +1,21 @@
-"""A cap on request bodies: a client cannot make the API buffer an unbounded body."""
+"""Limits on what one client or one team can hold of the API: a body's size, a slow client's connection,
+and the slots large bodies are parsed in.
+
+uvicorn bounds neither the time a client takes to send a request's head nor its body: the head is bounded by
+`HTTPProtocolWithHeadTimeout` (serve.py runs uvicorn with it), the body by `BodyTimeouts`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import math
+import threading
+from collections import deque
+from typing import Any
+
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from batch_pipeline.settings import settings
 
@@ -62,3 +75,233 @@ class BodySizeLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+class BodyTimeouts:
+    """Answers 408 and closes the connection when a request body pauses longer than `idle_s` between chunks
+    or takes longer than `total_s` in all: a client trickling a body cannot hold a connection (and whatever
+    the route holds while it reads) for ever. To the app, such a client has gone."""
+
+    def __init__(self, app: ASGIApp, idle_s: float | None = None, total_s: float | None = None) -> None:
+        self.app = app
+        configured = settings()
+        self.idle_s = idle_s or configured.body_idle_timeout_s
+        self.total_s = total_s or configured.body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = anyio.current_time() + self.total_s
+        body_complete = False
+        timed_out = False
+        response_started = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_complete, timed_out
+            if timed_out:
+                return {"type": "http.disconnect"}
+            if body_complete:  # waiting for the client to leave (a route watching for it): no bound
+                return await receive()
+            with anyio.move_on_after(min(self.idle_s, max(0.0, deadline - anyio.current_time()))):
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    body_complete = True
+                return message
+            timed_out = True
+            if not response_started:
+                await _answer(send, 408, b'{"detail":"the request body did not arrive in time"}', close=True)
+            return {"type": "http.disconnect"}
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if timed_out:
+                return
+            response_started = True
+            await send(message)
+
+        await self.app(scope, timed_receive, guarded_send)
+
+
+async def _answer(send: Send, status: int, body: bytes, close: bool = False) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:  # uvicorn closes the connection after a response that says so
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _HeadTimeout:
+    """Closes a connection whose client has not sent a whole request head (request line and headers) within
+    BATCH_PIPELINE_HEADER_TIMEOUT_S of connecting, or of the previous response (slowloris). uvicorn's own
+    keep-alive timeout only runs between a response and the next request's first byte."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._head_timeout_s = settings().header_timeout_s
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        self._arm_head_deadline()  # before: a pipelined request already read is started by the call below
+        super().on_response_complete()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(self._head_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        # A request whose head arrived (the newest cycle) is the app's and the body timeouts' to bound.
+        waiting_for_a_head = self.cycle is None or self.cycle.response_complete
+        if waiting_for_a_head and not self.transport.is_closing():
+            self.transport.close()
+
+
+class H11WithHeadTimeout(_HeadTimeout, H11Protocol):
+    pass
+
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # uvicorn picks h11 without httptools, and so do we
+    HTTPProtocolWithHeadTimeout: type[asyncio.Protocol] = H11WithHeadTimeout
+else:
+
+    class HttpToolsWithHeadTimeout(_HeadTimeout, HttpToolsProtocol):
+        pass
+
+    HTTPProtocolWithHeadTimeout = HttpToolsWithHeadTimeout
+
+
+class TeamBusy(Exception):
+    """The team already has as many large bodies in this process as it may."""
+
+
+class _Waiter:
+    def __init__(self) -> None:
+        self.woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.granted = False  # set under the lock, when a slot is taken for it
+
+
+class LargeBodySlots:
+    """The slots bodies over 8 MiB are parsed in, shared between teams, waited for on the event loop (never in
+    a worker thread: 40 threads waiting for one slot once left none to parse it, and every `def` route hung).
+
+    A team has at most `per_team` large bodies here at once, arriving, waiting or parsing (`enter`; beyond it,
+    TeamBusy); of the `slots`, a team holds at most half, rounded up; a freed slot goes to the next team in
+    turn that waits, so one team's queue never stands in front of another team's body. Thread-safe: the
+    state is guarded by a lock, and a waiter is woken on its own event loop."""
+
+    def __init__(self, slots: int, per_team: int) -> None:
+        self.slots = slots
+        self.per_team = per_team
+        self.held_per_team = math.ceil(slots / 2)
+        self._lock = threading.Lock()
+        self._free = slots
+        self._entered: dict[str, int] = {}
+        self._held: dict[str, int] = {}
+        self._waiting: dict[str, deque[_Waiter]] = {}
+        self._turns: deque[str] = deque()  # teams with waiters, the next to be served first
+
+    @classmethod
+    def from_settings(cls) -> LargeBodySlots:
+        configured = settings()
+        return cls(configured.max_concurrent_large_bodies, configured.max_large_bodies_per_team)
+
+    def enter(self, team: str) -> None:
+        with self._lock:
+            if self._entered.get(team, 0) >= self.per_team:
+                raise TeamBusy(
+                    f"your team has {self.per_team} bodies over 8 MiB in progress here "
+                    "(BATCH_PIPELINE_MAX_LARGE_BODIES_PER_TEAM); send this one again when one is answered"
+                )
+            self._entered[team] = self._entered.get(team, 0) + 1
+
+    def leave(self, team: str) -> None:
+        with self._lock:
+            self._entered[team] -= 1
+            if not self._entered[team]:
+                del self._entered[team]
+
+    async def acquire(self, team: str) -> None:
+        """A slot for `team`, once it is the team's turn. Cancelled (the client left), it frees its place."""
+        with self._lock:
+            if self._free and self._held.get(team, 0) < self.held_per_team:
+                self._take(team)
+                return
+            waiter = _Waiter()
+            self._waiting.setdefault(team, deque()).append(waiter)
+            if team not in self._turns:
+                self._turns.append(team)
+        try:
+            await waiter.woken
+        except asyncio.CancelledError:
+            with self._lock:
+                if not waiter.granted:
+                    self._forget(team, waiter)
+            if waiter.granted:  # given a slot as it was cancelled: the slot goes to the next in turn
+                self.release(team)
+            raise
+
+    def release(self, team: str) -> None:
+        with self._lock:
+            self._held[team] -= 1
+            if not self._held[team]:
+                del self._held[team]
+            self._free += 1
+            self._hand_on()
+
+    def counts(self, team: str) -> tuple[int, int, int]:
+        """The team's large bodies here, slots held and bodies waiting for one."""
+        with self._lock:
+            return self._entered.get(team, 0), self._held.get(team, 0), len(self._waiting.get(team, ()))
+
+    def _take(self, team: str) -> None:
+        self._free -= 1
+        self._held[team] = self._held.get(team, 0) + 1
+
+    def _forget(self, team: str, waiter: _Waiter) -> None:
+        queue = self._waiting.get(team)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            if not queue:
+                del self._waiting[team]
+                self._turns.remove(team)
+
+    def _hand_on(self) -> None:
+        """Free slots to waiting teams in turn, each within its share (called with the lock held)."""
+        passed = 0  # teams looked at in a row that could take nothing
+        while self._free and self._turns and passed < len(self._turns):
+            team = self._turns.popleft()
+            queue = self._waiting[team]
+            if self._held.get(team, 0) < self.held_per_team:
+                waiter = queue.popleft()
+                try:
+                    waiter.woken.get_loop().call_soon_threadsafe(_wake, waiter.woken)
+                except RuntimeError:  # its event loop has closed: no one waits there any more
+                    pass
+                else:
+                    self._take(team)
+                    waiter.granted = True
+                    passed = 0
+            else:
+                passed += 1
+            if queue:
+                self._turns.append(team)  # its next body waits for the team's next turn
+            else:
+                del self._waiting[team]
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
