@@ -15,23 +15,38 @@ the kernel's high-water mark (`VmHWM`, reset after idle), so no short peak is mi
 per body byte = (peak - idle) / (concurrency x body bytes). `--repeat` rounds, the systems alternated;
 the report is medians and min-max, and ours / fastapi_default of the medians. Linux only (/proc). Writes
 bench/results/api_memory-<time>.json (or `--out`).
+
+    .venv/bin/python bench/api_memory.py --labels [--jobs 100] [--huge-jobs 6] [--label-mib 25] [--lists 3]
+
+The label cases, ours only, each in a fresh process: `huge`, `--huge-jobs` POSTs each with one label of
+`--label-mib` MiB (before labels were bounded, six such jobs made a LIST answer 150 MiB and the API grow
+from 0.35 to 1.1 GB; now each is a 422); `largest_ascii` and `largest_wide`, `--jobs` jobs with the largest
+labels allowed (64 pairs of 64 and 512 characters), ASCII or of 4-byte characters (the most JSON bytes a
+label can take). For each: the RSS at rest, then the peak over the POSTs and over `--lists` LISTs of every
+job, as ratios to the RSS at rest. Writes bench/results/api_memory_labels-<time>.json (or `--out`).
 """
 
 import argparse
+import contextlib
 import json
 import os
+import random
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 from served import free_port, wait_until_healthy
+
+from batch_pipeline.contract.labels import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -40,6 +55,7 @@ SYSTEMS = {
     "fastapi_default": ["--app-dir", str(Path(__file__).parent), "api_memory:fastapi_default_app"],
 }
 HEALTHZ_INTERVAL_S = 0.05
+MAX_LIST_LIMIT = 1000  # the most jobs a LIST page holds
 # Compared as ours / fastapi_default, medians over the rounds.
 METRICS = (
     "idle_rss_mb",
@@ -97,14 +113,15 @@ def measure(system: str, body: bytes, concurrency: int) -> dict:
         return measure_in(system, body, concurrency, home)
 
 
-def measure_in(system: str, body: bytes, concurrency: int, home: str) -> dict:
+@contextlib.contextmanager
+def serving(system: str, home: str, max_body_bytes: int) -> Iterator[tuple[subprocess.Popen, httpx.Client]]:
+    """The system in a fresh uvicorn process with its own DAGSTER_HOME and jobs DB in `home`, healthy."""
     Path(home, "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("BATCH_PIPELINE_API_KEYS")}
     env.update(
         DAGSTER_HOME=home,
         BATCH_PIPELINE_JOBS_DB=f"sqlite:///{home}/jobs.db",
-        # a body past the deployment's default limit (64 MiB) is measured, not refused
-        BATCH_PIPELINE_MAX_BODY_BYTES=str(max(64 * 1024 * 1024, len(body))),
+        BATCH_PIPELINE_MAX_BODY_BYTES=str(max_body_bytes),
     )
     port = free_port()
     server = subprocess.Popen(
@@ -119,10 +136,26 @@ def measure_in(system: str, body: bytes, concurrency: int, home: str) -> dict:
             base_url=f"http://127.0.0.1:{port}", timeout=600, headers={"content-type": "application/json"}
         )
         wait_until_healthy(client, server, Path(home, "server.log"), system)
-        warm_up = client.post("/v2/batch-completions", content=request_body(home, 10, 16)).status_code
-        time.sleep(0.5)
-        idle_mb = proc_status_mb(server.pid, "VmRSS")
-        Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # VmHWM from here on: the peak under load
+        yield server, client
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def at_rest_mb(server: subprocess.Popen, client: httpx.Client, home: str) -> tuple[int, float]:
+    """After a warm-up POST of a small body (first-request imports are not what is measured): its status,
+    and the RSS at rest. The peak (VmHWM) counts from here on."""
+    warm_up = client.post("/v2/batch-completions", content=request_body(home, 10, 16)).status_code
+    time.sleep(0.5)
+    idle_mb = proc_status_mb(server.pid, "VmRSS")
+    Path(f"/proc/{server.pid}/clear_refs").write_text("5")
+    return warm_up, idle_mb
+
+
+def measure_in(system: str, body: bytes, concurrency: int, home: str) -> dict:
+    # a body past the deployment's default limit (64 MiB) is measured, not refused
+    with serving(system, home, max(64 * 1024 * 1024, len(body))) as (server, client):
+        warm_up, idle_mb = at_rest_mb(server, client, home)
 
         latencies: list[float] = []
         posts_done = threading.Event()
@@ -160,9 +193,103 @@ def measure_in(system: str, body: bytes, concurrency: int, home: str) -> dict:
             "healthz_median_s": round(statistics.median(latencies), 3),
             "healthz_calls": len(latencies),
         }
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+
+
+def largest_labels(wide: bool) -> dict[str, str]:
+    """The largest labels a job may carry (64 pairs, 64-character keys, 512-character values): ASCII, or
+    (`wide`) characters of 4 bytes in UTF-8, which JSON writes as two \\u escapes each."""
+    draw = random.Random(25)
+    if wide:
+
+        def text(length: int) -> str:
+            return "".join(chr(draw.randrange(0x10000, 0x1FFFF)) for _ in range(length))
+
+    else:
+
+        def text(length: int) -> str:
+            return "".join(draw.choice(string.ascii_letters) for _ in range(length))
+
+    return {text(MAX_LABEL_KEY_CHARS): text(MAX_LABEL_VALUE_CHARS) for _ in range(MAX_LABELS)}
+
+
+def labelled_body(out_dir: str, labels: dict[str, str]) -> bytes:
+    body = json.loads(request_body(out_dir, 1, 16))
+    return json.dumps({**body, "labels": labels}, separators=(",", ":")).encode()
+
+
+def measure_labels(case: str, jobs: int, label_mib: float, lists: int, home: str) -> dict:
+    """One label case in a fresh process: `huge`, `jobs` POSTs of one label of `label_mib` MiB each (refused
+    now; a LIST of them answered 150 MiB before); `largest_ascii` / `largest_wide`, `jobs` jobs of the largest
+    labels allowed. Then `lists` LISTs of every job. The RSS at rest, the peak over the POSTs and over the
+    LISTs, each as a ratio to the RSS at rest."""
+    with serving("ours", home, 64 * 1024 * 1024) as (server, client):
+        warm_up, idle_mb = at_rest_mb(server, client, home)
+        if case == "huge":
+            body = labelled_body(home, {"team": "y" * int(label_mib * 2**20)})
+        else:
+            body = labelled_body(home, largest_labels(wide=case == "largest_wide"))
+        started = time.monotonic()
+        codes = [client.post("/v2/batch-completions", content=body).status_code for _ in range(jobs)]
+        posts_s = time.monotonic() - started
+        posts_peak_mb = proc_status_mb(server.pid, "VmHWM")
+        Path(f"/proc/{server.pid}/clear_refs").write_text("5")
+        list_bytes, list_s = 0, []
+        for _ in range(lists):
+            started = time.monotonic()
+            listed = client.get("/v2/batch-completions", params={"limit": min(jobs + 1, MAX_LIST_LIMIT)})
+            list_s.append(time.monotonic() - started)
+            listed.raise_for_status()
+            list_bytes = len(listed.content)
+            listed_jobs = len(listed.json()["jobs"])
+        list_peak_mb = proc_status_mb(server.pid, "VmHWM")
+        return {
+            "case": case,
+            "warm_up_code": warm_up,
+            "body_bytes": len(body),
+            "codes": {str(code): codes.count(code) for code in sorted(set(codes))},
+            "posts_s": round(posts_s, 2),
+            "idle_rss_mb": round(idle_mb, 1),
+            "posts_peak_rss_mb": round(posts_peak_mb, 1),
+            "posts_peak_over_rest": round(posts_peak_mb / idle_mb, 2),
+            "listed_jobs": listed_jobs,  # the warm-up's job among them, on a page with room for it
+            "list_bytes": list_bytes,
+            "list_s_median": round(statistics.median(list_s), 3),
+            "list_peak_rss_mb": round(list_peak_mb, 1),
+            "list_peak_over_rest": round(list_peak_mb / idle_mb, 2),
+        }
+
+
+def labels_main(options: argparse.Namespace) -> None:
+    out = options.out or RESULTS / f"api_memory_labels-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
+    cases = [("huge", options.huge_jobs), ("largest_ascii", options.jobs), ("largest_wide", options.jobs)]
+    runs = []
+    for case, jobs in cases:
+        with tempfile.TemporaryDirectory(prefix=f"bench-api-memory-{case}-") as home:
+            runs.append(measure_labels(case, jobs, options.label_mib, options.lists, home))
+        run = runs[-1]
+        print(f"{case}: {run}", flush=True)
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "label_mib": options.label_mib,
+        "lists": options.lists,
+        "runs": runs,
+    }
+    print(f"\nThe API's RSS, at rest and at its peak (VmHWM), {os.cpu_count()} CPUs; peaks as ratios to at rest\n")
+    print(
+        "| case | jobs posted | body MB | answers | at rest MB | peak over the POSTs | LIST MB | peak over the LISTs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for run, (case, jobs) in zip(runs, cases, strict=True):
+        answers = " ".join(f"{code} x{count}" for code, count in run["codes"].items())
+        print(
+            f"| {case} | {jobs} | {run['body_bytes'] / 1e6:.2f} | {answers} | {run['idle_rss_mb']:.0f} | "
+            f"{run['posts_peak_rss_mb']:.0f} MB ({run['posts_peak_over_rest']}x) | {run['list_bytes'] / 1e6:.2f} | "
+            f"{run['list_peak_rss_mb']:.0f} MB ({run['list_peak_over_rest']}x) |"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
 
 
 def main() -> None:
@@ -172,7 +299,15 @@ def main() -> None:
     parser.add_argument("--prompt-chars", type=int, default=16, help="characters per prompt (e.g. 16 or 1024)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; each system in a fresh process every round")
     parser.add_argument("--out", type=Path, help="results file (default bench/results/api_memory-<time>.json)")
+    parser.add_argument("--labels", action="store_true", help="the label cases instead of the body sizes")
+    parser.add_argument("--jobs", type=int, default=100, help="--labels: jobs of the largest labels allowed")
+    parser.add_argument("--huge-jobs", type=int, default=6, help="--labels: POSTs of one huge label each")
+    parser.add_argument("--label-mib", type=float, default=25, help="--labels: the huge label's size, MiB")
+    parser.add_argument("--lists", type=int, default=3, help="--labels: LISTs of every job")
     options = parser.parse_args()
+    if options.labels:
+        labels_main(options)
+        return
     out = options.out or RESULTS / f"api_memory-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
     target_bytes = int(options.body_mb * 1e6)
     prompt_count = max(1, target_bytes // (options.prompt_chars + 10))
