@@ -75,7 +75,7 @@ def _alive(pid: int) -> bool:
 class Served:
     """`python -m batch_pipeline.serve` (what `make serve` runs) on free ports in a fresh DAGSTER_HOME."""
 
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, env: dict[str, str] | None = None) -> None:
         self.home = home = tmp_path / "dagster_home"
         write_instance_config(home, max_concurrent_runs=1)
         self.log = tmp_path / "serve.log"
@@ -95,7 +95,7 @@ class Served:
                 str(self.dagster_port),
             ],
             cwd=REPO,
-            env={**os.environ, "DAGSTER_HOME": str(home), "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1"},
+            env={**os.environ, "DAGSTER_HOME": str(home), "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1", **(env or {})},
             # A file, not a pipe: nobody reads a pipe here, and the services would block once it filled.
             stdout=open(self.log, "wb"),
             stderr=subprocess.STDOUT,
@@ -175,7 +175,9 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
     graphql = DagsterGraphQLClient("127.0.0.1", port_number=served.dagster_port)
     # A launch that reconfigures a resource (the worker's environment: a shell as the service's user) is
     # refused before any run is made, naming the field.
-    with pytest.raises(DagsterGraphQLClientError, match=r'(?s)RunConfigValidationInvalid.*unexpected config entry "env"'):
+    with pytest.raises(
+        DagsterGraphQLClientError, match=r'(?s)RunConfigValidationInvalid.*unexpected config entry "env"'
+    ):
         graphql.submit_job_execution(
             "batch_completions",
             run_config={

@@ -7,8 +7,10 @@ import json
 import os
 import stat
 import subprocess
+import time
 
 import dagster as dg
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -340,3 +342,49 @@ def test_a_running_jobs_output_directory_swapped_for_a_symlink_fails_the_job_and
     assert job["status"] == "failed"
     assert "output_data_path" in job["metadata"]["failure_reason"]
     assert list(outside.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_two_teams_share_make_serve_and_each_gets_its_own_results_only(teams, tmp_path, monkeypatch):
+    from tests.test_serve import Served
+
+    monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", str(tmp_path / "work"))
+    served = Served(tmp_path, env={"BATCH_PIPELINE_TENANTS": os.environ["BATCH_PIPELINE_TENANTS"]})
+    try:
+        served.wait_until_up()
+        jobs = {}
+        for team, key in (("a", TEAM_A_KEYS[0]), ("b", TEAM_B_KEY)):
+            body = {
+                **_request(str(teams[team] / "out.json")),
+                "content": {"prompts": [f"Team {team} says"], "max_new_tokens": 4, "temperature": 0},
+            }
+            created = httpx.post(f"{served.api}/v2/batch-completions", json=body, headers=_headers(key), timeout=30)
+            assert created.status_code == 200, created.text
+            jobs[team] = created.json()["job_id"]
+        # Team b's request for team a's output is refused before it is stored.
+        stolen = httpx.post(
+            f"{served.api}/v2/batch-completions",
+            json=_request(str(teams["a"] / "out.json")),
+            headers=_headers(TEAM_B_KEY),
+            timeout=30,
+        )
+        assert set(_refused_fields(stolen)) == {"output_data_path"}
+
+        deadline = time.monotonic() + 400
+        for team, key in (("a", TEAM_A_KEYS[1]), ("b", TEAM_B_KEY)):
+            while (job := _get(served, jobs[team], key).json()["job"])["status"] != "completed":
+                assert job["status"] in ("queued", "running"), job
+                assert time.monotonic() < deadline, f"{job}\n{served.log.read_text()[-3000:]}"
+                time.sleep(1)
+            outputs = json.loads((teams[team] / "out.json").read_text())
+            assert len(outputs) == 1 and "text" in outputs[0], outputs
+        assert _get(served, jobs["a"], TEAM_B_KEY).status_code == 404
+        assert _get(served, jobs["b"], TEAM_A_KEYS[0]).status_code == 404
+        listed = httpx.get(f"{served.api}/v2/batch-completions", headers=_headers(ADMIN_KEY), timeout=30).json()
+        assert {job["job_id"] for job in listed["jobs"]} == set(jobs.values())
+    finally:
+        served.kill()
+
+
+def _get(served, job_id: str, key: str) -> httpx.Response:
+    return httpx.get(f"{served.api}/v2/batch-completions/{job_id}", headers=_headers(key), timeout=30)
