@@ -39,6 +39,7 @@ bench: model
 	$(PY) bench/structured_mix.py
 	$(PY) bench/control_plane.py
 	$(PY) bench/api_memory.py
+	$(PY) bench/api_flood.py
 	$(PY) bench/sharding.py
 	$(PY) bench/real_batches.py
 	$(PY) bench/openai_batch.py

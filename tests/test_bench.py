@@ -254,3 +254,30 @@ def test_the_real_batches_benchmark_runs_the_job_with_and_without_deduplication(
     assert summary["entries_equal"] and summary["job_over_no_dedup"] > 0
     assert result["code_root"] == str(REPO) and result["code_commit"]
     assert "| dedup | job / job with BATCH_PIPELINE_DEDUPLICATE=0 |" in completed.stdout
+
+
+@pytest.mark.slow
+def test_the_api_flood_benchmark_measures_team_b_during_team_as_flood(tmp_path):
+    out = tmp_path / "api_flood.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "api_flood.py"),
+            "--flood",
+            "3",
+            "--body-mb",
+            "0.1",
+            "--after-rounds",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    result = json.loads(out.read_text())["after"]
+    assert sum(result["team_a"]["statuses"].values()) == 3
+    for phase in ("team_b_idle", "team_b_during", "team_b_after"):
+        assert result[phase]["samples"] >= 3 and result[phase]["p99_s"] >= result[phase]["p50_s"] > 0
