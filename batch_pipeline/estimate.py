@@ -25,7 +25,6 @@ import resource
 import statistics
 import threading
 from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -39,6 +38,7 @@ from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestPr
 from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.hardware import kubernetes_quantity
 from batch_pipeline.models import _relative_checkpoint_file, cache_dir
+from batch_pipeline.paths import DataFiles
 from batch_pipeline.settings import SlotsSizedBySetting, settings
 from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
 from batch_pipeline.submission import UnservableRequest
@@ -53,9 +53,6 @@ _TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
 # Dry runs at once in this process: each holds a thread (and a child process) for as long as its input takes.
 _slots = SlotsSizedBySetting(lambda configured: configured.max_concurrent_dry_runs)
-# The team a dry run is for (`Caller.owner`), set by the API as it authenticates the request: a team takes at
-# most its share of the slots, so that two slow chat templates of one team leave the others a slot.
-requesting_team: ContextVar[str | None] = ContextVar("requesting_team", default=None)
 # What the checking child needs, imported once by the forkserver it forks from rather than by each child.
 _CHILD_PRELOAD = [
     "batch_pipeline.estimate",
@@ -98,13 +95,16 @@ def team_share(slots: int, configured_share: int | None) -> int:
     return configured_share if configured_share is not None else math.ceil(slots / 2)
 
 
-def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]]) -> BatchCompletionsEstimate:
-    """The dry run of a request whose paths and fields `check_servable` accepted. `history` is the model's
-    completed jobs' figures, newest first (`JobStore.completed_figures`). Raises UnservableRequest naming
-    the field for what makes the whole job fail (an unreadable input, a model with no tokenizer here), and
-    DryRunsBusy when the process runs as many dry runs as it takes."""
+def estimate(
+    request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]], files: DataFiles, team: str | None
+) -> BatchCompletionsEstimate:
+    """The dry run of a request whose paths and fields `check_servable` accepted, its input opened as its
+    job would open it (`files`: beneath the requester's data roots), for `team` (`Caller.owner`), which
+    takes at most its share of the slots, so that two slow chat templates of one team leave the others a
+    slot. `history` is the model's completed jobs' figures, newest first (`JobStore.completed_figures`).
+    Raises UnservableRequest naming the field for what makes the whole job fail (an unreadable input, a
+    model with no tokenizer here), and DryRunsBusy when the process runs as many dry runs as it takes."""
     configured = settings()
-    team = requesting_team.get()
     share = team_share(configured.max_concurrent_dry_runs, configured.max_dry_runs_per_team)
     if team is not None and share and not _team_shares.take(team, share):
         raise DryRunsBusy(
@@ -116,7 +116,7 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
         if not slots.acquire(blocking=False):
             raise DryRunsBusy(f"{configured.max_concurrent_dry_runs} dry runs are in progress here; try again shortly")
         try:
-            counts, context_length = _counted_apart(request)
+            counts, context_length = _counted_apart(request, files)
         finally:
             slots.release()
     finally:
@@ -137,7 +137,7 @@ def estimate(request: CreateBatchCompletionsV2Request, history: list[dict[str, A
     )
 
 
-def _counted_apart(request: CreateBatchCompletionsV2Request) -> tuple[_Counts, int]:
+def _counted_apart(request: CreateBatchCompletionsV2Request, files: DataFiles) -> tuple[_Counts, int]:
     """The request's counts and the model's context, from a child process that may add at most
     BATCH_PIPELINE_DRY_RUN_MEMORY_MB to what it starts with and is stopped after
     BATCH_PIPELINE_DRY_RUN_TIMEOUT_S."""
@@ -149,7 +149,7 @@ def _counted_apart(request: CreateBatchCompletionsV2Request) -> tuple[_Counts, i
     memory_bytes = configured.dry_run_memory_mb * 2**20
     child = context.Process(
         target=_count_in_child,
-        args=(request, sending, memory_bytes, configured.dry_run_timeout_s, dict(os.environ), os.getcwd()),
+        args=(request, files, sending, memory_bytes, configured.dry_run_timeout_s, dict(os.environ), os.getcwd()),
         daemon=True,
     )
     child.start()
@@ -192,6 +192,7 @@ def _counted_apart(request: CreateBatchCompletionsV2Request) -> tuple[_Counts, i
 
 def _count_in_child(
     request: CreateBatchCompletionsV2Request,
+    files: DataFiles,
     answer: Connection,
     memory_bytes: int,
     timeout_s: float,
@@ -210,7 +211,7 @@ def _count_in_child(
     source = _source_field(request)
     try:
         model = _model_of(request.model_cfg)
-        records = _records(request)
+        records = _records(request, files)
         outcome: tuple[Any, ...] = ("counted", _count(request, model, records, source), model.context_length)
     except UnservableRequest as exc:
         outcome = ("unservable", exc.refused)
@@ -239,14 +240,14 @@ def _source_field(request: CreateBatchCompletionsV2Request) -> str:
     return "content" if request.content is not None else "input_data_path"
 
 
-def _records(request: CreateBatchCompletionsV2Request) -> Iterator[tuple[str, Any]]:
+def _records(request: CreateBatchCompletionsV2Request, files: DataFiles) -> Iterator[tuple[str, Any]]:
     """The raw records as the job's plan_shards step reads them."""
     if request.content is None:
         path = request.input_data_path
         assert path is not None  # the request's validator requires content or input_data_path
-        if not _exists(path):
+        if not _exists(path, files):
             raise UnservableRequest([("input_data_path", f"no file at {path}")])
-        return io.iter_json_records(path)
+        return io.iter_json_records(path, files.open)
     # As written to content.json at submission and read back from there.
     content = _CONTENT.dump_python(request.content, mode="json", by_alias=True, exclude_none=True)
     if isinstance(content, dict):
@@ -254,9 +255,9 @@ def _records(request: CreateBatchCompletionsV2Request) -> Iterator[tuple[str, An
     return ((f"content.{position}", record) for position, record in enumerate(content))
 
 
-def _exists(path: str) -> bool:
+def _exists(path: str, files: DataFiles) -> bool:
     try:
-        return io.exists(path)
+        return files.exists(path)
     except Exception as exc:  # an object store's errors are not all OSErrors
         raise UnservableRequest([("input_data_path", f"cannot read {path}: {_short(exc)}")]) from None
 

@@ -24,7 +24,6 @@ from starlette.requests import ClientDisconnect
 
 from batch_pipeline.api.limits import LargeBodySlots, TeamBusy
 from batch_pipeline.contract.base import WireModel
-from batch_pipeline.estimate import requesting_team
 
 # Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file.
 SPOOL_IN_MEMORY_BYTES = 1024 * 1024
@@ -50,7 +49,6 @@ class WireBodyRoute(APIRoute):
                 return await handler(request)  # FastAPI's answer to a body that is not JSON
             # The caller is known before the body is read: no one without a key makes the API parse 64 MB.
             team = request.app.state.api_keys.authenticate(request).owner
-            requesting_team.set(team)  # whose share a dry run takes (estimate.py); the route runs in a copy
             large_bodies: LargeBodySlots = request.app.state.large_body_slots
             with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
                 body = _LargeBodyPlace(large_bodies, team)

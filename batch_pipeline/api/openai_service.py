@@ -39,6 +39,7 @@ from batch_pipeline.openai_batches import (
     write_result_files,
 )
 from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
+from batch_pipeline.paths import DataFiles
 from batch_pipeline.settings import settings
 from batch_pipeline.shards import make_private_directory
 from batch_pipeline.submission import CONTENT_FILE, StoredRequest, UnservableRequest, check_servable, submit
@@ -214,7 +215,8 @@ class OpenAIBatchService:
             try:
                 request = _job_request(checked, body, work_dir, caller.owner, dry_run=True)
                 history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
-                return estimate(request, history)
+                files = DataFiles.for_owner(caller.owner, own_dir=work_dir)
+                return estimate(request, history, files, team=caller.owner)
             except (ValidationError, UnservableRequest, OSError) as exc:
                 raise InvalidOpenAIRequest("body.model", _model_errors(exc)[0].message) from None
         finally:

@@ -24,6 +24,7 @@ from batch_pipeline.contract import (
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.jobs_store import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
+from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.priority import InvalidPriority, read_priority, run_priority
@@ -84,7 +85,8 @@ class BatchJobService:
         """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
         submission may not read is read; then the request read and tokenized; no job, no file."""
         check_servable(request, caller.owner)
-        return estimate(request, self.store.completed_figures(request.model_cfg.model, HISTORY_JOBS))
+        history = self.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
+        return estimate(request, history, DataFiles.for_owner(caller.owner), team=caller.owner)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
         return self.describe(self._record(caller, job_id))
