@@ -499,3 +499,29 @@ def test_with_the_daemon_a_poisoned_job_does_not_stop_the_queue(served, tmp_path
     runs = api.instance.get_runs(filters=dg.RunsFilter(job_name="batch_completions"))
     assert sorted(run.tags[JOB_ID_TAG] for run in runs) == sorted(good)
     assert client.get("/v2/batch-completions/batch-poison-surrogate").json()["job"]["status"] == "failed"
+
+
+def test_a_list_of_jobs_with_the_largest_labels_is_paged_by_size_and_loses_no_job(served, tmp_path):
+    """1,000 jobs of the widest labels allowed made one LIST answer 518 MB (the API at 2.2 GB): a page now
+    ends at a few MB, whatever its `limit`, and its cursor leads to the rest."""
+    _, client = served
+    # 64 labels of a 64-character key and a 512-character value, each character 4 bytes in UTF-8.
+    widest = {f"{i:02d}" + "\U0001f600" * 62: "\U0001f680" * 512 for i in range(64)}
+    created = {
+        _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels=widest)).json()["job_id"] for _ in range(70)
+    }
+    assert len(created) == 70
+    seen, after, pages = [], None, 0
+    while True:
+        response = client.get("/v2/batch-completions", params={"limit": 1000, **({"after": after} if after else {})})
+        assert response.status_code == 200, response.text[:300]
+        assert len(response.content) < 16 * 2**20, f"a page of {len(response.content)} bytes"
+        page = response.json()
+        seen += [job["job_id"] for job in page["jobs"]]
+        assert all(json.loads(job["metadata"]["labels"]) == widest for job in page["jobs"])
+        pages += 1
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert pages > 1
+    assert sorted(seen) == sorted(created) and len(seen) == len(set(seen))
