@@ -867,3 +867,14 @@ def test_the_worker_image_runs_as_the_non_root_user_the_pods_name():
     assert instructions[users[-1]][1] == f"{WORKER_UID}:{WORKER_UID}"
     assert all(word != "RUN" for word, _ in instructions[users[-1] :])
     assert ("ENV", f"HOME={WORKER_HOME}") in instructions
+
+
+def test_the_api_pod_runs_uvicorn_as_serve_does_with_the_head_timeout():
+    """uvicorn alone never times out a request's head (a slowloris holds its connection for ever): the API
+    pod runs the same command line as `make serve`, with the protocol that does."""
+    from batch_pipeline.serve import api_command
+
+    (api,) = [obj for obj in _manifests() if obj["kind"] == "Deployment"]
+    (container,) = api["spec"]["template"]["spec"]["containers"]
+    assert container["command"][0] == "uvicorn"
+    assert container["command"][1:] == api_command("0.0.0.0", 8000)[1:]
