@@ -878,3 +878,32 @@ def test_the_api_pod_runs_uvicorn_as_serve_does_with_the_head_timeout():
     (container,) = api["spec"]["template"]["spec"]["containers"]
     assert container["command"][0] == "uvicorn"
     assert container["command"][1:] == api_command("0.0.0.0", 8000)[1:]
+
+
+def _tenants_file(env: list[dict], volumes: list[dict], mounts: list[dict]) -> str | None:
+    """The ConfigMap whose file BATCH_PIPELINE_TENANTS names in a container, or None."""
+    (path,) = [item["value"] for item in env if item["name"] == "BATCH_PIPELINE_TENANTS"] or [None]
+    if path is None:
+        return None
+    (mount,) = [m for m in mounts if path.startswith(m.get("mountPath", m.get("mount_path", "")).rstrip("/") + "/")]
+    (volume,) = [v for v in volumes if v["name"] == mount["name"]]
+    config_map = volume.get("configMap") or volume.get("config_map")
+    return config_map["name"]
+
+
+def test_the_api_the_code_location_and_every_run_read_the_same_tenants_file(tmp_path):
+    """A job is held to its team's roots when it is submitted (the API) and again when its run starts and
+    opens its files (the code location's runs): all three read one tenants file."""
+    (api,) = [obj for obj in _manifests() if obj["kind"] == "Deployment"]
+    pod = api["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    values = _values()
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    run_pod = _run_pod(values, tmp_path)
+    (run_container,) = run_pod["containers"]
+    found = {
+        "api": _tenants_file(container["env"], pod["volumes"], container["volumeMounts"]),
+        "code location": _tenants_file(deployment["env"], deployment["volumes"], deployment["volumeMounts"]),
+        "run": _tenants_file(run_container["env"], run_pod["volumes"], run_container["volumeMounts"]),
+    }
+    assert set(found.values()) == {"batch-pipeline-tenants"}, found
