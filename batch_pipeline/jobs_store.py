@@ -356,9 +356,12 @@ class JobStore:
         labels: dict[str, str] | None = None,
         limit: int = 1000,
         after: str | None = None,
+        max_bytes: int | None = None,
     ) -> Page:
-        """Jobs newest first, filtered in SQL, one page of `limit`; `after` is the last job id of the page
-        before (an unknown cursor, or another owner's job, gives an empty page)."""
+        """Jobs newest first, filtered in SQL, one page of `limit`, which ends early once its rows' stored
+        requests and labels pass `max_bytes` (the rows are read as they stream, so no more are held);
+        `after` is the last job id of the page before (an unknown cursor, or another owner's job, gives an
+        empty page)."""
         # No stored label holds a NUL (the contract refuses it), and Postgres cannot compare one.
         if any("\x00" in text for pair in (labels or {}).items() for text in pair):
             return Page([], None)
@@ -387,10 +390,15 @@ class JobStore:
                 )
             )
         query = query.order_by(jobs.c.created_at.desc(), jobs.c.job_id.desc()).limit(limit + 1)
+        records: builtins.list[JobRecord] = []
+        size, more = 0, False
         with self.engine.connect() as connection:
-            records = [JobRecord.from_row(row) for row in connection.execute(query)]
-        more = len(records) > limit
-        records = records[:limit]
+            for row in connection.execution_options(yield_per=50).execute(query):
+                if len(records) == limit or (max_bytes is not None and size >= max_bytes):
+                    more = True
+                    break
+                records.append(JobRecord.from_row(row))
+                size += len(row.request) + len(row.labels)
         return Page(records, records[-1].job_id if more and records else None)
 
     def awaiting_launch(self, chunk: int = 200) -> Iterator[builtins.list[JobRecord]]:

@@ -111,14 +111,9 @@ class BatchJobService:
             labels=label,
             limit=limit,
             after=after,
+            max_bytes=LIST_PAGE_BYTES,
         )
-        described, size = [], 0
-        for record in page.jobs:
-            described.append(self.describe(record))
-            size += _described_size(record)
-            if size >= LIST_PAGE_BYTES and record is not page.jobs[-1]:
-                return described, record.job_id  # the rest on the next page
-        return described, page.next_after
+        return [self.describe(record) for record in page.jobs], page.next_after
 
     def update_priority(self, caller: Caller, job_id: str, priority: str | None) -> tuple[BatchCompletionsJob, bool]:
         """Reprioritise a job that has not started: in the store before launch, on the queued run after."""
@@ -158,8 +153,7 @@ class BatchJobService:
     def describe(self, record: JobRecord) -> BatchCompletionsJob:
         """The job as its row has it: no file, no run and no event log is read."""
         request = _stored_request_view(record)
-        # Unescaped: a 4-byte character is 4 bytes of the answer, not a \\uXXXX pair escaped once more.
-        metadata: dict[str, str] = {"labels": json.dumps(record.labels, ensure_ascii=False)} if record.labels else {}
+        metadata: dict[str, str] = {"labels": _labels_text(record.labels)} if record.labels else {}
         if record.run_id is not None:
             metadata["dagster_run_id"] = record.run_id
         if record.requests_total:
@@ -209,7 +203,13 @@ def _priority_read_as(priority: str) -> str:
         return f"not read: {exc}"
 
 
-def _described_size(record: JobRecord) -> int:
-    """About the bytes a job takes in a LIST answer: its labels (in UTF-8) and its stored request."""
-    labels = sum(len(key.encode()) + len(value.encode()) for key, value in record.labels.items())
-    return labels + len(record.request_json)
+def _labels_text(labels: dict[str, str]) -> str:
+    """Labels as the metadata's JSON string: unescaped, so that a 4-byte character is 4 bytes of the answer
+    and not a \\uXXXX pair escaped once more (14), unless a row an older release stored holds a lone
+    surrogate, which only an escape can carry."""
+    text = json.dumps(labels, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(labels)
+    return text
