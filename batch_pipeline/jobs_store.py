@@ -343,6 +343,15 @@ class JobStore:
 
     # --- reads ------------------------------------------------------------------------------------------
 
+    def with_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
+        return self._one(sa.and_(jobs.c.owner == owner, jobs.c.idempotency_key == key))
+
+    def count_queued(self, owner: str) -> int:
+        """How many of `owner`'s jobs wait to start (queued, with or without a run yet)."""
+        query = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.status == QUEUED)
+        with self.engine.connect() as connection:
+            return int(connection.execute(query).scalar_one())
+
     def get(self, job_id: str) -> JobRecord | None:
         # Not an id the store makes (longer than its column, a NUL Postgres cannot compare): absent, not an error.
         if len(job_id) > JOB_ID_LENGTH or "\x00" in job_id:

@@ -43,8 +43,16 @@ class PriorityReading:
     reading: str
 
 
-def read_priority(priority: str | None) -> PriorityReading:
-    """How a `priority` is run; raises InvalidPriority only for one longer than the store keeps."""
+def read_priority(priority: str | None, cap: int | None = None) -> PriorityReading:
+    """How a `priority` is run, at most `cap` (the team's `max_priority`); raises InvalidPriority only for
+    one longer than the store keeps."""
+    reading = _read(priority)
+    if cap is not None and reading.level > cap:
+        return PriorityReading(cap, f"{cap} (your team's max_priority; asked {reading.reading})")
+    return reading
+
+
+def _read(priority: str | None) -> PriorityReading:
     if priority is not None and len(priority) > MAX_PRIORITY_CHARS:
         # Not echoed: it is the one thing here that is too long to show.
         raise InvalidPriority(f"at most {MAX_PRIORITY_CHARS} characters (got {len(priority)})")
@@ -69,6 +77,6 @@ def read_priority(priority: str | None) -> PriorityReading:
     )
 
 
-def run_priority(priority: str | None) -> int:
+def run_priority(priority: str | None, cap: int | None = None) -> int:
     """The `dagster/priority` of a job's runs."""
-    return read_priority(priority).level
+    return read_priority(priority, cap).level

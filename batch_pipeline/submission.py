@@ -20,6 +20,7 @@ from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchConte
 from batch_pipeline.jobs_store import JobRecord, JobStore, NewJob
 from batch_pipeline.priority import run_priority
 from batch_pipeline.shards import make_private_directory
+from batch_pipeline.tenants import team_of_owner
 
 # A job's inline content, as written at submission: a JSON array of records, as an input file holds them.
 CONTENT_FILE = "content.json"
@@ -32,6 +33,16 @@ class UnservableRequest(ValueError):
     def __init__(self, refused: list[tuple[str, str]]) -> None:
         super().__init__("; ".join(f"{field}: {why}" for field, why in refused))
         self.refused = refused
+
+
+class QuotaExceeded(RuntimeError):
+    """A submission past one of its team's quotas (the tenants file): nothing is stored. `quota` names it;
+    `retry_after_s` is when trying again may help, None when only the operator can."""
+
+    def __init__(self, quota: str, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(f"{quota}: {message}")
+        self.quota = quota
+        self.retry_after_s = retry_after_s
 
 
 class StoredRequest(CreateBatchCompletionsV2Request):
@@ -95,6 +106,7 @@ def submit(
     job_id = job_id or NewJob.new_id()
     if failure_reason is None:
         check_servable(request, owner, own_dir=work_dir_of(job_id))
+        check_queue_quota(store, owner, idempotency_key)
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     content_path = getattr(request, "content_path", None)
@@ -127,6 +139,28 @@ def submit(
     if not created:
         _remove(content_path)  # the key's first job has its own copy
     return record, created
+
+
+# When a team past its queue quota may try again: its jobs start as run slots free.
+QUEUE_QUOTA_RETRY_AFTER_S = 30
+
+
+def check_queue_quota(store: JobStore, owner: str, idempotency_key: str | None = None) -> None:
+    """Raise QuotaExceeded when `owner`'s team has `max_queued_jobs` jobs waiting to start already. A retry
+    of a submission that made its job (the same Idempotency-Key) is answered with that job, never refused."""
+    team = team_of_owner(owner)
+    limit = team.config.max_queued_jobs if team is not None else None
+    if limit is None:
+        return
+    if idempotency_key is not None and store.with_idempotency_key(owner, idempotency_key) is not None:
+        return
+    queued = store.count_queued(owner)
+    if queued >= limit:
+        raise QuotaExceeded(
+            "max_queued_jobs",
+            f"your team has {queued} jobs waiting to start, its quota of {limit}; submit again once one has started",
+            retry_after_s=QUEUE_QUOTA_RETRY_AFTER_S,
+        )
 
 
 def _remove(path: str | None) -> None:

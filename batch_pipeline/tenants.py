@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,6 +28,7 @@ import yaml
 from fsspec.core import split_protocol
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from batch_pipeline.priority import NAMED_PRIORITIES, read_priority
 from batch_pipeline.settings import settings
 
 # A team's name is a DNS label, so that it can name a Kubernetes object or a Kueue queue as it is.
@@ -49,6 +51,29 @@ class _Strict(BaseModel):
 class TenantConfig(_Strict):
     api_keys_sha256: list[KeyDigest] = Field(default_factory=list)
     data_roots: list[str] = Field(default_factory=list)
+    # Fair share between teams: each optional, unset meaning no bound.
+    weight: float = Field(1.0, gt=0, description="The team's share of the run slots, against the others' weights")
+    max_running_jobs: int | None = Field(None, ge=1, description="Jobs of the team running at once")
+    max_queued_jobs: int | None = Field(None, ge=0, description="Jobs of the team waiting to start; more get 429")
+    max_priority: str | int | None = Field(
+        None, description="The highest priority the team's jobs may ask for (a name or an integer)"
+    )
+    max_stored_bytes: int | None = Field(None, ge=0, description="OpenAI files plus inline contents, in bytes")
+    max_tokens_per_day: int | None = Field(None, ge=0, description="Prompt plus completion tokens a day")
+
+    @field_validator("max_priority")
+    @classmethod
+    def _a_priority_level(cls, value: str | int | None) -> str | int | None:
+        if value is None:
+            return None
+        text = str(value).strip().lower()
+        if text not in NAMED_PRIORITIES and not re.fullmatch(r"[+-]?[0-9]{1,4}", text):
+            raise ValueError(f"{value!r} is not a priority name ({', '.join(NAMED_PRIORITIES)}) or an integer")
+        return value
+
+    @property
+    def priority_cap(self) -> int | None:
+        return None if self.max_priority is None else read_priority(str(self.max_priority)).level
 
     @field_validator("data_roots")
     @classmethod
@@ -109,6 +134,7 @@ def _protocol_family(protocol: str) -> str:
 class Team:
     name: str
     roots: DataRoots
+    config: TenantConfig
 
     @property
     def owner(self) -> str:
@@ -120,7 +146,9 @@ class Tenants:
 
     def __init__(self, parsed: TenantsFile, source: str) -> None:
         self.source = source
-        self.teams = {name: Team(name, DataRoots.of(config.data_roots)) for name, config in parsed.tenants.items()}
+        self.teams = {
+            name: Team(name, DataRoots.of(config.data_roots), config) for name, config in parsed.tenants.items()
+        }
         # Digest -> team name, or None for an admin key.
         self._keys: list[tuple[bytes, str | None]] = [
             (bytes.fromhex(digest), name)
@@ -243,6 +271,18 @@ def tenants() -> Tenants | None:
         _loaded.clear()
         _loaded[stamp] = Tenants.load(path)
     return _loaded[stamp]
+
+
+def team_of_owner(owner: str) -> Team | None:
+    """The team of the tenants file whose job this is, or None (no file, an admin's or an operator's)."""
+    registry = tenants()
+    return registry.team_of_owner(owner) if registry is not None else None
+
+
+def priority_cap(owner: str) -> int | None:
+    """The highest run priority `owner`'s jobs may have: its team's `max_priority`, or None."""
+    team = team_of_owner(owner)
+    return team.config.priority_cap if team is not None else None
 
 
 def _line_of(node: Any, loc: tuple[int | str, ...] | list[int | str]) -> int:

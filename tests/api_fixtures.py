@@ -130,3 +130,19 @@ def deployment_factory(tmp_path, monkeypatch):
     yield make
     for deployment in created:
         deployment.stop()
+
+
+@pytest.fixture
+def tenants_api(tmp_path, monkeypatch):
+    """The real app over the job store and Dagster instance of a fresh DAGSTER_HOME, its keys read from
+    the tenants file BATCH_PIPELINE_TENANTS names, as a deployment reads them (set it before using this)."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{home}/batch_jobs.db")
+    instance = dg.DagsterInstance.from_config(str(home))
+    service = BatchJobService(JobStore(f"sqlite:///{home}/batch_jobs.db"), instance, JobStorage())
+    with TestClient(create_app(service)) as client:
+        yield client
+    instance.dispose()

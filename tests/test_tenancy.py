@@ -66,17 +66,8 @@ def teams(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def api(teams, tmp_path, monkeypatch):
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    monkeypatch.setenv("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{home}/batch_jobs.db")
-    instance = dg.DagsterInstance.from_config(str(home))
-    service = BatchJobService(JobStore(f"sqlite:///{home}/batch_jobs.db"), instance, JobStorage())
-    with TestClient(create_app(service)) as client:  # keys from the tenants file, as a deployment reads them
-        yield client
-    instance.dispose()
+def api(teams, tenants_api):
+    return tenants_api
 
 
 def _request(output: str, **fields) -> dict:

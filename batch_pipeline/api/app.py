@@ -41,7 +41,7 @@ from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.priority import InvalidPriority
 from batch_pipeline.settings import settings
-from batch_pipeline.submission import from_v1
+from batch_pipeline.submission import QuotaExceeded, from_v1
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -243,6 +243,15 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     @app.exception_handler(InvalidPriority)
     async def _bad_priority(_: Request, exc: InvalidPriority) -> JSONResponse:
         return _unprocessable([("priority", str(exc))])
+
+    @app.exception_handler(QuotaExceeded)
+    async def _over_quota(request: Request, exc: QuotaExceeded) -> Response:
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+        if openai_routes.is_openai_path(request):  # as OpenAI answers a rate limit
+            response = openai_routes.openai_error(429, str(exc), code="rate_limit_exceeded")
+            response.headers.update(headers)
+            return response
+        return AsciiJSONResponse(status_code=429, content={"detail": str(exc)}, headers=headers)
 
     @app.exception_handler(UnservableRequest)
     async def _unservable(_: Request, exc: UnservableRequest) -> JSONResponse:

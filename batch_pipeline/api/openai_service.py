@@ -42,7 +42,14 @@ from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
 from batch_pipeline.paths import DataFiles
 from batch_pipeline.settings import settings
 from batch_pipeline.shards import make_private_directory
-from batch_pipeline.submission import CONTENT_FILE, StoredRequest, UnservableRequest, check_servable, submit
+from batch_pipeline.submission import (
+    CONTENT_FILE,
+    StoredRequest,
+    UnservableRequest,
+    check_queue_quota,
+    check_servable,
+    submit,
+)
 
 _CHUNK = 1024 * 1024
 
@@ -148,6 +155,7 @@ class OpenAIBatchService:
         """Check the input file now (OpenAI's `validating`, done before answering) and make the batch's job:
         queued when every line is valid, else stored failed with the errors by line, never launched."""
         input_file = self._input_file(caller, body.input_file_id)
+        check_queue_quota(self.jobs.store, caller.owner)  # before the file is read and copied
         job_id = NewJob.new_id()
         work_dir = self.jobs.job_storage.work_dir(job_id)
         _make_work_dir(work_dir)
@@ -195,6 +203,7 @@ class OpenAIBatchService:
             )
         except BaseException:
             self.store.delete_batch(job_id)
+            io.remove_tree(work_dir)  # no batch, no copy of its file
             raise
         return describe_batch(batch, job)
 

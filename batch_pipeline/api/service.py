@@ -29,6 +29,7 @@ from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.submission import UnservableRequest, check_servable, submit
+from batch_pipeline.tenants import priority_cap
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # A LIST page ends once its jobs' labels and requests pass this many bytes, whatever its `limit`, and the
@@ -125,7 +126,8 @@ class BatchJobService:
         if run is not None and run.status not in _NOT_STARTED:
             return self.describe(record), False
         if run is not None:
-            self.instance.add_run_tags(run.run_id, {"dagster/priority": str(run_priority(priority))})
+            level = run_priority(priority, priority_cap(record.owner))
+            self.instance.add_run_tags(run.run_id, {"dagster/priority": str(level)})
         self.store.set_priority(job_id, priority)
         return self.describe(self._record(caller, job_id)), True
 
@@ -170,7 +172,7 @@ class BatchJobService:
         if record.status == FAILED:
             metadata["failure_reason"] = record.failure_reason or "the job failed"
         if record.priority is not None:
-            metadata["priority_read_as"] = _priority_read_as(record.priority)
+            metadata["priority_read_as"] = _priority_read_as(record.priority, priority_cap(record.owner))
         try:
             status = BatchCompletionsJobStatus(record.status)
         except ValueError:
@@ -196,9 +198,9 @@ class BatchJobService:
         return record
 
 
-def _priority_read_as(priority: str) -> str:
+def _priority_read_as(priority: str, cap: int | None) -> str:
     try:
-        return read_priority(priority).reading
+        return read_priority(priority, cap).reading
     except InvalidPriority as exc:  # a row an older release stored: described, never a failed read
         return f"not read: {exc}"
 

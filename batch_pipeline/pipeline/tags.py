@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from batch_pipeline.jobs_store import JobRecord
 from batch_pipeline.priority import run_priority
+from batch_pipeline.tenants import priority_cap
 
 JOB_ID_TAG = "batch_pipeline/job_id"
 LABEL_TAG_PREFIX = "batch_pipeline/label/"
@@ -37,7 +38,7 @@ def run_tags(record: JobRecord) -> dict[str, str]:
     tags = {
         JOB_ID_TAG: record.job_id,
         MODEL_TAG: request["model_config"]["model"],
-        "dagster/priority": str(run_priority(record.priority)),
+        "dagster/priority": str(run_priority(record.priority, priority_cap(record.owner))),
         DEADLINE_TAG: repr(record.expires_at.timestamp()),
         # An upper bound until the run starts and counts it from the deadline (`max_runtime_from`).
         MAX_RUNTIME_TAG: str(int((record.expires_at - record.created_at).total_seconds()) + RUN_MONITORING_GRACE_S),
