@@ -18,12 +18,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import multiprocessing
 import os
 import resource
 import statistics
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -39,7 +37,7 @@ from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.hardware import kubernetes_quantity
 from batch_pipeline.models import _relative_checkpoint_file, cache_dir
 from batch_pipeline.paths import DataFiles
-from batch_pipeline.settings import SlotsSizedBySetting, settings
+from batch_pipeline.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
 from batch_pipeline.submission import UnservableRequest
 
@@ -51,8 +49,6 @@ _CONTENT = TypeAdapter(BatchContent)
 # What a dry run needs of an object-store checkpoint: its configs and tokenizer, never its weights.
 _TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
-# Dry runs at once in this process: each holds a thread (and a child process) for as long as its input takes.
-_slots = SlotsSizedBySetting(lambda configured: configured.max_concurrent_dry_runs)
 # What the checking child needs, imported once by the forkserver it forks from rather than by each child.
 _CHILD_PRELOAD = [
     "batch_pipeline.estimate",
@@ -61,67 +57,32 @@ _CHILD_PRELOAD = [
 ]
 
 
-class DryRunsBusy(RuntimeError):
-    """As many dry runs as this process takes at once are in progress."""
+class DryRunsBusy(SlotsBusy):
+    """As many dry runs as this process takes at once, or as the caller's team may hold, are in progress."""
 
 
-class _TeamShares:
-    """How many dry-run slots each team holds in this process."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: dict[str, int] = {}
-
-    def take(self, team: str, share: int) -> bool:
-        with self._lock:
-            if self._held.get(team, 0) >= share:
-                return False
-            self._held[team] = self._held.get(team, 0) + 1
-            return True
-
-    def give_back(self, team: str) -> None:
-        with self._lock:
-            self._held[team] -= 1
-            if not self._held[team]:
-                del self._held[team]
-
-
-_team_shares = _TeamShares()
-
-
-def team_share(slots: int, configured_share: int | None) -> int:
-    """The dry-run slots one team may hold: the setting, or half of them rounded up (one of two, the
-    default), so that another team finds at least one free whatever one team sends."""
-    return configured_share if configured_share is not None else math.ceil(slots / 2)
+# Dry runs at once in this process: each holds a thread (and a child process) for as long as its input
+# takes; a team at most its share, so that two slow chat templates of one team leave the others a slot.
+_slots = TeamSlots(
+    "dry runs",
+    lambda configured: configured.max_concurrent_dry_runs,
+    lambda configured: configured.max_dry_runs_per_team,
+    "BATCH_PIPELINE_MAX_DRY_RUNS_PER_TEAM",
+    busy=DryRunsBusy,
+)
 
 
 def estimate(
     request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]], files: DataFiles, team: str | None
 ) -> BatchCompletionsEstimate:
     """The dry run of a request whose paths and fields `check_servable` accepted, its input opened as its
-    job would open it (`files`: beneath the requester's data roots), for `team` (`Caller.owner`), which
-    takes at most its share of the slots, so that two slow chat templates of one team leave the others a
-    slot. `history` is the model's completed jobs' figures, newest first (`JobStore.completed_figures`).
-    Raises UnservableRequest naming the field for what makes the whole job fail (an unreadable input, a
-    model with no tokenizer here), and DryRunsBusy when the process runs as many dry runs as it takes."""
-    configured = settings()
-    share = team_share(configured.max_concurrent_dry_runs, configured.max_dry_runs_per_team)
-    if team is not None and share and not _team_shares.take(team, share):
-        raise DryRunsBusy(
-            f"your team has {share} dry runs in progress here, its share of the {configured.max_concurrent_dry_runs} "
-            "this server runs at once (BATCH_PIPELINE_MAX_DRY_RUNS_PER_TEAM); try again when one has answered"
-        )
-    try:
-        slots = _slots.semaphore()
-        if not slots.acquire(blocking=False):
-            raise DryRunsBusy(f"{configured.max_concurrent_dry_runs} dry runs are in progress here; try again shortly")
-        try:
-            counts, context_length = _counted_apart(request, files)
-        finally:
-            slots.release()
-    finally:
-        if team is not None and share:
-            _team_shares.give_back(team)
+    job would open it (`files`: beneath the requester's data roots), in one of the slots `team`
+    (`Caller.owner`) may hold. `history` is the model's completed jobs' figures, newest first
+    (`JobStore.completed_figures`). Raises UnservableRequest naming the field for what makes the whole job
+    fail (an unreadable input, a model with no tokenizer here), and DryRunsBusy when the process runs as
+    many dry runs as it takes, or the team holds its share."""
+    with _slots.hold(team):
+        counts, context_length = _counted_apart(request, files)
     return BatchCompletionsEstimate(
         model=request.model_cfg.model,
         context_length=context_length,

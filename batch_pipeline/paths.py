@@ -52,6 +52,8 @@ class PathPolicy:
     remote_roots: tuple[tuple[str, str], ...] | None = None
     # A team's policy: no roots means no paths at all.
     confined: bool = False
+    # Whether a model, tokenizer or checkpoint may be a local directory (not for a team: see model_refusal).
+    local_models: bool = True
 
     @classmethod
     def from_environment(cls) -> PathPolicy:
@@ -76,7 +78,8 @@ class PathPolicy:
             roots = DataRoots((), ())
         else:  # admins and operators (launchpad runs, schedules)
             roots = registry.all_roots() | DataRoots(policy.roots, ())
-        return replace(policy, roots=roots.local, remote_roots=roots.remote, confined=True)
+            return replace(policy, roots=roots.local, remote_roots=roots.remote, confined=True)
+        return replace(policy, roots=roots.local, remote_roots=roots.remote, confined=True, local_models=False)
 
     def data_path_refusal(self, path: str) -> str | None:
         """Why fsspec must not open `path` for this request, or None."""
@@ -101,11 +104,18 @@ class PathPolicy:
             if why := self._url_refusal(name):
                 return why
             if not io.is_local(name):
-                return None
+                return self._remote_refusal(name)  # a checkpoint is held to the team's prefixes too
         elif _is_hub_id(name) and not os.path.isdir(name):
             return None
         if "file" not in self.protocols:
             return "local paths are not served here"
+        if not self.local_models:
+            # vLLM opens a directory by its path, following symlinks, long after this check: a team could
+            # swap it for a link to another team's model in between.
+            return (
+                "a team's model is a catalog name, a Hugging Face id or an object-store checkpoint under its "
+                "data roots, not a local directory"
+            )
         if not self.roots and not self.confined:
             return None
         return self._local_refusal(written=name, resolved=name)

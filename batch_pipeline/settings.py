@@ -12,10 +12,12 @@ reads its four variables itself; they are documented and checked here all the sa
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
@@ -82,6 +84,17 @@ class Settings(_EnvironmentSettings):
     )
     max_batch_requests: int = Field(
         100_000, description="Most requests in an OpenAI batch's input file (OpenAI's limit is 50,000)"
+    )
+    max_concurrent_batch_checks: int = Field(
+        2,
+        ge=1,
+        description="OpenAI batch input files an API process checks at once (creating or dry-running); more get 429",
+    )
+    max_batch_checks_per_team: int | None = Field(
+        None,
+        ge=1,
+        description="OpenAI batch input files one team may have checked at once; more get 429 "
+        "(unset: half of `BATCH_PIPELINE_MAX_CONCURRENT_BATCH_CHECKS`, rounded up)",
     )
     max_concurrent_dry_runs: int = Field(2, ge=0, description="Dry runs an API process runs at once; more get 429")
     # What one team or one client may hold of an API process (no team can stop the others)
@@ -263,20 +276,52 @@ def client_settings() -> ClientSettings:
     return _read(ClientSettings)
 
 
-class SlotsSizedBySetting:
-    """A semaphore of as many slots as a setting says, made at its first use, so that the setting is read
-    when the process serves, not when it imports the module that holds the slots."""
+class SlotsBusy(RuntimeError):
+    """No slot is free for the caller now; the message says whose limit it met."""
 
-    def __init__(self, size: Callable[[Settings], int]) -> None:
-        self._size = size
-        self._made: threading.BoundedSemaphore | None = None
-        self._making = threading.Lock()
 
-    def semaphore(self) -> threading.BoundedSemaphore:
-        with self._making:
-            if self._made is None:
-                self._made = threading.BoundedSemaphore(self._size(settings()))
-            return self._made
+class TeamSlots:
+    """Slots of one kind (dry runs, batch file checks) that the teams of an API process share: as many as
+    a setting says, and a team holds at most its share (a setting, or half of them rounded up, so that
+    another team always finds one). Taking one never waits: past either limit `hold` raises `busy` at
+    once, holding no thread."""
+
+    def __init__(
+        self,
+        kind: str,
+        size: Callable[[Settings], int],
+        share: Callable[[Settings], int | None],
+        share_variable: str,
+        busy: type[SlotsBusy] = SlotsBusy,
+    ) -> None:
+        self._kind, self._size, self._share, self._share_variable, self._busy = kind, size, share, share_variable, busy
+        self._lock = threading.Lock()
+        self._held: dict[str | None, int] = {}
+
+    def team_share(self, configured: Settings) -> int:
+        share = self._share(configured)
+        return share if share is not None else math.ceil(self._size(configured) / 2)
+
+    @contextlib.contextmanager
+    def hold(self, team: str | None) -> Iterator[None]:
+        configured = settings()
+        size, share = self._size(configured), self.team_share(configured)
+        with self._lock:
+            if sum(self._held.values()) >= size:
+                raise self._busy(f"{size} {self._kind} are in progress here; try again shortly")
+            if team is not None and self._held.get(team, 0) >= share:
+                raise self._busy(
+                    f"your team has {share} {self._kind} in progress here, its share of the {size} this server "
+                    f"runs at once ({self._share_variable}); try again when one has answered"
+                )
+            self._held[team] = self._held.get(team, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held[team] -= 1
+                if not self._held[team]:
+                    del self._held[team]
 
 
 Read = TypeVar("Read", bound=_EnvironmentSettings)

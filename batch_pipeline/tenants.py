@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from batch_pipeline.priority import NAMED_PRIORITIES, read_priority
 from batch_pipeline.settings import settings
 
+logger = logging.getLogger(__name__)
 # A team's name is a DNS label, so that it can name a Kubernetes object or a Kueue queue as it is.
 TenantName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
 KeyDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", to_lower=True)]
@@ -245,8 +247,11 @@ class Tenants:
                 if protocol in (None, "file", "local"):
                     real = Path(rest).resolve()
                     overlap = any(real.is_relative_to(root) or root.is_relative_to(real) for root in team.roots.local)
-                else:
-                    overlap = team.roots.holds_remote(protocol, rest.strip("/") + "/")
+                else:  # either inside the other, as for local paths
+                    prefix, family = rest.strip("/") + "/", _protocol_family(protocol)
+                    overlap = team.roots.holds_remote(protocol, prefix) or any(
+                        root_family == family and root.startswith(prefix) for root_family, root in team.roots.remote
+                    )
                 if overlap:
                     raise TenantsFileError(
                         f"{self.source}: {what} ({path}) overlaps the data roots of {team.name}: keep the service's "
@@ -258,19 +263,28 @@ _loaded: dict[tuple[str, int, int], Tenants] = {}
 
 
 def tenants() -> Tenants | None:
-    """The tenants file BATCH_PIPELINE_TENANTS names, read again only when it changes; None without one."""
+    """The tenants file BATCH_PIPELINE_TENANTS names, read again when it changes; None without one. A file
+    changed into one with a mistake keeps the last good one in force (and says so), so that an edit in
+    progress never stops every request; a process starting on a wrong file fails, naming the mistake."""
     path = settings().tenants
     if not path:
         return None
     try:
         status = os.stat(path)
-    except OSError as exc:
-        raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
-    stamp = (path, status.st_mtime_ns, status.st_size)
-    if stamp not in _loaded:
-        _loaded.clear()
-        _loaded[stamp] = Tenants.load(path)
-    return _loaded[stamp]
+        stamp = (path, status.st_mtime_ns, status.st_size)
+        if stamp not in _loaded:
+            fresh = Tenants.load(path)
+            _loaded.clear()
+            _loaded[stamp] = fresh
+        return _loaded[stamp]
+    except (OSError, TenantsFileError) as exc:
+        last = next((loaded for (source, _, _), loaded in _loaded.items() if source == path), None)
+        if last is None:
+            if isinstance(exc, TenantsFileError):
+                raise
+            raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
+        logger.warning("%s; the tenants file read before stays in force", exc)
+        return last
 
 
 def team_of_owner(owner: str) -> Team | None:

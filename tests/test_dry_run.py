@@ -8,7 +8,6 @@ import pytest
 from batch_pipeline import estimate as estimate_module
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.execute import execute_request
-from batch_pipeline.settings import SlotsSizedBySetting
 from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL, step_failure_messages
 from tests.test_s3 import s3 as s3  # the moto S3 server fixture
@@ -174,10 +173,9 @@ def test_dry_runs_past_the_servers_limit_get_429_and_the_route_documents_the_par
     deployment_factory, tmp_path, monkeypatch
 ):
     api = deployment_factory()
-    slots = SlotsSizedBySetting(lambda configured: 1)
-    monkeypatch.setattr(estimate_module, "_slots", slots)
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_CONCURRENT_DRY_RUNS", "1")
     body = _body(tmp_path, {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0})
-    with slots.semaphore():  # one dry run in progress, as many as this server takes
+    with estimate_module._slots.hold("another team"):  # one dry run in progress, as many as this server takes
         busy = _dry_run(api, body)
     assert busy.status_code == 429 and busy.headers["retry-after"] == "5"
     assert _dry_run(api, body).status_code == 200

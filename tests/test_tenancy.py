@@ -379,3 +379,76 @@ def test_two_teams_share_make_serve_and_each_gets_its_own_results_only(teams, tm
 
 def _get(served, job_id: str, key: str) -> httpx.Response:
     return httpx.get(f"{served.api}/v2/batch-completions/{job_id}", headers=_headers(key), timeout=30)
+
+
+# --- what a security review found after the first steps ------------------------------------------------
+
+
+def test_a_teams_model_or_checkpoint_in_another_teams_bucket_is_refused(api, teams):
+    """A checkpoint in team a's bucket was synced for team b, its tokenizer read by the dry run, and the
+    dry run's `nothing at` told which prefixes exist in any bucket."""
+    own_output = str(teams["b"] / "out.json")
+    for field in ("checkpoint_path", "tokenizer", "model"):
+        for url in ("s3://team-a-data/batch/secret-model", "s3://anybucket/model"):
+            body = _request(own_output, model_config={"model": MODEL, field: url})
+            for params in ({}, {"dry_run": "true"}):
+                refused = api.post("/v2/batch-completions", params=params, json=body, headers=_headers(TEAM_B_KEY))
+                assert set(_refused_fields(refused)) == {f"model_config.{field}"}, (field, url, params)
+    # Team a's own prefix is team a's to load from.
+    body = _request(
+        str(teams["a"] / "out.json"), model_config={"model": MODEL, "checkpoint_path": "s3://team-a-data/batch/m"}
+    )
+    assert api.post("/v2/batch-completions", json=body, headers=_headers(TEAM_A_KEYS[0])).status_code == 200
+
+
+def test_a_teams_model_is_never_a_local_directory_which_could_be_swapped_before_the_engine_loads_it(api, teams):
+    (teams["b"] / "model").mkdir()
+    body = _request(str(teams["b"] / "out.json"), model_config={"model": str(teams["b"] / "model")})
+    refused = _refused_fields(api.post("/v2/batch-completions", json=body, headers=_headers(TEAM_B_KEY)))
+    assert set(refused) == {"model_config.model"} and "not a local directory" in refused["model_config.model"]
+    # An admin's job may load a local directory inside the data roots, checked as before.
+    admitted = api.post("/v2/batch-completions", json=body, headers=_headers(ADMIN_KEY))
+    assert admitted.status_code == 200, admitted.text
+
+
+def test_a_service_prefix_holding_a_teams_bucket_prefix_is_refused(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  t:\n    data_roots: ['s3://svc/files/']\n")
+    with pytest.raises(TenantsFileError, match="overlaps the data roots of t"):
+        Tenants.load(str(path)).check_service_paths({"the work dir": "s3://svc/"})
+
+
+def test_a_key_taken_out_of_the_tenants_file_stops_at_once_and_a_broken_edit_keeps_the_last_good_file(api, teams):
+    tenants_file = os.environ["BATCH_PIPELINE_TENANTS"]
+    assert api.get("/v2/batch-completions", headers=_headers(TEAM_B_KEY)).status_code == 200
+    text = open(tenants_file).read()
+    revoked = text.replace(_digest(TEAM_B_KEY), _digest("a new key of team b"))
+    with open(tenants_file, "w") as handle:
+        handle.write(revoked + "\n")  # another size: seen as a change even within the same mtime tick
+    assert api.get("/v2/batch-completions", headers=_headers(TEAM_B_KEY)).status_code == 401
+    assert api.get("/v2/batch-completions", headers=_headers("a new key of team b")).status_code == 200
+    with open(tenants_file, "w") as handle:
+        handle.write("tenants: [half an edit\n")
+    assert api.get("/v2/batch-completions", headers=_headers("a new key of team b")).status_code == 200
+
+
+def test_one_teams_batch_checks_hold_only_its_share_and_another_team_checks_its_own(api):
+    """Each batch's input file is read whole in a worker thread: one team's burst of batches over a large
+    file held every thread, and another team's GET waited 50 s."""
+    from batch_pipeline.api import openai_service
+    from tests.test_openai_batch import _create, _jsonl, _line, _upload
+
+    files = {}
+    for key in (TEAM_A_KEYS[0], TEAM_B_KEY):
+        uploaded = _upload(api, _jsonl([_line("1")]), key=key)
+        assert uploaded.status_code == 200, uploaded.text
+        files[key] = uploaded.json()["id"]
+    with openai_service._batch_checks.hold("team:team-b"):  # team b's share (1 of the 2) is in use
+        busy = _create(api, files[TEAM_B_KEY], key=TEAM_B_KEY)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "5"
+        assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "BATCH_PIPELINE_MAX_BATCH_CHECKS_PER_TEAM" in busy.json()["error"]["message"]
+        assert _create(api, files[TEAM_A_KEYS[0]], key=TEAM_A_KEYS[0]).status_code == 200
+    bearer_b = {"authorization": f"Bearer {TEAM_B_KEY}".encode()}
+    assert api.get("/v1/batches", headers=bearer_b).json()["data"] == []
+    assert _create(api, files[TEAM_B_KEY], key=TEAM_B_KEY).status_code == 200

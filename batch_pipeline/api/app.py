@@ -40,7 +40,7 @@ from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.priority import InvalidPriority
-from batch_pipeline.settings import settings
+from batch_pipeline.settings import SlotsBusy, settings
 from batch_pipeline.submission import QuotaExceeded, from_v1
 
 
@@ -243,6 +243,14 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     @app.exception_handler(InvalidPriority)
     async def _bad_priority(_: Request, exc: InvalidPriority) -> JSONResponse:
         return _unprocessable([("priority", str(exc))])
+
+    @app.exception_handler(SlotsBusy)
+    async def _busy(request: Request, exc: SlotsBusy) -> Response:
+        if openai_routes.is_openai_path(request):
+            response = openai_routes.openai_error(429, str(exc), code="rate_limit_exceeded")
+            response.headers["Retry-After"] = "5"
+            return response
+        return AsciiJSONResponse(status_code=429, content={"detail": str(exc)}, headers={"Retry-After": "5"})
 
     @app.exception_handler(QuotaExceeded)
     async def _over_quota(request: Request, exc: QuotaExceeded) -> Response:

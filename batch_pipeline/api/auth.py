@@ -36,7 +36,7 @@ OPEN_ACCESS = Caller(owner="anonymous", is_admin=True)
 
 class ApiKeys:
     def __init__(self, entries: list[str], registry: Tenants | None = None) -> None:
-        self._tenants = registry
+        self._tenants = registry  # read again as the file changes (`tenants()`): a revoked key stops at once
         self._keys: dict[str, bool] = {}
         for entry in entries:
             entry = entry.strip()
@@ -75,7 +75,7 @@ class ApiKeys:
 
     def _identify(self, presented: bytes) -> Caller | None:
         if self._tenants is not None:
-            found = self._tenants.identify(presented)
+            found = (tenants() or self._tenants).identify(presented)  # the file as it is now
             if found is None:
                 return None
             team, is_admin = found

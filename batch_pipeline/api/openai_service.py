@@ -40,7 +40,7 @@ from batch_pipeline.openai_batches import (
 )
 from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
 from batch_pipeline.paths import DataFiles
-from batch_pipeline.settings import settings
+from batch_pipeline.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.shards import make_private_directory
 from batch_pipeline.submission import (
     CONTENT_FILE,
@@ -52,6 +52,21 @@ from batch_pipeline.submission import (
 )
 
 _CHUNK = 1024 * 1024
+
+
+class BatchChecksBusy(SlotsBusy):
+    """As many batch input files as this process, or the caller's team, checks at once are being checked."""
+
+
+# Checking a batch's input file reads all of it in a worker thread (up to 200 MiB): without a bound, one
+# team's burst of batches over one large file held every thread, and every other route waited.
+_batch_checks = TeamSlots(
+    "batch input files being checked",
+    lambda configured: configured.max_concurrent_batch_checks,
+    lambda configured: configured.max_batch_checks_per_team,
+    "BATCH_PIPELINE_MAX_BATCH_CHECKS_PER_TEAM",
+    busy=BatchChecksBusy,
+)
 
 
 def max_file_bytes() -> int:
@@ -159,7 +174,11 @@ class OpenAIBatchService:
         job_id = NewJob.new_id()
         work_dir = self.jobs.job_storage.work_dir(job_id)
         _make_work_dir(work_dir)
-        checked = self._check(input_file, body, work_dir)
+        try:
+            checked = self._check(caller, input_file, body, work_dir)
+        except BaseException:
+            io.remove_tree(work_dir)
+            raise
         errors = list(checked.errors)
         request = None
         if not errors:
@@ -214,7 +233,7 @@ class OpenAIBatchService:
         work_dir = self.jobs.job_storage.work_dir(f"dry-run-{uuid.uuid4().hex}")
         _make_work_dir(work_dir)
         try:
-            checked = self._check(input_file, body, work_dir)
+            checked = self._check(caller, input_file, body, work_dir)
             if checked.errors:
                 shown = "; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in checked.errors[:3])
                 raise InvalidOpenAIRequest(
@@ -275,9 +294,10 @@ class OpenAIBatchService:
         return input_file
 
     @staticmethod
-    def _check(input_file: FileRecord, body: CreateBatchRequest, work_dir: str) -> CheckedInput:
+    def _check(caller: Caller, input_file: FileRecord, body: CreateBatchRequest, work_dir: str) -> CheckedInput:
         try:
-            return check_input_file(input_file.path, body.endpoint, work_dir)
+            with _batch_checks.hold(caller.owner):  # a whole file read and checked in this thread
+                return check_input_file(input_file.path, body.endpoint, work_dir)
         except FileNotFoundError:
             raise InvalidOpenAIRequest("input_file_id", "the file's content is no longer stored") from None
 
