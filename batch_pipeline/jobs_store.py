@@ -201,6 +201,18 @@ class NewJob:
 
 
 @dataclass(frozen=True)
+class SlotUse:
+    """A job's hold on run slots: from its start to its end (None: still running), over `shards` shards
+    (0 before they are planned), sized by its stored request's hardware."""
+
+    owner: str
+    started_at: datetime
+    ended_at: datetime | None
+    shards: int
+    request_json: str = field(repr=False)
+
+
+@dataclass(frozen=True)
 class Page:
     jobs: list[JobRecord]
     next_after: str | None  # the cursor of the next page; None on the last one
@@ -345,6 +357,25 @@ class JobStore:
 
     def with_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
         return self._one(sa.and_(jobs.c.owner == owner, jobs.c.idempotency_key == key))
+
+    def slot_usage_since(self, since: datetime) -> builtins.list[SlotUse]:
+        """Each job that held run slots since `since` (running, or ended after it): what fair share counts."""
+        shards = sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id).scalar_subquery()
+        query = sa.select(jobs.c.owner, jobs.c.started_at, jobs.c.completed_at, jobs.c.request, shards).where(
+            jobs.c.started_at.is_not(None), sa.or_(jobs.c.completed_at.is_(None), jobs.c.completed_at >= since)
+        )
+        with self.engine.connect() as connection:
+            return [
+                SlotUse(owner, _utc(started), _utc(ended), int(count or 0), request)
+                for owner, started, ended, request, count in connection.execute(query)
+            ]
+
+    def slot_holders(self) -> dict[str, int]:
+        """How many jobs of each owner hold a run slot: running, or given a run that has not started yet."""
+        holding = sa.or_(jobs.c.status == RUNNING, sa.and_(jobs.c.status == QUEUED, jobs.c.run_id.is_not(None)))
+        query = sa.select(jobs.c.owner, sa.func.count()).where(holding).group_by(jobs.c.owner)
+        with self.engine.connect() as connection:
+            return {owner: int(count) for owner, count in connection.execute(query)}
 
     def count_queued(self, owner: str) -> int:
         """How many of `owner`'s jobs wait to start (queued, with or without a run yet)."""

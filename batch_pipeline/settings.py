@@ -196,6 +196,12 @@ class Settings(_EnvironmentSettings):
     sensor_max_tick_bytes: int = Field(
         32 * 2**20, description="Bytes of requests one sensor tick launches at most (32 MiB; always at least one job)"
     )
+    fair_share_half_life_s: float = Field(
+        3600.0,
+        gt=0,
+        description="With a tenants file: seconds after which a team's use of run slots counts half when the "
+        "next job is chosen (fair share by decayed usage)",
+    )
     schedules: str = Field("", description="A YAML file of recurring batches (see `examples/schedules.yaml`)")
     max_shards_per_job: int | None = Field(
         None, ge=1, description="Most shards a job is split into (unset: what the launcher runs at once)"

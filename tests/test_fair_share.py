@@ -1,11 +1,15 @@
-"""Each team's own bounds from the tenants file: a queue quota answered 429 with nothing stored, and a
-priority cap read as the cap, on the API and on the runs the jobs become."""
+"""Each team's own bounds from the tenants file (a queue quota answered 429 with nothing stored, a priority
+cap read as the cap), and run slots shared out by fair share between teams."""
 
 import hashlib
 import json
+import os
+import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from batch_pipeline.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.tags import run_tags
 from batch_pipeline.tenants import Tenants, TenantsFileError
@@ -168,3 +172,117 @@ def test_every_bound_of_a_team_is_read(tmp_path):
     config = Tenants.load(str(path)).teams["t"].config
     assert {name: getattr(config, name) for name in bounds} == bounds
     assert config.priority_cap == 5
+
+
+# --- admission by fair share -------------------------------------------------------------------------
+
+
+def _waiting(owner: str, count: int, priority: int = 0, start: int = 0) -> list[WaitingJob]:
+    base = datetime(2026, 12, 1, tzinfo=UTC)
+    return [WaitingJob(f"{owner}-{i}", owner, priority, base + timedelta(seconds=start + i)) for i in range(count)]
+
+
+def test_a_team_below_its_share_takes_the_next_slot_however_many_highest_jobs_another_queued():
+    waiting = _waiting("a", 6, priority=20) + _waiting("b", 1, start=100)
+    teams = {"a": TeamShare(usage=120.0, running=2), "b": TeamShare()}
+    assert [chosen.job.job_id for chosen in admit(waiting, teams, slots=1)] == ["b-0"]
+
+
+def test_a_lone_team_fills_every_slot_in_its_priority_order_then_age():
+    waiting = _waiting("a", 3) + [WaitingJob("a-urgent", "a", 20, datetime(2026, 12, 2, tzinfo=UTC))]
+    chosen = [chosen.job.job_id for chosen in admit(waiting, {"a": TeamShare(usage=1e9)}, slots=3)]
+    assert chosen == ["a-urgent", "a-0", "a-1"]
+    assert len(admit(waiting, {}, slots=None)) == 4  # no slot limit: every job at once
+
+
+def test_free_slots_alternate_between_teams_of_equal_standing_and_weights_tilt_the_usage():
+    waiting = _waiting("a", 4) + _waiting("b", 4, start=10)
+    assert [c.job.owner for c in admit(waiting, {}, slots=4)] == ["a", "b", "a", "b"]
+    # b has used twice a's slot-seconds, with twice the weight: they stand level, so running jobs decide.
+    teams = {"a": TeamShare(usage=100.0, weight=1), "b": TeamShare(usage=200.0, weight=2, running=1)}
+    assert [c.job.owner for c in admit(waiting, teams, slots=3)] == ["a", "b", "a"]
+
+
+def test_a_team_at_its_max_running_jobs_waits_and_leaves_the_slot_to_others():
+    waiting = _waiting("a", 3) + _waiting("b", 1, start=10)
+    teams = {"a": TeamShare(max_running_jobs=1, running=1), "b": TeamShare(usage=5e6)}
+    assert [c.job.job_id for c in admit(waiting, teams, slots=3)] == ["b-0"]
+
+
+def test_usage_decays_with_the_half_life():
+    now = datetime(2026, 12, 1, 12, tzinfo=UTC)
+    hour = timedelta(hours=1)
+    recent = decayed_slot_seconds(now - timedelta(seconds=10), now, units=2, now=now, half_life_s=3600)
+    assert recent == pytest.approx(20, rel=0.01)  # 10 s on 2 GPUs, all but new
+    old = decayed_slot_seconds(now - hour - timedelta(seconds=10), now - hour, units=2, now=now, half_life_s=3600)
+    assert old == pytest.approx(10, rel=0.01)  # the same an hour ago: half
+    running = decayed_slot_seconds(now - timedelta(seconds=10), None, units=1, now=now, half_life_s=3600)
+    assert running == pytest.approx(10, rel=0.01)  # a running job counts up to now
+
+
+@pytest.mark.slow
+def test_through_serve_a_second_teams_job_starts_at_the_first_free_slot_and_a_lone_team_fills_both(
+    teams, tmp_path, monkeypatch
+):
+    """Two run slots. Team bounded queues four jobs at `highest` (read as its cap, high) and fills both
+    slots alone; team free's one job, sent after them, starts third: at the first slot that frees."""
+    import httpx
+
+    from tests.test_serve import Served
+
+    monkeypatch.delenv("BATCH_PIPELINE_JOBS_DB", raising=False)
+    served = Served(
+        tmp_path,
+        env={"BATCH_PIPELINE_TENANTS": os.environ["BATCH_PIPELINE_TENANTS"]},
+        max_concurrent_runs=2,
+    )
+    try:
+        served.wait_until_up()
+
+        def submit(key: str, output, **fields) -> str:
+            body = {
+                "output_data_path": str(output),
+                "model_config": {"model": MODEL},
+                "content": {"prompts": ["Count to three:"], "max_new_tokens": 8, "temperature": 0},
+                **fields,
+            }
+            response = httpx.post(
+                f"{served.api}/v2/batch-completions", json=body, headers={"x-api-key": key}, timeout=30
+            )
+            assert response.status_code == 200, response.text
+            return response.json()["job_id"]
+
+        def job(key: str, job_id: str) -> dict:
+            url = f"{served.api}/v2/batch-completions/{job_id}"
+            return httpx.get(url, headers={"x-api-key": key}, timeout=30).json()["job"]
+
+        store = JobStore(f"sqlite:///{served.home}/batch_jobs.db")  # when each job started: not on the wire
+        # max_queued_jobs is 2 for the bounded team: two now, two more once those have started.
+        bounded = [submit(BOUNDED, teams["bounded"] / f"{i}.json", priority="highest") for i in range(2)]
+        deadline = time.monotonic() + 300
+        while not all(job(BOUNDED, job_id)["status"] != "queued" for job_id in bounded):
+            assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+            time.sleep(0.5)
+        bounded += [submit(BOUNDED, teams["bounded"] / f"{i}.json", priority="highest") for i in range(2, 4)]
+        waiting = job(BOUNDED, bounded[2])
+        assert waiting["status"] == "queued" and "fair share" in waiting["metadata"]["waiting_for"]
+        other = submit(FREE, teams["free"] / "0.json")
+
+        def finished(key: str, job_id: str) -> dict:
+            while (found := job(key, job_id))["status"] in ("queued", "running"):
+                assert time.monotonic() < deadline + 300, served.log.read_text()[-3000:]
+                time.sleep(0.5)
+            assert found["status"] == "completed", found
+            return found
+
+        for job_id in bounded:
+            finished(BOUNDED, job_id)
+        finished(FREE, other)
+        rows = {job_id: store.get(job_id) for job_id in [*bounded, other]}
+        started = sorted(rows, key=lambda job_id: rows[job_id].started_at)
+        assert set(started[:2]) == set(bounded[:2])  # the lone team took both slots
+        a, b = (rows[job_id] for job_id in bounded[:2])
+        assert a.started_at < b.completed_at and b.started_at < a.completed_at  # at once
+        assert started[2] == other  # the first slot that freed went to the other team
+    finally:
+        served.kill()

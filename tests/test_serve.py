@@ -75,9 +75,9 @@ def _alive(pid: int) -> bool:
 class Served:
     """`python -m batch_pipeline.serve` (what `make serve` runs) on free ports in a fresh DAGSTER_HOME."""
 
-    def __init__(self, tmp_path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp_path, env: dict[str, str] | None = None, max_concurrent_runs: int = 1) -> None:
         self.home = home = tmp_path / "dagster_home"
-        write_instance_config(home, max_concurrent_runs=1)
+        write_instance_config(home, max_concurrent_runs=max_concurrent_runs)
         self.log = tmp_path / "serve.log"
         self.api_port, self.dagster_port = _free_port(), _free_port()
         self.api = f"http://127.0.0.1:{self.api_port}"

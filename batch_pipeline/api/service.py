@@ -29,7 +29,7 @@ from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.submission import UnservableRequest, check_servable, submit
-from batch_pipeline.tenants import priority_cap
+from batch_pipeline.tenants import priority_cap, tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # A LIST page ends once its jobs' labels and requests pass this many bytes, whatever its `limit`, and the
@@ -166,6 +166,8 @@ class BatchJobService:
             }
         if record.status_detail:
             metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
+        if record.status == QUEUED and record.run_id is None and tenants() is not None:
+            metadata["waiting_for"] = "a run slot: the jobs sensor gives free ones out by fair share between teams"
         for key in _RESULT_FIELDS:
             if record.results and record.results.get(key) is not None:
                 metadata[key] = str(record.results[key])

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, JobRecord, JobStore
+from batch_pipeline.pipeline.admission import admissions, free_run_slots
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
@@ -25,6 +27,7 @@ from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
 from batch_pipeline.settings import settings
 from batch_pipeline.submission import StoredRequest
+from batch_pipeline.tenants import tenants
 
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
 # The sensors below are declared with it, so it is read when the definitions load (a code server starts).
@@ -57,7 +60,28 @@ def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResou
 
 
 def _run_requests(context: SensorEvaluationContext, store: JobStore):
-    budget, taken = _max_tick_bytes(), 0
+    registry = tenants()
+    if registry is None:
+        yield from _launchable(context, store, _waiting(context, store))
+        return
+    # Teams share the run slots: only the jobs fair share picks for the free slots get runs now.
+    waiting = list(_waiting(context, store, fail_expired=True))
+    if not waiting:
+        return
+    slots = free_run_slots(context.instance)
+    chosen = admissions(waiting, store, registry, slots, datetime.now(UTC))
+    for record, admission in chosen:
+        context.log.info(f"{record.job_id} takes a run slot: {admission.why}")
+    if len(chosen) < len(waiting):
+        context.log.info(f"{len(waiting) - len(chosen)} jobs wait for a run slot ({slots} free)")
+    yield from _launchable(context, store, (record for record, _ in chosen))
+
+
+def _waiting(context: SensorEvaluationContext, store: JobStore, fail_expired: bool = False) -> Iterator[JobRecord]:
+    """The queued jobs still without a run, oldest first; the runs the daemon made since the last tick are
+    linked to their jobs on the way. With `fail_expired`, a job whose deadline passed while it waited fails
+    with the reason, as its run would have."""
+    now = datetime.now(UTC)
     for records in store.awaiting_launch():
         runs = _tagged_runs(context.instance, [record.job_id for record in records])
         for record in records:
@@ -66,18 +90,32 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore):
                 continue
             if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
                 continue  # its tick launches it; launching here too could race that into a second run
-            size = len(record.request_json)
-            if taken and taken + size > budget:
-                return
-            try:
-                run_request = run_request_for(record)
-            except Exception as exc:  # run_request_for reads only the record: whatever fails, fails for this job alone
-                reason = f"could not start: {_shortened(exc)}"
-                context.log.warning(f"{record.job_id}: {reason}")
-                store.mark_failed(record.job_id, reason)
+            if fail_expired and record.expires_at <= now:
+                store.mark_failed(
+                    record.job_id,
+                    f"max_runtime_sec exceeded: the job's deadline ({record.expires_at.isoformat()}) passed while "
+                    "it waited for a run slot",
+                )
                 continue
-            taken += size
-            yield run_request
+            yield record
+
+
+def _launchable(context: SensorEvaluationContext, store: JobStore, records: Iterable[JobRecord]):
+    """Each job's run request, as many as one tick carries; a job whose request cannot be made fails alone."""
+    budget, taken = _max_tick_bytes(), 0
+    for record in records:
+        size = len(record.request_json)
+        if taken and taken + size > budget:
+            return
+        try:
+            run_request = run_request_for(record)
+        except Exception as exc:  # run_request_for reads only the record: whatever fails, fails for this job alone
+            reason = f"could not start: {_shortened(exc)}"
+            context.log.warning(f"{record.job_id}: {reason}")
+            store.mark_failed(record.job_id, reason)
+            continue
+        taken += size
+        yield run_request
 
 
 def _tagged_runs(instance: dg.DagsterInstance, job_ids: list[str]) -> dict[str, str]:
