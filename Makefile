@@ -41,6 +41,7 @@ bench: model
 	$(PY) bench/api_memory.py
 	$(PY) bench/api_flood.py
 	$(PY) bench/sharding.py
+	$(PY) bench/fair_share.py
 	$(PY) bench/real_batches.py
 	$(PY) bench/openai_batch.py
 	$(PY) bench/plots.py

@@ -281,3 +281,21 @@ def test_the_api_flood_benchmark_measures_team_b_during_team_as_flood(tmp_path):
     assert sum(result["team_a"]["statuses"].values()) == 3
     for phase in ("team_b_idle", "team_b_during", "team_b_after"):
         assert result[phase]["samples"] >= 3 and result[phase]["p99_s"] >= result[phase]["p50_s"] > 0
+
+
+def test_the_fair_share_benchmark_times_a_decision_and_its_shares_follow_the_weights(tmp_path):
+    out = tmp_path / "fair_share.json"
+    tiny = ["--queued", "120", "--teams", "6", "--finished", "60", "--slots", "3", "--window-s", "3600"]
+    subprocess.run(
+        [sys.executable, str(REPO / "bench" / "fair_share.py"), *tiny, "--sim-slots", "4", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    results = json.loads(out.read_text())
+    assert results["decision"]["queued"] == 120 and results["decision"]["fair_share_decision_ms"] > 0
+    shares = results["shares"]
+    assert shares["target_pct"] == {"team-a": 25.0, "team-b": 25.0, "team-c": 50.0}
+    for team, target in shares["target_pct"].items():
+        assert abs(shares["fair_share_pct"][team] - target) <= 10, shares
+    assert shares["first_come_pct"]["team-a"] > 90  # what fair share is measured against
