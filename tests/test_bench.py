@@ -11,6 +11,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _bench(script: str, *args: str) -> None:
+    """Run bench/<script> on tiny inputs, as `make bench` runs it."""
+    subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args], check=True, capture_output=True, text=True, timeout=300
+    )
+
+
 def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     out = tmp_path / "data_plane.json"
     subprocess.run(
@@ -259,24 +266,7 @@ def test_the_real_batches_benchmark_runs_the_job_with_and_without_deduplication(
 @pytest.mark.slow
 def test_the_api_flood_benchmark_measures_team_b_during_team_as_flood(tmp_path):
     out = tmp_path / "api_flood.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "api_flood.py"),
-            "--flood",
-            "3",
-            "--body-mb",
-            "0.1",
-            "--after-rounds",
-            "1",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    _bench("api_flood.py", "--flood", "3", "--body-mb", "0.1", "--after-rounds", "1", "--out", str(out))
     result = json.loads(out.read_text())["after"]
     assert sum(result["team_a"]["statuses"].values()) == 3
     for phase in ("team_b_idle", "team_b_during", "team_b_after"):
@@ -286,12 +276,7 @@ def test_the_api_flood_benchmark_measures_team_b_during_team_as_flood(tmp_path):
 def test_the_fair_share_benchmark_times_a_decision_and_its_shares_follow_the_weights(tmp_path):
     out = tmp_path / "fair_share.json"
     tiny = ["--queued", "120", "--teams", "6", "--finished", "60", "--slots", "3", "--window-s", "3600"]
-    subprocess.run(
-        [sys.executable, str(REPO / "bench" / "fair_share.py"), *tiny, "--sim-slots", "4", "--out", str(out)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    _bench("fair_share.py", *tiny, "--sim-slots", "4", "--out", str(out))
     results = json.loads(out.read_text())
     assert results["decision"]["queued"] == 120 and results["decision"]["fair_share_decision_ms"] > 0
     shares = results["shares"]
@@ -299,3 +284,14 @@ def test_the_fair_share_benchmark_times_a_decision_and_its_shares_follow_the_wei
     for team, target in shares["target_pct"].items():
         assert abs(shares["fair_share_pct"][team] - target) <= 10, shares
     assert shares["first_come_pct"]["team-a"] > 90  # what fair share is measured against
+
+
+def test_the_api_memory_label_cases_refuse_the_huge_label_and_list_the_largest_allowed(tmp_path):
+    out = tmp_path / "api_memory_labels.json"
+    tiny = ["--jobs", "2", "--huge-jobs", "1", "--label-mib", "1", "--lists", "1"]
+    _bench("api_memory.py", "--labels", *tiny, "--out", str(out))
+    runs = {run["case"]: run for run in json.loads(out.read_text())["runs"]}
+    assert runs["huge"]["codes"] == {"422": 1} and runs["huge"]["listed_jobs"] == 1  # the warm-up's job alone
+    for case in ("largest_ascii", "largest_wide"):
+        assert runs[case]["codes"] == {"200": 2} and runs[case]["listed_jobs"] == 3
+        assert runs[case]["list_bytes"] > 0 and runs[case]["list_peak_rss_mb"] > 0

@@ -50,14 +50,18 @@ def api(teams, tenants_api):
     return tenants_api
 
 
-def _submit(api, key: str, output, **fields):
-    body = {
+def _body(output, **fields) -> dict:
+    return {
         "output_data_path": str(output),
         "model_config": {"model": MODEL},
         "content": {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0},
         **fields,
     }
-    return api.post("/v2/batch-completions", json=body, headers={"x-api-key": key, **fields.pop("headers", {})})
+
+
+def _submit(api, key: str, output, idempotency_key: str | None = None, **fields):
+    headers = {"x-api-key": key} | ({"Idempotency-Key": idempotency_key} if idempotency_key else {})
+    return api.post("/v2/batch-completions", json=_body(output, **fields), headers=headers)
 
 
 def _listed(api, key: str) -> list[str]:
@@ -66,15 +70,7 @@ def _listed(api, key: str) -> list[str]:
 
 def test_a_team_past_its_queue_quota_gets_429_and_nothing_is_stored(api, teams, tmp_path):
     first = _submit(api, BOUNDED, teams["bounded"] / "1.json")
-    second = api.post(
-        "/v2/batch-completions",
-        json={
-            "output_data_path": str(teams["bounded"] / "2.json"),
-            "model_config": {"model": MODEL},
-            "content": {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0},
-        },
-        headers={"x-api-key": BOUNDED, "Idempotency-Key": "second"},
-    )
+    second = _submit(api, BOUNDED, teams["bounded"] / "2.json", idempotency_key="second")
     assert first.status_code == second.status_code == 200
     work = tmp_path / "dagster_home" / "work"
     stored = sorted(path.name for path in work.iterdir())
@@ -88,15 +84,7 @@ def test_a_team_past_its_queue_quota_gets_429_and_nothing_is_stored(api, teams, 
     assert sorted(path.name for path in work.iterdir()) == stored  # no content file for the refused job
 
     # A retry of a submission that made its job is answered with that job, not refused.
-    retried = api.post(
-        "/v2/batch-completions",
-        json={
-            "output_data_path": str(teams["bounded"] / "2.json"),
-            "model_config": {"model": MODEL},
-            "content": {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0},
-        },
-        headers={"x-api-key": BOUNDED, "Idempotency-Key": "second"},
-    )
+    retried = _submit(api, BOUNDED, teams["bounded"] / "2.json", idempotency_key="second")
     assert retried.status_code == 200 and retried.json()["job_id"] == second.json()["job_id"]
     # Another team's queue is its own.
     assert _submit(api, FREE, teams["free"] / "1.json").status_code == 200
@@ -240,14 +228,11 @@ def test_through_serve_a_second_teams_job_starts_at_the_first_free_slot_and_a_lo
         served.wait_until_up()
 
         def submit(key: str, output, **fields) -> str:
-            body = {
-                "output_data_path": str(output),
-                "model_config": {"model": MODEL},
-                "content": {"prompts": ["Count to three:"], "max_new_tokens": 8, "temperature": 0},
-                **fields,
-            }
             response = httpx.post(
-                f"{served.api}/v2/batch-completions", json=body, headers={"x-api-key": key}, timeout=30
+                f"{served.api}/v2/batch-completions",
+                json=_body(output, **fields),
+                headers={"x-api-key": key},
+                timeout=30,
             )
             assert response.status_code == 200, response.text
             return response.json()["job_id"]
