@@ -385,3 +385,15 @@ def test_the_shipped_manifests_bound_what_a_request_may_ask_for(monkeypatch):
     # and the code location's launcher on the pod it would build
     with pytest.raises(InvalidHardware, match="^gpus: 1000000 is more than"):
         K8sShardLauncher(image="i").pod_overrides(_task({"gpus": 1000000}))
+    # and the engine arguments, set the same in both
+    engine = sorted(name for name in api_env if name.startswith("BATCH_PIPELINE_MAX_") and name not in MAXIMA)
+    assert engine and {name: api_env[name] for name in engine} == {name: location_env.get(name) for name in engine}
+    for name in engine:
+        monkeypatch.setenv(name, api_env[name])
+    from batch_pipeline.hardware import engine_argument_refusals
+
+    huge = request.model_cfg.model_copy(update={"num_gpu_blocks_override": 2**40, "max_num_seqs": 10**6})
+    assert {field for field, _ in engine_argument_refusals(huge)} == {
+        "model_config.num_gpu_blocks_override",
+        "model_config.max_num_seqs",
+    }
