@@ -123,6 +123,12 @@ class Settings(_EnvironmentSettings):
     body_timeout_s: float = Field(
         300.0, gt=0, description="Seconds a whole request body may take to arrive; then a 408 and the connection closed"
     )
+    write_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client may leave the server's writes unread (a response's chunk, up to 1 MiB, still "
+        "buffered) before its connection is closed (`serve` runs uvicorn with this bound; uvicorn has none)",
+    )
     dry_run_timeout_s: float = Field(
         300.0, gt=0, description="Seconds a dry run may take to read, render and tokenize its requests; then a 422"
     )

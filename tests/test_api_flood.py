@@ -251,6 +251,69 @@ def test_a_header_sent_a_byte_at_a_time_does_not_hold_the_connection(api_factory
     assert closed_after is not None and closed_after < 2 + 2, closed_after
 
 
+def _server_sockets(pid: int) -> int:
+    """How many sockets the API's process has open: its listening one and one for each connection."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(fd).startswith("socket:")
+        except FileNotFoundError:  # closed while listed
+            pass
+    return count
+
+
+def _rest_until_closed(connection: socket.socket, seconds: float) -> int:
+    """How many bytes the client reads before the server's close, reading now; fails if it stays open."""
+    connection.settimeout(seconds)
+    received = 0
+    try:
+        while chunk := connection.recv(1 << 20):
+            received += len(chunk)
+    except ConnectionResetError:  # aborted: what was still unread may be dropped
+        pass
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open past {seconds} s; it sent {received} bytes")
+    return received
+
+
+SLOW_READERS = 20
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts the API's sockets in /proc")
+def test_clients_that_never_read_their_responses_are_closed_at_the_write_timeout(api_factory, tmp_path):
+    # Before BATCH_PIPELINE_WRITE_TIMEOUT_S, 150 such clients each held ~2.2 MiB of the API for ever.
+    api = api_factory(write_timeout_s="2", header_timeout_s="2")
+    content = b"".join(b'{"custom_id": "request-%07d"}\n' % i for i in range(8 * 2**20 // 30))
+    with httpx.Client(base_url=api.url, headers=TEAM_A, timeout=30) as team_a:
+        uploaded = team_a.post("/v1/files", files={"file": ("input.jsonl", content)}, data={"purpose": "batch"})
+        assert uploaded.status_code == 200, uploaded.text
+        file_id = uploaded.json()["id"]
+        at_rest = _server_sockets(api.process.pid)
+        request = (
+            f"GET /v1/files/{file_id}/content HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: key-team-a\r\n\r\n"
+        ).encode()
+        readers = []
+        for _ in range(SLOW_READERS):
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+            reader.connect(("127.0.0.1", api.port))
+            reader.sendall(request)
+            readers.append(reader)
+        opened = time.monotonic()
+        # While they hold their connections, a client that reads gets the whole file, and others are answered.
+        assert team_a.get(f"/v1/files/{file_id}/content").content == content
+        with httpx.Client(base_url=api.url, headers=TEAM_B, timeout=10) as others:
+            assert others.get("/v2/batch-completions").status_code == 200
+        while _server_sockets(api.process.pid) > at_rest and time.monotonic() - opened < 2 + 10:
+            time.sleep(0.2)
+        still_open = _server_sockets(api.process.pid) - at_rest
+        assert still_open <= 0, f"{still_open} of {SLOW_READERS} connections never read are still open"
+        for reader in readers:  # closed by the server, with the response cut short
+            assert _rest_until_closed(reader, 5) < len(content)
+            reader.close()
+        assert team_a.get("/healthz").status_code == 200
+
+
 # A chat template that renders for hours: its dry run holds a slot until BATCH_PIPELINE_DRY_RUN_TIMEOUT_S.
 TEMPLATE_WITHOUT_END = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
 

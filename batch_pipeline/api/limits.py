@@ -1,8 +1,9 @@
 """Limits on what one client or one team can hold of the API: a body's size, a slow client's connection,
 and the slots large bodies are parsed in.
 
-uvicorn bounds neither the time a client takes to send a request's head nor its body: the head is bounded by
-`HTTPProtocolWithHeadTimeout` (serve.py runs uvicorn with it), the body by `BodyTimeouts`.
+uvicorn bounds neither the time a client takes to send a request's head nor its body, nor the time it may leave
+a response unread: the head and the unread response are bounded by `HTTPProtocolWithHeadTimeout` (serve.py
+runs uvicorn with it), the body by `BodyTimeouts`.
 """
 
 from __future__ import annotations
@@ -167,7 +168,45 @@ class _HeadTimeout:
             self.transport.close()
 
 
-class H11WithHeadTimeout(_HeadTimeout, H11Protocol):
+class _WriteTimeout:
+    """Aborts a connection whose client has left the server's writes unread for BATCH_PIPELINE_WRITE_TIMEOUT_S
+    (a slow reader). uvicorn stops a response while the transport's buffer is over its high-water mark
+    (`pause_writing`, then FlowControl's `drain` waits) until the client reads it down (`resume_writing`), and
+    bounds none of it: a client that never read held its response's buffered chunks (2 MiB of a file's
+    content) for ever. Aborted, not closed: `close` would wait for the unread buffer to be sent."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._write_timeout_s = settings().write_timeout_s
+        self._write_deadline: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self._write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_deadline()
+        super().resume_writing()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_write_deadline()  # uvicorn resumes its writers itself, without `resume_writing`
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _cancel_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_timed_out(self) -> None:
+        self._write_deadline = None
+        self.transport.abort()  # connection_lost follows: the response's sends return, its buffer is dropped
+
+
+class H11WithHeadTimeout(_HeadTimeout, _WriteTimeout, H11Protocol):
     pass
 
 
@@ -177,7 +216,7 @@ except ImportError:  # uvicorn picks h11 without httptools, and so do we
     HTTPProtocolWithHeadTimeout: type[asyncio.Protocol] = H11WithHeadTimeout
 else:
 
-    class HttpToolsWithHeadTimeout(_HeadTimeout, HttpToolsProtocol):
+    class HttpToolsWithHeadTimeout(_HeadTimeout, _WriteTimeout, HttpToolsProtocol):
         pass
 
     HTTPProtocolWithHeadTimeout = HttpToolsWithHeadTimeout
