@@ -129,6 +129,12 @@ class Settings(_EnvironmentSettings):
         description="Seconds a client may leave the server's writes unread (a response's chunk, up to 1 MiB, still "
         "buffered) before its connection is closed (`serve` runs uvicorn with this bound; uvicorn has none)",
     )
+    max_bodies_per_team: int = Field(
+        32,
+        ge=1,
+        description="Request bodies of any size one team may have arriving at once in an API process (an upload: "
+        "until it is answered); more are read and dropped, never held, then get 429",
+    )
     dry_run_timeout_s: float = Field(
         300.0, gt=0, description="Seconds a dry run may take to read, render and tokenize its requests; then a 422"
     )

@@ -314,6 +314,64 @@ def test_clients_that_never_read_their_responses_are_closed_at_the_write_timeout
         assert team_a.get("/healthz").status_code == 200
 
 
+def _response(connection: socket.socket, seconds: float) -> tuple[int, bytes]:
+    """The status and body of the response read from a raw connection (a body of its content-length)."""
+    connection.settimeout(seconds)
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = connection.recv(65536)
+        assert chunk, f"the connection closed before a response: {received[:200]!r}"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers["content-length"]):
+        chunk = connection.recv(65536)
+        assert chunk, "the connection closed within the response's body"
+        body += chunk
+    return int(lines[0].split()[1]), body
+
+
+def test_a_teams_trickled_bodies_past_its_bound_get_429_while_another_team_is_answered(api_factory, tmp_path):
+    # Before BATCH_PIPELINE_MAX_BODIES_PER_TEAM, each body of 8 MiB or less held up to 1 MiB for up to 300 s,
+    # with no bound per team: 200 trickled ones took 200 MiB of the API.
+    bound, beyond = 8, 40
+    api = api_factory(max_bodies_per_team=str(bound))
+    length = 200_000
+    raw = json.dumps(_body(tmp_path, ["Hello"])).encode().ljust(length)  # trailing spaces: still the JSON
+    head = (
+        "POST /v2/batch-completions HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: key-team-a\r\n"
+        f"content-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+    ).encode()
+    with httpx.Client(base_url=api.url, headers=TEAM_B, timeout=ANSWERED_WITHIN_S) as team_b:
+        created = team_b.post("/v2/batch-completions", json=_body(tmp_path, ["Hello"]))
+        assert created.status_code == 200, created.text
+        sent = length // 2
+        team_a = [socket.create_connection(("127.0.0.1", api.port)) for _ in range(bound + beyond)]
+        try:
+            for connection in team_a:
+                connection.sendall(head + raw[:sent])
+            during = []
+            for _ in range(4):  # a byte each at a time, while team B's requests are answered
+                for connection in team_a:
+                    connection.sendall(raw[sent : sent + 1])
+                sent += 1
+                during += _team_b_round(team_b, tmp_path, created.json()["job_id"])
+                time.sleep(0.5)
+            for connection in team_a:
+                connection.sendall(raw[sent:])
+            answers = [_response(connection, 30) for connection in team_a]
+        finally:
+            for connection in team_a:
+                connection.close()
+        for name, seconds, status in during:
+            assert status == 200 and seconds < ANSWERED_WITHIN_S, (name, seconds, status, during)
+    statuses = [status for status, _ in answers]
+    assert statuses.count(429) == beyond and statuses.count(200) == bound, statuses
+    refused = next(json.loads(body) for status, body in answers if status == 429)
+    assert "BATCH_PIPELINE_MAX_BODIES_PER_TEAM" in refused["detail"]
+
+
 # A chat template that renders for hours: its dry run holds a slot until BATCH_PIPELINE_DRY_RUN_TIMEOUT_S.
 TEMPLATE_WITHOUT_END = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
 

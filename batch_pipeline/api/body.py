@@ -22,11 +22,12 @@ from pydantic_core import ErrorDetails
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from batch_pipeline.api.limits import LargeBodySlots, TeamBusy
+from batch_pipeline.api.limits import LargeBodySlots, TeamBodies, TeamBusy
 from batch_pipeline.contract.base import WireModel
 
-# Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file.
-SPOOL_IN_MEMORY_BYTES = 1024 * 1024
+# Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file. Small: a team
+# may have BATCH_PIPELINE_MAX_BODIES_PER_TEAM bodies arriving at once, each for minutes if it trickles.
+SPOOL_IN_MEMORY_BYTES = 64 * 1024
 # A parsed body costs a few times its size (its model, the stored JSON): bodies over LARGE_BODY_BYTES are
 # parsed and handled in a few slots (BATCH_PIPELINE_MAX_CONCURRENT_LARGE_BODIES), shared fairly between
 # teams (api/limits.py), so concurrent large POSTs queue instead of adding up past the pod's memory limit;
@@ -36,19 +37,39 @@ LARGE_BODY_BYTES = 8 * 1024 * 1024
 
 class WireBodyRoute(APIRoute):
     """A route whose wire-model body is authenticated for, then read and validated as described above;
-    FastAPI's handler (dependencies, the route, its OpenAPI document) then gets the validated model."""
+    FastAPI's handler (dependencies, the route, its OpenAPI document) then gets the validated model.
+
+    Every request with a body, on any of these routes (file uploads too), first takes one of its team's
+    places (BATCH_PIPELINE_MAX_BODIES_PER_TEAM, `TeamBodies`), held while its body arrives (where FastAPI
+    reads it, an upload's form: until it is answered); beyond them, its body is read and dropped, never
+    held, then answered 429. A body sent whole holds its place for no time: 200 concurrent small POSTs of
+    one team never had more than one place held at once."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         model = _wire_body_model(self)
-        if model is None:
-            return handler
 
-        async def parse_then_handle(request: Request) -> Response:
-            if not _declares_json(request):
-                return await handler(request)  # FastAPI's answer to a body that is not JSON
+        async def count_then_handle(request: Request) -> Response:
+            if not _has_body(request):
+                return await handler(request)
             # The caller is known before the body is read: no one without a key makes the API parse 64 MB.
             team = request.app.state.api_keys.authenticate(request).owner
+            bodies: TeamBodies = request.app.state.large_body_slots.bodies
+            try:
+                bodies.enter(team)
+            except TeamBusy as exc:
+                return await _drained_then_refused(request, str(exc))
+            arriving = _Arriving(bodies, team)
+            try:
+                if model is None or not _declares_json(request):
+                    return await handler(request)  # FastAPI's own reading (an upload's form, a non-JSON body)
+                return await parse_then_handle(request, team, model, arriving)
+            finally:
+                arriving.done()
+
+        async def parse_then_handle(
+            request: Request, team: str, model: type[BaseModel], arriving: _Arriving
+        ) -> Response:
             large_bodies: LargeBodySlots = request.app.state.large_body_slots
             with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
                 body = _LargeBodyPlace(large_bodies, team)
@@ -56,6 +77,7 @@ class WireBodyRoute(APIRoute):
                     if _declared_length(request) > LARGE_BODY_BYTES:
                         body.enter()  # before any of it is read
                     await _receive_into(spool, request, body)
+                    arriving.done()  # arrived: its place goes to the team's next body while this one parses
                     if body.refused is not None:
                         raise HTTPException(status_code=429, detail=body.refused, headers={"Retry-After": "5"})
                     if not body.entered:
@@ -73,7 +95,39 @@ class WireBodyRoute(APIRoute):
                 finally:
                     body.leave()
 
-        return parse_then_handle
+        return count_then_handle
+
+
+class _Arriving:
+    """A body's place among its team's bodies (TeamBodies), given up once, when it has arrived or is answered."""
+
+    def __init__(self, bodies: TeamBodies, team: str) -> None:
+        self.bodies = bodies
+        self.team = team
+        self.held = True
+
+    def done(self) -> None:
+        if self.held:
+            self.held = False
+            self.bodies.leave(self.team)
+
+
+async def _drained_then_refused(request: Request, detail: str) -> Response:
+    """The body read to its end and dropped, then a 429: answered before it is read, a client still sending
+    could see its connection reset. BodyTimeouts and BodySizeLimit bound the reading as any other's."""
+    try:
+        async for _ in request.stream():
+            pass
+    except ClientDisconnect:
+        return Response(status_code=400)  # the client left (or a size or time limit answered)
+    raise HTTPException(status_code=429, detail=detail, headers={"Retry-After": "5"})
+
+
+def _has_body(request: Request) -> bool:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        return declared.strip() not in ("", "0")
+    return "transfer-encoding" in request.headers
 
 
 class _LargeBodyPlace:

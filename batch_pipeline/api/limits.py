@@ -223,7 +223,34 @@ else:
 
 
 class TeamBusy(Exception):
-    """The team already has as many large bodies in this process as it may."""
+    """The team already has as many bodies (or large bodies) in this process as it may."""
+
+
+class TeamBodies:
+    """How many request bodies each team has arriving in this process: at most `per_team` (`enter`; beyond
+    it, TeamBusy). Every body holds memory while it arrives (up to SPOOL_IN_MEMORY_BYTES, then a temporary
+    file) and may take BATCH_PIPELINE_BODY_TIMEOUT_S to: unbounded, one team's trickled bodies of 8 MiB or
+    less added up past the pod's memory limit. Thread-safe."""
+
+    def __init__(self, per_team: int) -> None:
+        self.per_team = per_team
+        self._lock = threading.Lock()
+        self._entered: dict[str, int] = {}
+
+    def enter(self, team: str) -> None:
+        with self._lock:
+            if self._entered.get(team, 0) >= self.per_team:
+                raise TeamBusy(
+                    f"your team has {self.per_team} request bodies arriving here "
+                    "(BATCH_PIPELINE_MAX_BODIES_PER_TEAM); send this one again when one has arrived"
+                )
+            self._entered[team] = self._entered.get(team, 0) + 1
+
+    def leave(self, team: str) -> None:
+        with self._lock:
+            self._entered[team] -= 1
+            if not self._entered[team]:
+                del self._entered[team]
 
 
 class _Waiter:
@@ -239,11 +266,13 @@ class LargeBodySlots:
     A team has at most `per_team` large bodies here at once, arriving, waiting or parsing (`enter`; beyond it,
     TeamBusy); of the `slots`, a team holds at most half, rounded up; a freed slot goes to the next team in
     turn that waits, so one team's queue never stands in front of another team's body. Thread-safe: the
-    state is guarded by a lock, and a waiter is woken on its own event loop."""
+    state is guarded by a lock, and a waiter is woken on its own event loop. `bodies` counts every body of
+    each team's, of any size (TeamBodies): the app holds both on `app.state.large_body_slots`."""
 
-    def __init__(self, slots: int, per_team: int) -> None:
+    def __init__(self, slots: int, per_team: int, bodies_per_team: int | None = None) -> None:
         self.slots = slots
         self.per_team = per_team
+        self.bodies = TeamBodies(bodies_per_team or settings().max_bodies_per_team)
         self.held_per_team = math.ceil(slots / 2)
         self._lock = threading.Lock()
         self._free = slots
@@ -255,7 +284,11 @@ class LargeBodySlots:
     @classmethod
     def from_settings(cls) -> LargeBodySlots:
         configured = settings()
-        return cls(configured.max_concurrent_large_bodies, configured.max_large_bodies_per_team)
+        return cls(
+            configured.max_concurrent_large_bodies,
+            configured.max_large_bodies_per_team,
+            configured.max_bodies_per_team,
+        )
 
     def enter(self, team: str) -> None:
         with self._lock:
