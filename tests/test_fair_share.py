@@ -213,7 +213,8 @@ def test_through_serve_a_second_teams_job_starts_at_the_first_free_slot_and_a_lo
     teams, tmp_path, monkeypatch
 ):
     """Two run slots. Team bounded queues four jobs at `highest` (read as its cap, high) and fills both
-    slots alone; team free's one job, sent after them, starts third: at the first slot that frees."""
+    slots alone; team free's one job, sent after them, starts at the first slots that free, before the
+    bounded team's last job."""
     import httpx
 
     from tests.test_serve import Served
@@ -268,6 +269,9 @@ def test_through_serve_a_second_teams_job_starts_at_the_first_free_slot_and_a_lo
         assert set(started[:2]) == set(bounded[:2])  # the lone team took both slots
         a, b = (rows[job_id] for job_id in bounded[:2])
         assert a.started_at < b.completed_at and b.started_at < a.completed_at  # at once
-        assert started[2] == other  # the first slot that freed went to the other team
+        # The other team's job takes one of the first slots to free, ahead of the bounded team's last job; by
+        # priority alone it would run last. (When both slots free in one tick, both get runs at once, and
+        # Dagster's queue starts the higher priority a moment first: so third or fourth.)
+        assert started.index(other) in (2, 3) and started.index(other) < started.index(bounded[3]), started
     finally:
         served.kill()
