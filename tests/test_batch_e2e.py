@@ -209,21 +209,26 @@ def test_a_killed_run_worker_is_re_executed_from_failure_without_redoing_finishe
     # Killed once one shard has finished and the other has results on disk and more in flight.
     second_shard = Path(os.environ["DAGSTER_HOME"]) / "work" / "run-worker-kill" / "shards" / "001" / "results.tsv"
     deadline = time.monotonic() + 400
-    while True:
+
+    def succeeded_steps() -> set[str]:
         runs = dagster_home.get_runs()
-        succeeded = {
-            record.step_key
-            for record in (
-                dagster_home.all_logs(runs[0].run_id, of_type=dg.DagsterEventType.STEP_SUCCESS) if runs else []
-            )
-        }
-        if "run_shard[shard_000]" in succeeded and second_shard.exists() and second_shard.read_text().count("\n") >= 1:
-            break
+        events = dagster_home.all_logs(runs[0].run_id, of_type=dg.DagsterEventType.STEP_SUCCESS) if runs else []
+        return {record.step_key for record in events}
+
+    # The first shard's step succeeds seconds before the second shard (one at a time) has a result: the
+    # event log is read until then; the second shard's file is then watched closely, since its last
+    # results follow its first within a second or two (reading the event log each time missed them in CI).
+    while "run_shard[shard_000]" not in succeeded_steps():
         assert run_worker.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no shard finished"
         time.sleep(0.2)
+    while not (second_shard.exists() and second_shard.read_text().count("\n") >= 1):
+        assert run_worker.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the second shard wrote no result"
+        time.sleep(0.01)
     os.killpg(run_worker.pid, signal.SIGKILL)
     run_worker.wait()
+    succeeded = succeeded_steps()  # of the killed run, before its re-execution is the newest
     time.sleep(1)
     assert [pid for pid in worker_pids() if _session_of(pid) == run_worker.pid] == []
     (first_run,) = dagster_home.get_runs()
