@@ -232,18 +232,21 @@ class TeamBodies:
     file) and may take BATCH_PIPELINE_BODY_TIMEOUT_S to: unbounded, one team's trickled bodies of 8 MiB or
     less added up past the pod's memory limit. Thread-safe."""
 
-    def __init__(self, per_team: int) -> None:
+    def __init__(
+        self,
+        per_team: int,
+        refusal: str = "request bodies arriving here (BATCH_PIPELINE_MAX_BODIES_PER_TEAM); send this one again "
+        "when one has arrived",
+    ) -> None:
         self.per_team = per_team
+        self._refusal = refusal
         self._lock = threading.Lock()
         self._entered: dict[str, int] = {}
 
     def enter(self, team: str) -> None:
         with self._lock:
             if self._entered.get(team, 0) >= self.per_team:
-                raise TeamBusy(
-                    f"your team has {self.per_team} request bodies arriving here "
-                    "(BATCH_PIPELINE_MAX_BODIES_PER_TEAM); send this one again when one has arrived"
-                )
+                raise TeamBusy(f"your team has {self.per_team} {self._refusal}")
             self._entered[team] = self._entered.get(team, 0) + 1
 
     def leave(self, team: str) -> None:
@@ -251,6 +254,10 @@ class TeamBodies:
             self._entered[team] -= 1
             if not self._entered[team]:
                 del self._entered[team]
+
+    def count(self, team: str) -> int:
+        with self._lock:
+            return self._entered.get(team, 0)
 
 
 class _Waiter:
@@ -276,7 +283,11 @@ class LargeBodySlots:
         self.held_per_team = math.ceil(slots / 2)
         self._lock = threading.Lock()
         self._free = slots
-        self._entered: dict[str, int] = {}
+        self._large = TeamBodies(
+            per_team,
+            "bodies over 8 MiB in progress here (BATCH_PIPELINE_MAX_LARGE_BODIES_PER_TEAM); send this one again "
+            "when one is answered",
+        )
         self._held: dict[str, int] = {}
         self._waiting: dict[str, deque[_Waiter]] = {}
         self._turns: deque[str] = deque()  # teams with waiters, the next to be served first
@@ -291,19 +302,10 @@ class LargeBodySlots:
         )
 
     def enter(self, team: str) -> None:
-        with self._lock:
-            if self._entered.get(team, 0) >= self.per_team:
-                raise TeamBusy(
-                    f"your team has {self.per_team} bodies over 8 MiB in progress here "
-                    "(BATCH_PIPELINE_MAX_LARGE_BODIES_PER_TEAM); send this one again when one is answered"
-                )
-            self._entered[team] = self._entered.get(team, 0) + 1
+        self._large.enter(team)
 
     def leave(self, team: str) -> None:
-        with self._lock:
-            self._entered[team] -= 1
-            if not self._entered[team]:
-                del self._entered[team]
+        self._large.leave(team)
 
     async def acquire(self, team: str) -> None:
         """A slot for `team`, once it is the team's turn. Cancelled (the client left), it frees its place."""
@@ -336,7 +338,7 @@ class LargeBodySlots:
     def counts(self, team: str) -> tuple[int, int, int]:
         """The team's large bodies here, slots held and bodies waiting for one."""
         with self._lock:
-            return self._entered.get(team, 0), self._held.get(team, 0), len(self._waiting.get(team, ()))
+            return self._large.count(team), self._held.get(team, 0), len(self._waiting.get(team, ()))
 
     def _take(self, team: str) -> None:
         self._free -= 1
