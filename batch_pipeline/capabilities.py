@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.requests import CODE_EVALUATOR
+from batch_pipeline.core.settings import settings
 from batch_pipeline.hardware import engine_argument_refusals, hardware_refusals
 from batch_pipeline.paths import request_path_refusals
-from batch_pipeline.settings import settings
 
 MAX_EXECUTION_TIMEOUT_S = 600
 

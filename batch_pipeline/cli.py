@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from batch_pipeline.settings import SettingsError, client_settings, settings
+from batch_pipeline.core.settings import SettingsError, client_settings, settings
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -295,7 +295,7 @@ def _run(path: Path, show: int) -> int:
 
 def _with_absolute_local_paths(request):
     """Relative paths in a request file mean relative to where the command runs, not to a step process."""
-    from batch_pipeline import io
+    from batch_pipeline.core import io
 
     updates = {
         field: str(Path(value).resolve())

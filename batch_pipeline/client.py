@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from batch_pipeline.settings import client_settings
+from batch_pipeline.core.settings import client_settings
 
 
 class ApiError(RuntimeError):

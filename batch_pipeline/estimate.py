@@ -30,14 +30,14 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from batch_pipeline import io
 from batch_pipeline.contract import BatchCompletionsModelConfig, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestProblem, RuntimeEstimate
 from batch_pipeline.contract.requests import BatchContent
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.hardware import kubernetes_quantity
 from batch_pipeline.models import _relative_checkpoint_file, cache_dir
 from batch_pipeline.paths import DataFiles
-from batch_pipeline.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
 from batch_pipeline.submission import UnservableRequest
 

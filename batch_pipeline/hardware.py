@@ -20,7 +20,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from batch_pipeline.settings import KUBERNETES_QUANTITY, settings
+from batch_pipeline.core.settings import KUBERNETES_QUANTITY, settings
 
 # A number means this unit, as the pod's requests have always read it.
 BARE_UNITS = {"cpus": "", "memory": "Gi", "storage": "Gi"}

@@ -26,8 +26,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
-from batch_pipeline import io
-from batch_pipeline.settings import settings
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings
 
 metadata = sa.MetaData()
 # Not Alembic's default name: the job store may share a database with Dagster's own storage.

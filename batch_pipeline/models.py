@@ -14,8 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from batch_pipeline import io
-from batch_pipeline.settings import settings
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ import fsspec
 from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
 
-from batch_pipeline import io
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings
 from batch_pipeline.models import CATALOG
-from batch_pipeline.settings import settings
 from batch_pipeline.tenants import TEAM_OWNER_PREFIX, DataRoots, tenants
 
 # fsspec's names for the local filesystem ("file", "local"): allowing one allows both.

@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from batch_pipeline.core.settings import SettingsError, settings
 from batch_pipeline.pipeline.service_paths import secure_service_paths
-from batch_pipeline.settings import SettingsError, settings
 from batch_pipeline.tenants import TenantsFileError
 
 REPO = Path(__file__).resolve().parents[1]

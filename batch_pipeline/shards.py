@@ -25,11 +25,11 @@ from typing import IO, Any
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 
-from batch_pipeline import io
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request
 from batch_pipeline.contract.records import InputRecord, RecordKind, describe_validation_error, parse_record
 from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
-from batch_pipeline.settings import settings
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings
 
 INPUT_FILE = "input.jsonl"
 COPIES_FILE = "copies.tsv"

@@ -45,7 +45,7 @@ def make_input(path: Path, size: int, fmt: str) -> None:
 
 
 def plan(input_path: str, work_dir: str, shards: int) -> dict:
-    from batch_pipeline import io
+    from batch_pipeline.core import io
     from batch_pipeline.shards import work_items, write_shards
 
     started = time.perf_counter()
@@ -54,7 +54,7 @@ def plan(input_path: str, work_dir: str, shards: int) -> dict:
 
 
 def merge(work_dir: str, output_path: str, expected: int) -> dict:
-    from batch_pipeline import io
+    from batch_pipeline.core import io
     from batch_pipeline.shards import merge_sorted_outputs, shard_directories, write_output_array
 
     started = time.perf_counter()

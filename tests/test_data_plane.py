@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from batch_pipeline import io
 from batch_pipeline.contract.records import RecordError
+from batch_pipeline.core import io
 from batch_pipeline.shards import (
     format_result,
     merge_sorted_outputs,

@@ -10,8 +10,8 @@ import pytest
 from dagster_k8s.pipes import build_pod_body
 from kubernetes.client import ApiClient
 
+from batch_pipeline.core.settings import variable_names
 from batch_pipeline.launch.k8s import InvalidHardware, K8sShardLauncher
-from batch_pipeline.settings import variable_names
 from batch_pipeline.shards import ShardSpec, ShardTask
 
 KUBERNETES_VERSION = "1.30"

@@ -247,7 +247,7 @@ def test_the_metadata_path_the_policy_checks_is_the_one_the_job_writes():
 
 
 def test_paths_with_glob_characters_are_plain_files_to_the_job(tmp_path):
-    from batch_pipeline import io
+    from batch_pipeline.core import io
 
     path = str(tmp_path / "results[1]*.json")
     assert io.exists(path) is False  # was: fsspec expanded the glob and a status read failed

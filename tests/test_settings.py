@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.settings import SettingsError, settings, settings_table, variable_names
+from batch_pipeline.core.settings import SettingsError, settings, settings_table, variable_names
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "batch_pipeline"
@@ -18,7 +18,7 @@ def test_the_readme_table_is_the_generators_output():
     readme = (REPO / "README.md").read_text()
     table = readme.split("<!-- settings:begin -->\n", 1)[1].split("<!-- settings:end -->", 1)[0]
     assert table == settings_table(), (
-        "README.md's settings table differs from the settings: run `python -m batch_pipeline.settings` and paste "
+        "README.md's settings table differs from the settings: run `python -m batch_pipeline.core.settings` and paste "
         "its output between <!-- settings:begin --> and <!-- settings:end -->"
     )
 
@@ -32,7 +32,7 @@ def test_every_variable_the_package_names_is_a_documented_setting():
     }
     assert named, "the pattern finds the package's variables"
     undocumented = sorted(pair for pair in named if pair[0] not in variable_names())
-    assert not undocumented, f"add these to batch_pipeline/settings.py (and the README's table): {undocumented}"
+    assert not undocumented, f"add these to batch_pipeline/core/settings.py (and the README's table): {undocumented}"
 
 
 def test_a_bad_value_stops_the_api_at_start_naming_the_variable(monkeypatch):

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
-from batch_pipeline.io import SymlinkRefused
+from batch_pipeline.core.io import SymlinkRefused
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage

@@ -18,7 +18,7 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from batch_pipeline.settings import settings
+from batch_pipeline.core.settings import settings
 
 # A multipart body's boundaries and part headers around an upload of the largest size.
 _MULTIPART_MARGIN = 64 * 1024

@@ -12,7 +12,6 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
-from batch_pipeline import io
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.contract import BatchCompletionsEstimate, CreateBatchCompletionsV2Request
@@ -26,6 +25,8 @@ from batch_pipeline.contract.openai_batch import (
     OpenAIFile,
 )
 from batch_pipeline.contract.records import describe_validation_error
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobRecord, NewJob
 from batch_pipeline.openai_batches import (
@@ -40,7 +41,6 @@ from batch_pipeline.openai_batches import (
 )
 from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
 from batch_pipeline.paths import DataFiles
-from batch_pipeline.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.shards import make_private_directory
 from batch_pipeline.submission import (
     CONTENT_FILE,

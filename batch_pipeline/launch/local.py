@@ -12,7 +12,8 @@ import tempfile
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline import io
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings
 from batch_pipeline.launch.base import (
     ForwardsProgress,
     ProgressCallback,
@@ -21,7 +22,6 @@ from batch_pipeline.launch.base import (
     raise_if_past_deadline,
     worker_stats,
 )
-from batch_pipeline.settings import settings
 from batch_pipeline.shards import ShardTask
 
 # How often a step checks that its run has not ended without it (its run worker killed).

@@ -6,6 +6,7 @@ import warnings
 
 import dagster as dg
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
 from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline import step_server
@@ -20,7 +21,6 @@ from batch_pipeline.pipeline.sensors import (
     record_succeeded_runs,
 )
 from batch_pipeline.pipeline.service_paths import secure_service_paths
-from batch_pipeline.settings import settings
 
 # Dagster's own uses of its beta and preview features, warned about in every step process: it copies each
 # sensor with the sensor's (empty) owners when it binds the resources, and every Pipes session reads its

@@ -14,10 +14,10 @@ import dagster as dg
 from dagster import OpExecutionContext
 from pydantic import ValidationError
 
-from batch_pipeline import io
 from batch_pipeline.capabilities import shard_model_config
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
+from batch_pipeline.core import io
 from batch_pipeline.launch import ShardLauncher, ShardResult
 from batch_pipeline.openai_batches import finalize_batch
 from batch_pipeline.paths import DataFiles, metadata_path

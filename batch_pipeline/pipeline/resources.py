@@ -8,7 +8,7 @@ import os
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline import io
+from batch_pipeline.core import io
 from batch_pipeline.jobs_store import JobStore
 
 

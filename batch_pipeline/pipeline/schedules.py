@@ -19,11 +19,11 @@ from pydantic import Field, ValidationError, field_validator
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
-from batch_pipeline.settings import settings
 from batch_pipeline.submission import submit
 
 SCHEDULE_LABEL = "schedule"

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from batch_pipeline.settings import settings
+from batch_pipeline.core.settings import settings
 from batch_pipeline.worker.engine import set_engine_environment
 
 

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from batch_pipeline import io
-from batch_pipeline.settings import settings
+from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings
 from batch_pipeline.shards import format_result, iter_result_lines
 
 # The errors of a full or failing disk: the worker's failure names the file they stopped.

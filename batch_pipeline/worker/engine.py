@@ -12,8 +12,8 @@ import platform
 from collections.abc import Set
 from typing import Any
 
-from batch_pipeline import io
 from batch_pipeline.contract import BatchCompletionsModelConfig
+from batch_pipeline.core import io
 from batch_pipeline.models import resolve_model, sync_remote_checkpoint
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from typing import IO
 # Executions run as uids from SANDBOX_UID_BASE on, unused by any account: one uid per running execution on
 # this machine, whichever worker runs it (see UidLeases), so that one execution's processes can neither
 # signal nor exhaust the process limit of another, and cleaning up after one never touches another.
-# This module reads its settings (batch_pipeline/settings.py documents and checks them) from the environment
+# This module reads its settings (batch_pipeline/core/settings.py documents and checks them) from the environment
 # itself: it also runs alone under the system's Python, without pydantic (tests/test_sandbox.py).
 SANDBOX_UID_BASE = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UID_BASE", "61000"))
 SANDBOX_UIDS = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UIDS", "64"))

@@ -3,7 +3,7 @@
 `settings()` reads the environment when it is called, not when this module is imported, so a process (or a
 test) that changes a variable is seen by the next call; each process calls it once as it starts, so that a
 bad value fails the start naming the variable. README.md's settings table is printed from these fields:
-`python -m batch_pipeline.settings`.
+`python -m batch_pipeline.core.settings`.
 
 This module imports nothing else of ours, so that every layer (API, pipeline, launchers, worker, stores)
 can read its settings here. The one exception is worker/sandbox.py, which also runs without pydantic and
