@@ -15,10 +15,10 @@ from pydantic import Field, TypeAdapter, model_validator
 
 from batch_pipeline.capabilities import refusals
 from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request
+from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent
 from batch_pipeline.core import io
 from batch_pipeline.jobs_store import JobRecord, JobStore, NewJob
-from batch_pipeline.priority import run_priority
 from batch_pipeline.shards import make_private_directory
 from batch_pipeline.tenants import team_of_owner
 

@@ -29,8 +29,8 @@ import yaml
 from fsspec.core import split_protocol
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from batch_pipeline.contract.priority import NAMED_PRIORITIES, read_priority
 from batch_pipeline.core.settings import settings
-from batch_pipeline.priority import NAMED_PRIORITIES, read_priority
 
 logger = logging.getLogger(__name__)
 # A team's name is a DNS label, so that it can name a Kubernetes object or a Kueue queue as it is.

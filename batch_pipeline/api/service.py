@@ -22,12 +22,12 @@ from batch_pipeline.contract import (
     CreateBatchCompletionsV2Request,
 )
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.jobs_store import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
 from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
-from batch_pipeline.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.submission import UnservableRequest, check_servable, submit
 from batch_pipeline.tenants import priority_cap, tenants
 

@@ -15,6 +15,7 @@ from dagster import OpExecutionContext
 from pydantic import ValidationError
 
 from batch_pipeline.capabilities import shard_model_config
+from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.core import io
@@ -25,7 +26,6 @@ from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
-from batch_pipeline.priority import InvalidPriority
 from batch_pipeline.shards import (
     MissingResult,
     PlanningSettings,
