@@ -11,7 +11,7 @@ unless they are URLs. Such a value is a catalog name, a Hugging Face id (`name` 
 grammar, and no directory of that name here), a URL (held to the protocols above), or else a local path:
 absolute, `./`, `../`, `~`, or anything else that is not an id.
 
-With a tenants file (`batch_pipeline/tenants.py`) the roots are the requesting team's: its local
+With a tenants file (`batch_pipeline/tenancy/tenants.py`) the roots are the requesting team's: its local
 directories and its bucket prefixes, and nothing else; an admin's (or an operator's launchpad run's) are
 every team's and the data roots above.
 """
@@ -31,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
 from batch_pipeline.models import CATALOG
-from batch_pipeline.tenants import TEAM_OWNER_PREFIX, DataRoots, tenants
+from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, DataRoots, tenants
 
 # fsspec's names for the local filesystem ("file", "local"): allowing one allows both.
 LOCAL_PROTOCOLS = LocalFileSystem.protocol

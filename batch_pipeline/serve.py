@@ -18,7 +18,7 @@ from pathlib import Path
 
 from batch_pipeline.core.settings import SettingsError, settings
 from batch_pipeline.pipeline.service_paths import secure_service_paths
-from batch_pipeline.tenants import TenantsFileError
+from batch_pipeline.tenancy.tenants import TenantsFileError
 
 REPO = Path(__file__).resolve().parents[1]
 # The Dagster UI's address: loopback only (see the module docstring).

@@ -20,7 +20,7 @@ from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchConte
 from batch_pipeline.core import io
 from batch_pipeline.jobs_store import JobRecord, JobStore, NewJob
 from batch_pipeline.shards import make_private_directory
-from batch_pipeline.tenants import team_of_owner
+from batch_pipeline.tenancy.tenants import team_of_owner
 
 # A job's inline content, as written at submission: a JSON array of records, as an input file holds them.
 CONTENT_FILE = "content.json"

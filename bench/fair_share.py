@@ -44,10 +44,10 @@ def _tenants_file(directory: Path, teams: int) -> Path:
 
 
 def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: int = 5) -> dict:
-    from batch_pipeline.fair_share import WaitingJob, admit
     from batch_pipeline.jobs_store import JobStore, NewJob
     from batch_pipeline.pipeline.admission import team_shares
-    from batch_pipeline.tenants import tenants
+    from batch_pipeline.tenancy.fair_share import WaitingJob, admit
+    from batch_pipeline.tenancy.tenants import tenants
 
     with tempfile.TemporaryDirectory() as directory:
         os.environ["BATCH_PIPELINE_TENANTS"] = str(_tenants_file(Path(directory), teams))
@@ -95,7 +95,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
 
 
 def simulated_shares(window_s: float, slots: int, job_s: float = 60.0, half_life_s: float = 3600.0) -> dict:
-    from batch_pipeline.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
+    from batch_pipeline.tenancy.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
 
     weights = {"team-a": 1.0, "team-b": 1.0, "team-c": 2.0}
     start = datetime(2026, 12, 1, tzinfo=UTC)

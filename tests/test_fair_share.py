@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from batch_pipeline.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.tags import run_tags
-from batch_pipeline.tenants import Tenants, TenantsFileError
+from batch_pipeline.tenancy.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
+from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 

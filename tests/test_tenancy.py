@@ -21,7 +21,7 @@ from batch_pipeline.core.io import SymlinkRefused
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.tenants import Tenants, TenantsFileError
+from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fastapi import HTTPException, Request
 
 from batch_pipeline.core.settings import settings
-from batch_pipeline.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants, tenants
+from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants, tenants
 
 logger = logging.getLogger(__name__)
 

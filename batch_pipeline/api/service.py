@@ -29,7 +29,7 @@ from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.submission import UnservableRequest, check_servable, submit
-from batch_pipeline.tenants import priority_cap, tenants
+from batch_pipeline.tenancy.tenants import priority_cap, tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # A LIST page ends once its jobs' labels and requests pass this many bytes, whatever its `limit`, and the

@@ -27,7 +27,7 @@ from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
 from batch_pipeline.submission import StoredRequest
-from batch_pipeline.tenants import tenants
+from batch_pipeline.tenancy.tenants import tenants
 
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
 # The sensors below are declared with it, so it is read when the definitions load (a code server starts).

@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 from batch_pipeline.core.settings import settings
 from batch_pipeline.jobs_store import default_store_url
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.tenants import tenants
+from batch_pipeline.tenancy.tenants import tenants
 
 
 def dagster_home() -> str:
