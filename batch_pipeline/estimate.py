@@ -30,16 +30,16 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from batch_pipeline.admission.hardware import kubernetes_quantity
+from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.submission import UnservableRequest
 from batch_pipeline.contract import BatchCompletionsModelConfig, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestProblem, RuntimeEstimate
 from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
-from batch_pipeline.hardware import kubernetes_quantity
 from batch_pipeline.models import _relative_checkpoint_file, cache_dir
-from batch_pipeline.paths import DataFiles
 from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
-from batch_pipeline.submission import UnservableRequest
 
 # Problems listed per kind (all are counted): a million-prompt job's answer stays small.
 MAX_LISTED = 100

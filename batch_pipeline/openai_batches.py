@@ -23,6 +23,7 @@ import ijson
 import yaml
 from pydantic import ValidationError
 
+from batch_pipeline.admission.submission import CONTENT_FILE
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
 from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
@@ -30,7 +31,6 @@ from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
 from batch_pipeline.jobs_store import FAILED, JobRecord, JobStore
 from batch_pipeline.openai_store import BatchResults, FileRecord, OpenAIStore
-from batch_pipeline.submission import CONTENT_FILE
 
 CUSTOM_IDS_FILE = "custom_ids.jsonl"
 OUTPUT_FILE = "output.json"

@@ -270,8 +270,8 @@ def make_running_job(store, job_storage, home: str, prompts: int, shard_files: b
     pipeline records it; its work dir as such a run leaves it when `shard_files`. Returns (id, bytes)."""
     import uuid
 
+    from batch_pipeline.admission.submission import submit
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
-    from batch_pipeline.submission import submit
 
     request = CreateBatchCompletionsV2Request.model_validate(
         {
@@ -403,8 +403,8 @@ def tick_body(home: str, i: int, content_kb: float) -> dict:
 def submit_tick_jobs(
     how: str, client: httpx.Client, store, job_storage, home: str, count: int, content_kb: float
 ) -> dict:
+    from batch_pipeline.admission.submission import submit
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
-    from batch_pipeline.submission import submit
 
     def post(i: int) -> int:
         body = json.dumps(tick_body(home, i, content_kb), separators=(",", ":")).encode()

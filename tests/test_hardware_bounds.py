@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from batch_pipeline.admission.hardware import ENGINE_ARGUMENT_MAXIMA, hardware_maxima, hardware_refusals
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.core.settings import ENV_PREFIX, settings
-from batch_pipeline.hardware import ENGINE_ARGUMENT_MAXIMA, hardware_maxima, hardware_refusals
 
 MAXIMA = (
     "BATCH_PIPELINE_MAX_GPUS",

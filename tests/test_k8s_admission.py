@@ -356,8 +356,8 @@ MAXIMA = (
 
 
 def test_the_shipped_manifests_bound_what_a_request_may_ask_for(monkeypatch):
+    from batch_pipeline.admission.hardware import hardware_refusals
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
-    from batch_pipeline.hardware import hardware_refusals
 
     api_env, location_env = _api_env(), _location_env()
     assert {name: api_env.get(name) for name in MAXIMA} == {name: location_env.get(name) for name in MAXIMA}
@@ -390,7 +390,7 @@ def test_the_shipped_manifests_bound_what_a_request_may_ask_for(monkeypatch):
     assert engine and {name: api_env[name] for name in engine} == {name: location_env.get(name) for name in engine}
     for name in engine:
         monkeypatch.setenv(name, api_env[name])
-    from batch_pipeline.hardware import engine_argument_refusals
+    from batch_pipeline.admission.hardware import engine_argument_refusals
 
     huge = request.model_cfg.model_copy(update={"num_gpu_blocks_override": 2**40, "max_num_seqs": 10**6})
     assert {field for field, _ in engine_argument_refusals(huge)} == {

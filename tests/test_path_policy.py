@@ -186,7 +186,7 @@ def test_trust_remote_code_is_refused_unless_the_operator_allows_it(deployment_f
 
 
 def test_a_shard_worker_gets_trust_remote_code_only_from_the_operators_policy(monkeypatch):
-    from batch_pipeline.capabilities import shard_model_config
+    from batch_pipeline.admission.capabilities import shard_model_config
 
     asked = {"model": MODEL, "trust_remote_code": True}
     monkeypatch.delenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", raising=False)
@@ -222,8 +222,8 @@ def test_a_launchpad_run_is_held_to_the_same_policy(run_job, data_root, monkeypa
 def test_a_launchpad_run_cannot_name_a_content_file_only_the_submission_path_may(dagster_home, tmp_path):
     """`content_path` is how a stored job names the content it was sent; a run from the launchpad that
     names one (another job's prompts, say) fails before reading it."""
+    from batch_pipeline.admission.submission import StoredRequest
     from batch_pipeline.pipeline.execute import execute_request
-    from batch_pipeline.submission import StoredRequest
 
     others = tmp_path / "work" / "batch-someone-else" / "content.json"
     others.parent.mkdir(parents=True)
@@ -240,7 +240,7 @@ def test_a_launchpad_run_cannot_name_a_content_file_only_the_submission_path_may
 
 
 def test_the_metadata_path_the_policy_checks_is_the_one_the_job_writes():
-    from batch_pipeline.paths import metadata_path
+    from batch_pipeline.admission.paths import metadata_path
     from batch_pipeline.pipeline.job import metadata_path as written_by_the_job
 
     assert metadata_path("s3://b/o.json") == written_by_the_job("s3://b/o.json")

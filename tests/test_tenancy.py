@@ -14,12 +14,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from batch_pipeline.admission.paths import DataFiles
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.io import SymlinkRefused
 from batch_pipeline.jobs_store import JobStore
-from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
 from tests.api_fixtures import USER_KEY

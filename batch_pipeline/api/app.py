@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batch_pipeline.admission.submission import QuotaExceeded, from_v1
 from batch_pipeline.api import openai_routes
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
@@ -41,7 +42,6 @@ from batch_pipeline.estimate import DryRunsBusy
 from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.service_paths import secure_service_paths
-from batch_pipeline.submission import QuotaExceeded, from_v1
 
 
 class AsciiJSONResponse(JSONResponse):

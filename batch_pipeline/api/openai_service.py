@@ -12,6 +12,15 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
+from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.submission import (
+    CONTENT_FILE,
+    StoredRequest,
+    UnservableRequest,
+    check_queue_quota,
+    check_servable,
+    submit,
+)
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.contract import BatchCompletionsEstimate, CreateBatchCompletionsV2Request
@@ -40,16 +49,7 @@ from batch_pipeline.openai_batches import (
     write_result_files,
 )
 from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
-from batch_pipeline.paths import DataFiles
 from batch_pipeline.shards import make_private_directory
-from batch_pipeline.submission import (
-    CONTENT_FILE,
-    StoredRequest,
-    UnservableRequest,
-    check_queue_quota,
-    check_servable,
-    submit,
-)
 
 _CHUNK = 1024 * 1024
 

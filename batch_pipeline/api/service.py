@@ -13,6 +13,8 @@ import dagster as dg
 from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
+from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.submission import UnservableRequest, check_servable, submit
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
@@ -25,10 +27,8 @@ from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.jobs_store import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
-from batch_pipeline.paths import DataFiles
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
-from batch_pipeline.submission import UnservableRequest, check_servable, submit
 from batch_pipeline.tenancy.tenants import priority_cap, tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}

@@ -28,7 +28,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline.hardware import InvalidHardware, hardware_problems, kubernetes_quantity
+from batch_pipeline.admission.hardware import InvalidHardware, hardware_problems, kubernetes_quantity
 from batch_pipeline.launch.base import (
     ForwardsProgress,
     PodHardware,

@@ -14,14 +14,15 @@ import dagster as dg
 from dagster import OpExecutionContext
 from pydantic import ValidationError
 
-from batch_pipeline.capabilities import shard_model_config
+from batch_pipeline.admission.capabilities import shard_model_config
+from batch_pipeline.admission.paths import DataFiles, metadata_path
+from batch_pipeline.admission.submission import StoredRequest, UnservableRequest, check_servable, submit
 from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.core import io
 from batch_pipeline.launch import ShardLauncher, ShardResult
 from batch_pipeline.openai_batches import finalize_batch
-from batch_pipeline.paths import DataFiles, metadata_path
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
@@ -37,7 +38,6 @@ from batch_pipeline.shards import (
     write_output_array,
     write_shards,
 )
-from batch_pipeline.submission import StoredRequest, UnservableRequest, check_servable, submit
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])

@@ -10,10 +10,10 @@ import json
 import dagster as dg
 from dagster import OpExecutionContext
 
+from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
 from batch_pipeline.jobs_store import JobRecord
 from batch_pipeline.openai_batches import expired, finalize_batch
-from batch_pipeline.paths import DataFiles, metadata_path
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.shards import partial_outputs, progress, write_output_array
 

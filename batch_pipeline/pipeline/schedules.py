@@ -17,6 +17,7 @@ import dagster as dg
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
+from batch_pipeline.admission.submission import submit
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.core.settings import settings
@@ -24,7 +25,6 @@ from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
-from batch_pipeline.submission import submit
 
 SCHEDULE_LABEL = "schedule"
 # Placeholders a template's paths may use, filled from the tick's time in the schedule's timezone.

@@ -15,6 +15,7 @@ import dagster as dg
 from dagster import DagsterEventType, RunStatusSensorContext, SensorEvaluationContext
 from pydantic import ValidationError
 
+from batch_pipeline.admission.submission import StoredRequest
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core.settings import settings
@@ -26,7 +27,6 @@ from batch_pipeline.pipeline.partial_results import keep_partial_results, partia
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
-from batch_pipeline.submission import StoredRequest
 from batch_pipeline.tenancy.tenants import tenants
 
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry

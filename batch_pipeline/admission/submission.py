@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from pydantic import Field, TypeAdapter, model_validator
 
-from batch_pipeline.capabilities import refusals
+from batch_pipeline.admission.capabilities import refusals
 from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent

@@ -7,11 +7,11 @@ failed validate_input step.
 
 from __future__ import annotations
 
+from batch_pipeline.admission.hardware import engine_argument_refusals, hardware_refusals
+from batch_pipeline.admission.paths import request_path_refusals
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.requests import CODE_EVALUATOR
 from batch_pipeline.core.settings import settings
-from batch_pipeline.hardware import engine_argument_refusals, hardware_refusals
-from batch_pipeline.paths import request_path_refusals
 
 MAX_EXECUTION_TIMEOUT_S = 600
 
