@@ -29,8 +29,8 @@ from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, Filt
 from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
-from batch_pipeline.jobs_store import FAILED, JobRecord, JobStore
-from batch_pipeline.openai_store import BatchResults, FileRecord, OpenAIStore
+from batch_pipeline.store.jobs import FAILED, JobRecord, JobStore
+from batch_pipeline.store.openai import BatchResults, FileRecord, OpenAIStore
 
 CUSTOM_IDS_FILE = "custom_ids.jsonl"
 OUTPUT_FILE = "output.json"

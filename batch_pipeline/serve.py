@@ -103,7 +103,7 @@ def _create_storage() -> None:
     DAGSTER_HOME had them racing to create the same SQLite files, and one died of 'database is locked'."""
     import dagster as dg
 
-    from batch_pipeline.jobs_store import JobStore
+    from batch_pipeline.store.jobs import JobStore
 
     dg.DagsterInstance.get().dispose()
     JobStore().engine.dispose()

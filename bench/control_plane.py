@@ -153,7 +153,7 @@ def seed_finished_jobs(store, count: int, home: str, seed: int = 0) -> list[str]
     then what `mark_started` and `mark_run_ended` write (status, times, counts, the results summary)."""
     import uuid
 
-    from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, NewJob, job_labels, jobs, label_digest
+    from batch_pipeline.store.jobs import CANCELLED, COMPLETED, FAILED, NewJob, job_labels, jobs, label_digest
 
     rng = random.Random(seed)
     template = stored_request_template()
@@ -484,8 +484,8 @@ def measure_tick(home: str, store_url: str, repeat: int, expected: int) -> dict:
 def part_one_and_two(options: argparse.Namespace, home: str) -> dict:
     Path(home, "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     os.environ["DAGSTER_HOME"] = home  # this process's Dagster and job store, like the server's
-    from batch_pipeline.jobs_store import JobStore
     from batch_pipeline.pipeline.resources import JobStorage
+    from batch_pipeline.store.jobs import JobStore
 
     store_url = f"sqlite:///{home}/batch_jobs.db"
     store = JobStore(store_url)
@@ -759,7 +759,7 @@ def part_three(options: argparse.Namespace, home: str) -> dict:
         wait_until_healthy(client, serve, log, "the deployment", interval_s=0.5)
         import dagster as dg
 
-        from batch_pipeline.jobs_store import JobStore
+        from batch_pipeline.store.jobs import JobStore
 
         instance = dg.DagsterInstance.from_config(home)
         store = JobStore(f"sqlite:///{home}/batch_jobs.db")

@@ -44,8 +44,8 @@ def _tenants_file(directory: Path, teams: int) -> Path:
 
 
 def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: int = 5) -> dict:
-    from batch_pipeline.jobs_store import JobStore, NewJob
     from batch_pipeline.pipeline.admission import team_shares
+    from batch_pipeline.store.jobs import JobStore, NewJob
     from batch_pipeline.tenancy.fair_share import WaitingJob, admit
     from batch_pipeline.tenancy.tenants import tenants
 

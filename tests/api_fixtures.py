@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
-from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.store.jobs import JobStore
 
 REPO = Path(__file__).resolve().parents[1]
 USER_KEY, OTHER_KEY, ADMIN_KEY = "key-alice", "key-bob", "key-admin"

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batch_pipeline.jobs_store import NewJob
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.store.jobs import NewJob
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
 from tests.conftest import MODEL
 

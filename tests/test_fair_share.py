@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.tags import run_tags
+from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.tenancy.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
 from tests.conftest import MODEL

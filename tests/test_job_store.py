@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 
-from batch_pipeline.jobs_store import SCHEMA_VERSION_TABLE, JobStore, NewJob
+from batch_pipeline.store.jobs import SCHEMA_VERSION_TABLE, JobStore, NewJob
 
 MODEL = "smollm2-135m-instruct"
 FIRST_RELEASE_TABLE = (

@@ -22,7 +22,7 @@ def modules() -> list[Path]:
     return sorted(
         path.relative_to(PACKAGE)
         for path in PACKAGE.rglob("*.py")
-        if "store_migrations/versions" not in path.as_posix() or path.name != "__init__.py"
+        if "store/migrations/versions" not in path.as_posix() or path.name != "__init__.py"
     )
 
 
@@ -32,7 +32,7 @@ def test_every_module_is_on_the_readme_map():
         str(module)
         for module in modules()
         if module.name != "__init__.py"
-        and "store_migrations" not in module.parts
+        and "migrations" not in module.parts
         and module.as_posix() not in section
         and module.name not in section
     ]

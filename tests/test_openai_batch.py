@@ -263,9 +263,9 @@ def test_a_batch_past_its_window_reads_expired_and_its_unreached_requests_say_so
     from datetime import datetime, timedelta
 
     from batch_pipeline.api.openai_service import describe_batch
-    from batch_pipeline.jobs_store import FAILED, JobRecord
     from batch_pipeline.openai_batches import expired, write_result_files
-    from batch_pipeline.openai_store import BatchRecord
+    from batch_pipeline.store.jobs import FAILED, JobRecord
+    from batch_pipeline.store.openai import BatchRecord
 
     created = datetime(2026, 1, 1, tzinfo=UTC)
     job = JobRecord(
@@ -372,7 +372,7 @@ def test_a_batch_finalized_again_replaces_its_files_and_leaves_no_old_one(tmp_pa
     from datetime import datetime
 
     from batch_pipeline.openai_batches import keep_results, write_result_files
-    from batch_pipeline.openai_store import BatchRecord, OpenAIStore
+    from batch_pipeline.store.openai import BatchRecord, OpenAIStore
 
     store = OpenAIStore(f"sqlite:///{tmp_path}/jobs.db")
     store.add_batch(

@@ -9,10 +9,10 @@ from fastapi.testclient import TestClient
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
-from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.job import OUTPUTS_ASSET
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, MODEL_TAG
+from batch_pipeline.store.jobs import JobStore
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow

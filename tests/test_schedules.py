@@ -9,11 +9,11 @@ from datetime import UTC, datetime
 import dagster as dg
 import pytest
 
-from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.schedules import ScheduleFileError, load_schedule_specs, schedule_for
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX
+from batch_pipeline.store.jobs import JobStore
 from tests.api_fixtures import ADMIN_KEY
 from tests.conftest import MODEL
 

@@ -19,8 +19,8 @@ from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.io import SymlinkRefused
-from batch_pipeline.jobs_store import JobStore
 from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL

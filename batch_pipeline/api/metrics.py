@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batch_pipeline.jobs_store import QUEUED, JobStore
+from batch_pipeline.store.jobs import QUEUED, JobStore
 
 # Submission to run start, in seconds: from an idle local deployment (~2 s) to a queue hours deep.
 START_LATENCY_BUCKETS = (1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)

@@ -37,7 +37,6 @@ from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
-from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobRecord, NewJob
 from batch_pipeline.openai_batches import (
     CUSTOM_IDS_FILE,
     OUTPUT_FILE,
@@ -48,8 +47,9 @@ from batch_pipeline.openai_batches import (
     model_config_for,
     write_result_files,
 )
-from batch_pipeline.openai_store import BatchRecord, FileRecord, OpenAIStore
 from batch_pipeline.shards import make_private_directory
+from batch_pipeline.store.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobRecord, NewJob
+from batch_pipeline.store.openai import BatchRecord, FileRecord, OpenAIStore
 
 _CHUNK = 1024 * 1024
 

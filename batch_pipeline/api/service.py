@@ -26,9 +26,9 @@ from batch_pipeline.contract import (
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
-from batch_pipeline.jobs_store import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
+from batch_pipeline.store.jobs import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
 from batch_pipeline.tenancy.tenants import priority_cap, tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}

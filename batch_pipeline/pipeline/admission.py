@@ -19,7 +19,7 @@ from dagster._core.storage.dagster_run import IN_PROGRESS_RUN_STATUSES
 
 from batch_pipeline.contract.priority import InvalidPriority, run_priority
 from batch_pipeline.core.settings import settings
-from batch_pipeline.jobs_store import JobRecord, JobStore, SlotUse
+from batch_pipeline.store.jobs import JobRecord, JobStore, SlotUse
 from batch_pipeline.tenancy.fair_share import Admission, TeamShare, WaitingJob, admit, decayed_slot_seconds
 from batch_pipeline.tenancy.tenants import Tenants, priority_cap
 

@@ -15,9 +15,9 @@ def execute_request(
     job_id: str | None = None,
     log_level: str | None = None,
 ) -> dg.JobExecutionResult:
-    from batch_pipeline.jobs_store import JobStore
     from batch_pipeline.pipeline.definitions import batch_completions_job
     from batch_pipeline.pipeline.sensors import record_run_end
+    from batch_pipeline.store.jobs import JobStore
 
     tags = {JOB_ID_TAG: job_id} if job_id else None
     result = dg.execute_job(

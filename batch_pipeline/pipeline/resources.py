@@ -9,7 +9,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_pipeline.core import io
-from batch_pipeline.jobs_store import JobStore
+from batch_pipeline.store.jobs import JobStore
 
 
 def deployment_resource(resource: dg.ConfigurableResource) -> dg.ResourceDefinition:

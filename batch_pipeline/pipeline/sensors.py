@@ -19,7 +19,6 @@ from batch_pipeline.admission.submission import StoredRequest
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core.settings import settings
-from batch_pipeline.jobs_store import CANCELLED, COMPLETED, FAILED, JobRecord, JobStore
 from batch_pipeline.pipeline.admission import admissions, free_run_slots
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
@@ -27,6 +26,7 @@ from batch_pipeline.pipeline.partial_results import keep_partial_results, partia
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
+from batch_pipeline.store.jobs import CANCELLED, COMPLETED, FAILED, JobRecord, JobStore
 from batch_pipeline.tenancy.tenants import tenants
 
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry

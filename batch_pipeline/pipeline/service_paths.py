@@ -15,8 +15,8 @@ import os
 from sqlalchemy.engine import make_url
 
 from batch_pipeline.core.settings import settings
-from batch_pipeline.jobs_store import default_store_url
 from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.store.jobs import default_store_url
 from batch_pipeline.tenancy.tenants import tenants
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from batch_pipeline.contract.priority import run_priority
-from batch_pipeline.jobs_store import JobRecord
+from batch_pipeline.store.jobs import JobRecord
 from batch_pipeline.tenancy.tenants import priority_cap
 
 JOB_ID_TAG = "batch_pipeline/job_id"

@@ -6,6 +6,7 @@ with a run are `running` until the jobs sensor reconciles them with their run.
 Revision ID: 0003
 """
 
+import hashlib
 import json
 
 import sqlalchemy as sa
@@ -52,9 +53,12 @@ def upgrade() -> None:
     _backfill()
 
 
-def _backfill() -> None:
-    from batch_pipeline.jobs_store import label_digest
+def _label_digest(key: str, value: str) -> str:
+    # A copy, frozen with this revision: the live store's digest may change, the rows written here may not.
+    return hashlib.sha256(json.dumps([key, value]).encode()).hexdigest()
 
+
+def _backfill() -> None:
     bind = op.get_bind()
     jobs = sa.table(
         "batch_jobs",
@@ -96,5 +100,5 @@ def _backfill() -> None:
         )
         for key, value in json.loads(row.labels or "{}").items():
             bind.execute(
-                labels.insert().values(job_id=row.job_id, key=key, value=value, digest=label_digest(key, value))
+                labels.insert().values(job_id=row.job_id, key=key, value=value, digest=_label_digest(key, value))
             )

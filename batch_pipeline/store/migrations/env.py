@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from batch_pipeline.jobs_store import SCHEMA_VERSION_TABLE, metadata
+from batch_pipeline.store.jobs import SCHEMA_VERSION_TABLE, metadata
 
 connection = context.config.attributes["connection"]
 context.configure(

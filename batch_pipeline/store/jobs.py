@@ -3,7 +3,7 @@ sensors (which launch runs and record how they ended) and the pipeline (which re
 
 A job's status, progress, counts and tokens are data in its row, written as they change, so that a
 status read is an indexed query whatever the job's size. SQLite in dagster_home/ by default; any
-SQLAlchemy URL (Postgres) in production. The schema is versioned (Alembic, `store_migrations/`) and
+SQLAlchemy URL (Postgres) in production. The schema is versioned (Alembic, `store/migrations/`) and
 upgraded once per process; one engine per process and URL.
 """
 
@@ -268,7 +268,7 @@ def upgrade_schema(engine: sa.Engine) -> None:
     from alembic.script import ScriptDirectory
 
     config = Config()
-    config.set_main_option("script_location", "batch_pipeline:store_migrations")
+    config.set_main_option("script_location", "batch_pipeline.store:migrations")
     head = ScriptDirectory.from_config(config).get_current_head()
     with engine.connect() as connection:
         context = MigrationContext.configure(connection, opts={"version_table": SCHEMA_VERSION_TABLE})

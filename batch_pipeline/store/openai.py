@@ -12,7 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from batch_pipeline.jobs_store import _now, _utc, default_store_url, engine_for
+from batch_pipeline.store.jobs import _now, _utc, default_store_url, engine_for
 
 metadata = sa.MetaData()
 
