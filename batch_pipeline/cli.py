@@ -216,7 +216,7 @@ API_COMMANDS = {"submit": _submit, "status": _status, "list": _list, "cancel": _
 
 
 def _models() -> int:
-    from batch_pipeline.models import CATALOG, cache_dir
+    from batch_pipeline.models.catalog import CATALOG, cache_dir
 
     for entry in CATALOG.values():
         prepared = (cache_dir() / entry.name / "config.json").exists()
@@ -227,7 +227,7 @@ def _models() -> int:
 def _prepare(name: str) -> int:
     import time
 
-    from batch_pipeline.models import CATALOG, prepare_catalog_model
+    from batch_pipeline.models.catalog import CATALOG, prepare_catalog_model
 
     if name not in CATALOG:
         print(f"unknown catalog model {name!r}; known: {', '.join(CATALOG)}", file=sys.stderr)

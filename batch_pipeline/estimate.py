@@ -16,7 +16,6 @@ and the API process serves every tenant.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import multiprocessing
 import os
@@ -25,7 +24,6 @@ import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -38,7 +36,7 @@ from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RequestPr
 from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
-from batch_pipeline.models import _relative_checkpoint_file, cache_dir
+from batch_pipeline.models.sync import sync_tokenizer_files
 from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
 
 # Problems listed per kind (all are counted): a million-prompt job's answer stays small.
@@ -47,7 +45,6 @@ MAX_LISTED = 100
 HISTORY_JOBS = 20
 _CONTENT = TypeAdapter(BatchContent)
 # What a dry run needs of an object-store checkpoint: its configs and tokenizer, never its weights.
-_TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
 
 # What the checking child needs, imported once by the forkserver it forks from rather than by each child.
 _CHILD_PRELOAD = [
@@ -374,7 +371,7 @@ def _model_of(model_config: BatchCompletionsModelConfig) -> _Model:
             value = getattr(config, name)
             if value and not io.is_local(value):
                 failing = f"model_config.{name}"
-                config = config.model_copy(update={name: str(_sync_tokenizer_files(value))})
+                config = config.model_copy(update={name: str(sync_tokenizer_files(value))})
         failing = weights
         arguments, _ = engine_arguments(config)
         engine_config = _engine_model_config(json.dumps(arguments, sort_keys=True, default=str))
@@ -392,30 +389,6 @@ def _engine_model_config(arguments_json: str) -> Any:
     from batch_pipeline.worker.vllm_api import EngineArgs
 
     return EngineArgs(**json.loads(arguments_json)).create_model_config()
-
-
-def _sync_tokenizer_files(url: str) -> Path:
-    """The configs and tokenizer of an object-store checkpoint (the files at its top, where they are) in a
-    local cache directory; files already there with the same size are kept. Keys are checked as a
-    checkpoint sync checks them."""
-    fs, root = io.filesystem(url)
-    root = root.rstrip("/")
-    target = cache_dir() / "tokenizers" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    target.mkdir(parents=True, exist_ok=True)
-    with io.file_lock(target.parent / f".{target.name}.lock"):
-        found = fs.find(root, maxdepth=1, detail=True)  # a prefix of many files costs one listing
-        if not found:
-            raise FileNotFoundError(f"nothing at {url}")
-        wanted = {_relative_checkpoint_file(url, root, path, target): (path, info) for path, info in found.items()}
-        for relative, (path, info) in wanted.items():
-            local = target / relative
-            if not relative.endswith(_TOKENIZER_SUFFIXES) or (local.exists() and local.stat().st_size == info["size"]):
-                continue
-            local.parent.mkdir(parents=True, exist_ok=True)
-            partial = local.with_name(f".{local.name}.partial")
-            fs.get_file(path, str(partial))
-            partial.rename(local)
-    return target
 
 
 # --- time and cost -----------------------------------------------------------------------------------------

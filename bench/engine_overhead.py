@@ -60,7 +60,7 @@ import json, os, sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vllm import LLM, SamplingParams
-from batch_pipeline.models import resolve_model
+from batch_pipeline.models.catalog import resolve_model
 spec = json.load(open(sys.argv[1]))
 llm = LLM(model=resolve_model(spec["model"]), enforce_eager=True)
 params = SamplingParams(max_tokens=spec["max_tokens"], temperature=spec["temperature"])
@@ -72,7 +72,7 @@ TRANSFORMERS = r"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from batch_pipeline.models import resolve_model
+from batch_pipeline.models.catalog import resolve_model
 spec = json.load(open(sys.argv[1]))
 path = resolve_model(spec["model"])
 tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
@@ -100,7 +100,7 @@ def prompts(count: int) -> list[str]:
 
 
 def run_batch(spec: dict, work: Path) -> dict:
-    from batch_pipeline.models import resolve_model
+    from batch_pipeline.models.catalog import resolve_model
 
     path = resolve_model(spec["model"])
     batch_in, batch_out = work / "batch.jsonl", work / "batch_out.jsonl"

@@ -213,7 +213,7 @@ def ours_e2e(client: httpx.Client, source: Path) -> dict:
 
 
 def part_two(options: argparse.Namespace, work: Path) -> dict:
-    from batch_pipeline.models import resolve_model
+    from batch_pipeline.models.catalog import resolve_model
 
     model_path = resolve_model(MODEL)
     texts = prompts(options.e2e_prompts)

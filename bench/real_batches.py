@@ -62,7 +62,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vllm import LLM, SamplingParams
-from batch_pipeline.models import resolve_model
+from batch_pipeline.models.catalog import resolve_model
 spec = json.load(open(sys.argv[1]))
 extra = {"dtype": spec["dtype"]} if spec.get("dtype") else {}
 llm = LLM(model=resolve_model(spec["model"]), enforce_eager=True, **extra)

@@ -28,7 +28,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vllm import LLM, SamplingParams
-from batch_pipeline.models import resolve_model
+from batch_pipeline.models.catalog import resolve_model
 request = json.load(open(sys.argv[1]))
 content = request["content"]
 llm = LLM(model=resolve_model(request["model_config"]["model"]), enforce_eager=True)

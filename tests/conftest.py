@@ -52,7 +52,7 @@ def run_job(dagster_home):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from batch_pipeline.models import resolve_model
+    from batch_pipeline.models.catalog import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(MODEL))
 

@@ -206,7 +206,7 @@ def test_a_model_the_engine_could_not_load_is_a_422_naming_the_field(deployment_
 def test_a_checkpoint_on_an_object_store_is_read_for_its_tokenizer_and_config_only(
     deployment_factory, tmp_path, tokenizer, s3, monkeypatch
 ):
-    from batch_pipeline.models import resolve_model
+    from batch_pipeline.models.catalog import resolve_model
 
     local = resolve_model(MODEL)
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(tmp_path / "cache"))

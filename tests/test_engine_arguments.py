@@ -1,7 +1,7 @@
 """model_config as vLLM engine arguments: every non-null field passed through, renamed where vLLM differs."""
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
-from batch_pipeline.models import resolve_model
+from batch_pipeline.models.catalog import resolve_model
 from batch_pipeline.worker.engine import engine_arguments
 from tests.conftest import MODEL
 

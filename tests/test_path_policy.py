@@ -257,7 +257,7 @@ def test_paths_with_glob_characters_are_plain_files_to_the_job(tmp_path):
 
 
 def test_object_keys_that_climb_out_of_a_synced_checkpoint_are_refused(s3, tmp_path, monkeypatch):  # noqa: F811
-    from batch_pipeline.models import sync_remote_checkpoint
+    from batch_pipeline.models.sync import sync_remote_checkpoint
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(cache))

@@ -3,6 +3,7 @@ fsspec), with the real job and real vLLM."""
 
 import json
 import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ def s3(monkeypatch):
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(key, value)
+    # Every in-process moto server shares one backend: reset it, so no test sees an earlier test's objects.
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="batch")
     yield client
@@ -81,7 +84,7 @@ def test_an_output_bucket_that_does_not_exist_fails_before_any_inference(run_job
 
 
 def test_a_remote_checkpoint_is_synced_once_with_only_weights_configs_and_tokenizer_files(s3, tmp_path, monkeypatch):
-    from batch_pipeline.models import sync_remote_checkpoint
+    from batch_pipeline.models.sync import sync_remote_checkpoint
 
     monkeypatch.setenv("BATCH_PIPELINE_MODEL_CACHE", str(tmp_path / "cache"))
     files = {
@@ -113,7 +116,7 @@ def test_a_remote_checkpoint_is_synced_once_with_only_weights_configs_and_tokeni
 
 @pytest.mark.slow
 def test_a_job_loads_its_weights_from_an_s3_checkpoint_path(run_job, s3, tmp_path, monkeypatch):
-    from batch_pipeline.models import resolve_model
+    from batch_pipeline.models.catalog import resolve_model
 
     prepared = Path(resolve_model(MODEL))
     for path in prepared.rglob("*"):

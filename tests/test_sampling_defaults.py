@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.models import resolve_model
+from batch_pipeline.models.catalog import resolve_model
 from tests.conftest import MODEL
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
-from batch_pipeline.models import CATALOG
+from batch_pipeline.models.catalog import CATALOG
 from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, DataRoots, tenants
 
 # fsspec's names for the local filesystem ("file", "local"): allowing one allows both.

@@ -2,7 +2,8 @@
 
 The pod is sized by the request: `gpus` → `nvidia.com/gpu` (or the MIG slice of `gpu_type`), `gpu_type` →
 a node selector, `cpus`/`memory`/`storage` → requests and limits, the job's deadline →
-`activeDeadlineSeconds`, labels → pod labels. Image, namespace, service account, tolerations, env and
+`activeDeadlineSeconds`, labels → pod labels (under `batch-pipeline.io/`), the job's team's `kueue_queue` in
+the tenants file → the Kueue queue the pod waits in. Image, namespace, service account, tolerations, env and
 secrets come from the deployment's config. Every pod runs with no capabilities, no privilege escalation,
 the runtime's seccomp profile, a read-only root filesystem and no service account token; as the image's
 non-root user, except the shards of a `tool_config` job (see `pod_security` and `TOOL_SCRATCH_MODES`).
@@ -93,6 +94,15 @@ JOB_ID_LABEL = LABEL_PREFIX + "job-id"
 SHARD_LABEL = LABEL_PREFIX + "shard"
 # The Dagster run that launched the pod: says whose an earlier pod of the same shard was.
 RUN_ID_LABEL = LABEL_PREFIX + "run-id"
+# Kueue's pod integration (kueue.sigs.k8s.io/docs/tasks/run/plain_pods, v0.19): a plain pod names its
+# LocalQueue in this label, and that is all it carries. Kueue's pod webhook adds the rest when it creates
+# the pod (the `kueue.x-k8s.io/managed` label, a finalizer, and the `kueue.x-k8s.io/admission` scheduling
+# gate, which Kueue removes once the pod's workload is admitted); and only in the namespaces its
+# Configuration manages (`managedJobsNamespaceSelector`). The launcher adds no gate itself: where Kueue
+# does not manage the namespace nobody would remove it, and the shard would wait forever. Each shard is a
+# workload of its own, no pod group: a group is admitted whole, and its failed pods are not replaced.
+# Request labels never reach this key: they are renamed under LABEL_PREFIX (`label_key`).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 def infer_hardware(
@@ -180,7 +190,7 @@ class K8sShardLauncher(ShardLauncher):
     )
 
     def hardware_for(self, task: ShardTask) -> tuple[dict[str, Any], str | None]:
-        from batch_pipeline.models import weights_bytes
+        from batch_pipeline.models.catalog import weights_bytes
 
         config = task.model_config
         size = weights_bytes(config["model"], config.get("checkpoint_path"))
@@ -192,9 +202,11 @@ class K8sShardLauncher(ShardLauncher):
         now: float | None = None,
         hardware: dict[str, Any] | None = None,
         run_id: str | None = None,
+        kueue_queue: str | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, spec) of the shard's pod, to which the Pipes client adds only its name, its common
-        labels and the Pipes bootstrap environment. Raises InvalidHardware naming the field, for sizes no pod
+        labels and the Pipes bootstrap environment; with `kueue_queue` (the job's team's, `kueue_queue_for`)
+        the pod waits in that Kueue LocalQueue. Raises InvalidHardware naming the field, for sizes no pod
         can carry or over the deployment's maxima (what was inferred from the weights too)."""
         hardware = task.hardware if hardware is None else hardware
         gpu_type = hardware.get("gpu_type")
@@ -253,7 +265,19 @@ class K8sShardLauncher(ShardLauncher):
         labels.update(shard_pod_selector(task))
         if run_id is not None:
             labels[RUN_ID_LABEL] = label_value(run_id)
+        if kueue_queue is not None:
+            labels[KUEUE_QUEUE_LABEL] = kueue_queue
         return {"labels": labels}, spec
+
+    def kueue_queue_for(self, context: dg.OpExecutionContext, task: ShardTask) -> str | None:
+        """The Kueue LocalQueue of the job's shard pods: the `kueue_queue` the operator's tenants file gives
+        the team that owns the job in the job store; None for a job of no team (an admin's, the launchpad's)
+        or a team with none. Never from the request or the run's tags, which the team itself writes."""
+        from batch_pipeline.tenancy.tenants import kueue_queue
+
+        job_store = getattr(context.resources, "job_store", None)  # the run_shard op's own resource
+        record = job_store.get_store().get(task.job_id) if job_store is not None and task.job_id else None
+        return kueue_queue(record.owner) if record is not None else None
 
     def _scratch_modes_container(self, mounts: list[dict[str, str]]) -> dict[str, Any]:
         """Sets TOOL_SCRATCH_MODES on the emptyDirs. As uid 0, their owner, it needs no capability."""
@@ -342,7 +366,9 @@ class K8sShardLauncher(ShardLauncher):
             context.log.info(f"shard {task.shard.shard_index}: {inferred}")
         task = engine_spread_over_gpus(task, hardware)
         try:
-            meta, spec = self.pod_overrides(task, hardware=hardware, run_id=context.run_id)
+            meta, spec = self.pod_overrides(
+                task, hardware=hardware, run_id=context.run_id, kueue_queue=self.kueue_queue_for(context, task)
+            )
         except InvalidHardware as exc:
             raise dg.Failure(str(exc), allow_retries=False) from None
         self.stop_earlier_shard_pods(context, task)

@@ -14,7 +14,8 @@ from typing import Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.core import io
-from batch_pipeline.models import resolve_model, sync_remote_checkpoint
+from batch_pipeline.models.catalog import resolve_model
+from batch_pipeline.models.sync import sync_remote_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,6 @@ CPU, so a catalog model is dequantized once by transformers into a plain Hugging
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -67,54 +66,6 @@ def resolve_model(model: str) -> str:
     if entry is None:
         return model
     return str(prepare_catalog_model(entry))
-
-
-# What a remote checkpoint contributes to the local copy: weights, configs and tokenizer files; Python files
-# (custom model code) only when the request trusts remote code; pickled `.bin` weights never.
-CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".tiktoken", ".jinja")
-
-
-def sync_remote_checkpoint(url: str, trust_remote_code: bool = False) -> Path:
-    """A checkpoint on an object store (`s3://bucket/prefix`) as a local directory in the cache; files already
-    there with the same size are reused, so the next shard on this machine downloads nothing."""
-
-    fs, root = io.filesystem(url)
-    root = root.rstrip("/")
-    target = cache_dir() / "remote" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    target.mkdir(parents=True, exist_ok=True)
-    with io.file_lock(target.parent / f".{target.name}.lock"):
-        found = fs.find(root, detail=True)
-        if not found:
-            raise FileNotFoundError(f"model_config.checkpoint_path: nothing at {url}")
-        # Every key is checked before anything is written, so a hostile one leaves no partial copy behind.
-        wanted = {_relative_checkpoint_file(url, root, path, target): (path, info) for path, info in found.items()}
-        for relative, (path, info) in wanted.items():
-            if not (relative.endswith(CHECKPOINT_SUFFIXES) or (trust_remote_code and relative.endswith(".py"))):
-                continue
-            local = target / relative
-            if local.exists() and local.stat().st_size == info["size"]:
-                continue
-            local.parent.mkdir(parents=True, exist_ok=True)
-            partial = local.with_name(f".{local.name}.partial")
-            fs.get_file(path, str(partial))
-            partial.rename(local)
-    return target
-
-
-def _relative_checkpoint_file(url: str, root: str, path: str, target: Path) -> str:
-    """Where an object of the checkpoint goes under `target`: its key below the checkpoint's prefix, refused
-    (naming the key) unless every part is a plain name, since object keys may hold `..`, `.` or empty parts
-    that the local filesystem would follow out of the cache (zip-slip)."""
-    relative = path[len(root) + 1 :] if path.startswith(root + "/") else ""
-    parts = relative.split("/")
-    if not relative or any(part in ("", ".", "..") for part in parts):
-        raise ValueError(
-            f"model_config.checkpoint_path: the object {path!r} of {url} is not a plain file "
-            "path under the checkpoint; refusing to sync it"
-        )
-    if not (target / relative).resolve().is_relative_to(target.resolve()):  # a symlink planted in the cache
-        raise ValueError(f"model_config.checkpoint_path: the object {path!r} of {url} leads out of the model cache")
-    return relative
 
 
 def weights_bytes(model: str, checkpoint_path: str | None = None) -> int | None:
