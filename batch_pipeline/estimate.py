@@ -37,7 +37,9 @@ from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.models.sync import sync_tokenizer_files
-from batch_pipeline.shards import PlanningSettings, WorkItem, expected_output_tokens, work_items
+from batch_pipeline.shards.format import WorkItem
+from batch_pipeline.shards.planning import PlanningSettings
+from batch_pipeline.shards.records import expected_output_tokens, work_items
 
 # Problems listed per kind (all are counted): a million-prompt job's answer stays small.
 MAX_LISTED = 100

@@ -46,7 +46,8 @@ def make_input(path: Path, size: int, fmt: str) -> None:
 
 def plan(input_path: str, work_dir: str, shards: int) -> dict:
     from batch_pipeline.core import io
-    from batch_pipeline.shards import work_items, write_shards
+    from batch_pipeline.shards.planning import write_shards
+    from batch_pipeline.shards.records import work_items
 
     started = time.perf_counter()
     specs = write_shards(work_items(io.iter_json_records(input_path)), shards, work_dir, deduplicate=True)
@@ -55,7 +56,8 @@ def plan(input_path: str, work_dir: str, shards: int) -> dict:
 
 def merge(work_dir: str, output_path: str, expected: int) -> dict:
     from batch_pipeline.core import io
-    from batch_pipeline.shards import merge_sorted_outputs, shard_directories, write_output_array
+    from batch_pipeline.shards.format import shard_directories
+    from batch_pipeline.shards.merge import merge_sorted_outputs, write_output_array
 
     started = time.perf_counter()
     outputs = [f"{directory}/output.tsv" for directory in shard_directories(work_dir)]
@@ -66,7 +68,7 @@ def merge(work_dir: str, output_path: str, expected: int) -> dict:
 
 def stand_in_outputs(work_dir: str) -> None:
     """What each worker's checkpoint becomes: one output per request, sorted by index."""
-    from batch_pipeline.shards import format_result, read_work_items, shard_directories
+    from batch_pipeline.shards.format import format_result, read_work_items, shard_directories
 
     for directory in shard_directories(work_dir):
         with open(f"{directory}/output.tsv", "w", encoding="utf-8") as handle:

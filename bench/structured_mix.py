@@ -16,7 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from batch_pipeline.shards import ShardTask, work_items, write_shards
+from batch_pipeline.shards.planning import write_shards
+from batch_pipeline.shards.protocol import ShardTask
+from batch_pipeline.shards.records import work_items
 
 SCHEMA = {
     "type": "object",

@@ -6,13 +6,10 @@ import pytest
 
 from batch_pipeline.contract.records import RecordError
 from batch_pipeline.core import io
-from batch_pipeline.shards import (
-    format_result,
-    merge_sorted_outputs,
-    read_work_items,
-    work_items,
-    write_shards,
-)
+from batch_pipeline.shards.format import format_result, read_work_items
+from batch_pipeline.shards.merge import merge_sorted_outputs
+from batch_pipeline.shards.planning import write_shards
+from batch_pipeline.shards.records import work_items
 from batch_pipeline.worker.checkpoint import recover_checkpoint
 
 CONTENT = {"prompts": ["a", "b", "c"], "max_new_tokens": 4, "temperature": 0.0}
@@ -149,7 +146,7 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
 
 
 def test_work_is_ordered_longest_outputs_first_and_shared_prefixes_together_within_each_window():
-    from batch_pipeline.shards import WorkItem
+    from batch_pipeline.shards.format import WorkItem
     from batch_pipeline.worker.runner import engine_order
 
     prompts = ["FEW-SHOT A\nq1", "other 1", "FEW-SHOT A\nq2", "other 2", "FEW-SHOT A\nq3", "other 3"]

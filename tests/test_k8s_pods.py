@@ -12,7 +12,8 @@ from kubernetes.client import ApiClient
 
 from batch_pipeline.core.settings import variable_names
 from batch_pipeline.launch.k8s import InvalidHardware, K8sShardLauncher
-from batch_pipeline.shards import ShardSpec, ShardTask
+from batch_pipeline.shards.format import ShardSpec
+from batch_pipeline.shards.protocol import ShardTask
 
 KUBERNETES_VERSION = "1.30"
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")

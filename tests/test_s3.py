@@ -138,7 +138,7 @@ def test_a_job_loads_its_weights_from_an_s3_checkpoint_path(run_job, s3, tmp_pat
 
 @pytest.mark.slow
 def test_shard_work_dirs_on_s3_are_shared_and_a_stored_checkpoint_is_resumed(run_job, s3, tmp_path, monkeypatch):
-    from batch_pipeline.shards import format_result
+    from batch_pipeline.shards.format import format_result
 
     monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", "s3://batch/work")  # what pods on different nodes share
     shard = "work/s3-work/shards/000"

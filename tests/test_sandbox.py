@@ -414,7 +414,9 @@ def test_where_no_uid_switch_is_possible_the_sandbox_refuses_to_run_code(worker)
 @pytest.mark.skipif(not ROOT, reason="needs root to take the capability away")
 def test_a_tool_config_shard_fails_with_the_reason_where_no_uid_switch_is_possible(tmp_path):
     """The worker itself, before any engine starts; its checkpoint is private (0600)."""
-    from batch_pipeline.shards import ShardTask, work_items, write_shards
+    from batch_pipeline.shards.planning import write_shards
+    from batch_pipeline.shards.protocol import ShardTask
+    from batch_pipeline.shards.records import work_items
 
     (shard,) = write_shards(
         work_items([("content", {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0})]), 1, str(tmp_path / "job")
@@ -435,7 +437,8 @@ def test_a_tool_config_shard_fails_with_the_reason_where_no_uid_switch_is_possib
 def test_a_jobs_files_are_private(tmp_path):
     """A job's work dir and shard dirs are 0700 and its shard inputs 0600, even under a directory others
     may enter: neither the sandbox's uids nor other local users can read another job's prompts."""
-    from batch_pipeline.shards import work_items, write_shards
+    from batch_pipeline.shards.planning import write_shards
+    from batch_pipeline.shards.records import work_items
 
     base = shared_directory()
     try:

@@ -8,7 +8,8 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.launch.base import PodHardware, ShardResult, worker_stats
-from batch_pipeline.shards import ShardSpec, ShardStats, ShardTask
+from batch_pipeline.shards.format import ShardSpec
+from batch_pipeline.shards.protocol import ShardStats, ShardTask
 
 
 @pytest.fixture

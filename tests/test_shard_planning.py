@@ -7,17 +7,11 @@ from pathlib import Path
 import pytest
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
-from batch_pipeline.shards import (
-    PlanningSettings,
-    ShardTask,
-    format_result,
-    partial_outputs,
-    plan_shard_count,
-    read_copies,
-    read_work_items,
-    work_items,
-    write_shards,
-)
+from batch_pipeline.shards.format import format_result, read_copies, read_work_items
+from batch_pipeline.shards.merge import partial_outputs
+from batch_pipeline.shards.planning import PlanningSettings, plan_shard_count, write_shards
+from batch_pipeline.shards.protocol import ShardTask
+from batch_pipeline.shards.records import work_items
 from batch_pipeline.worker.engine import choose_dtype, cpu_flags
 from batch_pipeline.worker.runner import ShardRunner
 from tests.conftest import MODEL

@@ -19,7 +19,10 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline.shards import ShardSpec, ShardTask, format_result, work_items, write_shards
+from batch_pipeline.shards.format import ShardSpec, format_result
+from batch_pipeline.shards.planning import write_shards
+from batch_pipeline.shards.protocol import ShardTask
+from batch_pipeline.shards.records import work_items
 from batch_pipeline.worker import engine as engine_module
 from batch_pipeline.worker import runner as runner_module
 from batch_pipeline.worker.code_evaluator import TOOL_CALL

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
-from batch_pipeline.shards import WorkItem
+from batch_pipeline.shards.format import WorkItem
 from batch_pipeline.worker import vllm_api
 from batch_pipeline.worker.handlers import engine_error_output
 from tests.conftest import MODEL

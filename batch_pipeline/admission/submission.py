@@ -18,7 +18,7 @@ from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatch
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent
 from batch_pipeline.core import io
-from batch_pipeline.shards import make_private_directory
+from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.store.jobs import JobRecord, JobStore, NewJob
 from batch_pipeline.tenancy.tenants import team_of_owner
 

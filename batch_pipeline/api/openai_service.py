@@ -35,6 +35,7 @@ from batch_pipeline.contract.openai_batch import (
 )
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core import io
+from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.openai_batches import (
@@ -47,7 +48,6 @@ from batch_pipeline.openai_batches import (
     model_config_for,
     write_result_files,
 )
-from batch_pipeline.shards import make_private_directory
 from batch_pipeline.store.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobRecord, NewJob
 from batch_pipeline.store.openai import BatchRecord, FileRecord, OpenAIStore
 

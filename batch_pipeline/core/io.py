@@ -334,3 +334,11 @@ def _locate_malformed(path: str, where: str, exc: Exception, opener: Opener) -> 
                 f"(byte {decode_error.pos}, in {where}): {decode_error.msg}"
             )
     return f"{path}: malformed JSON in {where}: {exc}"
+
+
+def make_private_directory(path: str) -> None:
+    """A local directory only its owner may enter (0700, whatever the umask), made if missing. The files
+    in it are written 0600 as well: the code_evaluator sandbox's uids and other local users read nothing."""
+    local = filesystem(path)[1]
+    os.makedirs(local, mode=0o700, exist_ok=True)
+    os.chmod(local, 0o700)

@@ -12,7 +12,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_pipeline.shards import ShardStats, ShardTask
+from batch_pipeline.shards.protocol import ShardStats, ShardTask
 
 # A worker's running counts (requests_done, errors, prompt_tokens, completion_tokens), as it reports them.
 ProgressCallback = Callable[[dict[str, int]], None]

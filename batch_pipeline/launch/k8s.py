@@ -39,7 +39,7 @@ from batch_pipeline.launch.base import (
     raise_if_past_deadline,
     worker_stats,
 )
-from batch_pipeline.shards import ShardTask
+from batch_pipeline.shards.protocol import ShardTask
 
 # NVIDIA GPU feature discovery's product label, per GPU type of the spec; MIG types also name their slice.
 DEFAULT_GPU_NODE_SELECTORS: dict[str, dict[str, str]] = {

@@ -22,7 +22,7 @@ from batch_pipeline.launch.base import (
     raise_if_past_deadline,
     worker_stats,
 )
-from batch_pipeline.shards import ShardTask
+from batch_pipeline.shards.protocol import ShardTask
 
 # How often a step checks that its run has not ended without it (its run worker killed).
 RUN_STATUS_CHECK_S = 2.0

@@ -27,17 +27,10 @@ from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
-from batch_pipeline.shards import (
-    MissingResult,
-    PlanningSettings,
-    ShardPlan,
-    ShardTask,
-    merge_sorted_outputs,
-    plan_shard_count,
-    work_items,
-    write_output_array,
-    write_shards,
-)
+from batch_pipeline.shards.merge import MissingResult, merge_sorted_outputs, write_output_array
+from batch_pipeline.shards.planning import PlanningSettings, ShardPlan, plan_shard_count, write_shards
+from batch_pipeline.shards.protocol import ShardTask
+from batch_pipeline.shards.records import work_items
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])

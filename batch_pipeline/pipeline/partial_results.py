@@ -14,7 +14,7 @@ from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
 from batch_pipeline.openai_batches import expired, finalize_batch
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
-from batch_pipeline.shards import partial_outputs, progress, write_output_array
+from batch_pipeline.shards.merge import partial_outputs, progress, write_output_array
 from batch_pipeline.store.jobs import JobRecord
 
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"  # on the stopped run: "finished/planned"

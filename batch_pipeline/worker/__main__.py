@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
-    from batch_pipeline.shards import ShardTask
+    from batch_pipeline.shards.protocol import ShardTask
     from batch_pipeline.worker.runner import ShardRunner
 
     if args.task:

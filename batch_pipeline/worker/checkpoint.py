@@ -1,4 +1,4 @@
-"""A shard's results file (`results.tsv`, see shards.py): the worker's checkpoint.
+"""A shard's results file (`results.tsv`, see shards/format.py): the worker's checkpoint.
 
 The worker appends a line per finished request and flushes it, so a killed worker leaves whole lines and at
 most one torn one; a worker started again on the shard cuts the torn line off, skips what is there and
@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
-from batch_pipeline.shards import format_result, iter_result_lines
+from batch_pipeline.shards.format import format_result, iter_result_lines
 
 # The errors of a full or failing disk: the worker's failure names the file they stopped.
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}

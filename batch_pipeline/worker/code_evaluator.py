@@ -22,7 +22,8 @@ from batch_pipeline.contract import (
     TokenOutput,
     ToolConfig,
 )
-from batch_pipeline.shards import ShardStats, WorkItem
+from batch_pipeline.shards.format import WorkItem
+from batch_pipeline.shards.protocol import ShardStats
 from batch_pipeline.worker.handlers import is_request_error
 from batch_pipeline.worker.sandbox import Execution, Sandbox
 from batch_pipeline.worker.v1_requests import v1_output, v1_sampling_params

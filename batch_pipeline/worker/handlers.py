@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
-from batch_pipeline.shards import ShardStats, WorkItem
+from batch_pipeline.shards.format import WorkItem
+from batch_pipeline.shards.protocol import ShardStats
 
 
 class RequestHandler(Protocol):

@@ -15,7 +15,7 @@ from batch_pipeline.contract import (
     FilteredChatCompletionV2Request,
     FilteredCompletionV2Request,
 )
-from batch_pipeline.shards import WorkItem
+from batch_pipeline.shards.format import WorkItem
 from batch_pipeline.worker.handlers import RequestRefused
 from batch_pipeline.worker.tool_calls import ToolCalling, template_messages
 from batch_pipeline.worker.vllm_api import (

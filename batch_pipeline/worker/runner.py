@@ -16,15 +16,9 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
-from batch_pipeline.shards import (
-    ShardStats,
-    ShardTask,
-    WorkItem,
-    expected_output_tokens,
-    format_result,
-    read_copies,
-    read_work_items,
-)
+from batch_pipeline.shards.format import WorkItem, format_result, read_copies, read_work_items
+from batch_pipeline.shards.protocol import ShardStats, ShardTask
+from batch_pipeline.shards.records import expected_output_tokens
 from batch_pipeline.worker.checkpoint import Checkpoint, copy_lines, token_counts, write_sorted_output
 from batch_pipeline.worker.code_evaluator import TOOL_APPLIED, TOOL_NOT_APPLIED, CodeEvaluatorRequests
 from batch_pipeline.worker.handlers import (

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from batch_pipeline.contract import CompletionOutput, CreateBatchCompletionsV1RequestContent, TokenOutput
-from batch_pipeline.shards import WorkItem
+from batch_pipeline.shards.format import WorkItem
 
 
 def v1_sampling_params(

@@ -1,0 +1,150 @@
+"""How a job is cut into shards: how many (no more than the work fills), and the writer that streams work
+items into their inputs, balanced by estimated tokens, with repeats as copies of their source."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import IO, Any
+
+from batch_pipeline.core import io
+from batch_pipeline.core.io import make_private_directory
+from batch_pipeline.core.settings import settings
+from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, ShardSpec, WorkItem
+from batch_pipeline.shards.records import ItemSize, repeat_key
+
+# Distinct deterministic requests remembered to find repeats (~120 MB of the planner's memory when full);
+# past it, repeats of requests first seen later are generated again.
+DEDUP_TABLE_LIMIT = 1_000_000
+
+
+@dataclass(frozen=True)
+class PlanningSettings:
+    """How jobs are split: at most `max_shards` shards (None: no limit), each worth at least
+    `min_tokens_per_shard` estimated tokens (0: any), repeats of deterministic requests generated once."""
+
+    max_shards: int | None
+    min_tokens_per_shard: int
+    deduplicate: bool = True
+
+    @classmethod
+    def from_environment(cls, slots: int | None) -> PlanningSettings:
+        """The deployment's settings (BATCH_PIPELINE_MAX_SHARDS_PER_JOB, unset: `slots`, what the launcher
+        runs at once; _MIN_SHARD_TOKENS; _DEDUPLICATE)."""
+        configured = settings()
+        return cls(
+            max_shards=configured.max_shards_per_job or slots,
+            min_tokens_per_shard=configured.min_shard_tokens,
+            deduplicate=configured.deduplicate,
+        )
+
+    def shards_for(self, requested: int, tokens: int) -> tuple[int, str | None]:
+        """The shards a job of about `tokens` estimated tokens that asked for `requested` runs in, and why
+        fewer (None when as asked)."""
+        used, reason = requested, None
+        if self.max_shards is not None and self.max_shards < used:
+            used, reason = self.max_shards, f"this deployment runs at most {self.max_shards} shard workers at once"
+        if used > 1 and self.min_tokens_per_shard > 0:
+            fits = max(1, tokens // self.min_tokens_per_shard)
+            if fits < used:
+                used = fits
+                reason = (
+                    f"the job's ~{tokens} tokens fill {fits} shard{'s' if fits > 1 else ''} of at least "
+                    f"{self.min_tokens_per_shard} (each shard starts an engine of its own)"
+                )
+        return used, reason
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How many shards a job runs in, against the `data_parallelism` it asked for, and why fewer."""
+
+    requested: int
+    used: int
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_shard_count(
+    items: Iterator[tuple[WorkItem, ItemSize]], requested: int, settings: PlanningSettings
+) -> tuple[ShardPlan, Iterator[tuple[WorkItem, ItemSize]]]:
+    """Shards for a job: as many as asked, but no more than the deployment runs at once and no more than
+    the work fills at the settings' least tokens a shard, since every shard pays a whole engine start
+    (10-20 s on the CPU) before its first token.
+
+    Reads ahead only as far as the decision needs (at most the tokens of the shards it may use); returns the
+    plan and the items, those read ahead included.
+    """
+    most = requested if settings.max_shards is None else min(requested, settings.max_shards)
+    tokens = 0
+    if most > 1 and settings.min_tokens_per_shard > 0:
+        read_ahead: list[tuple[WorkItem, ItemSize]] = []
+        for entry in items:
+            read_ahead.append(entry)
+            tokens += entry[1].tokens
+            if tokens >= most * settings.min_tokens_per_shard:
+                break
+        items = itertools.chain(read_ahead, items)
+    used, reason = settings.shards_for(requested, tokens)
+    return ShardPlan(requested=requested, used=used, reason=reason), items
+
+
+def write_shards(
+    items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, work_dir: str, deduplicate: bool = False
+) -> list[ShardSpec]:
+    """Stream items into `num_shards` shard inputs, each item to the least-loaded shard by estimated tokens.
+
+    With `deduplicate`, a request that repeats an earlier deterministic one goes to its source's shard as a
+    copy (copies.tsv), weighing nothing. One pass; memory bounded by DEDUP_TABLE_LIMIT. Shards with
+    nothing to do are not returned.
+    """
+    directories = [io.join(work_dir, "shards", f"{k:03d}") for k in range(num_shards)]
+    loads = [(0, k) for k in range(num_shards)]  # heap of (estimated tokens assigned, shard)
+    item_counts = [0] * num_shards
+    prompt_counts = [0] * num_shards
+    token_counts = [0] * num_shards
+    copy_counts = [0] * num_shards
+    sources: dict[int, int] = {}  # repeat key -> index * num_shards + shard of its first request
+    if io.is_local(work_dir):  # the job's prompts and outputs: for the worker's user alone
+        for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
+            make_private_directory(directory)
+    with contextlib.ExitStack() as stack:
+        writers = []
+        copy_writers: dict[int, IO[str]] = {}
+        for directory in directories:
+            io.makedirs(directory)
+            writers.append(stack.enter_context(io.atomic_write(io.join(directory, INPUT_FILE))))
+        for item, size in items:
+            key = repeat_key(item) if deduplicate else None
+            if key is not None and key in sources:
+                source, k = divmod(sources[key], num_shards)
+                if k not in copy_writers:
+                    copy_writers[k] = stack.enter_context(io.atomic_write(io.join(directories[k], COPIES_FILE)))
+                copy_writers[k].write(f"{item.index}\t{source}\n")
+                copy_counts[k] += 1
+            else:
+                load, k = heapq.heappop(loads)
+                writers[k].write(item.to_line() + "\n")
+                token_counts[k] += size.tokens
+                heapq.heappush(loads, (load + size.tokens, k))
+                if key is not None and len(sources) < DEDUP_TABLE_LIMIT:
+                    sources[key] = item.index * num_shards + k
+            item_counts[k] += 1
+            prompt_counts[k] += size.prompts
+    return [
+        ShardSpec(
+            shard_index=k,
+            directory=directories[k],
+            item_count=item_counts[k],
+            prompt_count=prompt_counts[k],
+            estimated_tokens=token_counts[k],
+            copy_count=copy_counts[k],
+        )
+        for k in range(num_shards)
+        if item_counts[k]
+    ]

@@ -1,0 +1,95 @@
+"""What the orchestrator and a shard worker send each other: the ShardTask in, the ShardStats back, each
+checked against this release's fields."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+
+from batch_pipeline.contract.records import describe_validation_error
+from batch_pipeline.shards.format import ShardSpec
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """Everything a worker needs, as the orchestrator sends it (JSON-serialisable)."""
+
+    shard: ShardSpec
+    model_config: dict[str, Any]
+    shard_count: int = 1  # shards of the job, this one included
+    deadline: float | None = None  # epoch seconds; the job's max_runtime_sec
+    job_id: str = ""
+    hardware: dict[str, Any] = field(default_factory=dict)  # the request's gpus, gpu_type, cpus, memory, storage
+    labels: dict[str, str] = field(default_factory=dict)
+    tool_config: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> ShardTask:
+        """The task as the worker receives it, checked field by field: a task of another release (a renamed
+        or missing field) fails here, naming the field, not steps later."""
+        try:
+            return _SHARD_TASK.validate_python(raw)
+        except ValidationError as exc:
+            raise ValueError(f"not a shard task of this release: {describe_validation_error(exc)}") from None
+
+
+@with_config(ConfigDict(extra="forbid"))
+@dataclass
+class ShardStats:
+    """What a worker did with its shard: counted as it runs, reported last (JSON-serialisable)."""
+
+    shard_index: int
+    items: int
+    resumed: int = 0
+    generated: int = 0
+    deduplicated: int = 0  # requests answered by an identical deterministic request's output
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    engine_start_s: float = 0.0
+    generate_s: float = 0.0
+    wall_s: float = 0.0
+    unsupported_engine_args: list[str] = field(default_factory=list)
+    dtype: str | None = None  # what the engine computed in, and why (the request's, the model's, or the CPU's)
+    dtype_reason: str | None = None
+    # code_evaluator runs: executions, how many failed or ran out of time, and the sandbox's isolation
+    tool_executions: int = 0
+    tool_failed_executions: int = 0
+    tool_timed_out_executions: int = 0
+    sandbox: dict[str, str] | None = None
+    tool_config: str | None = None  # with a tool_config: TOOL_APPLIED, or TOOL_NOT_APPLIED and why
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> ShardStats:
+        """The stats as the orchestrator receives them, checked as ShardTask.from_dict checks a task, and
+        stricter: every field must be there and no other, since a default would stand in for a renamed
+        field unnoticed."""
+        problems = [f"{name}: Field required" for name in _DEFAULTED_STATS if isinstance(raw, dict) and name not in raw]
+        try:
+            stats = _SHARD_STATS.validate_python(raw)
+        except ValidationError as exc:
+            problems.append(describe_validation_error(exc))
+        else:
+            if not problems:
+                return stats
+        raise ValueError(f"not shard stats of this release: {'; '.join(problems)}")
+
+
+_SHARD_TASK: TypeAdapter[ShardTask] = TypeAdapter(ShardTask)
+
+
+_SHARD_STATS: TypeAdapter[ShardStats] = TypeAdapter(ShardStats)
+
+
+# The fields validation alone would let a report leave out.
+_DEFAULTED_STATS = tuple(
+    f.name for f in fields(ShardStats) if f.default is not MISSING or f.default_factory is not MISSING
+)

@@ -1,0 +1,99 @@
+"""Input records as work items: v1 content fanned out per prompt, each item's size estimated without a
+tokenizer, and the digest by which repeats of a deterministic request are found."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batch_pipeline.contract.openai import FilteredChatCompletionV2Request
+from batch_pipeline.contract.records import InputRecord, RecordKind, parse_record
+from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
+from batch_pipeline.shards.format import WorkItem
+
+# Estimating a request's cost without its tokenizer: characters per token of English text, and the output
+# of a request that sets no limit (chat; a completion's default is 16, as in the OpenAI API).
+CHARS_PER_TOKEN = 4
+UNBOUNDED_OUTPUT_ESTIMATE = 256
+
+
+@dataclass(frozen=True)
+class ItemSize:
+    """What a work item weighs: its prompts (times `n`), and the tokens it reads and writes, estimated."""
+
+    prompts: int
+    tokens: int
+
+
+def work_items(records: Iterable[tuple[str, Any]]) -> Iterator[tuple[WorkItem, ItemSize]]:
+    """Typed work items and their size, from raw records; v1 content fans out per prompt."""
+    index = 0
+    for where, raw in records:
+        kind, record = parse_record(raw, where)
+        for request, size in _split(kind, record):
+            yield WorkItem(index=index, kind=kind, request=request), size
+            index += 1
+
+
+def _split(kind: RecordKind, record: InputRecord) -> Iterator[tuple[dict[str, Any], ItemSize]]:
+    if isinstance(record, CreateBatchCompletionsV1RequestContent):
+        shared = record.model_dump(exclude={"prompts"}, exclude_none=True)
+        for text in record.prompts:
+            yield {"prompt": text, **shared}, ItemSize(1, _text_tokens(text) + record.max_new_tokens)
+        return
+    request = record.model_dump(exclude_none=True, by_alias=True)
+    prompts: list[Any]
+    if isinstance(record, FilteredChatCompletionV2Request):
+        prompts = [record.messages]
+    else:
+        prompt = record.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompts = list(prompt)  # several prompts: strings, or lists of token ids
+        else:
+            prompts = [prompt]
+    output = expected_output_tokens(kind, request)
+    yield request, ItemSize(len(prompts) * (record.n or 1), sum(_prompt_tokens(prompt) + output for prompt in prompts))
+
+
+def expected_output_tokens(kind: RecordKind, request: dict[str, Any]) -> int:
+    """The most tokens one prompt of a request may generate, all its `n` candidates together; an estimate
+    where the request sets no limit."""
+    if kind == "v1":
+        return int(request["max_new_tokens"])
+    if kind == "chat":
+        limit = request.get("max_completion_tokens") or request.get("max_tokens") or UNBOUNDED_OUTPUT_ESTIMATE
+    else:
+        limit = request.get("max_tokens", 16)
+    return limit * (request.get("n") or 1)
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return _text_tokens(prompt)
+    if prompt and isinstance(prompt[0], int):  # token ids
+        return len(prompt)
+    return sum(_message_tokens(message) for message in prompt)
+
+
+def _message_tokens(message: Any) -> int:
+    content = message.content
+    if isinstance(content, str):
+        return _text_tokens(content)
+    return sum(_text_tokens(getattr(part, "text", "")) for part in content or [])
+
+
+def _text_tokens(text: str) -> int:
+    return len(text) // CHARS_PER_TOKEN + 1
+
+
+def repeat_key(item: WorkItem) -> int | None:
+    """A 128-bit digest that two work items share when they are the same request with a deterministic
+    output (greedy, or a fixed seed), so that one generation can answer both; None for any other request."""
+    request = item.request
+    if request.get("temperature") != 0 and request.get("seed") is None:
+        return None
+    text = json.dumps([item.kind, request], sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
