@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from batch_pipeline import estimate as estimate_module
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.dry_run import estimate as estimate_module
 from batch_pipeline.pipeline.execute import execute_request
 from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL, step_failure_messages

@@ -38,7 +38,7 @@ from batch_pipeline.contract import (
 )
 from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.core.settings import SlotsBusy, settings
-from batch_pipeline.estimate import DryRunsBusy
+from batch_pipeline.dry_run.estimate import DryRunsBusy
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.store.jobs import JobStore

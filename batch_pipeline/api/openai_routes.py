@@ -24,7 +24,7 @@ from batch_pipeline.contract.openai_batch import (
     OpenAIErrorBody,
     OpenAIFile,
 )
-from batch_pipeline.estimate import DryRunsBusy
+from batch_pipeline.dry_run.estimate import DryRunsBusy
 
 PATH_PREFIXES = ("/v1/files", "/v1/batches")
 

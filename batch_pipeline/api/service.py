@@ -25,7 +25,7 @@ from batch_pipeline.contract import (
 )
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
-from batch_pipeline.estimate import HISTORY_JOBS, estimate
+from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.store.jobs import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore

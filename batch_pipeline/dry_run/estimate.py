@@ -50,7 +50,7 @@ _CONTENT = TypeAdapter(BatchContent)
 
 # What the checking child needs, imported once by the forkserver it forks from rather than by each child.
 _CHILD_PRELOAD = [
-    "batch_pipeline.estimate",
+    "batch_pipeline.dry_run.estimate",
     "batch_pipeline.worker.openai_requests",
     "batch_pipeline.worker.v1_requests",
 ]
