@@ -105,7 +105,7 @@ def results_entries(count: int) -> list[dict]:
 
 
 def part_one(options: argparse.Namespace, work: Path) -> dict:
-    from batch_pipeline.openai_batches import write_result_files
+    from batch_pipeline.openai_batch.jobs import write_result_files
 
     source = work / "input.jsonl"
     size = batch_file(source, [f"{text} ({i})" for i, text in enumerate(prompts(options.lines))], MODEL, 32)

@@ -263,7 +263,7 @@ def test_a_batch_past_its_window_reads_expired_and_its_unreached_requests_say_so
     from datetime import datetime, timedelta
 
     from batch_pipeline.api.openai_service import describe_batch
-    from batch_pipeline.openai_batches import expired, write_result_files
+    from batch_pipeline.openai_batch.jobs import expired, write_result_files
     from batch_pipeline.store.jobs import FAILED, JobRecord
     from batch_pipeline.store.openai import BatchRecord
 
@@ -371,7 +371,7 @@ def test_a_dry_run_of_a_batch_checks_and_tokenizes_its_file_and_creates_nothing(
 def test_a_batch_finalized_again_replaces_its_files_and_leaves_no_old_one(tmp_path):
     from datetime import datetime
 
-    from batch_pipeline.openai_batches import keep_results, write_result_files
+    from batch_pipeline.openai_batch.jobs import keep_results, write_result_files
     from batch_pipeline.store.openai import BatchRecord, OpenAIStore
 
     store = OpenAIStore(f"sqlite:///{tmp_path}/jobs.db")

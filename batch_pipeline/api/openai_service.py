@@ -38,7 +38,7 @@ from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
 from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
-from batch_pipeline.openai_batches import (
+from batch_pipeline.openai_batch.jobs import (
     CUSTOM_IDS_FILE,
     OUTPUT_FILE,
     CheckedInput,

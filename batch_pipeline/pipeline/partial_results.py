@@ -12,7 +12,7 @@ from dagster import OpExecutionContext
 
 from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
-from batch_pipeline.openai_batches import expired, finalize_batch
+from batch_pipeline.openai_batch.jobs import expired, finalize_batch
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.shards.merge import partial_outputs, progress, write_output_array
 from batch_pipeline.store.jobs import JobRecord
