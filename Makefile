@@ -28,7 +28,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 serve: model
-	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.serve
+	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.entrypoints.serve
 
 # Measurements against baselines in the same run; results and their charts in bench/results/ (not in git).
 bench: model

@@ -42,7 +42,7 @@ def api_command(code_root: Path, port: int) -> list[str]:
         [
             sys.executable,
             "-c",
-            "import json, sys; from batch_pipeline.serve import api_command; "
+            "import json, sys; from batch_pipeline.entrypoints.serve import api_command; "
             f"print(json.dumps(api_command('127.0.0.1', {port})))",
         ],
         cwd=code_root,

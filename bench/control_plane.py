@@ -26,7 +26,7 @@ content, posted through that API (`--tick-submit api`) or made by `submission.su
 tick: wall time and the RunRequests' total serialized size (json of run_config + tags, and Dagster's own
 serialization of the RunRequest).
 
-Part 3, the deployment (`python -m batch_pipeline.serve`: API, webserver, daemon; `--run-slots` runs at
+Part 3, the deployment (`python -m batch_pipeline.entrypoints.serve`: API, webserver, daemon; `--run-slots` runs at
 once, sensors every second), in its own temporary DAGSTER_HOME; it runs real vLLM jobs of one token.
 `--latency-samples` jobs one at a time: submit → the Dagster run's start, and → the job's row reads
 running; each cancelled once running. Then `--burst` tiny jobs posted at once: the time until every one
@@ -746,7 +746,15 @@ def part_three(options: argparse.Namespace, home: str) -> dict:
     api_port, dagster_port = free_port(), free_port()
     log = Path(home, "serve.log")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "batch_pipeline.serve", "--port", str(api_port), "--dagster-port", str(dagster_port)],
+        [
+            sys.executable,
+            "-m",
+            "batch_pipeline.entrypoints.serve",
+            "--port",
+            str(api_port),
+            "--dagster-port",
+            str(dagster_port),
+        ],
         env=clean_environment(home, BATCH_PIPELINE_SENSOR_INTERVAL_S="1"),
         cwd=REPO,
         stdout=open(log, "wb"),

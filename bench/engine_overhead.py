@@ -176,7 +176,10 @@ def run_job(spec: dict, work: Path, data_parallelism: int = 1) -> tuple[float, d
         env = {**os.environ, "DAGSTER_HOME": home, "VLLM_LOGGING_LEVEL": "WARNING"}
         started = time.monotonic()
         subprocess.run(
-            [sys.executable, "-m", "batch_pipeline.cli", "run", str(request)], env=env, check=True, capture_output=True
+            [sys.executable, "-m", "batch_pipeline.entrypoints.cli", "run", str(request)],
+            env=env,
+            check=True,
+            capture_output=True,
         )
         wall = time.monotonic() - started
         return wall, json.loads(Path(str(output) + ".metadata.json").read_text())

@@ -12,7 +12,7 @@ DAGSTER_HOME (uvicorn, no daemon: nothing runs).
 - results: `write_result_files` over `--lines` chat.completion entries; baseline: `json.loads` and
   `json.dumps` of each entry, the floor of rewriting a line.
 Part 2, vLLM: `--e2e-prompts` chat requests as one batch file.
-- ours: `python -m batch_pipeline.serve` (API, Dagster webserver and daemon), up before timing; timed from
+- ours: `python -m batch_pipeline.entrypoints.serve` (API, Dagster webserver and daemon), up before timing; timed from
   the upload to the output file downloaded (polled every 0.5 s), the shard's engine start included;
 - run_batch: vLLM's own `run_batch` entrypoint on the same file, a cold process timed start to exit.
 Medians (and min-max) over `--repeat` rounds, systems alternated; ratios ours/baseline. Writes
@@ -181,7 +181,15 @@ def start_serve(home: str) -> tuple[subprocess.Popen, httpx.Client]:
     api_port, dagster_port = free_port(), free_port()
     log = Path(home, "serve.log")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "batch_pipeline.serve", "--port", str(api_port), "--dagster-port", str(dagster_port)],
+        [
+            sys.executable,
+            "-m",
+            "batch_pipeline.entrypoints.serve",
+            "--port",
+            str(api_port),
+            "--dagster-port",
+            str(dagster_port),
+        ],
         cwd=REPO,
         env=clean_environment(home, VLLM_LOGGING_LEVEL="WARNING"),
         stdout=open(log, "wb"),

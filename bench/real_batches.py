@@ -219,7 +219,7 @@ def environment(code_root: Path, extra: dict | None = None) -> dict:
 
 def cli() -> list[str]:
     entry_point = Path(sys.executable).parent / "batch-pipeline"
-    return [str(entry_point)] if entry_point.exists() else [sys.executable, "-m", "batch_pipeline.cli"]
+    return [str(entry_point)] if entry_point.exists() else [sys.executable, "-m", "batch_pipeline.entrypoints.cli"]
 
 
 def timed(command: list[str], env: dict, cwd: Path) -> tuple[float, subprocess.CompletedProcess]:

@@ -50,7 +50,10 @@ def run_ours(request_path: Path) -> dict:
         Path(home, "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
         started = time.monotonic()
         subprocess.run(
-            [sys.executable, "-m", "batch_pipeline.cli", "run", str(patched)], env=env, check=True, capture_output=True
+            [sys.executable, "-m", "batch_pipeline.entrypoints.cli", "run", str(patched)],
+            env=env,
+            check=True,
+            capture_output=True,
         )
         wall = time.monotonic() - started
         metadata = json.loads(Path(request["output_data_path"] + ".metadata.json").read_text())

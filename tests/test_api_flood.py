@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from batch_pipeline.api.limits import LargeBodySlots, TeamBusy
-from batch_pipeline.serve import api_command
+from batch_pipeline.entrypoints.serve import api_command
 from tests.api_fixtures import REPO, write_instance_config
 from tests.conftest import MODEL
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.client import BatchClient
+from batch_pipeline.entrypoints.client import BatchClient
 from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL
 
@@ -29,7 +29,7 @@ def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dags
         if name not in ("BATCH_PIPELINE_MIN_SHARD_TOKENS", "BATCH_PIPELINE_MAX_SHARDS_PER_JOB")
     }
     completed = subprocess.run(
-        [sys.executable, "-m", "batch_pipeline.cli", "run", "request.json", "--show", "2"],
+        [sys.executable, "-m", "batch_pipeline.entrypoints.cli", "run", "request.json", "--show", "2"],
         cwd=tmp_path,
         env=environment,
         capture_output=True,
@@ -59,7 +59,7 @@ def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dags
 
 def test_models_lists_the_catalog():
     completed = subprocess.run(
-        [sys.executable, "-m", "batch_pipeline.cli", "models"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "batch_pipeline.entrypoints.cli", "models"], capture_output=True, text=True, check=True
     )
     assert completed.stdout.startswith("smollm2-135m-instruct")
 

@@ -873,7 +873,7 @@ def test_the_worker_image_runs_as_the_non_root_user_the_pods_name():
 def test_the_api_pod_runs_uvicorn_as_serve_does_with_the_head_timeout():
     """uvicorn alone never times out a request's head (a slowloris holds its connection for ever): the API
     pod runs the same command line as `make serve`, with the protocol that does."""
-    from batch_pipeline.serve import api_command
+    from batch_pipeline.entrypoints.serve import api_command
 
     (api,) = [obj for obj in _manifests() if obj["kind"] == "Deployment"]
     (container,) = api["spec"]["template"]["spec"]["containers"]

@@ -73,7 +73,7 @@ def _alive(pid: int) -> bool:
 
 
 class Served:
-    """`python -m batch_pipeline.serve` (what `make serve` runs) on free ports in a fresh DAGSTER_HOME."""
+    """`python -m batch_pipeline.entrypoints.serve` (what `make serve` runs) on free ports in a fresh DAGSTER_HOME."""
 
     def __init__(self, tmp_path, env: dict[str, str] | None = None, max_concurrent_runs: int = 1) -> None:
         self.home = home = tmp_path / "dagster_home"
@@ -86,7 +86,7 @@ class Served:
             [
                 sys.executable,
                 "-m",
-                "batch_pipeline.serve",
+                "batch_pipeline.entrypoints.serve",
                 "--host",  # the API on every address; the Dagster UI must keep to loopback all the same
                 "0.0.0.0",
                 "--port",

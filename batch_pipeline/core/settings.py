@@ -72,9 +72,9 @@ class Settings(_EnvironmentSettings):
     )
     host: str = Field(
         "127.0.0.1",
-        description="`python -m batch_pipeline.serve`: the address the API listens on (the UI keeps to loopback)",
+        description="`make serve`: the address the API listens on (the UI keeps to loopback)",
     )
-    port: int = Field(8000, description="`python -m batch_pipeline.serve`: the API's port")
+    port: int = Field(8000, description="`make serve`: the API's port")
     max_body_bytes: int = Field(64 * 2**20, description="Largest request body, in bytes (64 MiB); larger ones get 413")
     max_concurrent_large_bodies: int = Field(
         1, ge=1, description="Bodies over 8 MB an API process parses at once; the others wait"

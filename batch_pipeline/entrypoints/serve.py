@@ -1,6 +1,6 @@
 """`make serve`: the API, the Dagster webserver and the Dagster daemon, stopped together on Ctrl-C.
 
-python -m batch_pipeline.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
+python -m batch_pipeline.entrypoints.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
 
 The Dagster UI listens on loopback whatever `--host` says: it has no login, and whoever reaches it can
 launch and terminate any run. Reach it from elsewhere through an SSH tunnel or an authenticating proxy.
@@ -20,13 +20,13 @@ from batch_pipeline.core.settings import SettingsError, settings
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.tenancy.tenants import TenantsFileError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The Dagster UI's address: loopback only (see the module docstring).
 DAGSTER_UI_HOST = "127.0.0.1"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batch_pipeline.serve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m batch_pipeline.entrypoints.serve", description=__doc__)
     try:  # before the three services start: one message naming the variable instead of three tracebacks
         configured = settings()
     except SettingsError as exc:

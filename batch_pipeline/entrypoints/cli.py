@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return _prepare(args.prepare) if args.prepare else _models()
     if args.command == "run":
         return _run(args.request, args.show)
-    from batch_pipeline.client import ApiError, BatchClient
+    from batch_pipeline.entrypoints.client import ApiError, BatchClient
 
     client = BatchClient(args.url, args.api_key)
     try:
