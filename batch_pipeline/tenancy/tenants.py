@@ -62,6 +62,11 @@ class TenantConfig(_Strict):
     )
     max_stored_bytes: int | None = Field(None, ge=0, description="OpenAI files plus inline contents, in bytes")
     max_tokens_per_day: int | None = Field(None, ge=0, description="Prompt plus completion tokens a day")
+    # Kueue's share of the GPUs, cluster-wide: the team's shard pods name this LocalQueue (of the shard
+    # pods' namespace) in their `kueue.x-k8s.io/queue-name` label. Unset: its pods are not queued by Kueue.
+    kueue_queue: TenantName | None = Field(
+        None, description="The Kueue LocalQueue of the team's shard pods (a DNS label, as team names are)"
+    )
 
     @field_validator("max_priority")
     @classmethod
@@ -297,6 +302,12 @@ def priority_cap(owner: str) -> int | None:
     """The highest run priority `owner`'s jobs may have: its team's `max_priority`, or None."""
     team = team_of_owner(owner)
     return team.config.priority_cap if team is not None else None
+
+
+def kueue_queue(owner: str) -> str | None:
+    """The Kueue LocalQueue of `owner`'s shard pods: its team's `kueue_queue`, or None (no team, or none set)."""
+    team = team_of_owner(owner)
+    return team.config.kueue_queue if team is not None else None
 
 
 def _line_of(node: Any, loc: tuple[int | str, ...] | list[int | str]) -> int:
