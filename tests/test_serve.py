@@ -75,9 +75,18 @@ def _alive(pid: int) -> bool:
 class Served:
     """`python -m batch_pipeline.entrypoints.serve` (what `make serve` runs) on free ports in a fresh DAGSTER_HOME."""
 
-    def __init__(self, tmp_path, env: dict[str, str] | None = None, max_concurrent_runs: int = 1) -> None:
+    def __init__(
+        self,
+        tmp_path,
+        env: dict[str, str] | None = None,
+        max_concurrent_runs: int = 1,
+        instance_yaml: str | None = None,
+        workspace=None,
+    ) -> None:
         self.home = home = tmp_path / "dagster_home"
         write_instance_config(home, max_concurrent_runs=max_concurrent_runs)
+        if instance_yaml is not None:  # e.g. the shipped dagster.yaml, adjusted
+            (home / "dagster.yaml").write_text(instance_yaml)
         self.log = tmp_path / "serve.log"
         self.api_port, self.dagster_port = _free_port(), _free_port()
         self.api = f"http://127.0.0.1:{self.api_port}"
@@ -93,6 +102,7 @@ class Served:
                 str(self.api_port),
                 "--dagster-port",
                 str(self.dagster_port),
+                *(["--workspace", str(workspace)] if workspace is not None else []),
             ],
             cwd=REPO,
             env={**os.environ, "DAGSTER_HOME": str(home), "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1", **(env or {})},
