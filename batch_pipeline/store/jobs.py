@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -25,6 +25,8 @@ from typing import Any, overload
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import FunctionElement
 
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
@@ -48,6 +50,7 @@ jobs = sa.Table(
     sa.Column("request", sa.Text, nullable=False),
     sa.Column("request_sha256", sa.String(64), nullable=True),  # what an Idempotency-Key was first used for
     sa.Column("content_path", sa.Text, nullable=True),
+    sa.Column("content_bytes", sa.BigInteger, nullable=True),  # the size of that file, as written
     sa.Column("model", sa.String(256), nullable=True),
     sa.Column("priority", sa.String(64), nullable=True),
     sa.Column("labels", sa.Text, nullable=False),
@@ -69,9 +72,25 @@ jobs = sa.Table(
     sa.Column("prompt_tokens", sa.BigInteger, nullable=True),
     sa.Column("completion_tokens", sa.BigInteger, nullable=True),
     sa.Column("results", sa.Text, nullable=True),  # the finished job's summary (JSON), as in its metadata file
+    # Fair share: the end up to which the job's use of run slots is counted in its team's `team_usage` row.
+    sa.Column("usage_counted_until", sa.DateTime(timezone=True), nullable=True),
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
     sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
     sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
+    sa.Index("ix_batch_jobs_owner_completed", "owner", "completed_at"),  # a team's tokens of the day
+    # Fair share's reads each tick: the ended jobs not yet counted, the running ones, the waiting ones.
+    sa.Index("ix_batch_jobs_usage_uncounted", "usage_counted_until", "completed_at"),
+    sa.Index("ix_batch_jobs_holding", "completed_at", "started_at"),
+    sa.Index("ix_batch_jobs_waiting", "status", "run_id", "created_at", "job_id", "owner", "priority", "expires_at"),
+)
+
+# Fair share: each team's decayed slot-seconds of its ended jobs, as they count at `as_of`.
+team_usage = sa.Table(
+    "batch_team_usage",
+    metadata,
+    sa.Column("owner", sa.String(128), primary_key=True),
+    sa.Column("usage", sa.Float, nullable=False),
+    sa.Column("as_of", sa.DateTime(timezone=True), nullable=False),
 )
 
 job_labels = sa.Table(
@@ -99,6 +118,7 @@ job_shards = sa.Table(
 )
 
 _SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens")
+_FIGURES = ("requests_done", "prompt_tokens", "completion_tokens")  # what usage and /metrics sum
 
 
 class IdempotencyConflict(ValueError):
@@ -121,6 +141,7 @@ class JobRecord:
     status: str = QUEUED
     model: str | None = None
     content_path: str | None = None
+    content_bytes: int | None = None
     status_detail: str | None = None
     started_at: datetime | None = None
     queue_wait_s: float | None = None
@@ -160,6 +181,7 @@ class JobRecord:
             status=row.status,
             model=row.model,
             content_path=row.content_path,
+            content_bytes=row.content_bytes,
             status_detail=row.status_detail,
             started_at=_utc(row.started_at),
             queue_wait_s=row.queue_wait_s,
@@ -189,6 +211,7 @@ class NewJob:
     labels: dict[str, str]
     max_runtime_sec: int
     content_path: str | None = None
+    content_bytes: int | None = None  # the size of the file `content_path` names, when the submission wrote it
     idempotency_key: str | None = None
     # A job registered by the run that already executes it (a launchpad run) is never launched again.
     run_id: str | None = None
@@ -210,6 +233,24 @@ class SlotUse:
     ended_at: datetime | None
     shards: int
     request_json: str = field(repr=False)
+    job_id: str = ""
+    counted_until: datetime | None = None  # the end up to which its team's `team_usage` counts it
+
+
+@dataclass(frozen=True)
+class WorkByDay:
+    """Jobs' work summed for an owner (None: every owner not named) and a UTC day ("YYYY-MM-DD"), for one
+    hardware shape: the `gpus` and `cpus` their stored requests ask for (None: not given), as the database
+    reads them from the JSON (a number or a string)."""
+
+    owner: str | None
+    day: str
+    gpus: Any
+    cpus: Any
+    requests_done: int
+    prompt_tokens: int
+    completion_tokens: int
+    shard_seconds: float
 
 
 @dataclass(frozen=True)
@@ -317,6 +358,7 @@ class JobStore:
             "request": job.request_json,
             "request_sha256": job.request_sha256,
             "content_path": job.content_path,
+            "content_bytes": job.content_bytes,
             "model": job.model[:256],
             "priority": job.priority,
             "labels": json.dumps(job.labels),
@@ -377,9 +419,157 @@ class JobStore:
         with self.engine.connect() as connection:
             return {owner: int(count) for owner, count in connection.execute(query)}
 
+    # Fair share's reads each tick (every one served by an index), and its one write: each team's usage of
+    # its ended jobs is kept in `team_usage`, and each job counted there once, as it ends.
+
+    def waiting_for_admission(self) -> Iterator[tuple[str, str, str | None, object]]:
+        """(job id, owner, priority as stored, created) of each queued job without a run, oldest first (then
+        by job id): what admission reads of them, from the `ix_batch_jobs_waiting` index alone. `created` is
+        the time as the database returns it, not parsed (a third of the read's cost on SQLite, where it is
+        text): only equal for jobs created at the same instant, as the order says the rest."""
+        created = sa.type_coerce(jobs.c.created_at, sa.String)
+        query = (
+            sa.select(jobs.c.job_id, jobs.c.owner, jobs.c.priority, created)
+            .where(jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
+            .order_by(jobs.c.created_at, jobs.c.job_id)
+        )
+        with self.engine.connect() as connection:
+            rows = connection.execute(query).all()
+        return iter(rows)  # type: ignore[arg-type]  # Row[...] of these four columns
+
+    def expired_waiting(self, now: datetime) -> builtins.list[tuple[str, str, datetime]]:
+        """(job id, owner, deadline) of each queued job without a run whose deadline passed."""
+        query = sa.select(jobs.c.job_id, jobs.c.owner, jobs.c.expires_at).where(
+            jobs.c.status == QUEUED, jobs.c.run_id.is_(None), jobs.c.expires_at <= now
+        )
+        with self.engine.connect() as connection:
+            return [(job_id, owner, _utc(expires)) for job_id, owner, expires in connection.execute(query)]
+
+    def waiting_records(self, job_ids: Iterable[str]) -> builtins.list[JobRecord]:
+        """The records of those of these jobs still queued without a run, in the order asked."""
+        wanted = list(job_ids)
+        if not wanted:
+            return []
+        query = sa.select(jobs).where(jobs.c.job_id.in_(wanted), jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
+        with self.engine.connect() as connection:
+            by_id = {row.job_id: JobRecord.from_row(row) for row in connection.execute(query)}
+        return [by_id[job_id] for job_id in wanted if job_id in by_id]
+
+    def _slot_uses(self, condition: Any) -> builtins.list[SlotUse]:
+        shards = sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id).scalar_subquery()
+        query = sa.select(
+            jobs.c.job_id, jobs.c.owner, jobs.c.started_at, jobs.c.completed_at, jobs.c.request, shards,
+            jobs.c.usage_counted_until,
+        ).where(condition)  # fmt: skip
+        with self.engine.connect() as connection:
+            return [
+                SlotUse(owner, _utc(started), _utc(ended), int(count or 0), request, job_id, _utc(counted))
+                for job_id, owner, started, ended, request, count, counted in connection.execute(query)
+            ]
+
+    def slot_usage_uncounted(self, since: datetime) -> builtins.list[SlotUse]:
+        """The jobs that held run slots, ended at or after `since`, and are not counted in their team's
+        usage yet."""
+        return self._slot_uses(
+            sa.and_(jobs.c.usage_counted_until.is_(None), jobs.c.completed_at >= since, jobs.c.started_at.is_not(None))
+        )
+
+    def slot_usage_running(self) -> builtins.list[SlotUse]:
+        """The jobs holding run slots now (started, not ended); one run again after it ended (a retry or a
+        re-execution) has the end its team's usage counted it up to."""
+        return self._slot_uses(sa.and_(jobs.c.completed_at.is_(None), jobs.c.started_at.is_not(None)))
+
+    def team_usage(self) -> dict[str, tuple[float, datetime]]:
+        """Each team's usage row: its ended jobs' decayed slot-seconds, as they count at the time given."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(sa.select(team_usage.c.owner, team_usage.c.usage, team_usage.c.as_of))
+            return {owner: (float(usage), _utc(as_of)) for owner, usage, as_of in rows}
+
+    def count_slot_usage(
+        self,
+        usage: dict[str, tuple[float, datetime]],
+        counted: Iterable[str],
+        uncounted: Iterable[str],
+        since: datetime,
+    ) -> bool:
+        """In one transaction: the teams' usage rows set to `usage`, the `counted` jobs (ended) marked as
+        counted up to their end, the `uncounted` ones (running again) unmarked, and every job that ended
+        without holding slots, or before `since`, marked as counted with nothing. False, and nothing
+        written, where another writer counted or changed one of those jobs since they were read."""
+        counted, uncounted = list(counted), list(uncounted)
+        try:
+            with self.engine.begin() as connection:
+                self._count_slot_usage(connection, usage, counted, uncounted, since)
+        except _Recounted:
+            return False
+        return True
+
+    @staticmethod
+    def _count_slot_usage(
+        connection: sa.Connection,
+        usage: dict[str, tuple[float, datetime]],
+        counted: builtins.list[str],
+        uncounted: builtins.list[str],
+        since: datetime,
+    ) -> None:
+        connection.execute(
+            jobs.update()
+            .where(
+                jobs.c.usage_counted_until.is_(None),
+                jobs.c.completed_at.is_not(None),
+                sa.or_(jobs.c.started_at.is_(None), jobs.c.completed_at < since),
+            )
+            .values(usage_counted_until=jobs.c.completed_at)
+        )
+        changed = 0
+        for start in range(0, len(counted), 500):
+            changed += connection.execute(
+                jobs.update()
+                .where(
+                    jobs.c.job_id.in_(counted[start : start + 500]),
+                    jobs.c.usage_counted_until.is_(None),
+                    jobs.c.completed_at.is_not(None),
+                )
+                .values(usage_counted_until=jobs.c.completed_at)
+            ).rowcount
+        for start in range(0, len(uncounted), 500):
+            changed += connection.execute(
+                jobs.update()
+                .where(
+                    jobs.c.job_id.in_(uncounted[start : start + 500]),
+                    jobs.c.usage_counted_until.is_not(None),
+                    jobs.c.completed_at.is_(None),
+                )
+                .values(usage_counted_until=None)
+            ).rowcount
+        if changed != len(counted) + len(uncounted):
+            raise _Recounted
+        for owner, (value, as_of) in usage.items():
+            row = {"usage": value, "as_of": as_of}
+            if not connection.execute(team_usage.update().where(team_usage.c.owner == owner).values(**row)).rowcount:
+                connection.execute(team_usage.insert().values(owner=owner, **row))
+
     def count_queued(self, owner: str) -> int:
         """How many of `owner`'s jobs wait to start (queued, with or without a run yet)."""
         query = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.status == QUEUED)
+        with self.engine.connect() as connection:
+            return int(connection.execute(query).scalar_one())
+
+    def content_bytes_of(self, owner: str) -> int:
+        """The bytes of inline content `owner`'s jobs stored (jobs of older releases, which did not record
+        it, count none)."""
+        query = sa.select(sa.func.coalesce(sa.func.sum(jobs.c.content_bytes), 0)).where(jobs.c.owner == owner)
+        with self.engine.connect() as connection:
+            return int(connection.execute(query).scalar_one())
+
+    def tokens_since(self, owner: str, since: datetime) -> int:
+        """Prompt plus completion tokens of `owner`'s jobs that ended at or after `since`, and of those still
+        running: a job's figures are totals, counted on the day it ends (today while it runs)."""
+        ran = sa.or_(
+            jobs.c.completed_at >= since, sa.and_(jobs.c.completed_at.is_(None), jobs.c.started_at.is_not(None))
+        )
+        tokens = sa.func.coalesce(jobs.c.prompt_tokens, 0) + sa.func.coalesce(jobs.c.completion_tokens, 0)
+        query = sa.select(sa.func.coalesce(sa.func.sum(tokens), 0)).where(jobs.c.owner == owner, ran)
         with self.engine.connect() as connection:
             return int(connection.execute(query).scalar_one())
 
@@ -646,6 +836,113 @@ class JobStore:
             row = connection.execute(query).one()
         return [int(v) for v in row[: len(bounds)]], int(row[-2]), float(row[-1])
 
+    def figures_by_team(self, named: Collection[str]) -> builtins.list[tuple[str | None, str, int, int, int, int]]:
+        """(owner, status, jobs, requests done, prompt tokens, completion tokens) over every job, by owner
+        of `named` and status; every other owner's jobs summed as one owner, None: at most
+        (len(named) + 1) x statuses rows, however many owners there were."""
+        per_job = sa.select(
+            owner_bucket(jobs.c.owner, named).label("owner"),
+            jobs.c.status,
+            jobs.c.requests_done,
+            jobs.c.prompt_tokens,
+            jobs.c.completion_tokens,
+        ).subquery()
+        query = sa.select(
+            per_job.c.owner,
+            per_job.c.status,
+            sa.func.count(),
+            *(sa.func.coalesce(sa.func.sum(per_job.c[name]), 0) for name in _FIGURES),
+        ).group_by(per_job.c.owner, per_job.c.status)
+        with self.engine.connect() as connection:
+            return [
+                (owner, status, int(count), int(a), int(b), int(c))
+                for owner, status, count, a, b, c in connection.execute(query)
+            ]
+
+    # --- usage by team and day (GET /v2/usage) -----------------------------------------------------------
+
+    def work_by_day(
+        self, since: datetime, until: datetime, now: datetime, owner: str | None, named: Collection[str]
+    ) -> builtins.list[WorkByDay]:
+        """The work of jobs in [since, until), summed by owner and UTC day: each job's requests done, prompt
+        and completion tokens, and shard-seconds (its run slots' hold as fair share counts it: from its
+        start to its end, or now, times its shards, at least one) on the day it ended, or today while it
+        runs; grouped too by its request's `gpus` and `cpus`, for the caller to size a shard's hold.
+        `owner`: that owner's jobs only; owners outside `named` are summed as one, owner None. At most
+        days x (len(named) + 1) x the hardware shapes asked for rows."""
+        now = now.astimezone(UTC)
+        stamp = sa.literal(now, sa.DateTime(timezone=True))
+        shards = (
+            sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id).correlate(jobs).scalar_subquery()
+        )
+        end = sa.func.coalesce(jobs.c.completed_at, stamp)
+        held = sa.case(
+            (sa.and_(jobs.c.started_at.is_not(None), end > jobs.c.started_at), seconds_between(jobs.c.started_at, end)),
+            else_=0.0,
+        )
+        counted: Any = sa.and_(jobs.c.completed_at >= since, jobs.c.completed_at < until)
+        if since <= now < until:  # today is in the range: the jobs running now count on it
+            counted = sa.or_(counted, sa.and_(jobs.c.completed_at.is_(None), jobs.c.started_at.is_not(None)))
+        per_job = sa.select(
+            owner_bucket(jobs.c.owner, named).label("owner"),
+            sa.case(
+                (jobs.c.completed_at.is_(None), sa.literal(now.date().isoformat())), else_=utc_day(jobs.c.completed_at)
+            ).label("day"),
+            json_scalar(jobs.c.request, "gpus").label("gpus"),
+            json_scalar(jobs.c.request, "cpus").label("cpus"),
+            *(sa.func.coalesce(jobs.c[name], 0).label(name) for name in _FIGURES),
+            (held * sa.func.coalesce(sa.func.nullif(shards, 0), 1)).label("shard_seconds"),
+        ).where(counted)
+        if owner is not None:
+            per_job = per_job.where(jobs.c.owner == owner)
+        grouped = per_job.subquery()
+        keys = (grouped.c.owner, grouped.c.day, grouped.c.gpus, grouped.c.cpus)
+        query = sa.select(
+            *keys,
+            *(sa.func.sum(grouped.c[name]) for name in _FIGURES),
+            sa.func.sum(grouped.c.shard_seconds),
+        ).group_by(*keys)
+        with self.engine.connect() as connection:
+            return [
+                WorkByDay(row[0], str(row[1]), row[2], row[3], int(row[4]), int(row[5]), int(row[6]), float(row[7]))
+                for row in connection.execute(query)
+            ]
+
+    def submissions_by_day(
+        self, since: datetime, until: datetime, owner: str | None, named: Collection[str]
+    ) -> builtins.list[tuple[str | None, str, int, int]]:
+        """(owner, UTC day, jobs submitted, bytes of inline content they stored) for jobs submitted in
+        [since, until); owners outside `named` summed as one, None."""
+        per_job = sa.select(
+            owner_bucket(jobs.c.owner, named).label("owner"),
+            utc_day(jobs.c.created_at).label("day"),
+            jobs.c.content_bytes,
+        ).where(jobs.c.created_at >= since, jobs.c.created_at < until)
+        if owner is not None:
+            per_job = per_job.where(jobs.c.owner == owner)
+        grouped = per_job.subquery()
+        query = sa.select(
+            grouped.c.owner,
+            grouped.c.day,
+            sa.func.count(),
+            sa.func.coalesce(sa.func.sum(grouped.c.content_bytes), 0),
+        ).group_by(grouped.c.owner, grouped.c.day)
+        with self.engine.connect() as connection:
+            return [(row[0], str(row[1]), int(row[2]), int(row[3])) for row in connection.execute(query)]
+
+    def content_bytes_by_owner(self, owner: str | None, named: Collection[str]) -> dict[str | None, int]:
+        """The bytes of inline content stored by each owner's jobs (`content_bytes_of`, by owner of
+        `named`; every other owner's summed as None)."""
+        per_job = sa.select(owner_bucket(jobs.c.owner, named).label("owner"), jobs.c.content_bytes)
+        if owner is not None:
+            per_job = per_job.where(jobs.c.owner == owner)
+        grouped = per_job.subquery()
+        query = sa.select(grouped.c.owner, sa.func.coalesce(sa.func.sum(grouped.c.content_bytes), 0)).group_by(
+            grouped.c.owner
+        )
+        with self.engine.connect() as connection:
+            return {bucket: int(total) for bucket, total in connection.execute(query)}
+
     # --- internals --------------------------------------------------------------------------------------
 
     def _update(self, condition: Any, **values: Any) -> bool:
@@ -656,6 +953,10 @@ class JobStore:
         with self.engine.connect() as connection:
             row = connection.execute(sa.select(jobs).where(condition)).first()
         return JobRecord.from_row(row) if row else None
+
+
+class _Recounted(Exception):
+    """Another writer counted or changed a job's slot usage while it was being counted."""
 
 
 class _Row(dict):
@@ -691,3 +992,89 @@ def _utc(value: datetime | None) -> datetime | None:
     if value is None:
         return None
     return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+# --- SQL that SQLite and Postgres spell differently (usage by day) -----------------------------------------
+
+
+def owner_bucket(column: Any, named: Collection[str]) -> Any:
+    """The owner when `named` holds it, else NULL: every other owner grouped as one, so that a grouping
+    has at most len(named) + 1 owners however many there were."""
+    return sa.case((column.in_(sorted(named)), column), else_=sa.null())
+
+
+class utc_day(FunctionElement[str]):
+    """A timestamp's UTC day, as text "YYYY-MM-DD"."""
+
+    type = sa.String()
+    name = "utc_day"
+    inherit_cache = True
+
+
+@compiles(utc_day)
+def _utc_day(element: utc_day, compiler: Any, **kw: Any) -> str:
+    # SQLite holds timestamps as UTC text ("YYYY-MM-DD HH:MM:SS.ffffff"), which date() reads.
+    return f"date({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(utc_day, "postgresql")
+def _utc_day_postgres(element: utc_day, compiler: Any, **kw: Any) -> str:
+    return f"to_char(({compiler.process(element.clauses, **kw)}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+class seconds_between(FunctionElement[float]):
+    """Seconds from the first timestamp to the second."""
+
+    type = sa.Float()
+    name = "seconds_between"
+    inherit_cache = True
+
+
+@compiles(seconds_between)
+def _seconds_between(element: seconds_between, compiler: Any, **kw: Any) -> str:
+    start, end = (compiler.process(clause, **kw) for clause in element.clauses)
+    return f"((julianday({end}) - julianday({start})) * 86400.0)"
+
+
+@compiles(seconds_between, "postgresql")
+def _seconds_between_postgres(element: seconds_between, compiler: Any, **kw: Any) -> str:
+    start, end = (compiler.process(clause, **kw) for clause in element.clauses)
+    return f"CAST(EXTRACT(EPOCH FROM ({end} - {start})) AS DOUBLE PRECISION)"
+
+
+# A JSON text Postgres' json type refuses whole (a lone surrogate's escape, an escaped NUL, which stored
+# requests of older releases may hold): its scalar is read by pattern instead of failing the query.
+_POSTGRES_UNPARSABLE_JSON = (
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u0000"
+)
+
+
+class json_scalar(FunctionElement[Any]):
+    """A top-level key's scalar value in a text column holding a JSON object (NULL when absent): a number or
+    a string on SQLite, its text on Postgres."""
+
+    name = "json_scalar"
+    inherit_cache = False  # the key is part of the SQL, not a bound value
+
+    def __init__(self, column: Any, key: str) -> None:
+        if not key.isidentifier():
+            raise ValueError(f"not a key this reads: {key!r}")
+        self.key = key
+        super().__init__(column)
+
+
+@compiles(json_scalar)
+def _json_scalar(element: json_scalar, compiler: Any, **kw: Any) -> str:
+    return f"json_extract({compiler.process(element.clauses, **kw)}, '$.{element.key}')"
+
+
+@compiles(json_scalar, "postgresql")
+def _json_scalar_postgres(element: json_scalar, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.clauses, **kw)
+    unparsable = compiler.process(sa.literal(_POSTGRES_UNPARSABLE_JSON), **kw)
+    pattern = compiler.process(sa.literal(f'"{element.key}": ("[^"]*"|[-+0-9.eE]+)'), **kw)
+    return (
+        f"CASE WHEN {column} ~ {unparsable} THEN trim(BOTH '\"' FROM substring({column} FROM {pattern})) "
+        f"ELSE json_extract_path_text(CAST({column} AS JSON), '{element.key}') END"
+    )

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
-from batch_pipeline.store.jobs import _now, _utc, default_store_url, engine_for
+from batch_pipeline.store.jobs import _now, _utc, default_store_url, engine_for, owner_bucket, utc_day
 
 metadata = sa.MetaData()
 
@@ -114,6 +115,39 @@ class OpenAIStore:
             files, files.c.file_id, owner, limit, after, files.c.purpose == purpose if purpose else None
         )
         return [_file(row) for row in rows], more
+
+    def file_bytes_of(self, owner: str) -> int:
+        """The bytes of `owner`'s files kept now (uploads, and the output and error files of its batches)."""
+        query = sa.select(sa.func.coalesce(sa.func.sum(files.c.bytes), 0)).where(files.c.owner == owner)
+        with self.engine.connect() as connection:
+            return int(connection.execute(query).scalar_one())
+
+    def file_bytes_by_day(
+        self, since: datetime, until: datetime, owner: str | None, named: Collection[str]
+    ) -> list[tuple[str | None, str, int]]:
+        """(owner, UTC day, bytes) of the files kept now that were stored in [since, until), by the day
+        each was stored (`file_bytes_of`'s files); owners outside `named` summed as one, None."""
+        per_file = sa.select(
+            owner_bucket(files.c.owner, named).label("owner"), utc_day(files.c.created_at).label("day"), files.c.bytes
+        ).where(files.c.created_at >= since, files.c.created_at < until)
+        if owner is not None:
+            per_file = per_file.where(files.c.owner == owner)
+        grouped = per_file.subquery()
+        query = sa.select(grouped.c.owner, grouped.c.day, sa.func.sum(grouped.c.bytes)).group_by(
+            grouped.c.owner, grouped.c.day
+        )
+        with self.engine.connect() as connection:
+            return [(bucket, str(day), int(total)) for bucket, day, total in connection.execute(query)]
+
+    def file_bytes_by_owner(self, owner: str | None, named: Collection[str]) -> dict[str | None, int]:
+        """`file_bytes_of` for each owner of `named` (every other owner's summed as None)."""
+        per_file = sa.select(owner_bucket(files.c.owner, named).label("owner"), files.c.bytes)
+        if owner is not None:
+            per_file = per_file.where(files.c.owner == owner)
+        grouped = per_file.subquery()
+        query = sa.select(grouped.c.owner, sa.func.sum(grouped.c.bytes)).group_by(grouped.c.owner)
+        with self.engine.connect() as connection:
+            return {bucket: int(total) for bucket, total in connection.execute(query)}
 
     def delete_file(self, file_id: str) -> bool:
         with self.engine.begin() as connection:
