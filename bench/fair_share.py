@@ -4,10 +4,15 @@
                                          [--window-s 14400] [--sim-slots 8] [--out PATH]
 
 1. **Decision time.** A job store (SQLite in a temporary directory) holding `--queued` waiting jobs across
-   `--teams` teams and `--finished` jobs that used run slots in the last hours; the time of what the jobs
-   sensor does each tick with a tenants file: read every team's usage and holders from the store
-   (`pipeline.admission.team_shares`) and pick the jobs for `--slots` free slots (`fair_share.admit`),
-   against the same tick without fair share (reading the waiting jobs, which both do). Goal: <= 50 ms.
+   `--teams` teams (priorities low, none, high) and `--finished` jobs that used run slots in the last
+   hours; the time of what the jobs sensor does each tick with a tenants file, its store reads included:
+   the expired waiting jobs, the waiting jobs' index (`pipeline.admission.waiting_queues`), every team's
+   usage and holders (`team_shares`, counting the jobs that ended since the last tick) and the picks for
+   `--slots` free slots (`fair_share.admit`), then the chosen jobs' records. Beside it, alternated, the same
+   tick as it was before (`_decision_before`, kept here: every waiting job read whole, every job of the
+   last 10 half-lives read and its request parsed), which must choose the same jobs; and a GET of the
+   newest waiting job (`BatchJobService.get`, with its `queue_position`) against describing the same row
+   without it. Goal: <= 50 ms.
 2. **Shares.** Three teams with weights 1:1:2 submitting continuously (each always has jobs waiting; every
    job holds one slot for 60 s), admitted by the same `admit` and `decayed_slot_seconds` over a simulated
    `--window-s` with `--sim-slots` slots, against first-come-first-served from the same arrivals: each
@@ -20,6 +25,7 @@ Writes bench/results/fair_share-<time>.json (or --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -43,14 +49,19 @@ def _tenants_file(directory: Path, teams: int) -> Path:
     return path
 
 
-def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: int = 5) -> dict:
-    from batch_pipeline.pipeline.admission import team_shares
+def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: int = 7) -> dict:
+    import dagster as dg
+
+    from batch_pipeline.api.auth import Caller
+    from batch_pipeline.api.service import BatchJobService
+    from batch_pipeline.pipeline.admission import admissions, waiting_queues
+    from batch_pipeline.pipeline.resources import JobStorage
     from batch_pipeline.store.jobs import JobStore, NewJob
-    from batch_pipeline.tenancy.fair_share import WaitingJob, admit
     from batch_pipeline.tenancy.tenants import tenants
 
     with tempfile.TemporaryDirectory() as directory:
         os.environ["BATCH_PIPELINE_TENANTS"] = str(_tenants_file(Path(directory), teams))
+        os.environ["DAGSTER_HOME"] = directory
         store = JobStore(f"sqlite:///{directory}/jobs.db")
         request = json.dumps({"output_data_path": "/srv/o.json", "model_config": {"model": "m"}, "gpus": 1})
         for n in range(queued + finished):
@@ -61,7 +72,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
                     request_json=request,
                     request_sha256=None,
                     model="m",
-                    priority=str(n % 3 * 10),
+                    priority=["low", None, "high"][n % 3],
                     labels={},
                     max_runtime_sec=86400,
                 )
@@ -72,26 +83,123 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
                 store.mark_run_ended(record.job_id, f"run-{n}", "completed", started + timedelta(seconds=60))
         registry = tenants()
         assert registry is not None
-        waiting_reads, decisions = [], []
-        for _ in range(repeat):
+
+        def tick() -> list:
+            """What the jobs sensor does with a tenants file, its store reads and writes included."""
+            now = datetime.now(UTC)
+            store.expired_waiting(now)
+            queues = waiting_queues(store, registry, skip_owners="schedule:")
+            chosen = admissions(queues, store, registry, slots, now)
+            return store.waiting_records(admission.job.job_id for admission in chosen)
+
+        def before() -> list:
+            return _decision_before(store, registry, slots)
+
+        tick()  # the first tick after the upgrade counts the ended jobs into their teams' usage rows
+        ticks, befores, waiting_reads = [], [], []
+        for _ in range(repeat):  # alternated, so that the machine's load falls on both alike; each from a
+            # collected heap, so that neither pays for the other's garbage
+            gc.collect()
+            started = time.perf_counter()
+            chosen = tick()
+            ticks.append(time.perf_counter() - started)
+            gc.collect()
+            started = time.perf_counter()
+            chosen_before = before()
+            befores.append(time.perf_counter() - started)
+            gc.collect()
             started = time.perf_counter()
             records = [record for chunk in store.awaiting_launch() for record in chunk]
             waiting_reads.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            shares = team_shares(store, registry, datetime.now(UTC))
-            waiting = [WaitingJob(r.job_id, r.owner, 0, r.created_at) for r in records]
-            chosen = admit(waiting, shares, slots)
-            decisions.append(time.perf_counter() - started)
         assert len(records) == queued and len(chosen) == slots
+        assert [record.job_id for record in chosen] == chosen_before, "the two paths chose different jobs"
+
+        # A GET of the newest waiting job (the last in its team's order), as the API answers it.
+        service = BatchJobService(store, dg.DagsterInstance.ephemeral(), JobStorage())
+        newest = f"batch-{queued - 1:08d}"
+        caller = Caller(owner=f"team:team-{(queued - 1) % teams}", is_admin=False)
+        gets, plain = [], []
+        for _ in range(repeat):
+            gc.collect()
+            started = time.perf_counter()
+            job = service.get(caller, newest)
+            gets.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            service.describe(store.get(newest))
+            plain.append(time.perf_counter() - started)
         store.engine.dispose()
     return {
         "queued": queued,
         "teams": teams,
         "finished": finished,
         "slots": slots,
-        "read_waiting_ms": round(statistics.median(waiting_reads) * 1000, 1),
-        "fair_share_decision_ms": round(statistics.median(decisions) * 1000, 1),
+        "fair_share_decision_ms": _ms(ticks),
+        "before_fair_share_decision_ms": _ms(befores),
+        "read_waiting_records_ms": _ms(waiting_reads),
+        "get_with_queue_position_ms": _ms(gets),
+        "get_without_queue_position_ms": _ms(plain),
+        "queue_position_of_newest": int(job.metadata["queue_position"]),
     }
+
+
+def _ms(times: list[float]) -> float:
+    return round(statistics.median(times) * 1000, 1)
+
+
+def _decision_before(store, registry, slots: int) -> list[str]:
+    """The tick as it was before (kept here only, to time it beside the new one): every waiting job read
+    whole, each one's priority capped by a read of the tenants file, every job of the last 10 half-lives
+    read with its request parsed for its GPUs and its decay summed, and every team's queue sorted."""
+    import heapq
+
+    from batch_pipeline.contract.priority import InvalidPriority, run_priority
+    from batch_pipeline.core.settings import settings
+    from batch_pipeline.tenancy.fair_share import TeamShare, decayed_slot_seconds
+    from batch_pipeline.tenancy.tenants import priority_cap
+
+    now = datetime.now(UTC)
+    records = []
+    for chunk in store.awaiting_launch():
+        records += [record for record in chunk if record.expires_at > now]
+    half_life_s = settings().fair_share_half_life_s
+    usage: dict[str, float] = {}
+    for use in store.slot_usage_since(now - timedelta(seconds=half_life_s * 10)):
+        gpus = json.loads(use.request_json).get("gpus") or 1
+        usage[use.owner] = usage.get(use.owner, 0.0) + decayed_slot_seconds(
+            use.started_at, use.ended_at, max(use.shards, 1) * gpus, now, half_life_s
+        )
+    holders = store.slot_holders()
+    teams = {}
+    for owner in set(usage) | set(holders):
+        team = registry.team_of_owner(owner)
+        teams[owner] = TeamShare(
+            team.config.weight if team else 1.0, None, usage.get(owner, 0.0), holders.get(owner, 0)
+        )
+    queues: dict[str, list] = {}
+    for record in records:
+        try:
+            priority = run_priority(record.priority, priority_cap(record.owner))
+        except InvalidPriority:
+            priority = 0
+        queues.setdefault(record.owner, []).append((-priority, record.created_at, record.job_id))
+    for jobs in queues.values():
+        jobs.sort(reverse=True)  # next job last
+    running = {owner: teams.get(owner, TeamShare()).running for owner in queues}
+
+    def standing(owner: str) -> tuple:
+        share = teams.get(owner, TeamShare())
+        return (share.usage / share.weight, running[owner] / share.weight, queues[owner][-1][1])
+
+    heap = [(standing(owner), owner) for owner in queues]
+    heapq.heapify(heap)
+    admitted: list[str] = []
+    while heap and len(admitted) < slots:
+        _, owner = heapq.heappop(heap)
+        admitted.append(queues[owner].pop()[2])
+        running[owner] += 1
+        if queues[owner]:
+            heapq.heappush(heap, (standing(owner), owner))
+    return admitted
 
 
 def simulated_shares(window_s: float, slots: int, job_s: float = 60.0, half_life_s: float = 3600.0) -> dict:

@@ -2,17 +2,31 @@
 cap read as the cap), and run slots shared out by fair share between teams."""
 
 import hashlib
+import heapq
 import json
 import os
+import random
 import time
 from datetime import UTC, datetime, timedelta
 
+import dagster as dg
 import pytest
 
+from batch_pipeline.core.settings import settings
+from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_queues
+from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import run_tags
-from batch_pipeline.store.jobs import JobStore
-from batch_pipeline.tenancy.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
-from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
+from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.tenancy.fair_share import (
+    Queues,
+    TeamShare,
+    WaitingJob,
+    admit,
+    decayed_slot_seconds,
+    queue_position,
+)
+from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 
@@ -206,6 +220,260 @@ def test_usage_decays_with_the_half_life():
     assert old == pytest.approx(10, rel=0.01)  # the same an hour ago: half
     running = decayed_slot_seconds(now - timedelta(seconds=10), None, units=1, now=now, half_life_s=3600)
     assert running == pytest.approx(10, rel=0.01)  # a running job counts up to now
+
+
+# --- the fast path against a straightforward reference ----------------------------------------------
+
+
+def _reference_admit(waiting: list[WaitingJob], teams: dict[str, TeamShare], slots: int | None) -> list[str]:
+    """The admission as first written (every team's whole queue sorted, one heap pop per slot): the
+    reference the fast path must agree with."""
+    queues: dict[str, list[WaitingJob]] = {}
+    for job in waiting:
+        queues.setdefault(job.owner, []).append(job)
+    for jobs in queues.values():
+        jobs.sort(key=lambda job: (-job.priority, job.created_at, job.job_id), reverse=True)
+    running = {owner: teams.get(owner, TeamShare()).running for owner in queues}
+
+    def standing(owner: str):
+        share = teams.get(owner, TeamShare())
+        return (share.usage / share.weight, running[owner] / share.weight, queues[owner][-1].created_at)
+
+    heap = [(standing(owner), owner) for owner in queues]
+    heapq.heapify(heap)
+    admitted: list[str] = []
+    while heap and (slots is None or len(admitted) < slots):
+        _, owner = heapq.heappop(heap)
+        share = teams.get(owner, TeamShare())
+        if share.max_running_jobs is not None and running[owner] >= share.max_running_jobs:
+            continue
+        admitted.append(queues[owner].pop().job_id)
+        running[owner] += 1
+        if queues[owner]:
+            heapq.heappush(heap, (standing(owner), owner))
+    return admitted
+
+
+def _reference_order(waiting: list[WaitingJob], teams: dict[str, TeamShare]) -> list[str]:
+    """Every waiting job in the order slots go out: those admission would start now, as it starts them
+    (with a slot for each), then those their team's max_running_jobs holds back, by the same standing."""
+    started = _reference_admit(waiting, teams, None)
+    held = []
+    for owner in {job.owner for job in waiting}:
+        share = teams.get(owner, TeamShare())
+        mine = sorted((j for j in waiting if j.owner == owner), key=lambda j: (-j.priority, j.created_at, j.job_id))
+        for rank, job in enumerate(mine):
+            if job.job_id not in started:
+                key = (share.usage / share.weight, (share.running + rank) / share.weight, job.created_at, owner)
+                held.append((key, job.job_id))
+    return started + [job_id for _, job_id in sorted(held)]
+
+
+def _random_case(rng: random.Random):
+    base = datetime(2026, 12, 1, tzinfo=UTC)
+    owners = [f"team:t{k}" for k in range(rng.randint(1, 7))]
+    teams = {}
+    for owner in owners:
+        if rng.random() < 0.8:  # some owners have no share: weight 1, no usage
+            teams[owner] = TeamShare(
+                weight=rng.choice([0.5, 1.0, 2.0, 3.0]),
+                max_running_jobs=rng.choice([None, None, 1, 2, 4]),
+                usage=rng.choice([0.0, 0.0, 100.0, 200.0, rng.uniform(0, 500)]),  # ties, and not
+                running=rng.choice([0, 0, 1, 2, 3]),
+            )
+    waiting = [
+        WaitingJob(
+            f"job-{n:03d}",
+            rng.choice(owners),
+            rng.choice([-10, 0, 0, 10, 20]),
+            base + timedelta(seconds=rng.randint(0, 40)),  # equal ages across teams and within one
+        )
+        for n in range(rng.randint(0, 60))
+    ]
+    rng.shuffle(waiting)
+    return waiting, teams
+
+
+def test_the_fast_admission_picks_the_jobs_the_reference_picks_over_random_queues():
+    rng = random.Random(20261201)
+    for _ in range(400):
+        waiting, teams = _random_case(rng)
+        slots = rng.choice([None, 0, 1, 2, 3, 5, 10, 100])
+        expected = _reference_admit(waiting, teams, slots)
+        assert [a.job.job_id for a in admit(waiting, teams, slots)] == expected
+        assert [a.job.job_id for a in admit(Queues(waiting), teams, slots)] == expected
+
+
+def test_queue_position_is_the_place_in_the_order_admission_gives_slots_out_over_random_queues():
+    rng = random.Random(7)
+    for _ in range(200):
+        waiting, teams = _random_case(rng)
+        order = _reference_order(waiting, teams)
+        queues = Queues(waiting)
+        started = set(_reference_admit(waiting, teams, None))
+        for job in waiting:
+            place = queue_position(queues, teams, job.job_id, job.owner)
+            assert place is not None and place.position == order.index(job.job_id) + 1
+            assert place.held_by_bound == (job.job_id not in started)
+        assert queue_position(queues, teams, "job-none", "team:t0") is None
+        # The first `slots` places are the jobs admission starts with that many slots.
+        for slots in (1, 3):
+            firsts = {
+                job.job_id for job in waiting if queue_position(queues, teams, job.job_id, job.owner).position <= slots
+            }
+            assert firsts == {a.job.job_id for a in admit(queues, teams, slots)} or len(started) < slots
+
+
+# --- the job store's reads, as the sensor and a GET make them ---------------------------------------
+
+
+def _store_job(store: JobStore, job_id: str, owner: str, priority: str | None = None, runtime: int = 3600) -> None:
+    store.create(
+        NewJob(
+            job_id=job_id,
+            owner=owner,
+            request_json=json.dumps({"output_data_path": "/o", "model_config": {"model": MODEL}, "gpus": 2}),
+            request_sha256="0" * 64,
+            model=MODEL,
+            priority=priority,
+            labels={},
+            max_runtime_sec=runtime,
+        )
+    )
+
+
+def _old_usage(store: JobStore, now: datetime) -> dict[str, float]:
+    """Usage as the first release read it: every job that used slots in the last 10 half-lives."""
+    half_life_s = settings().fair_share_half_life_s
+    usage: dict[str, float] = {}
+    for use in store.slot_usage_since(now - timedelta(seconds=half_life_s * 10)):
+        units = max(use.shards, 1) * json.loads(use.request_json)["gpus"]
+        usage[use.owner] = usage.get(use.owner, 0.0) + decayed_slot_seconds(
+            use.started_at, use.ended_at, units, now, half_life_s
+        )
+    return usage
+
+
+def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_path):
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+    registry = tenants()
+    rng = random.Random(3)
+    now = datetime.now(UTC)
+    for n in range(60):
+        owner = rng.choice(["team:bounded", "team:free", "someone"])
+        _store_job(store, f"job-{n:02d}", owner)
+        if n % 4:  # three in four have run: ended a while ago, or still running
+            started = now - timedelta(seconds=rng.randint(60, 20000))
+            store.mark_started(f"job-{n:02d}", f"run-{n}", started)
+            if n % 3:
+                ended = started + timedelta(seconds=rng.randint(1, 600))
+                store.mark_run_ended(f"job-{n:02d}", f"run-{n}", "completed", ended)
+    store.record_shards("job-01", {0: 1, 1: 1, 2: 1})  # three shards of two GPUs
+    first = team_shares(store, registry, now, count=True)  # the sensor's tick: the ended jobs counted
+    again = team_shares(store, registry, now)  # read from the counts now
+    old = _old_usage(store, now)
+    for owner in old:
+        assert first[owner].usage == pytest.approx(old[owner], rel=1e-6)
+        assert again[owner].usage == pytest.approx(old[owner], rel=1e-6)
+    # A counted job run again (a re-execution) counts from its first start while it runs, as before, and
+    # once, not twice, after it ends again.
+    finished = next(f"job-{n:02d}" for n in range(60) if n % 4 and n % 3)
+    store.mark_started(finished, "run-again", now - timedelta(seconds=30))
+    later = now + timedelta(seconds=10)
+    assert team_shares(store, registry, later, count=True)[store.get(finished).owner].usage == pytest.approx(
+        _old_usage(store, later)[store.get(finished).owner], rel=1e-6
+    )
+    store.mark_run_ended(finished, "run-again", "completed", later)
+    latest = later + timedelta(seconds=100)
+    team_shares(store, registry, latest, count=True)
+    for owner, value in _old_usage(store, latest).items():
+        assert team_shares(store, registry, latest)[owner].usage == pytest.approx(value, rel=1e-6)
+
+
+def test_the_store_read_admits_what_the_reference_admits_from_whole_records(teams, tmp_path):
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+    registry = tenants()
+    rng = random.Random(11)
+    for n in range(80):
+        priority = rng.choice([None, "low", "high", "highest", "15", "-5"])
+        _store_job(store, f"job-{n:02d}", rng.choice(["team:bounded", "team:free", "someone", "schedule:s"]), priority)
+    now = datetime.now(UTC)
+    shares = team_shares(store, registry, now)
+    records = [record for chunk in store.awaiting_launch() for record in chunk if record.owner != "schedule:s"]
+    cap = {"team:bounded": 10}  # the bounded team's max_priority: high
+    from batch_pipeline.contract.priority import run_priority
+
+    reference = [
+        WaitingJob(r.job_id, r.owner, run_priority(r.priority, cap.get(r.owner)), r.created_at) for r in records
+    ]
+    queues = waiting_queues(store, registry, skip_owners="schedule:")
+    assert len(queues) == len(records)
+    for slots in (None, 1, 5, 30):
+        assert [a.job.job_id for a in admissions(queues, store, registry, slots, now, count=False)] == (
+            _reference_admit(reference, shares, slots)
+        )
+
+
+# --- queue_position through the API, and the sensor's word for it -----------------------------------
+
+
+def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_admits(api, teams, capfd):
+    bounded = [
+        _submit(api, BOUNDED, teams["bounded"] / f"{i}.json", priority="highest").json()["job_id"] for i in range(2)
+    ]
+    free = [_submit(api, FREE, teams["free"] / f"{i}.json").json()["job_id"] for i in range(3)]
+    store = JobStore()
+    # The free team has used slots lately: the bounded team's jobs go first, then the free team's by age.
+    store.mark_started(free[0], "run-free", datetime.now(UTC) - timedelta(seconds=120))
+    store.mark_run_ended(free[0], "run-free", "completed", datetime.now(UTC) - timedelta(seconds=60))
+
+    def metadata(key: str, job_id: str) -> dict[str, str]:
+        response = api.get(f"/v2/batch-completions/{job_id}", headers={"x-api-key": key})
+        assert response.status_code == 200
+        return response.json()["job"]["metadata"]
+
+    places = {job_id: metadata(BOUNDED, job_id) for job_id in bounded} | {
+        job_id: metadata(FREE, job_id) for job_id in free[1:]
+    }
+    assert {job_id: int(m["queue_position"]) for job_id, m in places.items()} == {
+        bounded[0]: 1,
+        bounded[1]: 2,
+        free[1]: 3,
+        free[2]: 4,
+    }
+    why = places[free[2]]["waiting_for"]
+    assert why.startswith("a run slot: 3 jobs ahead by fair share between teams (1 of your team's, 2 of 1 other team)")
+    assert "slot-seconds per weight (weight 1, 0 running)" in why
+    for key_of_other in ("bounded", *bounded):  # no other team's name, nor its jobs
+        assert key_of_other not in why
+    assert (
+        "queue_position"
+        not in api.get("/v2/batch-completions", headers={"x-api-key": FREE}).json()["jobs"][0]["metadata"]
+    )
+
+    # The sensor gives runs out in that order, and says why in one line per job.
+    instance = dg.DagsterInstance.get()
+    context = dg.build_sensor_context(
+        instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
+    )
+    capfd.readouterr()
+    requests = list(batch_jobs_sensor(context) or [])
+    assert [request.run_key for request in requests] == [bounded[0], bounded[1], free[1], free[2]]
+    lines = [line for line in capfd.readouterr().err.splitlines() if "takes a run slot" in line]
+    assert len(lines) == 4 and f"team:bounded's job {bounded[0]} takes a run slot" in lines[0], lines
+    assert "slot-seconds per weight" in lines[0] and "priority (10)" in lines[0]
+
+
+def test_the_sensor_fails_a_job_whose_deadline_passed_while_it_waited_and_admits_the_rest(api, teams):
+    store = JobStore()
+    _store_job(store, "batch-late", "team:free", runtime=0)
+    on_time = _submit(api, FREE, teams["free"] / "1.json").json()["job_id"]
+    context = dg.build_sensor_context(
+        instance=dg.DagsterInstance.get(), resources={"job_store": JobStoreResource(url=str(store.engine.url))}
+    )
+    assert [request.run_key for request in batch_jobs_sensor(context) or []] == [on_time]
+    late = store.get("batch-late")
+    assert late.status == "failed" and "passed while it waited for a run slot" in late.failure_reason
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ that the routes map to status codes.
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import dagster as dg
 from dagster import DagsterRunStatus
@@ -26,10 +27,11 @@ from batch_pipeline.contract import (
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
+from batch_pipeline.pipeline.admission import place_in_queue
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.store.jobs import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
-from batch_pipeline.tenancy.tenants import priority_cap, tenants
+from batch_pipeline.tenancy.tenants import Tenants, priority_cap, tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # A LIST page ends once its jobs' labels and requests pass this many bytes, whatever its `limit`, and the
@@ -94,7 +96,7 @@ class BatchJobService:
         return estimate(request, history, DataFiles.for_owner(caller.owner), team=caller.owner)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
-        return self.describe(self._record(caller, job_id))
+        return self.describe(self._record(caller, job_id), place_in_queue=True)
 
     def list(
         self,
@@ -152,8 +154,9 @@ class BatchJobService:
             self.store.mark_cancelled(job_id)
         return cancelled
 
-    def describe(self, record: JobRecord) -> BatchCompletionsJob:
-        """The job as its row has it: no file, no run and no event log is read."""
+    def describe(self, record: JobRecord, place_in_queue: bool = False) -> BatchCompletionsJob:
+        """The job as its row has it: no file, no run and no event log is read. With `place_in_queue` (a GET
+        of one job), a job waiting for a run slot says where it stands (the waiting jobs' index is read)."""
         request = _stored_request_view(record)
         metadata: dict[str, str] = {"labels": _labels_text(record.labels)} if record.labels else {}
         if record.run_id is not None:
@@ -166,8 +169,10 @@ class BatchJobService:
             }
         if record.status_detail:
             metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
-        if record.status == QUEUED and record.run_id is None and tenants() is not None:
+        if record.status == QUEUED and record.run_id is None and (registry := tenants()) is not None:
             metadata["waiting_for"] = "a run slot: the jobs sensor gives free ones out by fair share between teams"
+            if place_in_queue:
+                metadata |= _place_in_queue(self.store, registry, record)
         for key in _RESULT_FIELDS:
             if record.results and record.results.get(key) is not None:
                 metadata[key] = str(record.results[key])
@@ -198,6 +203,25 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
+
+
+def _place_in_queue(store: JobStore, registry: Tenants, record: JobRecord) -> dict[str, str]:
+    """`queue_position` (1-based) and why, as the jobs sensor's order has it now; only the caller's own team
+    is named, other teams only counted."""
+    place = place_in_queue(store, registry, record, datetime.now(UTC))
+    if place is None:
+        return {}
+    ahead = place.position - 1
+    why = (
+        f"a run slot: {ahead} job{'s' if ahead != 1 else ''} ahead by fair share between teams "
+        f"({place.ahead_in_team} of your team's, {ahead - place.ahead_in_team} of {place.teams_before} other "
+        f"team{'s' if place.teams_before != 1 else ''}); your team has used {place.usage_per_weight:.0f} "
+        f"slot-seconds per weight (weight {place.weight:g}, {place.running} running); teams with less per weight "
+        "go first, then fewer running per weight; within a team, higher priority, then older"
+    )
+    if place.held_by_bound:
+        why = f"one of your team's {place.running} running jobs to end (its max_running_jobs), then {why}"
+    return {"queue_position": str(place.position), "waiting_for": why}
 
 
 def _priority_read_as(priority: str, cap: int | None) -> str:

@@ -10,7 +10,6 @@ waits in Dagster's queue by priority, as before.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from datetime import datetime, timedelta
 
 import dagster as dg
@@ -19,9 +18,20 @@ from dagster._core.storage.dagster_run import IN_PROGRESS_RUN_STATUSES
 
 from batch_pipeline.contract.priority import InvalidPriority, run_priority
 from batch_pipeline.core.settings import settings
+from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
 from batch_pipeline.store.jobs import JobRecord, JobStore, SlotUse
-from batch_pipeline.tenancy.fair_share import Admission, TeamShare, WaitingJob, admit, decayed_slot_seconds
-from batch_pipeline.tenancy.tenants import Tenants, priority_cap
+from batch_pipeline.tenancy.fair_share import (
+    Admission,
+    QueuePlace,
+    Queues,
+    TeamShare,
+    admit,
+    decay,
+    decayed_slot_seconds,
+    queue_position,
+    shard_units,
+)
+from batch_pipeline.tenancy.tenants import Tenants
 
 # Usage older than this many half-lives counts for less than 0.1 %: it is not read at all.
 _HALF_LIVES_READ = 10
@@ -39,15 +49,35 @@ def free_run_slots(instance: dg.DagsterInstance) -> int | None:
     return max(0, limit - in_progress)
 
 
-def team_shares(store: JobStore, registry: Tenants, now: datetime) -> dict[str, TeamShare]:
-    """Each owner's weight, bound, decayed usage and slots held now (owners no team names: weight 1)."""
+def team_shares(store: JobStore, registry: Tenants, now: datetime, count: bool = False) -> dict[str, TeamShare]:
+    """Each owner's weight, bound, decayed usage and slots held now (owners no team names: weight 1).
+
+    A team's usage is its row of ended jobs (decayed from when it was written), the jobs that ended since
+    (not yet counted) and its running jobs up to now. With `count` (the jobs sensor, once a tick), the
+    ended ones are written into the rows, so that the next tick reads them no more."""
     half_life_s = settings().fair_share_half_life_s
-    usage: dict[str, float] = {}
-    for use in store.slot_usage_since(now - timedelta(seconds=half_life_s * _HALF_LIVES_READ)):
-        units = max(use.shards, 1) * _units_per_shard(use)
-        usage[use.owner] = usage.get(use.owner, 0.0) + decayed_slot_seconds(
-            use.started_at, use.ended_at, units, now, half_life_s
+    since = now - timedelta(seconds=half_life_s * _HALF_LIVES_READ)
+    usage = {owner: decay(value, as_of, now, half_life_s) for owner, (value, as_of) in store.team_usage().items()}
+    changed: set[str] = set()
+    ended = store.slot_usage_uncounted(since)
+    for use in ended:
+        usage[use.owner] = usage.get(use.owner, 0.0) + _slot_seconds(use, use.ended_at, now, half_life_s)
+        changed.add(use.owner)
+    running = store.slot_usage_running()
+    again = [use for use in running if use.counted_until is not None]
+    for use in again:  # running again after its end was counted: counted from its start while it runs, as before
+        taken = _slot_seconds(use, use.counted_until, now, half_life_s)
+        usage[use.owner] = max(0.0, usage.get(use.owner, 0.0) - taken)
+        changed.add(use.owner)
+    if count:
+        store.count_slot_usage(
+            {owner: (usage[owner], now) for owner in changed},
+            [use.job_id for use in ended],
+            [use.job_id for use in again],
+            since,
         )
+    for use in running:
+        usage[use.owner] = usage.get(use.owner, 0.0) + _slot_seconds(use, None, now, half_life_s)
     holders = store.slot_holders()
     shares = {}
     for owner in set(usage) | set(holders):
@@ -63,40 +93,63 @@ def team_shares(store: JobStore, registry: Tenants, now: datetime) -> dict[str, 
     return shares
 
 
+def _slot_seconds(use: SlotUse, end: datetime | None, now: datetime, half_life_s: float) -> float:
+    units = max(use.shards, 1) * _units_per_shard(use)
+    return decayed_slot_seconds(use.started_at, end, units, now, half_life_s)
+
+
 def _units_per_shard(use: SlotUse) -> float:
-    """What one shard of the job holds: its GPUs, else its CPUs, else one slot."""
+    """What one shard of the job holds (fair_share.shard_units of its request's gpus and cpus)."""
     try:
         request = json.loads(use.request_json)
     except ValueError:
         return 1.0
-    for field in ("gpus", "cpus"):
-        value = request.get(field)
-        if isinstance(value, int | float) and value > 0:
-            return float(value)
-        if isinstance(value, str):
-            try:
-                number = float(value[:-1]) / 1000 if value.endswith("m") else float(value)
-            except ValueError:
+    return shard_units(request.get("gpus"), request.get("cpus")) if isinstance(request, dict) else 1.0
+
+
+def waiting_queues(store: JobStore, registry: Tenants, skip_owners: str | None = None) -> Queues:
+    """The queued jobs without a run, by team in the order each gives them out: one read of the waiting
+    jobs' index (id, owner, priority, age; no request), each priority read as its team's cap reads it
+    once per team and stored priority. A job's `created_at` here is its place in the order of submission
+    (equal for jobs created at the same instant), which is all `Queues` compares. Owners starting with
+    `skip_owners` are left out."""
+    queues = Queues()
+    targets: dict[str, dict[str | None, tuple[list[str], list[datetime | int]]]] = {}
+    skipped: dict[str | None, tuple[list[str], list[datetime | int]]] = {}
+    age, last = -1, None
+    for job_id, owner, priority, created in store.waiting_for_admission():
+        if created != last:
+            age, last = age + 1, created
+        by_priority = targets.get(owner)
+        if by_priority is None:
+            by_priority = targets[owner] = skipped if skip_owners and owner.startswith(skip_owners) else {}
+        target = by_priority.get(priority)
+        if target is None:
+            if by_priority is skipped:
                 continue
-            if number > 0:
-                return number
-    return 1.0
+            target = by_priority[priority] = queues.level(owner, _capped_priority(registry, owner, priority))
+        target[0].append(job_id)
+        target[1].append(age)
+    return queues
 
 
 def admissions(
-    records: Iterable[JobRecord], store: JobStore, registry: Tenants, slots: int | None, now: datetime
-) -> list[tuple[JobRecord, Admission]]:
+    queues: Queues, store: JobStore, registry: Tenants, slots: int | None, now: datetime, count: bool = True
+) -> list[Admission]:
     """The waiting jobs to give runs now, in order, each with why it won its slot."""
-    by_id = {record.job_id: record for record in records}
-    waiting = [
-        WaitingJob(record.job_id, record.owner, _capped_priority(record), record.created_at)
-        for record in by_id.values()
-    ]
-    return [(by_id[chosen.job.job_id], chosen) for chosen in admit(waiting, team_shares(store, registry, now), slots)]
+    return admit(queues, team_shares(store, registry, now, count=count), slots)
 
 
-def _capped_priority(record: JobRecord) -> int:
+def place_in_queue(store: JobStore, registry: Tenants, record: JobRecord, now: datetime) -> QueuePlace | None:
+    """Where a waiting job stands now in the order the jobs sensor gives out run slots, by the same reads
+    and the same order (`fair_share.queue_position` over what `admit` reads); nothing is written."""
+    queues = waiting_queues(store, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
+    return queue_position(queues, team_shares(store, registry, now), record.job_id, record.owner)
+
+
+def _capped_priority(registry: Tenants, owner: str, priority: str | None) -> int:
+    team = registry.team_of_owner(owner)
     try:
-        return run_priority(record.priority, priority_cap(record.owner))
+        return run_priority(priority, team.config.priority_cap if team is not None else None)
     except InvalidPriority:  # a row an older release stored; its run request will say what is wrong
         return 0

@@ -19,7 +19,7 @@ from batch_pipeline.admission.submission import StoredRequest
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core.settings import settings
-from batch_pipeline.pipeline.admission import admissions, free_run_slots
+from batch_pipeline.pipeline.admission import admissions, free_run_slots, waiting_queues
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
@@ -35,6 +35,7 @@ SENSOR_INTERVAL_S = settings().sensor_interval_s
 # A row still unfinished this long after its run ended missed the status sensors (they were stopped, or
 # the row was written by a release before them): the jobs sensor sets it from the run.
 RECONCILE_AFTER_S = 60
+_FINISHED_RUNS = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
 
 def _max_tick_bytes() -> int:
@@ -64,24 +65,57 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore):
     if registry is None:
         yield from _launchable(context, store, _waiting(context, store))
         return
-    # Teams share the run slots: only the jobs fair share picks for the free slots get runs now.
-    waiting = list(_waiting(context, store, fail_expired=True))
-    if not waiting:
+    # Teams share the run slots: only the jobs fair share picks for the free slots get runs now. The waiting
+    # jobs are read light (id, owner, priority, age), and only the chosen ones whole.
+    now = datetime.now(UTC)
+    _link_unfinished_runs(context.instance, store)
+    _fail_expired(store, now)
+    queues = waiting_queues(store, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
+    if not len(queues):
         return
     slots = free_run_slots(context.instance)
-    chosen = admissions(waiting, store, registry, slots, datetime.now(UTC))
-    for record, admission in chosen:
-        context.log.info(f"{record.job_id} takes a run slot: {admission.why}")
-    if len(chosen) < len(waiting):
-        context.log.info(f"{len(waiting) - len(chosen)} jobs wait for a run slot ({slots} free)")
-    yield from _launchable(context, store, (record for record, _ in chosen))
+    chosen = admissions(queues, store, registry, slots, now)
+    records = store.waiting_records(admission.job.job_id for admission in chosen)
+    runs = _tagged_runs(context.instance, [record.job_id for record in records])
+    for job_id, run_id in runs.items():  # a run the daemon made, already finished: the status sensors record it
+        store.link_run(job_id, run_id)
+    given = {record.job_id for record in records} - set(runs)
+    for admission in chosen:  # one line a job: whose, which, and why it won the slot
+        job = admission.job
+        if job.job_id in given:
+            context.log.info(f"fair share: {job.owner}'s job {job.job_id} takes a run slot ({admission.why})")
+    if len(chosen) < len(queues):
+        context.log.info(f"{len(queues) - len(chosen)} jobs wait for a run slot ({slots} free)")
+    yield from _launchable(context, store, (record for record in records if record.job_id in given))
 
 
-def _waiting(context: SensorEvaluationContext, store: JobStore, fail_expired: bool = False) -> Iterator[JobRecord]:
+_UNFINISHED = [status for status in dg.DagsterRunStatus if status not in _FINISHED_RUNS]
+
+
+def _link_unfinished_runs(instance: dg.DagsterInstance, store: JobStore) -> None:
+    """The runs the daemon made since the last tick, linked to their jobs, which hold run slots from now
+    on (a team's `max_running_jobs` counts them): one query of the unfinished runs, not one per job waiting."""
+    runs = instance.get_runs(filters=dg.RunsFilter(job_name=batch_completions.name, statuses=_UNFINISHED))
+    run_of_job = {run.tags[JOB_ID_TAG]: run.run_id for run in reversed(runs) if JOB_ID_TAG in run.tags}
+    for record in store.waiting_records(run_of_job):
+        store.link_run(record.job_id, run_of_job[record.job_id])
+
+
+def _fail_expired(store: JobStore, now: datetime) -> None:
+    """A job whose deadline passed while it waited fails with the reason, as its run would have."""
+    for job_id, owner, expires_at in store.expired_waiting(now):
+        if owner.startswith(SCHEDULE_OWNER_PREFIX):
+            continue  # its tick launches it
+        store.mark_failed(
+            job_id,
+            f"max_runtime_sec exceeded: the job's deadline ({expires_at.isoformat()}) passed while it waited for "
+            "a run slot",
+        )
+
+
+def _waiting(context: SensorEvaluationContext, store: JobStore) -> Iterator[JobRecord]:
     """The queued jobs still without a run, oldest first; the runs the daemon made since the last tick are
-    linked to their jobs on the way. With `fail_expired`, a job whose deadline passed while it waited fails
-    with the reason, as its run would have."""
-    now = datetime.now(UTC)
+    linked to their jobs on the way."""
     for records in store.awaiting_launch():
         runs = _tagged_runs(context.instance, [record.job_id for record in records])
         for record in records:
@@ -90,13 +124,6 @@ def _waiting(context: SensorEvaluationContext, store: JobStore, fail_expired: bo
                 continue
             if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
                 continue  # its tick launches it; launching here too could race that into a second run
-            if fail_expired and record.expires_at <= now:
-                store.mark_failed(
-                    record.job_id,
-                    f"max_runtime_sec exceeded: the job's deadline ({record.expires_at.isoformat()}) passed while "
-                    "it waited for a run slot",
-                )
-                continue
             yield record
 
 

@@ -6,23 +6,32 @@ one half-life ago half. When slots are free, the next job comes from the team wi
 weight (then the fewest running jobs per weight), below its `max_running_jobs`; within a team, the
 highest priority (capped at the team's `max_priority`) first, then the oldest. Every free slot is filled
 while any team has a job waiting, so a team alone uses them all.
+
+Usage is fixed for one decision and each team's standing only rises as it is given slots, so the order
+slots are given out in is the sorted order of every waiting job's standing (its team's usage per weight,
+the team's running jobs per weight counting the ones given before it, its own age): `admit` takes the
+first `slots` of it from each team's best few jobs, and `queue_position` counts a job's place in it
+without giving anything out. Both read the same `Queues` and the same `_standing`, so they cannot disagree.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class WaitingJob:
+class WaitingJob(NamedTuple):
     job_id: str
     owner: str
     priority: int  # the run priority as the team's cap reads it
-    created_at: datetime
+    # When it was submitted; or its place in the order of submission (0 the first, equal for jobs submitted
+    # at the same instant), as the job store reads the waiting jobs. One decision compares one kind.
+    created_at: datetime | int
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,10 @@ class TeamShare:
     usage: float = 0.0
     running: int = 0
 
+    def allowed(self) -> int | None:
+        """How many more of its jobs may hold slots now (None: no bound)."""
+        return None if self.max_running_jobs is None else max(0, self.max_running_jobs - self.running)
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -42,39 +55,154 @@ class Admission:
     why: str  # for the sensor's log: the team's standing when it won the slot
 
 
-def admit(waiting: Iterable[WaitingJob], teams: dict[str, TeamShare], slots: int | None) -> list[Admission]:
+_NO_SHARE = TeamShare()
+
+
+class Queues:
+    """The waiting jobs by team, each team's in the order it gives them out: highest priority, then oldest.
+
+    Built in one pass over jobs already in age order (`ordered=True`: created_at, then job id, as the job
+    store reads them), each job's id and age appended to its team's lists for its priority (no object made
+    per job); a team's order is its priority lists, highest first, walked only as far as a decision needs."""
+
+    def __init__(self, waiting: Iterable[WaitingJob] = (), ordered: bool = False) -> None:
+        if not ordered:
+            waiting = sorted(waiting, key=lambda job: (job.created_at, job.job_id))
+        self.levels: dict[str, dict[int, tuple[list[str], list[datetime | int]]]] = {}
+        for job in waiting:
+            ids, ages = self.level(job.owner, job.priority)
+            ids.append(job.job_id)
+            ages.append(job.created_at)
+
+    def level(self, owner: str, priority: int) -> tuple[list[str], list[datetime | int]]:
+        """The ids and ages of the team's jobs of that priority, oldest first: append to both, in age order."""
+        by_level = self.levels.get(owner)
+        if by_level is None:
+            by_level = self.levels[owner] = {}
+        lists = by_level.get(priority)
+        if lists is None:
+            lists = by_level[priority] = ([], [])
+        return lists
+
+    def __len__(self) -> int:
+        return sum(len(ids) for by_level in self.levels.values() for ids, _ in by_level.values())
+
+    def owners(self) -> Iterable[str]:
+        return self.levels.keys()
+
+    def count(self, owner: str) -> int:
+        return sum(len(ids) for ids, _ in self.levels.get(owner, {}).values())
+
+    def in_order(self, owner: str) -> Iterator[WaitingJob]:
+        """The team's jobs in the order it gives them out."""
+        by_level = self.levels.get(owner, {})
+        for level in sorted(by_level, reverse=True):
+            ids, ages = by_level[level]
+            for job_id, age in zip(ids, ages):
+                yield WaitingJob(job_id, owner, level, age)
+
+    def ordered_list(self, owner: str) -> list[WaitingJob]:
+        return list(self.in_order(owner))
+
+
+Standing = tuple[float, float, datetime | int, str]
+
+
+def _standing(owner: str, share: TeamShare, given: int, next_job: WaitingJob) -> Standing:
+    """A team's claim on the next slot, lowest first, when `given` of its jobs took slots this decision
+    and `next_job` is its next: usage per weight, running jobs per weight, the next job's age, the name."""
+    return (share.usage / share.weight, (share.running + given) / share.weight, next_job.created_at, owner)
+
+
+def admit(waiting: Iterable[WaitingJob] | Queues, teams: dict[str, TeamShare], slots: int | None) -> list[Admission]:
     """The jobs to start now, in order: at most `slots` (None: no limit), fairly shared out."""
-    queues: dict[str, list[WaitingJob]] = {}
-    for job in waiting:
-        queues.setdefault(job.owner, []).append(job)
-    for jobs in queues.values():
-        jobs.sort(key=lambda job: (-job.priority, job.created_at, job.job_id), reverse=True)  # next job last
-    running = {owner: teams.get(owner, TeamShare()).running for owner in queues}
-
-    def standing(owner: str) -> tuple[float, float, datetime]:
-        share = teams.get(owner, TeamShare())
-        return (share.usage / share.weight, running[owner] / share.weight, queues[owner][-1].created_at)
-
-    heap = [(standing(owner), owner) for owner in queues]
+    queues = waiting if isinstance(waiting, Queues) else Queues(waiting)
+    heap: list[tuple[Standing, int, Iterator[WaitingJob], WaitingJob]] = []
+    for owner in queues.owners():
+        share = teams.get(owner, _NO_SHARE)
+        if share.allowed() == 0:
+            continue  # at its bound: its jobs wait for one of its own to end
+        jobs = queues.in_order(owner)
+        first = next(jobs, None)
+        if first is not None:
+            heap.append((_standing(owner, share, 0, first), 0, jobs, first))
     heapq.heapify(heap)
     admitted: list[Admission] = []
     while heap and (slots is None or len(admitted) < slots):
-        (usage_per_weight, _, _), owner = heapq.heappop(heap)
-        share = teams.get(owner, TeamShare())
-        if share.max_running_jobs is not None and running[owner] >= share.max_running_jobs:
-            continue  # at its bound: its jobs wait for one of its own to end
-        job = queues[owner].pop()
-        admitted.append(
-            Admission(
-                job,
-                f"{owner}: {usage_per_weight:.0f} slot-seconds per weight (weight {share.weight:g}), "
-                f"{running[owner]} running, priority {job.priority}",
-            )
-        )
-        running[owner] += 1
-        if queues[owner]:
-            heapq.heappush(heap, (standing(owner), owner))
+        standing, given, jobs, job = heap[0]
+        owner = standing[3]
+        share = teams.get(owner, _NO_SHARE)
+        admitted.append(Admission(job, _why(owner, share, given, job)))
+        given += 1
+        allowed = share.allowed()
+        following = next(jobs, None) if allowed is None or given < allowed else None
+        if following is None:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, (_standing(owner, share, given, following), given, jobs, following))
     return admitted
+
+
+def _why(owner: str, share: TeamShare, given: int, job: WaitingJob) -> str:
+    return (
+        f"the lowest standing of the teams waiting: {share.usage / share.weight:.0f} slot-seconds per weight "
+        f"(weight {share.weight:g}), {share.running + given} running; its next job by priority ({job.priority}) "
+        "then age"
+    )
+
+
+@dataclass(frozen=True)
+class QueuePlace:
+    """Where a waiting job stands in the order slots would be given out now."""
+
+    position: int  # 1-based
+    ahead_in_team: int  # of its own team's jobs
+    teams_before: int  # other teams whose next job stands before it
+    held_by_bound: bool  # its team is at max_running_jobs: it comes after every job that may start now
+    usage_per_weight: float  # its team's
+    weight: float
+    running: int
+
+
+def queue_position(queues: Queues, teams: dict[str, TeamShare], job_id: str, owner: str) -> QueuePlace | None:
+    """The job's place in the order `admit` gives out slots (with as many slots as jobs), without giving
+    any: the count, team by team, of the standings lower than its own. A job its team's bound holds back
+    comes after every job that may start now, in the same order among the held ones. None: not waiting."""
+    mine = queues.ordered_list(owner)
+    rank = next((k for k, job in enumerate(mine) if job.job_id == job_id), None)
+    if rank is None:
+        return None
+    share = teams.get(owner, _NO_SHARE)
+    allowed = share.allowed()
+    held = allowed is not None and rank >= allowed
+    target = _standing(owner, share, rank, mine[rank])
+    ahead, teams_before = rank, 0
+    for other in queues.owners():
+        if other == owner:
+            continue
+        other_share = teams.get(other, _NO_SHARE)
+        count = queues.count(other)
+        bound = count if other_share.allowed() is None else min(count, other_share.allowed() or 0)
+        # Its jobs at ranks [0, bound) may start now, the rest are held; a held job stands after every one
+        # that may start.
+        if held:
+            before = bound + _lower(queues, other, other_share, target, bound, count)
+        else:
+            before = _lower(queues, other, other_share, target, 0, bound)
+        ahead += before
+        teams_before += before > 0
+    return QueuePlace(ahead + 1, rank, teams_before, held, share.usage / share.weight, share.weight, share.running)
+
+
+def _lower(queues: Queues, owner: str, share: TeamShare, target: Standing, lo: int, hi: int) -> int:
+    """How many of the team's jobs at ranks [lo, hi) stand below `target` (its standings rise with rank)."""
+    if hi <= lo:
+        return 0
+    usage = share.usage / share.weight
+    if usage != target[0]:
+        return hi - lo if usage < target[0] else 0
+    jobs = queues.ordered_list(owner)
+    return bisect.bisect_left(range(lo, hi), target, key=lambda rank: _standing(owner, share, rank, jobs[rank]))
 
 
 def decayed_slot_seconds(
@@ -89,3 +217,25 @@ def decayed_slot_seconds(
     age_at_end = (now - end).total_seconds()
     age_at_start = (now - started_at).total_seconds()
     return units * (math.exp(-rate * age_at_end) - math.exp(-rate * age_at_start)) / rate
+
+
+def decay(value: float, since: datetime, now: datetime, half_life_s: float) -> float:
+    """`value` slot-seconds as of `since`, as they count at `now`."""
+    return value * 2.0 ** (-max(0.0, (now - since).total_seconds()) / half_life_s)
+
+
+def shard_units(gpus: Any, cpus: Any) -> float:
+    """What one shard of a job holds, the unit of its slot-seconds: its GPUs, else its CPUs (`500m` is half
+    a CPU), else one slot. Values as a stored request has them, or as a database reads them from its JSON:
+    numbers, or their text."""
+    for value in (gpus, cpus):
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return float(value)
+        if isinstance(value, str):
+            try:
+                number = float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+            except ValueError:
+                continue
+            if number > 0:
+                return number
+    return 1.0
