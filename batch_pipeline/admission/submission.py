@@ -9,7 +9,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable
+import math
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from pydantic import Field, TypeAdapter, model_validator
 
@@ -20,6 +24,7 @@ from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchConte
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.store.jobs import JobRecord, JobStore, NewJob
+from batch_pipeline.store.openai import OpenAIStore
 from batch_pipeline.tenancy.tenants import team_of_owner
 
 # A job's inline content, as written at submission: a JSON array of records, as an input file holds them.
@@ -107,35 +112,48 @@ def submit(
     if failure_reason is None:
         check_servable(request, owner, own_dir=work_dir_of(job_id))
         check_queue_quota(store, owner, idempotency_key)
+        check_tokens_quota(store, owner, idempotency_key)
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     content_path = getattr(request, "content_path", None)
+    content: bytes | None = None
     if request.content is not None:
         content_path = io.join(work_dir_of(job_id), CONTENT_FILE)
         content = _CONTENT.dump_json(request.content, by_alias=True, exclude_none=True)
         digest.update(content)
-        _write_content(content_path, content)
         fields["content_path"] = content_path
-    try:
-        record, created = store.create(
-            NewJob(
-                job_id=job_id,
-                owner=owner,
-                request_json=json.dumps(fields),
-                request_sha256=digest.hexdigest(),
-                model=request.model_cfg.model,
-                priority=request.priority,
-                labels=request.labels,
-                max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC,
-                content_path=content_path,
-                idempotency_key=idempotency_key,
-                run_id=run_id,
-                failure_reason=failure_reason,
+    # The content's bytes are held against the team's max_stored_bytes from before the file is written
+    # until the job's row records them (or there is no job).
+    held = (
+        hold_stored_bytes(store, owner, len(content), "this request's inline content", idempotency_key)
+        if content is not None and failure_reason is None
+        else contextlib.nullcontext()
+    )
+    with held:
+        if content is not None:
+            assert content_path is not None
+            _write_content(content_path, content)
+        try:
+            record, created = store.create(
+                NewJob(
+                    job_id=job_id,
+                    owner=owner,
+                    request_json=json.dumps(fields),
+                    request_sha256=digest.hexdigest(),
+                    model=request.model_cfg.model,
+                    priority=request.priority,
+                    labels=request.labels,
+                    max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC,
+                    content_path=content_path,
+                    content_bytes=len(content) if content is not None else None,
+                    idempotency_key=idempotency_key,
+                    run_id=run_id,
+                    failure_reason=failure_reason,
+                )
             )
-        )
-    except BaseException:
-        _remove(content_path)  # no job, no file
-        raise
+        except BaseException:
+            _remove(content_path)  # no job, no file
+            raise
     if not created:
         _remove(content_path)  # the key's first job has its own copy
     return record, created
@@ -161,6 +179,125 @@ def check_queue_quota(store: JobStore, owner: str, idempotency_key: str | None =
             f"your team has {queued} jobs waiting to start, its quota of {limit}; submit again once one has started",
             retry_after_s=QUEUE_QUOTA_RETRY_AFTER_S,
         )
+
+
+def _retry_of_a_made_job(store: JobStore, owner: str, idempotency_key: str | None) -> bool:
+    return idempotency_key is not None and store.with_idempotency_key(owner, idempotency_key) is not None
+
+
+def check_tokens_quota(
+    store: JobStore, owner: str, idempotency_key: str | None = None, now: datetime | None = None
+) -> None:
+    """Raise QuotaExceeded when the prompt and completion tokens of `owner`'s team's jobs today (UTC) reach
+    its `max_tokens_per_day` (JobStore.tokens_since: a job's tokens count on the day it ends, today while
+    it runs); Retry-After is the next UTC midnight. It gates new jobs only: a running job finishes, and
+    jobs already stored are not held. A retry of a submission that made its job is answered with it."""
+    team = team_of_owner(owner)
+    limit = team.config.max_tokens_per_day if team is not None else None
+    if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
+        return
+    now = now or datetime.now(UTC)
+    midnight = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    used = store.tokens_since(owner, midnight)
+    if used >= limit:
+        until_tomorrow = (midnight + timedelta(days=1) - now).total_seconds()
+        raise QuotaExceeded(
+            "max_tokens_per_day",
+            f"your team's jobs have used {used}/{limit} tokens (prompt plus completion) today, UTC, its quota of "
+            f"{limit} a day; submit again after 00:00 UTC, when the day's count starts over",
+            retry_after_s=max(1, math.ceil(until_tomorrow)),
+        )
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """A team's stored bytes against its `max_stored_bytes`: its OpenAI files (uploads and its batches'
+    output and error files; deleted ones no longer count), its jobs' inline content, and what this process
+    is storing for it at the moment."""
+
+    stored: int
+    limit: int
+
+    @property
+    def room(self) -> int:
+        return max(0, self.limit - self.stored)
+
+    def refusal(self, adding: int, what: str, at_least: bool = False) -> QuotaExceeded:
+        size = f"{'at least ' if at_least else ''}{adding} bytes"
+        return QuotaExceeded(
+            "max_stored_bytes",
+            f"your team stores {self.stored} bytes (OpenAI files and jobs' inline content), its quota of "
+            f"{self.limit}; {what} of {size} would take it past; delete files it no longer needs "
+            "(DELETE /v1/files/{file_id}) to make room, or name the prompts by input_data_path",
+        )
+
+
+class _StoredBytesLedger:
+    """The bytes each team is storing in this process now (a file being copied, a content being written),
+    held from the quota check until the store's row records them: two uploads at once are checked against
+    each other, not both against the bytes stored before them. Per process: each API replica holds its own
+    (see README, Sharing between teams)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._team_locks: dict[str, threading.Lock] = {}
+        self._held: dict[str, int] = {}
+
+    def _team_lock(self, owner: str) -> threading.Lock:
+        with self._lock:
+            return self._team_locks.setdefault(owner, threading.Lock())
+
+    def _stored(self, store: JobStore, owner: str, limit: int) -> StoredBytes:
+        files = OpenAIStore(engine=store.engine).file_bytes_of(owner)
+        return StoredBytes(files + store.content_bytes_of(owner) + self._held.get(owner, 0), limit)
+
+    def of(self, store: JobStore, owner: str) -> StoredBytes | None:
+        limit = _stored_bytes_limit(owner)
+        if limit is None:
+            return None
+        with self._team_lock(owner):
+            return self._stored(store, owner, limit)
+
+    @contextlib.contextmanager
+    def hold(self, store: JobStore, owner: str, size: int, what: str, idempotency_key: str | None) -> Iterator[None]:
+        limit = _stored_bytes_limit(owner)
+        if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
+            yield
+            return
+        with self._team_lock(owner):
+            stored = self._stored(store, owner, limit)
+            if stored.stored + size > limit:
+                raise stored.refusal(size, what)
+            self._held[owner] = self._held.get(owner, 0) + size
+        try:
+            yield
+        finally:
+            with self._team_lock(owner):
+                self._held[owner] -= size
+                if not self._held[owner]:
+                    del self._held[owner]
+
+
+def _stored_bytes_limit(owner: str) -> int | None:
+    team = team_of_owner(owner)
+    return team.config.max_stored_bytes if team is not None else None
+
+
+_stored_bytes = _StoredBytesLedger()
+
+
+def stored_bytes_of(store: JobStore, owner: str) -> StoredBytes | None:
+    """`owner`'s team's stored bytes and quota (None without a max_stored_bytes)."""
+    return _stored_bytes.of(store, owner)
+
+
+def hold_stored_bytes(
+    store: JobStore, owner: str, size: int, what: str, idempotency_key: str | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """Hold `size` more bytes against `owner`'s team's max_stored_bytes while they are written and their
+    row stored (enter before writing, leave once the row exists or nothing was kept); QuotaExceeded, with
+    nothing held, when they would take the team past it. `what` names them in the refusal."""
+    return _stored_bytes.hold(store, owner, size, what, idempotency_key)
 
 
 def _remove(path: str | None) -> None:

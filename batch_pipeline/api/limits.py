@@ -21,7 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from batch_pipeline.core.settings import settings
 
 # A multipart body's boundaries and part headers around an upload of the largest size.
-_MULTIPART_MARGIN = 64 * 1024
+MULTIPART_MARGIN = 64 * 1024
 
 
 class BodySizeLimit:
@@ -38,7 +38,7 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        limit = self.larger[path] + _MULTIPART_MARGIN if path in self.larger else self.max_bytes
+        limit = self.larger[path] + MULTIPART_MARGIN if path in self.larger else self.max_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(send, limit)

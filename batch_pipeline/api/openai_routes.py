@@ -3,15 +3,19 @@ OpenAI's shape so the `openai` SDK reads them (`OpenAI(base_url=".../v1", api_ke
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.types import Message
 
+from batch_pipeline.admission.submission import StoredBytes
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.api.body import WireBodyRoute
+from batch_pipeline.api.limits import MULTIPART_MARGIN
 from batch_pipeline.api.openai_service import BatchNotFound, FileNotFound, InvalidOpenAIRequest, OpenAIBatchService
 from batch_pipeline.contract import BatchCompletionsEstimate
 from batch_pipeline.contract.openai_batch import (
@@ -59,11 +63,20 @@ _UPLOAD_BODY = {
 }
 
 
-@router.post("/files", response_model=OpenAIFile, openapi_extra={"requestBody": _UPLOAD_BODY})
+@router.post(
+    "/files",
+    response_model=OpenAIFile,
+    openapi_extra={"requestBody": _UPLOAD_BODY},
+    responses={429: {"model": OpenAIErrorBody, "description": "The upload would take the team past max_stored_bytes"}},
+)
 async def upload_file(request: Request, who: CallerDep, service: ServiceDep):
     """Upload a batch input file (multipart `file` and `purpose=batch`), at most
-    BATCH_PIPELINE_MAX_FILE_BYTES (200 MB); spooled to disk as it arrives, never held whole."""
+    BATCH_PIPELINE_MAX_FILE_BYTES (200 MB); spooled to disk as it arrives, never held whole. Past the
+    team's max_stored_bytes: 429, as soon as the body is known to be too large."""
     # The caller was authenticated (a dependency) before any of the body was read.
+    quota = await run_in_threadpool(service.stored_bytes, who)
+    if quota is not None:
+        request = _within_room(request, quota)
     async with request.form(max_files=1, max_fields=8) as form:
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):
@@ -71,6 +84,42 @@ async def upload_file(request: Request, who: CallerDep, service: ServiceDep):
         if not isinstance(purpose, str):
             raise InvalidOpenAIRequest("purpose", "a multipart field `purpose` (batch) is required")
         return await run_in_threadpool(service.upload, who, upload.filename or "", purpose, upload.file)
+
+
+def _within_room(request: Request, quota: StoredBytes) -> Request:
+    """The upload's request, refused (QuotaExceeded) once its body is known to hold more than the team's
+    room: by its declared length, else as soon as that much has arrived; from then on the body is read
+    and dropped, never spooled, and answered 429 once it ends (answered while the client still sends, it
+    could see its connection reset; BodySizeLimit and BodyTimeouts bound the reading as any other's). The
+    body's other parts get the margin BodySizeLimit gives them; the exact check is the upload's own, once
+    the file's size is known."""
+    most = quota.room + MULTIPART_MARGIN
+    declared = request.headers.get("content-length", "")
+    received = int(declared) if declared.isdigit() and int(declared) > most else 0
+
+    async def counted() -> Message:
+        nonlocal received
+        if received > most:  # known too large before any of it was read
+            await _drain(request.receive)
+            raise quota.refusal(received - MULTIPART_MARGIN, "this upload", at_least=True)
+        message = await request.receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > most:  # starlette's parser closes (deletes) the part of the file spooled so far
+                if message.get("more_body", False):
+                    await _drain(request.receive)
+                raise quota.refusal(received - MULTIPART_MARGIN, "this upload", at_least=True)
+        return message
+
+    return Request(request.scope, counted)
+
+
+async def _drain(receive: Callable[[], Awaitable[Message]]) -> None:
+    """The rest of a body, read and dropped (until its end, or the client has gone)."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 @router.get("/files", response_model=FileList)

@@ -4,6 +4,8 @@ HTTP; raises domain errors that the routes map to OpenAI's error bodies."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -15,10 +17,14 @@ from pydantic import ValidationError
 from batch_pipeline.admission.paths import DataFiles
 from batch_pipeline.admission.submission import (
     CONTENT_FILE,
+    StoredBytes,
     StoredRequest,
     UnservableRequest,
     check_queue_quota,
     check_servable,
+    check_tokens_quota,
+    hold_stored_bytes,
+    stored_bytes_of,
     submit,
 )
 from batch_pipeline.api.auth import Caller
@@ -98,8 +104,13 @@ class OpenAIBatchService:
 
     # --- files ------------------------------------------------------------------------------------------
 
+    def stored_bytes(self, caller: Caller) -> StoredBytes | None:
+        """The caller's team's stored bytes against its max_stored_bytes (None without one)."""
+        return stored_bytes_of(self.jobs.store, caller.owner)
+
     def upload(self, caller: Caller, filename: str, purpose: str, content: IO[bytes]) -> OpenAIFile:
-        """Store an uploaded file, copied a chunk at a time from the spooled upload."""
+        """Store an uploaded file, copied a chunk at a time from the spooled upload; past the team's
+        max_stored_bytes, QuotaExceeded and nothing kept."""
         if purpose != "batch":
             raise InvalidOpenAIRequest(
                 "purpose", f"purpose must be 'batch' (got {purpose[:64]!a}): files here are inputs of batches"
@@ -116,15 +127,23 @@ class OpenAIBatchService:
             path="",
         )
         path = io.join(self.files_dir, record.file_id)
-        _make_work_dir(self.files_dir)
-        with io.atomic_write(path, "wb") as stored:
-            shutil.copyfileobj(content, stored, _CHUNK)
-        size = io.size(path)
+        start = content.tell()
+        size = content.seek(0, os.SEEK_END) - start
+        content.seek(start)
         if size == 0:
-            io.remove(path)
             raise InvalidOpenAIRequest("file", "the file is empty")
-        record = FileRecord(**{**record.__dict__, "bytes": size, "path": path})
-        self.store.add_file(record)
+        # Held against the team's max_stored_bytes from before the copy until its row is stored.
+        with hold_stored_bytes(self.jobs.store, caller.owner, size, "this upload"):
+            _make_work_dir(self.files_dir)
+            try:
+                with io.atomic_write(path, "wb") as stored:
+                    shutil.copyfileobj(content, stored, _CHUNK)
+                record = FileRecord(**{**record.__dict__, "bytes": io.size(path), "path": path})
+                self.store.add_file(record)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    io.remove(path)  # no row, no file
+                raise
         return describe_file(record)
 
     def get_file(self, caller: Caller, file_id: str) -> OpenAIFile:
@@ -171,6 +190,7 @@ class OpenAIBatchService:
         queued when every line is valid, else stored failed with the errors by line, never launched."""
         input_file = self._input_file(caller, body.input_file_id)
         check_queue_quota(self.jobs.store, caller.owner)  # before the file is read and copied
+        check_tokens_quota(self.jobs.store, caller.owner)
         job_id = NewJob.new_id()
         work_dir = self.jobs.job_storage.work_dir(job_id)
         _make_work_dir(work_dir)

@@ -1,0 +1,366 @@
+"""A team's quotas from the tenants file, through the real app: `max_stored_bytes` (its OpenAI files plus
+its jobs' inline content) and `max_tokens_per_day` (its jobs' prompt and completion tokens of the UTC day).
+A submission past one is a 429 naming the quota and its figures, in OpenAI's shape on /v1/files and
+/v1/batches, with Retry-After where waiting helps, and nothing is stored: no row, no file."""
+
+import hashlib
+import json
+import math
+import os
+import time
+from datetime import UTC, datetime, timedelta
+from tempfile import SpooledTemporaryFile
+
+import anyio
+import pytest
+import sqlalchemy as sa
+
+from batch_pipeline.admission.submission import QuotaExceeded, check_tokens_quota, hold_stored_bytes
+from batch_pipeline.store.jobs import COMPLETED, RUNNING, JobStore, jobs
+from batch_pipeline.store.openai import files
+from tests.conftest import MODEL
+from tests.test_openai_batch import _create, _jsonl, _line, _upload
+
+SMALL, OTHER = "key-of-the-small-team", "key-of-the-other-team"
+STORED_MAX, TOKENS_MAX = 1000, 100
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@pytest.fixture
+def teams(tmp_path, monkeypatch):
+    roots = {name: tmp_path / name for name in ("small", "other")}
+    for root in roots.values():
+        root.mkdir()
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        "tenants:\n"
+        "  small:\n"
+        f"    api_keys_sha256: [{_digest(SMALL)}]\n"
+        f"    data_roots: [{roots['small']}]\n"
+        f"    max_stored_bytes: {STORED_MAX}\n"
+        f"    max_tokens_per_day: {TOKENS_MAX}\n"
+        "  other:\n"
+        f"    api_keys_sha256: [{_digest(OTHER)}]\n"
+        f"    data_roots: [{roots['other']}]\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+    return roots
+
+
+@pytest.fixture
+def api(teams, tenants_api):
+    return tenants_api
+
+
+def _body(output, content: dict | None = None) -> dict:
+    return {
+        "output_data_path": str(output),
+        "model_config": {"model": MODEL},
+        "content": content or {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0},
+    }
+
+
+def _submit(api, key: str, output, version: str = "v2", idempotency_key: str | None = None, **body):
+    path = "/v2/batch-completions" if version == "v2" else "/v1/llm/batch-completions"
+    headers = {"x-api-key": key} | ({"Idempotency-Key": idempotency_key} if idempotency_key else {})
+    return api.post(path, json=_body(output, **body), headers=headers)
+
+
+def _job_ids(api, key: str) -> list[str]:
+    return [job["job_id"] for job in api.get("/v2/batch-completions", headers={"x-api-key": key}).json()["jobs"]]
+
+
+def _file_ids(api, key: str) -> list[str]:
+    return [file["id"] for file in api.get("/v1/files", headers={"Authorization": f"Bearer {key}"}).json()["data"]]
+
+
+def _home(tmp_path):
+    return tmp_path / "dagster_home"
+
+
+def _on_disk(tmp_path) -> dict[str, list[str]]:
+    """What the service keeps on disk: the files dir's files and the job work dirs."""
+    work = _home(tmp_path) / "work"
+    files_dir = work / "files"
+    return {
+        "files": sorted(path.name for path in files_dir.iterdir()) if files_dir.exists() else [],
+        "work": sorted(path.name for path in work.iterdir() if path.name != "files") if work.exists() else [],
+    }
+
+
+def _file_rows() -> int:
+    with JobStore().engine.connect() as connection:
+        return connection.execute(sa.select(sa.func.count()).select_from(files)).scalar_one()
+
+
+def _openai_error(response, quota: str) -> dict:
+    assert response.status_code == 429, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "rate_limit_exceeded"
+    assert error["message"].startswith(f"{quota}:"), error
+    return error
+
+
+# --- max_stored_bytes -----------------------------------------------------------------------------------
+
+
+def test_an_upload_past_max_stored_bytes_gets_openais_429_and_nothing_is_kept(api, tmp_path):
+    data = _jsonl([_line("a", content="x" * 400)])
+    assert 2 * len(data) > STORED_MAX >= len(data)
+    first = _upload(api, data, key=SMALL)
+    assert first.status_code == 200, first.text
+    kept = _on_disk(tmp_path)
+    assert len(kept["files"]) == 1
+
+    refused = _upload(api, data, key=SMALL)
+    error = _openai_error(refused, "max_stored_bytes")
+    assert f"stores {len(data)} bytes" in error["message"] and f"quota of {STORED_MAX}" in error["message"]
+    assert f"this upload of {len(data)} bytes" in error["message"] and "DELETE /v1/files" in error["message"]
+    assert "retry-after" not in refused.headers  # waiting frees nothing
+    assert _file_ids(api, SMALL) == [first.json()["id"]] and _file_rows() == 1
+    assert _on_disk(tmp_path) == kept
+
+    # Another team's bytes are its own; a deleted file no longer counts.
+    assert _upload(api, data, key=OTHER).status_code == 200
+    deleted = api.delete(f"/v1/files/{first.json()['id']}", headers={"Authorization": f"Bearer {SMALL}"})
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert _upload(api, data, key=SMALL).status_code == 200
+
+
+@pytest.fixture
+def spooled(monkeypatch) -> list[int]:
+    """The sizes of what is written to spooled temporary files (starlette's parser spools uploads in them)."""
+    written: list[int] = []
+    real_write = SpooledTemporaryFile.write
+
+    def counting_write(self, data):
+        written.append(len(data))
+        return real_write(self, data)
+
+    monkeypatch.setattr(SpooledTemporaryFile, "write", counting_write)
+    return written
+
+
+def test_an_upload_known_too_large_by_its_length_is_never_spooled(api, tmp_path, spooled):
+    """Declared past the team's room (plus the multipart margin BodySizeLimit allows): dropped as it
+    arrives, none of it spooled, then answered 429."""
+    data = b'{"custom_id": "a"}\n' * 10_000  # 190 kB against a 1000-byte quota
+    refused = _upload(api, data, key=SMALL)
+    error = _openai_error(refused, "max_stored_bytes")
+    assert "this upload of at least " in error["message"] and "retry-after" not in refused.headers
+    assert spooled == []  # none of it was spooled
+    assert _file_rows() == 0 and _on_disk(tmp_path)["files"] == []
+
+
+def test_a_streamed_upload_past_the_quota_is_never_spooled_whole(api, tmp_path, spooled):
+    """A body without a length (chunked) is counted as it arrives and, once past the team's room plus the
+    margin, read to its end and dropped, then answered 429: a 10 MiB upload against a 1000-byte quota is
+    never spooled in full (the parser has seen two chunks)."""
+    chunk, chunks = 64 * 1024, 160
+    head = b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    head += b'--B\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'
+    pulled, sent = 0, []
+
+    async def receive():
+        nonlocal pulled
+        if pulled == chunks:
+            return {"type": "http.request", "body": b"\r\n--B--\r\n", "more_body": False}
+        pulled += 1
+        body = (head if pulled == 1 else b"") + b"x" * chunk
+        return {"type": "http.request", "body": body, "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/files",
+        "raw_path": b"/v1/files",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"testserver"),
+            (b"authorization", f"Bearer {SMALL}".encode()),
+            (b"content-type", b"multipart/form-data; boundary=B"),
+            (b"transfer-encoding", b"chunked"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+        "state": {},
+    }
+    anyio.run(api.app, scope, receive, send)
+    start = next(message for message in sent if message["type"] == "http.response.start")
+    assert start["status"] == 429
+    body = json.loads(b"".join(message.get("body", b"") for message in sent if message["type"] == "http.response.body"))
+    assert body["error"]["message"].startswith("max_stored_bytes:") and "at least" in body["error"]["message"]
+    assert pulled == chunks  # read to its end, so that the client reads the answer
+    assert 0 < sum(spooled) <= 2 * chunk, spooled  # the room (1000 B) and the margin (64 KiB): two chunks
+    assert _file_rows() == 0 and _on_disk(tmp_path)["files"] == []
+
+
+def test_inline_content_counts_and_past_the_quota_is_a_429_storing_nothing(api, teams, tmp_path):
+    made = _submit(api, SMALL, teams["small"] / "1.json", idempotency_key="first")
+    assert made.status_code == 200, made.text
+    job_id = made.json()["job_id"]
+    record = JobStore().get(job_id)
+    assert record.content_bytes == os.path.getsize(record.content_path) > 0  # recorded on the job's row
+    kept, jobs_before = _on_disk(tmp_path), _job_ids(api, SMALL)
+
+    big = {"prompts": ["x" * STORED_MAX], "max_new_tokens": 4, "temperature": 0}
+    for version in ("v2", "v1"):
+        refused = _submit(api, SMALL, teams["small"] / "2.json", version=version, content=big)
+        assert refused.status_code == 429, refused.text
+        detail = refused.json()["detail"]
+        assert detail.startswith("max_stored_bytes:") and f"stores {record.content_bytes} bytes" in detail
+        assert f"quota of {STORED_MAX}" in detail and "this request's inline content of" in detail
+        assert "retry-after" not in refused.headers
+    assert _job_ids(api, SMALL) == jobs_before and _on_disk(tmp_path) == kept
+
+    # The content's bytes count against uploads too: a file that would fit alone does not fit now.
+    data = _jsonl([_line("a", content="x" * (STORED_MAX - 200))])
+    assert len(data) <= STORED_MAX < len(data) + record.content_bytes
+    _openai_error(_upload(api, data, key=SMALL), "max_stored_bytes")
+    # A retry of the submission that made its job is answered with that job, whatever the quota says now.
+    retried = _submit(api, SMALL, teams["small"] / "1.json", idempotency_key="first")
+    assert retried.status_code == 200 and retried.json()["job_id"] == job_id
+    # A request naming its input by path stores nothing of the team's: it is not refused.
+    (teams["small"] / "in.json").write_text(json.dumps([{"prompt": "x" * STORED_MAX}]))
+    by_path = _body(teams["small"] / "3.json") | {"input_data_path": str(teams["small"] / "in.json")}
+    del by_path["content"]
+    assert api.post("/v2/batch-completions", json=by_path, headers={"x-api-key": SMALL}).status_code == 200
+
+
+def test_bytes_being_stored_at_once_are_counted_against_each_other(api, tmp_path):
+    """Two uploads racing: while one is being copied (its bytes held, its row not yet stored), the other
+    is checked against it too, so together they cannot pass the quota."""
+    data = _jsonl([_line("a", content="x" * 400)])
+    with hold_stored_bytes(JobStore(), "team:small", len(data), "an upload in progress"):
+        _openai_error(_upload(api, data, key=SMALL), "max_stored_bytes")
+        assert _upload(api, data, key=OTHER).status_code == 200  # another team's room is its own
+    assert _upload(api, data, key=SMALL).status_code == 200  # held bytes are let go once stored or dropped
+    assert _file_rows() == 2 and len(_on_disk(tmp_path)["files"]) == 2
+
+
+# --- max_tokens_per_day ---------------------------------------------------------------------------------
+
+
+def _ran(job_id: str, tokens: int, started_at: datetime, completed_at: datetime | None) -> None:
+    """The job's row as the pipeline leaves it: started, maybe ended, with its tokens."""
+    values = {
+        "status": COMPLETED if completed_at else RUNNING,
+        "started_at": started_at,
+        "completed_at": completed_at,
+        "prompt_tokens": tokens // 2,
+        "completion_tokens": tokens - tokens // 2,
+    }
+    with JobStore().engine.begin() as connection:
+        connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(**values))
+
+
+def _seconds_to_midnight() -> float:
+    now = datetime.now(UTC)
+    return (now.replace(hour=0, minute=0, second=0, microsecond=0) + timedelta(days=1) - now).total_seconds()
+
+
+def test_the_tokens_quota_counts_today_utc_and_the_teams_own_only_and_refuses_every_way_in(api, teams, tmp_path):
+    now = datetime.now(UTC)
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    small = [_submit(api, SMALL, teams["small"] / f"{i}.json").json()["job_id"] for i in range(3)]
+    other = _submit(api, OTHER, teams["other"] / "1.json").json()["job_id"]
+    # Yesterday's tokens (a job that ended a second before midnight) and another team's today don't count.
+    _ran(small[0], 10 * TOKENS_MAX, midnight - timedelta(hours=2), midnight - timedelta(seconds=1))
+    _ran(other, 10 * TOKENS_MAX, now, now)
+    _ran(small[1], TOKENS_MAX - 1, midnight - timedelta(hours=1), now)  # ended today: counts, all of it
+    assert _submit(api, SMALL, teams["small"] / "a.json").status_code == 200
+    # A job still running counts today what it has done so far: the team now reaches its quota.
+    _ran(small[2], 1, now, None)
+    kept, jobs_before = _on_disk(tmp_path), _job_ids(api, SMALL)
+
+    for version in ("v2", "v1"):
+        refused = _submit(api, SMALL, teams["small"] / "b.json", version=version)
+        assert refused.status_code == 429, refused.text
+        detail = refused.json()["detail"]
+        assert detail.startswith("max_tokens_per_day:") and f"{TOKENS_MAX}/{TOKENS_MAX} tokens" in detail
+        assert abs(int(refused.headers["retry-after"]) - _seconds_to_midnight()) <= 5  # the next UTC midnight
+    uploaded = _upload(api, _jsonl([_line("a")]), key=SMALL)  # files are not tokens: kept
+    assert uploaded.status_code == 200
+    batch = _create(api, uploaded.json()["id"], key=SMALL)
+    error = _openai_error(batch, "max_tokens_per_day")
+    assert f"{TOKENS_MAX}/{TOKENS_MAX} tokens" in error["message"]
+    assert abs(int(batch.headers["retry-after"]) - _seconds_to_midnight()) <= 5
+    assert api.get("/v1/batches", headers={"Authorization": f"Bearer {SMALL}"}).json()["data"] == []
+    assert _job_ids(api, SMALL) == jobs_before and _on_disk(tmp_path)["work"] == kept["work"]
+    # The other team, with no such quota, submits as before.
+    assert _submit(api, OTHER, teams["other"] / "2.json").status_code == 200
+
+
+def test_the_day_of_the_tokens_quota_is_the_utc_day(api, teams):
+    """Retry-After counts to the next UTC midnight, whatever the caller's zone; past it the count restarts."""
+    store = JobStore()
+    job_id = _submit(api, SMALL, teams["small"] / "1.json").json()["job_id"]
+    day = datetime(2030, 5, 1, tzinfo=UTC)
+    _ran(job_id, TOKENS_MAX, day + timedelta(hours=9), day + timedelta(hours=10))
+    late = datetime(2030, 5, 1, 22, 59, 30, tzinfo=UTC)
+    with pytest.raises(QuotaExceeded) as refused:
+        check_tokens_quota(store, "team:small", now=late.astimezone(datetime.now().astimezone().tzinfo))
+    assert refused.value.quota == "max_tokens_per_day" and refused.value.retry_after_s == math.ceil(3600 + 30)
+    check_tokens_quota(store, "team:small", now=day + timedelta(days=1, seconds=1))  # a new day: not refused
+    check_tokens_quota(store, "team:other", now=late)  # no quota
+
+
+# --- through a real deployment --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_through_serve_a_team_past_its_tokens_of_the_day_after_one_real_job_gets_429(teams, tmp_path, monkeypatch):
+    import httpx
+
+    from tests.test_serve import Served
+
+    monkeypatch.delenv("BATCH_PIPELINE_JOBS_DB", raising=False)
+    tenants_file = tmp_path / "tenants-serve.yaml"  # a quota any one job reaches
+    tenants_file.write_text(
+        "tenants:\n"
+        "  small:\n"
+        f"    api_keys_sha256: [{_digest(SMALL)}]\n"
+        f"    data_roots: [{teams['small']}]\n"
+        "    max_tokens_per_day: 1\n"
+    )
+    served = Served(tmp_path, env={"BATCH_PIPELINE_TENANTS": str(tenants_file)})
+    try:
+        served.wait_until_up()
+
+        def submit(name: str) -> httpx.Response:
+            return httpx.post(
+                f"{served.api}/v2/batch-completions",
+                json=_body(teams["small"] / name),
+                headers={"x-api-key": SMALL},
+                timeout=30,
+            )
+
+        first = submit("1.json")
+        assert first.status_code == 200, first.text
+        url = f"{served.api}/v2/batch-completions/{first.json()['job_id']}"
+        deadline = time.monotonic() + 600
+        while (job := httpx.get(url, headers={"x-api-key": SMALL}, timeout=30).json()["job"])["status"] in (
+            "queued",
+            "running",
+        ):
+            assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+            time.sleep(1)
+        assert job["status"] == "completed", job
+        used = int(job["metadata"]["prompt_tokens"]) + int(job["metadata"]["completion_tokens"])
+        assert used >= 1
+        refused = submit("2.json")
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["detail"].startswith(f"max_tokens_per_day: your team's jobs have used {used}/1 tokens")
+        assert int(refused.headers["retry-after"]) > 0
+    finally:
+        served.kill()
