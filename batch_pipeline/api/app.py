@@ -23,6 +23,7 @@ from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, LargeBodySlot
 from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.openai_service import OpenAIBatchService, max_file_bytes
 from batch_pipeline.api.service import BatchJobService, IdempotencyConflict, JobNotFound, UnservableRequest
+from batch_pipeline.api.usage import ForbiddenTeam, InvalidUsageQuery, usage_report
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
     BatchCompletionsJob,
@@ -37,6 +38,7 @@ from batch_pipeline.contract import (
     UpdateBatchCompletionsV2Response,
 )
 from batch_pipeline.contract.priority import InvalidPriority
+from batch_pipeline.contract.usage import UsageResponse
 from batch_pipeline.core.settings import SlotsBusy, settings
 from batch_pipeline.dry_run.estimate import DryRunsBusy
 from batch_pipeline.pipeline.resources import JobStorage
@@ -193,6 +195,42 @@ def update_job(job_id: str, body: UpdateBatchCompletionsV2Request, who: CallerDe
 )
 def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
     return CancelBatchCompletionsV2Response(success=service.cancel(who, job_id))
+
+
+@router.get(
+    "/v2/usage",
+    response_model=UsageResponse,
+    responses={403: {"model": ErrorBody, "description": "A team's key naming another team"}},
+)
+def usage(
+    who: CallerDep,
+    service: ServiceDep,
+    since: Annotated[
+        str | None,
+        Query(
+            description="A date (its UTC day included) or an RFC 3339 datetime; default: 30 UTC days back, "
+            "today included"
+        ),
+    ] = None,
+    until: Annotated[
+        str | None,
+        Query(description="A date (its UTC day included) or an RFC 3339 datetime (excluded); default: now"),
+    ] = None,
+    team: Annotated[
+        str | None, Query(description="Admin keys: that team's figures alone (a team's key: its own only)")
+    ] = None,
+):
+    """Each team's usage per UTC day: a team's key reads its own team's, an admin key every team's (the
+    tenants file's teams, `admins`, and `other`). The response schema defines each figure; at most 366
+    days, and a bad `since` or `until` is a 422 naming it."""
+    try:
+        return usage_report(service.store, who, since, until, team)
+    except InvalidUsageQuery as exc:
+        raise HTTPException(
+            422, detail=[{"loc": ["query", exc.field], "msg": str(exc), "type": "value_error"}]
+        ) from None
+    except ForbiddenTeam as exc:
+        raise HTTPException(status_code=403, detail=str(exc)) from None
 
 
 def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = None) -> FastAPI:

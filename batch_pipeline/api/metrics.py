@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from batch_pipeline.api.usage import named_owners, team_label
 from batch_pipeline.store.jobs import QUEUED, JobStore
 
 # Submission to run start, in seconds: from an idle local deployment (~2 s) to a queue hours deep.
@@ -43,6 +44,7 @@ class JobStoreCollector(Collector):
             requests.add_metric([model], requests_done)
             tokens.add_metric([model], completion_tokens)
         yield from (jobs, requests, tokens)
+        yield from _team_figures(self.store)
         yield GaugeMetricFamily(
             "batch_pipeline_queue_depth", "Jobs waiting for their first run to start.", value=queued
         )
@@ -61,6 +63,38 @@ class JobStoreCollector(Collector):
             + [("+Inf", started)],
             sum_value=total_wait,
         )
+
+
+def _team_figures(store: JobStore) -> Iterator[Metric]:
+    """The job, request and token figures by team: the tenants file's teams, `admins`, and `other` for every
+    other owner, so the series are as many as the teams (GET /v2/usage has them per day)."""
+    jobs = GaugeMetricFamily("batch_pipeline_team_jobs", "Batch jobs by team and status.", labels=["team", "status"])
+    requests = CounterMetricFamily(
+        "batch_pipeline_team_requests_generated",
+        "Requests of batch jobs done (results and error entries), by team.",
+        labels=["team"],
+    )
+    prompt_tokens = CounterMetricFamily(
+        "batch_pipeline_team_prompt_tokens", "Prompt tokens of batch jobs, by team.", labels=["team"]
+    )
+    completion_tokens = CounterMetricFamily(
+        "batch_pipeline_team_completion_tokens", "Completion tokens generated, by team.", labels=["team"]
+    )
+    per_team: dict[str, list[int]] = {label: [0, 0, 0] for label in map(team_label, [*named_owners(), None])}
+    per_status: dict[tuple[str, str], int] = {}
+    for owner, status, count, requests_done, prompt, completion in store.figures_by_team(named_owners()):
+        label = team_label(owner)
+        per_status[label, status] = per_status.get((label, status), 0) + count
+        totals = per_team.setdefault(label, [0, 0, 0])
+        for index, value in enumerate((requests_done, prompt, completion)):
+            totals[index] += value
+    for (label, status), count in sorted(per_status.items()):
+        jobs.add_metric([label, status], count)
+    for label, (requests_done, prompt, completion) in sorted(per_team.items()):
+        requests.add_metric([label], requests_done)
+        prompt_tokens.add_metric([label], prompt)
+        completion_tokens.add_metric([label], completion)
+    yield from (jobs, requests, prompt_tokens, completion_tokens)
 
 
 def metrics_text(store: JobStore) -> bytes:

@@ -35,6 +35,7 @@ from batch_pipeline.contract.openai_batch import (
     BatchError,
     BatchErrors,
     BatchRequestCounts,
+    BatchUsage,
     CreateBatchRequest,
     FileDeleted,
     OpenAIFile,
@@ -439,8 +440,17 @@ def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
         expires_at=_unix(batch.created_at + timedelta(hours=int(batch.completion_window[:-1]))),
         request_counts=counts,
         metadata=job.labels or None,
+        usage=_usage(job),
         **timestamps,
     )
+
+
+def _usage(job: JobRecord) -> BatchUsage | None:
+    """The batch's tokens as its job's row has them (what the job's own metadata reports), once it has any."""
+    if job.prompt_tokens is None and job.completion_tokens is None:
+        return None
+    prompt, completion = job.prompt_tokens or 0, job.completion_tokens or 0
+    return BatchUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion)
 
 
 def _unix(moment: datetime | None) -> int | None:

@@ -91,6 +91,24 @@ class BatchRequestCounts(WireModel):
     failed: int
 
 
+class BatchInputTokensDetails(WireModel):
+    cached_tokens: int = Field(0, description="Prompt tokens read from a prefix cache: not counted here, 0")
+
+
+class BatchOutputTokensDetails(WireModel):
+    reasoning_tokens: int = Field(0, description="Reasoning tokens: not told apart here, 0")
+
+
+class BatchUsage(WireModel):
+    """OpenAI's batch `usage` (since 2025): the batch's job's prompt and completion tokens."""
+
+    input_tokens: int
+    input_tokens_details: BatchInputTokensDetails = Field(default_factory=BatchInputTokensDetails)
+    output_tokens: int
+    output_tokens_details: BatchOutputTokensDetails = Field(default_factory=BatchOutputTokensDetails)
+    total_tokens: int
+
+
 class Batch(WireModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -112,6 +130,10 @@ class Batch(WireModel):
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts
     metadata: dict[str, str] | None = None
+    usage: BatchUsage | None = Field(
+        None,
+        description="The tokens of the batch's job so far (its prompt and completion tokens); null before it has any",
+    )
 
 
 class BatchList(WireModel):
