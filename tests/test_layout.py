@@ -53,3 +53,21 @@ def test_every_module_says_what_it_holds():
         if "versions" not in module.parts and not ast.get_docstring(ast.parse((PACKAGE / module).read_text()))
     ]
     assert not silent, f"modules without a docstring: {silent}"
+
+
+def test_every_test_the_guarantees_table_names_exists():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Guarantees") : readme.index("\n## ", readme.index("## Guarantees") + 1)]
+    missing, named = [], 0
+    for row in table.splitlines():
+        module = None  # `::test_y` names a test of the module named last in the row
+        for file_part, test_part in re.findall(r"`(test_[a-z0-9_]+)?(::test_[a-z0-9_]+)?`", row):
+            module = file_part or module
+            if module is None:
+                continue
+            path = REPO / "tests" / f"{module}.py"
+            named += 1
+            if not path.exists() or (test_part and f"def {test_part[2:]}(" not in path.read_text()):
+                missing.append(f"{module}{test_part}")
+    assert named > 50, "the table names no test"
+    assert not missing, f"the README's guarantees name tests that do not exist: {missing}"

@@ -77,6 +77,27 @@ def test_a_pid_taken_by_a_process_started_after_the_run_worker_is_not_the_run_wo
     assert process_alive_since(os.getpid(), started)
 
 
+def test_a_wall_clock_step_after_the_worker_was_first_seen_fails_no_run(instance, monkeypatch):
+    """/proc's boot time moves with the wall clock: a run judged by it alone failed every living worker
+    after an NTP step of a few seconds. Once seen, a worker is known by its start in clock ticks."""
+    from batch_pipeline.pipeline import run_launcher
+
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run = _started_run(instance, worker.pid)
+        assert instance.run_launcher.check_run_worker_health(run).status == WorkerStatus.RUNNING
+        stepped = run_launcher._boot_time() + 3600  # the clock stepped an hour forward
+        monkeypatch.setattr(run_launcher, "_boot_time", lambda: stepped)
+        assert instance.run_launcher.check_run_worker_health(run).status == WorkerStatus.RUNNING
+        # A process that holds the pid with another start is not the worker, whatever the clock says.
+        seen = instance.run_launcher._worker_starts
+        seen[(run.run_id, worker.pid)] -= 1
+        assert instance.run_launcher.check_run_worker_health(run).status == WorkerStatus.FAILED
+    finally:
+        worker.kill()
+        worker.wait()
+
+
 def test_a_zombie_is_not_a_living_worker():
     child = subprocess.Popen(["true"])
     deadline = time.monotonic() + 10

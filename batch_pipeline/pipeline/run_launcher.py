@@ -10,7 +10,10 @@ resumes the job from its shards' checkpoints.
 
 The run worker is the process that wrote the run's RUN_START event (its `pid`). It is checked only for a
 run launched through a code server on this machine (a loopback address or a socket), since a pid means
-nothing elsewhere; and a process holding that pid now but started after the event is another process.
+nothing elsewhere; and a process holding that pid now but started after the event is another process. It
+assumes what `make serve` gives: the daemon sees the run workers' processes (one machine, one PID namespace).
+Where it cannot tell (no /proc, /proc hiding other processes) it says the worker runs: a run is never failed
+on a doubt.
 """
 
 from __future__ import annotations
@@ -23,13 +26,20 @@ from pathlib import Path
 import dagster as dg
 from dagster._core.launcher import CheckRunHealthResult, DefaultRunLauncher, WorkerStatus
 from dagster._core.storage.tags import GRPC_INFO_TAG
+from dagster._serdes.config_class import ConfigurableClassData
 
-# /proc's process start times count from boot in clock ticks, and the boot time is whole seconds.
-_START_TIME_SLACK_S = 2.0
+# The first time a run's worker is seen, its start (boot time, which moves when the wall clock is stepped,
+# plus /proc's clock ticks) is held against the RUN_START event's wall-clock time with this much slack; from
+# then on, its start in ticks alone, which no clock step moves.
+FIRST_SIGHT_SLACK_S = 60.0
 PROC = Path("/proc")
 
 
 class LocalRunLauncher(DefaultRunLauncher):
+    def __init__(self, inst_data: ConfigurableClassData | None = None) -> None:
+        super().__init__(inst_data=inst_data)
+        self._worker_starts: dict[tuple[str, int], int] = {}  # (run id, pid) -> its start, in clock ticks
+
     @property
     def supports_check_run_worker_health(self) -> bool:
         return True
@@ -41,12 +51,20 @@ class LocalRunLauncher(DefaultRunLauncher):
         event = starts[-1].dagster_event if starts else None
         if event is None or event.pid is None:  # not started yet, or by a writer that records no pid
             return CheckRunHealthResult(WorkerStatus.RUNNING, "no run worker pid recorded yet")
-        if process_alive_since(event.pid, starts[-1].timestamp):
-            return CheckRunHealthResult(WorkerStatus.RUNNING, run_worker_id=str(event.pid))
+        pid, key = event.pid, (run.run_id, event.pid)
+        ticks = process_start_ticks(pid)
+        if ticks == UNKNOWN:
+            return CheckRunHealthResult(WorkerStatus.RUNNING, f"cannot tell whether pid {pid} runs")
+        seen = self._worker_starts.get(key)
+        if ticks is not None and seen is None and started_by(ticks, starts[-1].timestamp + FIRST_SIGHT_SLACK_S):
+            self._worker_starts[key] = seen = ticks
+        if ticks is not None and ticks == seen:
+            return CheckRunHealthResult(WorkerStatus.RUNNING, run_worker_id=str(pid))
+        self._worker_starts.pop(key, None)
         return CheckRunHealthResult(
             WorkerStatus.FAILED,
-            f"the run worker (pid {event.pid}) has exited without ending the run",
-            run_worker_id=str(event.pid),
+            f"the run worker (pid {pid}) has exited without ending the run",
+            run_worker_id=str(pid),
         )
 
 
@@ -70,30 +88,37 @@ def launched_on_this_machine(run: dg.DagsterRun) -> bool:
         return False
 
 
-def process_alive_since(pid: int, since: float) -> bool:
-    """Whether process `pid` runs and started no later than `since` (epoch seconds): the same process as
-    then, not one that was given its pid later. Where it cannot tell, it says alive: a run is never failed
-    on a doubt."""
-    if not (PROC / "stat").exists():  # no /proc (macOS): existence alone
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+UNKNOWN = -1
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot; None where no such process runs (or it has
+    exited and is not yet reaped), UNKNOWN where it cannot be told (no /proc, or /proc hides it)."""
     try:
         stat = (PROC / str(pid) / "stat").read_text()
     except FileNotFoundError:
-        return False
+        if not (PROC / "self" / "stat").exists():  # no /proc here at all
+            return UNKNOWN
+        return None
     except OSError:
-        return True
+        return UNKNOWN
     # After the command name, which may hold spaces and parentheses: state is field 3, starttime field 22.
     fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):  # exited, not yet reaped
-        return False
-    started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    return started <= since + _START_TIME_SLACK_S
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def started_by(ticks: int, moment: float) -> bool:
+    """Whether a process that started `ticks` after boot had started by `moment` (epoch seconds)."""
+    return _boot_time() + ticks / os.sysconf("SC_CLK_TCK") <= moment
+
+
+def process_alive_since(pid: int, since: float) -> bool:
+    """Whether process `pid` runs and had started by `since` (with a second of slack for /proc's whole-second
+    boot time): the same process as then, not one given its pid later."""
+    ticks = process_start_ticks(pid)
+    return ticks == UNKNOWN or (ticks is not None and started_by(ticks, since + 1.0))
 
 
 def _boot_time() -> float:

@@ -22,6 +22,7 @@ from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.admission import admissions, free_run_slots, waiting_queues
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
+from batch_pipeline.pipeline.outages import describe_outage, outage_error, retry_after_outage
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of
@@ -188,7 +189,8 @@ def _shortened(exc: Exception) -> str:
 
 
 def failure_reason(instance: dg.DagsterInstance, run_id: str) -> str:
-    """Why a run failed, as its users should read it: a dg.Failure's description, else the error."""
+    """Why a run failed, as its users should read it: a dg.Failure's description, else the error; for a run
+    failed from outside its steps, an unreachable code location where that is what stopped it."""
     failures = instance.all_logs(run_id, of_type={DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE})
     for entry in failures:
         event = entry.dagster_event
@@ -198,6 +200,8 @@ def failure_reason(instance: dg.DagsterInstance, run_id: str) -> str:
                 return user_failure.description
             if event.step_failure_data.error:
                 return event.step_failure_data.error.message.strip()
+    if (outage := outage_error(instance, run_id)) is not None:
+        return describe_outage(*outage)
     return failures[-1].message if failures else "the run failed"
 
 
@@ -225,6 +229,9 @@ def record_run_end(
         if run.tags.get(WILL_RETRY_TAG) == "true":
             # The daemon retries it: the retry writes the whole output, or keeps these results if it fails too.
             store.mark_retrying(job_id, run.run_id, reason)
+            return None
+        if (outage := retry_after_outage(instance, run)) is not None:
+            store.mark_retrying(job_id, run.run_id, outage)
             return None
         store.mark_run_ended(job_id, run.run_id, FAILED, ended_at, reason=reason)
         return partial_results_run_request(

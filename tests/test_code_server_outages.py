@@ -1,0 +1,178 @@
+"""A code server that is briefly down fails no job: the queue waits it out, a run that still fails that way
+is retried once the location answers, and a job that fails says the code location was the cause."""
+
+import json
+import sys
+import time
+
+import dagster as dg
+import httpx
+import pytest
+import yaml
+from dagster._core.errors import DagsterUserCodeUnreachableError
+from dagster._core.events import EngineEventData
+from dagster._utils.error import serializable_error_info_from_exc_info
+
+from batch_pipeline.pipeline.outages import MAX_RETRIES, RETRIES_TAG
+from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, failure_reason, record_run_end
+from batch_pipeline.store.jobs import FAILED, RUNNING, JobStore, NewJob
+from tests.api_fixtures import REPO
+from tests.conftest import MODEL
+from tests.test_run_workers import _code_server
+from tests.test_serve import Served, _free_port
+
+
+@dg.op
+def _nothing() -> None:
+    pass
+
+
+@dg.job
+def _a_job() -> None:
+    _nothing()
+
+
+@pytest.fixture
+def instance(tmp_path):
+    (tmp_path / "dagster.yaml").write_text(
+        "run_retries:\n  enabled: true\n  max_retries: 2\n  retry_on_asset_or_op_failure: false\n"
+        "telemetry:\n  enabled: false\n"
+    )
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        yield instance
+
+
+def _unreachable() -> EngineEventData:
+    try:
+        raise DagsterUserCodeUnreachableError("Could not reach user code server. gRPC Error code: UNAVAILABLE")
+    except DagsterUserCodeUnreachableError:
+        return EngineEventData.engine_error(serializable_error_info_from_exc_info(sys.exc_info()))
+
+
+def _job_of_a_failed_run(instance, tmp_path, error: EngineEventData, message: str):
+    """A job whose run the daemon gave up on, as Dagster records it: an engine event with the error, the
+    run's failure, and `dagster/will_retry=false` (what the run retry daemon sets when it cannot retry)."""
+    run = instance.create_run_for_job(_a_job, tags={"dagster/max_retries": "2"})
+    instance.report_engine_event(message, run, error)
+    instance.report_run_failed(run)
+    instance.add_run_tags(run.run_id, {WILL_RETRY_TAG: "false"})
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+    job = NewJob(NewJob.new_id(), "team:a", "{}", "0" * 64, MODEL, None, {}, 60, run_id=run.run_id)
+    store.create(job)
+    return store, job.job_id, instance.get_run_by_id(run.run_id)
+
+
+def test_a_run_the_retry_daemon_gave_up_on_for_an_unreachable_code_server_is_retried_once_it_answers(
+    instance, tmp_path
+):
+    """On main the job read failed for good: "This run has been marked as failed from outside"."""
+    store, job_id, run = _job_of_a_failed_run(instance, tmp_path, _unreachable(), "Failed to retry run")
+    failures_before = len(instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE))
+    record_run_end(instance, store, run, job_id)
+    job = store.get(job_id)
+    assert job.status == RUNNING and "code location could not be reached" in job.status_detail
+    run = instance.get_run_by_id(run.run_id)
+    assert run.tags[RETRIES_TAG] == "1"
+    # A new failure event for the run retry daemon, which the instance marks as one it will retry.
+    assert len(instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)) == failures_before + 1
+    assert run.tags[WILL_RETRY_TAG] == "true"
+
+
+def test_after_its_retries_a_job_failed_by_an_unreachable_code_server_says_so(instance, tmp_path):
+    store, job_id, run = _job_of_a_failed_run(instance, tmp_path, _unreachable(), "Failed to retry run")
+    instance.add_run_tags(run.run_id, {RETRIES_TAG: str(MAX_RETRIES)})
+    record_run_end(instance, store, instance.get_run_by_id(run.run_id), job_id)
+    job = store.get(job_id)
+    assert job.status == FAILED
+    assert job.failure_reason.startswith("the code location could not be reached: Failed to retry run")
+    assert "UNAVAILABLE" in job.failure_reason and "from outside" not in job.failure_reason
+
+
+def test_a_run_failed_from_outside_for_another_reason_is_not_retried(instance, tmp_path):
+    try:
+        raise RuntimeError("the launcher refused the run")
+    except RuntimeError:
+        other = EngineEventData.engine_error(serializable_error_info_from_exc_info(sys.exc_info()))
+    store, job_id, run = _job_of_a_failed_run(instance, tmp_path, other, "Caught an unrecoverable error")
+    record_run_end(instance, store, run, job_id)
+    assert store.get(job_id).status == FAILED
+    assert RETRIES_TAG not in instance.get_run_by_id(run.run_id).tags
+    assert (
+        failure_reason(instance, run.run_id) == "This run has been marked as failed from outside the execution context."
+    )
+
+
+@pytest.mark.slow
+def test_a_run_dequeued_while_its_code_server_is_down_waits_for_it_and_its_job_completes(tmp_path):
+    """On main the queue failed the run at once ("Caught an unrecoverable error while dequeuing the run"),
+    and its job stayed failed, with no output."""
+    port = _free_port()
+    workspace = tmp_path / "workspace.yaml"
+    workspace.write_text(
+        f"load_from:\n  - grpc_server:\n      host: 127.0.0.1\n      port: {port}\n"
+        "      location_name: batch_pipeline\n"
+    )
+    shipped = yaml.safe_load((REPO / "dagster_home" / "dagster.yaml").read_text())
+    shipped["run_coordinator"]["config"].update(max_concurrent_runs=1, dequeue_interval_seconds=1)
+    shipped["run_coordinator"]["config"]["user_code_failure_retry_delay"] = 3  # the shipped 10 s, shortened
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    log = tmp_path / "code_server.log"
+    servers = [_code_server(port, home, log)]
+    served = Served(tmp_path, instance_yaml=yaml.safe_dump(shipped), workspace=workspace)
+    try:
+        served.wait_until_up()
+
+        def submit(name: str, prompts: int) -> str:
+            request = {
+                "output_data_path": str(tmp_path / f"{name}.json"),
+                "model_config": {"model": MODEL},
+                "content": {
+                    "prompts": [f"Count to {i}." for i in range(prompts)],
+                    "max_new_tokens": 8,
+                    "temperature": 0.0,
+                },
+            }
+            created = httpx.post(f"{served.api}/v2/batch-completions", json=request, timeout=30)
+            assert created.status_code == 200, created.text
+            return created.json()["job_id"]
+
+        first, second = submit("first", 6), submit("second", 2)
+        instance = dg.DagsterInstance.from_config(str(home))
+        deadline = time.monotonic() + 300
+
+        def run_of(job_id: str) -> dg.DagsterRun | None:
+            runs = instance.get_runs(filters=dg.RunsFilter(tags={"batch_pipeline/job_id": job_id}))
+            return runs[-1] if runs else None
+
+        # The second job's run waits in Dagster's queue behind the first's (one run slot).
+        while not ((run := run_of(first)) and run.status == dg.DagsterRunStatus.STARTED and run_of(second)):
+            assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert run_of(second).status == dg.DagsterRunStatus.QUEUED
+        servers[0].kill()  # down while the first run ends and the queue dequeues the second
+        servers[0].wait()
+        while run_of(first).status != dg.DagsterRunStatus.SUCCESS:
+            assert time.monotonic() < deadline, "the first run did not end"
+            time.sleep(0.5)
+        waiting = run_of(second)
+        while not any(
+            "failed to reach the user code server" in (record.message or "")
+            for record in instance.all_logs(waiting.run_id)
+        ):
+            assert time.monotonic() < deadline, [record.message for record in instance.all_logs(waiting.run_id)]
+            time.sleep(0.5)
+        assert run_of(second).status == dg.DagsterRunStatus.QUEUED  # back in the queue, not failed
+        servers.append(_code_server(port, home, log))
+        for job_id in (first, second):
+            while (job := httpx.get(f"{served.api}/v2/batch-completions/{job_id}", timeout=10).json()["job"])[
+                "status"
+            ] not in ("completed", "failed"):
+                assert time.monotonic() < deadline, job
+                time.sleep(1)
+            assert job["status"] == "completed", job
+        assert len(json.loads((tmp_path / "second.json").read_text())) == 2
+    finally:
+        served.kill()
+        for server in servers:
+            server.kill()
