@@ -67,6 +67,8 @@ def test_quantities_kubernetes_accepts_are_accepted(hardware):
         ({"cpus": -2}, "cpus"),
         ({"cpus": 0}, "cpus"),
         ({"cpus": "0m"}, "cpus"),
+        ({"cpus": "1e400"}, "cpus"),  # the grammar takes it; no pod and no float holds it
+        ({"memory": "9000000E"}, "memory"),  # 9e24 bytes: past what Kubernetes keeps
         ({"memory": "16 Gi"}, "memory"),
         ({"memory": "16gb"}, "memory"),
         ({"memory": "NaN"}, "memory"),

@@ -364,3 +364,28 @@ def test_through_serve_a_team_past_its_tokens_of_the_day_after_one_real_job_gets
         assert int(refused.headers["retry-after"]) > 0
     finally:
         served.kill()
+
+
+def test_a_batchs_copy_of_its_file_counts_so_batches_of_one_file_cannot_fill_the_disk(api, tmp_path):
+    """Each batch keeps a copy of its input file in its job's work dir. On main none was counted: batches
+    made from a file, which was then deleted, stored bytes without bound past max_stored_bytes."""
+    bearer = {"Authorization": f"Bearer {SMALL}"}
+    data = _jsonl([_line("a", content="x" * 250)])
+    assert 3 * len(data) > STORED_MAX >= 2 * len(data)
+    first = _upload(api, data, key=SMALL)
+    assert first.status_code == 200, first.text
+    batch = _create(api, first.json()["id"], key=SMALL)
+    assert batch.status_code == 200, batch.text  # the file and one copy fit
+    copy = sum(
+        path.stat().st_size for path in (_home(tmp_path) / "work" / batch.json()["id"]).rglob("*") if path.is_file()
+    )
+    assert copy > len(data) / 2
+    assert api.delete(f"/v1/files/{first.json()['id']}", headers=bearer).status_code == 200
+    again = _upload(api, data, key=SMALL)  # the first batch's copy and this file fit
+    assert again.status_code == 200, again.text
+    refused = _create(api, again.json()["id"], key=SMALL)  # a second copy would not
+    error = _openai_error(refused, "max_stored_bytes")
+    assert "this batch's copy of its file" in error["message"]
+    assert len(api.get("/v1/batches", headers=bearer).json()["data"]) == 1
+    usage = api.get("/v2/usage", headers={"x-api-key": SMALL}).json()
+    assert usage["teams"][0]["stored_bytes_now"] == len(data) + copy  # the file and the first batch's copy

@@ -179,6 +179,10 @@ def test_a_team_sees_its_own_usage_per_day_and_an_admin_every_teams(api, teams):
         ({"since": "2025-01-01T00:00:00+99:00"}, "since"),
         ({"since": "2025-02-01", "until": "2025-01-01"}, "until"),
         ({"since": "2024-01-01", "until": "2025-01-02"}, "since"),  # 367 days
+        # Dates at the ends of the calendar: a day more, or the default's 30 days less, overflowed (500).
+        ({"until": "0001-01-01"}, "until"),
+        ({"since": "0001-01-01T00:00:00+01:00"}, "since"),
+        ({"since": "9999-12-30", "until": "9999-12-31T23:59:59-01:00"}, "until"),
     ],
 )
 def test_a_bad_range_is_a_422_naming_the_field(api, params, field):
@@ -199,7 +203,8 @@ def test_dates_and_datetimes_bound_the_range_in_utc(api):
 
 
 @pytest.mark.parametrize(
-    ("gpus", "cpus"), [(None, None), (2, None), (0, 4), (None, "500m"), (None, 1.5), (None, "2"), (None, "x")]
+    ("gpus", "cpus"),
+    [(None, None), (2, None), (0, 4), (None, "500m"), (None, 1.5), (None, "2"), (None, "x"), (None, "1e400")],
 )
 def test_a_shards_units_are_fair_shares(gpus, cpus):
     request = {name: value for name, value in (("gpus", gpus), ("cpus", cpus)) if value is not None}

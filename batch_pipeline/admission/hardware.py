@@ -32,6 +32,10 @@ class InvalidHardware(ValueError):
     """A hardware field that no pod can carry; the message names the field."""
 
 
+# Kubernetes keeps a quantity's milli-units in an int64.
+LARGEST_QUANTITY = Decimal(2**63 - 1) / 1000
+
+
 def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
     """The quantity as a pod spec writes it, and its value in base units (cores, bytes). Raises
     InvalidHardware naming the field unless it is a positive quantity."""
@@ -43,6 +47,8 @@ def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
     amount = parse_quantity(text)
     if amount <= 0:
         raise InvalidHardware(f"{field}: {value!r} is not a positive Kubernetes quantity ({EXAMPLES})")
+    if amount > LARGEST_QUANTITY:  # "1e400" matches the grammar; no pod, and no float, holds it
+        raise InvalidHardware(f"{field}: {str(value)[:64]!r} is larger than any Kubernetes quantity ({EXAMPLES})")
     return text, amount
 
 

@@ -102,11 +102,13 @@ def submit(
     run_id: str | None = None,
     job_id: str | None = None,
     failure_reason: str | None = None,
+    content_bytes: int | None = None,
 ) -> tuple[JobRecord, bool]:
     """Make a job of a request; with an idempotency key this owner used before, the job made then (or
     IdempotencyConflict). `work_dir_of(job_id)` is where the job's files go; `run_id` registers a job for
     a run that already executes it. The service's own callers may give the job's id and a StoredRequest
-    whose content it already wrote in the job's work dir, or store a job that failed before it could run
+    whose content it already wrote in the job's work dir (`content_bytes` of it, counted against the team's
+    max_stored_bytes as inline content is), or store a job that failed before it could run
     (`failure_reason`). Returns the record and whether it was created."""
     job_id = job_id or NewJob.new_id()
     if failure_reason is None:
@@ -145,7 +147,7 @@ def submit(
                     labels=request.labels,
                     max_runtime_sec=request.max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC,
                     content_path=content_path,
-                    content_bytes=len(content) if content is not None else None,
+                    content_bytes=len(content) if content is not None else content_bytes,
                     idempotency_key=idempotency_key,
                     run_id=run_id,
                     failure_reason=failure_reason,

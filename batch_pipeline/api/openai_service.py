@@ -194,6 +194,15 @@ class OpenAIBatchService:
         check_tokens_quota(self.jobs.store, caller.owner)
         job_id = NewJob.new_id()
         work_dir = self.jobs.job_storage.work_dir(job_id)
+        # The job keeps a copy of the file (its content, its custom ids): held against the team's
+        # max_stored_bytes from before it is written, and counted as the job's content once it is stored.
+        copying = hold_stored_bytes(self.jobs.store, caller.owner, input_file.bytes, "this batch's copy of its file")
+        with copying:
+            return self._create_batch(caller, body, input_file, job_id, work_dir)
+
+    def _create_batch(
+        self, caller: Caller, body: CreateBatchRequest, input_file: FileRecord, job_id: str, work_dir: str
+    ) -> Batch:
         _make_work_dir(work_dir)
         try:
             checked = self._check(caller, input_file, body, work_dir)
@@ -240,6 +249,7 @@ class OpenAIBatchService:
                 request,
                 job_id=job_id,
                 failure_reason=failure,
+                content_bytes=_bytes_under(work_dir),
             )
         except BaseException:
             self.store.delete_batch(job_id)
@@ -451,6 +461,12 @@ def _usage(job: JobRecord) -> BatchUsage | None:
         return None
     prompt, completion = job.prompt_tokens or 0, job.completion_tokens or 0
     return BatchUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion)
+
+
+def _bytes_under(directory: str) -> int:
+    """The bytes of the files a job's work dir holds (a batch's copy of its input file, before it runs)."""
+    fs, root = io.filesystem(directory)
+    return int(fs.du(root, total=True)) if fs.exists(root) else 0
 
 
 def _unix(moment: datetime | None) -> int | None:

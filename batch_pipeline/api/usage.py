@@ -28,6 +28,7 @@ from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, tena
 OTHER = "other"  # the one label of every owner the tenants file does not name
 DEFAULT_DAYS = 30
 MAX_DAYS = 366
+FIRST_YEAR, LAST_YEAR = 1970, 9998
 _DATE = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")
 
 
@@ -82,15 +83,21 @@ def _instant(value: str, name: str, end_of_day: bool) -> datetime:
     try:
         if _DATE.match(text):
             day = date.fromisoformat(text)
-            return datetime.combine(day + timedelta(days=1) if end_of_day else day, time(), UTC)
+            moment = datetime.combine(day, time(), UTC)
+            if FIRST_YEAR <= day.year <= LAST_YEAR:
+                return moment + timedelta(days=1) if end_of_day else moment
+            raise OverflowError(text)
         if len(text) > 40 or not re.match(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ]", text):
             raise ValueError(text)
         moment = datetime.fromisoformat(text)
+        moment = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
     except (ValueError, OverflowError):
         raise InvalidUsageQuery(
             name, f"expected a date (YYYY-MM-DD) or an RFC 3339 datetime, got {value[:64]!a}"
         ) from None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    if not FIRST_YEAR <= moment.year <= LAST_YEAR:  # so that a day more or a month less stays a date
+        raise InvalidUsageQuery(name, f"must lie in the years {FIRST_YEAR} to {LAST_YEAR}, got {value[:64]!a}")
+    return moment
 
 
 @dataclass

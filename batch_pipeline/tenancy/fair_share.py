@@ -229,13 +229,13 @@ def shard_units(gpus: Any, cpus: Any) -> float:
     a CPU), else one slot. Values as a stored request has them, or as a database reads them from its JSON:
     numbers, or their text."""
     for value in (gpus, cpus):
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf:
             return float(value)
         if isinstance(value, str):
             try:
                 number = float(value[:-1]) / 1000 if value.endswith("m") else float(value)
             except ValueError:
                 continue
-            if number > 0:
+            if 0 < number < math.inf:  # rows of older releases may hold "1e400": not a share of anything
                 return number
     return 1.0
