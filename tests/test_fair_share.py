@@ -7,6 +7,7 @@ import json
 import os
 import random
 import time
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
@@ -17,7 +18,8 @@ from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_q
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import run_tags
-from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.jobs import COMPLETED, RUNNING, JobStore, NewJob
+from batch_pipeline.store.jobs import jobs as jobs_table
 from batch_pipeline.tenancy.fair_share import (
     Queues,
     TeamShare,
@@ -27,6 +29,7 @@ from batch_pipeline.tenancy.fair_share import (
     queue_position,
 )
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants
+from tests.api_fixtures import write_instance_config
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 
@@ -245,7 +248,7 @@ def _reference_admit(waiting: list[WaitingJob], teams: dict[str, TeamShare], slo
     while heap and (slots is None or len(admitted) < slots):
         _, owner = heapq.heappop(heap)
         share = teams.get(owner, TeamShare())
-        if share.max_running_jobs is not None and running[owner] >= share.max_running_jobs:
+        if _over_tokens(share) or (share.max_running_jobs is not None and running[owner] >= share.max_running_jobs):
             continue
         admitted.append(queues[owner].pop().job_id)
         running[owner] += 1
@@ -254,9 +257,14 @@ def _reference_admit(waiting: list[WaitingJob], teams: dict[str, TeamShare], slo
     return admitted
 
 
+def _over_tokens(share: TeamShare) -> bool:
+    return share.max_tokens_per_day is not None and share.tokens_today >= share.max_tokens_per_day
+
+
 def _reference_order(waiting: list[WaitingJob], teams: dict[str, TeamShare]) -> list[str]:
     """Every waiting job in the order slots go out: those admission would start now, as it starts them
-    (with a slot for each), then those their team's max_running_jobs holds back, by the same standing."""
+    (with a slot for each), then those their team's max_running_jobs (or tokens of the day) holds back, by
+    the same standing."""
     started = _reference_admit(waiting, teams, None)
     held = []
     for owner in {job.owner for job in waiting}:
@@ -322,6 +330,31 @@ def test_queue_position_is_the_place_in_the_order_admission_gives_slots_out_over
                 job.job_id for job in waiting if queue_position(queues, teams, job.job_id, job.owner).position <= slots
             }
             assert firsts == {a.job.job_id for a in admit(queues, teams, slots)} or len(started) < slots
+
+
+def test_a_team_over_its_tokens_of_the_day_is_held_as_one_at_its_bound_over_random_queues():
+    """Every job of a team whose tokens of the day reached its max_tokens_per_day is held: admission gives
+    it no slot however many are free, and its queue_position is after every job that may start now, among
+    the held ones (of either hold) by standing, as a job its max_running_jobs holds."""
+    rng = random.Random(20261202)
+    for _ in range(200):
+        waiting, teams = _random_case(rng)
+        for owner in {job.owner for job in waiting}:
+            share = teams.get(owner, TeamShare())
+            if rng.random() < 0.4:
+                teams[owner] = replace(share, max_tokens_per_day=100, tokens_today=rng.choice([100, 250]))
+            elif rng.random() < 0.3:
+                teams[owner] = replace(share, max_tokens_per_day=100, tokens_today=99)  # below it: not held
+        over = {owner for owner, share in teams.items() if _over_tokens(share)}
+        slots = rng.choice([None, 1, 3, 100])
+        chosen = [a.job.job_id for a in admit(waiting, teams, slots)]
+        assert chosen == _reference_admit(waiting, teams, slots)
+        assert not {job.owner for job in waiting if job.job_id in chosen} & over
+        order, queues = _reference_order(waiting, teams), Queues(waiting)
+        for job in waiting:
+            place = queue_position(queues, teams, job.job_id, job.owner)
+            assert place is not None and place.position == order.index(job.job_id) + 1
+            assert place.held_by_tokens == (job.owner in over)
 
 
 # --- the job store's reads, as the sensor and a GET make them ---------------------------------------
@@ -442,7 +475,8 @@ def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_adm
         free[2]: 4,
     }
     why = places[free[2]]["waiting_for"]
-    assert why.startswith("a run slot: 3 jobs ahead by fair share between teams (1 of your team's, 2 of 1 other team)")
+    assert why.startswith("a run slot: 3 jobs ahead by fair share between teams (1 of them your team's);")
+    assert "other team" not in why  # how many other teams wait is theirs
     assert "slot-seconds per weight (weight 1, 0 running)" in why
     for key_of_other in ("bounded", *bounded):  # no other team's name, nor its jobs
         assert key_of_other not in why
@@ -543,3 +577,125 @@ def test_through_serve_a_second_teams_job_starts_at_the_first_free_slot_and_a_lo
         assert started.index(other) in (2, 3) and started.index(other) < started.index(bounded[3]), started
     finally:
         served.kill()
+
+
+# --- max_tokens_per_day: a team over its tokens of the UTC day is held by the sensor -------------------
+
+CAPPED, TOKENS_PER_DAY = "key-of-the-capped-team", 1000
+
+
+@pytest.fixture
+def capped(teams, tmp_path):
+    """The tenants file with a third team, `capped`, whose jobs may use TOKENS_PER_DAY tokens a UTC day."""
+    teams["capped"] = tmp_path / "capped"
+    teams["capped"].mkdir()
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        tenants_file.read_text() + "  capped:\n"
+        f"    api_keys_sha256: [{_digest(CAPPED)}]\n"
+        f"    data_roots: [{teams['capped']}]\n"
+        f"    max_tokens_per_day: {TOKENS_PER_DAY}\n"
+    )
+    return teams
+
+
+def _ran(job_id: str, tokens: int, started_at: datetime, completed_at: datetime | None) -> None:
+    """The job's row as the pipeline leaves it: started, maybe ended, with its tokens."""
+    values = {
+        "status": COMPLETED if completed_at else RUNNING,
+        "started_at": started_at,
+        "completed_at": completed_at,
+        "prompt_tokens": tokens // 2,
+        "completion_tokens": tokens - tokens // 2,
+    }
+    with JobStore().engine.begin() as connection:
+        connection.execute(jobs_table.update().where(jobs_table.c.job_id == job_id).values(**values))
+
+
+def _one_slot_sensor(tmp_path, store: JobStore):
+    """The real jobs sensor over an instance with one free run slot (QueuedRunCoordinator, no run)."""
+    home = tmp_path / "dagster_home"
+    write_instance_config(home, max_concurrent_runs=1)
+    instance = dg.DagsterInstance.from_config(str(home))
+    context = dg.build_sensor_context(
+        instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
+    )
+    return lambda: [request.run_key for request in batch_jobs_sensor(context) or []]
+
+
+def _metadata(api, key: str, job_id: str) -> dict[str, str]:
+    response = api.get(f"/v2/batch-completions/{job_id}", headers={"x-api-key": key})
+    assert response.status_code == 200
+    return response.json()["job"]["metadata"]
+
+
+def _busy_free_team(api, teams, store: JobStore, now: datetime) -> None:
+    """A job of the free team (no tokens quota) that held a slot for two hours until a minute ago and used
+    a billion tokens: by fair share alone, the capped team's jobs go first."""
+    job_id = _submit(api, FREE, teams["free"] / "old.json").json()["job_id"]
+    _ran(job_id, 10**9, now - timedelta(hours=2), now - timedelta(minutes=1))
+
+
+def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_takes_the_free_slot(api, capped, tmp_path):
+    store, now = JobStore(), datetime.now(UTC)
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    _busy_free_team(api, capped, store, now)
+    spent, running, *waiting = (
+        _submit(api, CAPPED, capped["capped"] / f"{i}.json", priority="highest").json()["job_id"] for i in range(4)
+    )
+    free = _submit(api, FREE, capped["free"] / "1.json").json()["job_id"]
+    _store_job(store, "batch-late", "team:capped", runtime=0)  # its deadline passes while its team is held
+    # Today: 600 tokens of a job that ended, 399 so far of one still running (a second each: little usage).
+    _ran(spent, 600, now - timedelta(seconds=1), now)
+    _ran(running, TOKENS_PER_DAY - 600 - 1, now - timedelta(seconds=1), None)
+    assert store.tokens_since_by_owner(["team:capped", "team:free", "team:bounded"], midnight) == {
+        owner: store.tokens_since(owner, midnight) for owner in ("team:capped", "team:free")
+    }
+    # One token below its quota: not held, its jobs stand first.
+    below = _metadata(api, CAPPED, waiting[0])
+    assert below["queue_position"] == "1" and "max_tokens_per_day" not in below["waiting_for"], below
+
+    _ran(running, TOKENS_PER_DAY - 600, now - timedelta(seconds=1), None)  # the quota reached: held
+    places = {job_id: _metadata(api, CAPPED, job_id) for job_id in waiting}
+    # After every job that may start now (the free team's), in its own team's order.
+    assert [int(places[job_id]["queue_position"]) for job_id in waiting] == [2, 3]
+    why = places[waiting[0]]["waiting_for"]
+    assert why.startswith(
+        f"your team's max_tokens_per_day: it has used {TOKENS_PER_DAY}/{TOKENS_PER_DAY} tokens today (UTC); its "
+        "jobs wait until 00:00 UTC, then a run slot: 1 job ahead by fair share between teams (0 of them your "
+        "team's);"
+    ), why
+    # The free team has no such quota: never held, however many tokens it used today.
+    assert _metadata(api, FREE, free)["queue_position"] == "1"
+    assert "max_tokens_per_day" not in _metadata(api, FREE, free)["waiting_for"]
+
+    # The sensor gives the one free slot to the free team; the held team's late job still fails.
+    registry = tenants()
+    queues = waiting_queues(store, registry, skip_owners="schedule:")
+    held = admissions(queues, store, registry, 1, now, count=False).held  # for the sensor's log: one a team
+    assert held == {
+        "team:capped": f"3 waiting jobs are held by its max_tokens_per_day: it has used {TOKENS_PER_DAY}/"
+        f"{TOKENS_PER_DAY} tokens today (UTC); they wait until 00:00 UTC"
+    }
+    tick = _one_slot_sensor(tmp_path, store)
+    assert tick() == [free]
+    late = store.get("batch-late")
+    assert late.status == "failed" and "passed while it waited for a run slot" in late.failure_reason
+    assert all(store.get(job_id).run_id is None for job_id in waiting)
+    # With every other job gone, the slot stays free: the held team still gets none today.
+    store.cancel_before_launch(free)
+    assert tick() == []
+
+
+def test_tokens_of_yesterday_do_not_hold_a_team(api, capped, tmp_path):
+    store, now = JobStore(), datetime.now(UTC)
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    _busy_free_team(api, capped, store, now)
+    yesterday, waiting = (_submit(api, CAPPED, capped["capped"] / f"{i}.json").json()["job_id"] for i in range(2))
+    free = _submit(api, FREE, capped["free"] / "1.json").json()["job_id"]
+    # Ten days' quota, by a job that ended a second before midnight.
+    _ran(yesterday, 10 * TOKENS_PER_DAY, midnight - timedelta(seconds=2), midnight - timedelta(seconds=1))
+    place = _metadata(api, CAPPED, waiting)
+    assert place["queue_position"] == "1" and "max_tokens_per_day" not in place["waiting_for"]
+    assert _one_slot_sensor(tmp_path, store)() == [waiting]
+    assert store.get(free).run_id is None

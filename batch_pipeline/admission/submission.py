@@ -192,8 +192,8 @@ def check_tokens_quota(
 ) -> None:
     """Raise QuotaExceeded when the prompt and completion tokens of `owner`'s team's jobs today (UTC) reach
     its `max_tokens_per_day` (JobStore.tokens_since: a job's tokens count on the day it ends, today while
-    it runs); Retry-After is the next UTC midnight. It gates new jobs only: a running job finishes, and
-    jobs already stored are not held. A retry of a submission that made its job is answered with it."""
+    it runs); Retry-After is the next UTC midnight. A running job finishes; jobs already waiting are held
+    by the jobs sensor (pipeline/admission.py). A retry of a submission that made its job is answered with it."""
     team = team_of_owner(owner)
     limit = team.config.max_tokens_per_day if team is not None else None
     if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):

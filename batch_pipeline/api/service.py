@@ -213,14 +213,19 @@ def _place_in_queue(store: JobStore, registry: Tenants, record: JobRecord) -> di
         return {}
     ahead = place.position - 1
     why = (
+        # How many other teams are ahead is left out: it would tell a team how many others are waiting.
         f"a run slot: {ahead} job{'s' if ahead != 1 else ''} ahead by fair share between teams "
-        f"({place.ahead_in_team} of your team's, {ahead - place.ahead_in_team} of {place.teams_before} other "
-        f"team{'s' if place.teams_before != 1 else ''}); your team has used {place.usage_per_weight:.0f} "
+        f"({place.ahead_in_team} of them your team's); your team has used {place.usage_per_weight:.0f} "
         f"slot-seconds per weight (weight {place.weight:g}, {place.running} running); teams with less per weight "
         "go first, then fewer running per weight; within a team, higher priority, then older"
     )
     if place.held_by_bound:
         why = f"one of your team's {place.running} running jobs to end (its max_running_jobs), then {why}"
+    if place.held_by_tokens:
+        why = (
+            f"your team's max_tokens_per_day: it has used {place.tokens_today}/{place.max_tokens_per_day} tokens "
+            f"today (UTC); its jobs wait until 00:00 UTC, then {why}"
+        )
     return {"queue_position": str(place.position), "waiting_for": why}
 
 

@@ -3,14 +3,17 @@ slot can take it, and the jobs sensor asks for runs only for the jobs `fair_shar
 Dagster's run queue never holds a deep backlog in the order jobs arrived.
 
 Run slots are the instance's `max_concurrent_runs` (QueuedRunCoordinator) less the runs in progress, of
-any job. Without a tenants file there are no teams to share between: every job gets its run at once and
-waits in Dagster's queue by priority, as before.
+any job. A team whose tokens of the UTC day (`JobStore.tokens_since`, as submission counts them) have
+reached its `max_tokens_per_day` is held as a team at its `max_running_jobs` is: none of its waiting jobs
+is admitted until 00:00 UTC, and the other teams' jobs take the slots. Without a tenants file there are
+no teams to share between: every job gets its run at once and waits in Dagster's queue by priority, as
+before.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 from dagster._core.run_coordinator import QueuedRunCoordinator
@@ -49,8 +52,25 @@ def free_run_slots(instance: dg.DagsterInstance) -> int | None:
     return max(0, limit - in_progress)
 
 
+class Admissions(list[Admission]):
+    """The waiting jobs to give runs now, in order; and `held`: each team with jobs waiting that its
+    `max_tokens_per_day` holds now, with why (`{owner}'s {why}` reads as a sentence), for the sensor's log:
+    one line a team, not one a job."""
+
+    def __init__(self, admitted: list[Admission], held: dict[str, str]) -> None:
+        super().__init__(admitted)
+        self.held = held
+
+
+def utc_midnight(now: datetime) -> datetime:
+    """The start of `now`'s UTC day, from which a team's tokens of the day count."""
+    return now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+
 def team_shares(store: JobStore, registry: Tenants, now: datetime, count: bool = False) -> dict[str, TeamShare]:
-    """Each owner's weight, bound, decayed usage and slots held now (owners no team names: weight 1).
+    """Each owner's weight, bound, decayed usage and slots held now (owners no team names: weight 1); and
+    each team's tokens of the UTC day where it sets a `max_tokens_per_day` (one grouped read of those
+    teams, none where no team sets one).
 
     A team's usage is its row of ended jobs (decayed from when it was written), the jobs that ended since
     (not yet counted) and its running jobs up to now. With `count` (the jobs sensor, once a tick), the
@@ -79,6 +99,12 @@ def team_shares(store: JobStore, registry: Tenants, now: datetime, count: bool =
     for use in running:
         usage[use.owner] = usage.get(use.owner, 0.0) + _slot_seconds(use, None, now, half_life_s)
     holders = store.slot_holders()
+    limits = {
+        team.owner: team.config.max_tokens_per_day
+        for team in registry.teams.values()
+        if team.config.max_tokens_per_day is not None
+    }
+    tokens = store.tokens_since_by_owner(limits, utc_midnight(now)) if limits else {}
     shares = {}
     for owner in set(usage) | set(holders):
         team = registry.team_of_owner(owner)
@@ -87,9 +113,19 @@ def team_shares(store: JobStore, registry: Tenants, now: datetime, count: bool =
             max_running_jobs=team.config.max_running_jobs if team else None,
             usage=usage.get(owner, 0.0),
             running=holders.get(owner, 0),
+            max_tokens_per_day=limits.get(owner),
+            tokens_today=tokens.get(owner, 0),
         )
-    for team in registry.teams.values():  # a team's bound holds before it has used anything
-        shares.setdefault(team.owner, TeamShare(team.config.weight, team.config.max_running_jobs))
+    for team in registry.teams.values():  # a team's bounds hold before it has used anything
+        shares.setdefault(
+            team.owner,
+            TeamShare(
+                team.config.weight,
+                team.config.max_running_jobs,
+                max_tokens_per_day=team.config.max_tokens_per_day,
+                tokens_today=tokens.get(team.owner, 0),
+            ),
+        )
     return shares
 
 
@@ -135,9 +171,25 @@ def waiting_queues(store: JobStore, registry: Tenants, skip_owners: str | None =
 
 def admissions(
     queues: Queues, store: JobStore, registry: Tenants, slots: int | None, now: datetime, count: bool = True
-) -> list[Admission]:
-    """The waiting jobs to give runs now, in order, each with why it won its slot."""
-    return admit(queues, team_shares(store, registry, now, count=count), slots)
+) -> Admissions:
+    """The waiting jobs to give runs now, in order, each with why it won its slot; and the teams their
+    tokens of the day hold (`Admissions.held`)."""
+    shares = team_shares(store, registry, now, count=count)
+    held = {
+        owner: tokens_hold(share, queues.count(owner))
+        for owner in queues.owners()
+        if (share := shares.get(owner)) is not None and share.over_tokens()
+    }
+    return Admissions(admit(queues, shares, slots), held)
+
+
+def tokens_hold(share: TeamShare, waiting: int) -> str:
+    """Why a team's `waiting` jobs wait however free the slots are: its tokens of the day."""
+    jobs = f"{waiting} waiting job is" if waiting == 1 else f"{waiting} waiting jobs are"
+    return (
+        f"{jobs} held by its max_tokens_per_day: it has used {share.tokens_today}/{share.max_tokens_per_day} "
+        f"tokens today (UTC); {'it waits' if waiting == 1 else 'they wait'} until 00:00 UTC"
+    )
 
 
 def place_in_queue(store: JobStore, registry: Tenants, record: JobRecord, now: datetime) -> QueuePlace | None:

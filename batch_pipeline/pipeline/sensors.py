@@ -85,6 +85,8 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore):
         job = admission.job
         if job.job_id in given:
             context.log.info(f"fair share: {job.owner}'s job {job.job_id} takes a run slot ({admission.why})")
+    for owner, why in chosen.held.items():  # one line a held team, not one a job
+        context.log.info(f"fair share: {owner}'s {why}")
     if len(chosen) < len(queues):
         context.log.info(f"{len(queues) - len(chosen)} jobs wait for a run slot ({slots} free)")
     yield from _launchable(context, store, (record for record in records if record.job_id in given))

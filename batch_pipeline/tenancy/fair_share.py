@@ -3,9 +3,10 @@
 A team's usage is its jobs' slot-seconds (a shard's run time times its GPUs, or its CPUs where it asks
 for none), decayed with a half-life, as Slurm's fair-share factor decays it: a second ago counts whole,
 one half-life ago half. When slots are free, the next job comes from the team with the lowest usage per
-weight (then the fewest running jobs per weight), below its `max_running_jobs`; within a team, the
-highest priority (capped at the team's `max_priority`) first, then the oldest. Every free slot is filled
-while any team has a job waiting, so a team alone uses them all.
+weight (then the fewest running jobs per weight), below its `max_running_jobs` and, where it sets a
+`max_tokens_per_day`, below that many tokens of the UTC day; within a team, the highest priority (capped at
+the team's `max_priority`) first, then the oldest. Every free slot is filled while any team that may start
+a job has one waiting, so a team alone uses them all.
 
 Usage is fixed for one decision and each team's standing only rises as it is given slots, so the order
 slots are given out in is the sorted order of every waiting job's standing (its team's usage per weight,
@@ -37,16 +38,27 @@ class WaitingJob(NamedTuple):
 @dataclass(frozen=True)
 class TeamShare:
     """What admission knows of a team (an owner of jobs): its weight and bound, its usage and its jobs
-    holding run slots now."""
+    holding run slots now; and, where it sets a `max_tokens_per_day`, its tokens of the UTC day so far."""
 
     weight: float = 1.0
     max_running_jobs: int | None = None
     usage: float = 0.0
     running: int = 0
+    max_tokens_per_day: int | None = None
+    tokens_today: int = 0
+
+    def over_tokens(self) -> bool:
+        """Its tokens of the day have reached its `max_tokens_per_day`: none of its jobs starts until 00:00 UTC."""
+        return self.max_tokens_per_day is not None and self.tokens_today >= self.max_tokens_per_day
+
+    def below_bound(self) -> int | None:
+        """How many more of its jobs its `max_running_jobs` lets hold slots now (None: no bound)."""
+        return None if self.max_running_jobs is None else max(0, self.max_running_jobs - self.running)
 
     def allowed(self) -> int | None:
-        """How many more of its jobs may hold slots now (None: no bound)."""
-        return None if self.max_running_jobs is None else max(0, self.max_running_jobs - self.running)
+        """How many more of its jobs may hold slots now (None: no bound): none while it is over its tokens
+        of the day, else as its `max_running_jobs` allows."""
+        return 0 if self.over_tokens() else self.below_bound()
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,7 @@ def admit(waiting: Iterable[WaitingJob] | Queues, teams: dict[str, TeamShare], s
     for owner in queues.owners():
         share = teams.get(owner, _NO_SHARE)
         if share.allowed() == 0:
-            continue  # at its bound: its jobs wait for one of its own to end
+            continue  # at its bound (its jobs wait for one of its own to end) or over its tokens of the day
         jobs = queues.in_order(owner)
         first = next(jobs, None)
         if first is not None:
@@ -157,26 +169,32 @@ class QueuePlace:
 
     position: int  # 1-based
     ahead_in_team: int  # of its own team's jobs
-    teams_before: int  # other teams whose next job stands before it
     held_by_bound: bool  # its team is at max_running_jobs: it comes after every job that may start now
     usage_per_weight: float  # its team's
     weight: float
     running: int
+    # Its team's tokens of the UTC day have reached its max_tokens_per_day: it waits until 00:00 UTC, and
+    # comes after every job that may start now, as a job held by its bound does.
+    held_by_tokens: bool = False
+    tokens_today: int = 0
+    max_tokens_per_day: int | None = None
 
 
 def queue_position(queues: Queues, teams: dict[str, TeamShare], job_id: str, owner: str) -> QueuePlace | None:
     """The job's place in the order `admit` gives out slots (with as many slots as jobs), without giving
-    any: the count, team by team, of the standings lower than its own. A job its team's bound holds back
-    comes after every job that may start now, in the same order among the held ones. None: not waiting."""
+    any: the count, team by team, of the standings lower than its own. A job its team's bound holds back,
+    or every job of a team over its tokens of the day, comes after every job that may start now, in the
+    same order (by standing) among the held ones. None: not waiting."""
     mine = queues.ordered_list(owner)
     rank = next((k for k, job in enumerate(mine) if job.job_id == job_id), None)
     if rank is None:
         return None
     share = teams.get(owner, _NO_SHARE)
-    allowed = share.allowed()
-    held = allowed is not None and rank >= allowed
+    room = share.below_bound()
+    held_by_bound = room is not None and rank >= room
+    held = held_by_bound or share.over_tokens()
     target = _standing(owner, share, rank, mine[rank])
-    ahead, teams_before = rank, 0
+    ahead = rank
     for other in queues.owners():
         if other == owner:
             continue
@@ -190,8 +208,17 @@ def queue_position(queues: Queues, teams: dict[str, TeamShare], job_id: str, own
         else:
             before = _lower(queues, other, other_share, target, 0, bound)
         ahead += before
-        teams_before += before > 0
-    return QueuePlace(ahead + 1, rank, teams_before, held, share.usage / share.weight, share.weight, share.running)
+    return QueuePlace(
+        ahead + 1,
+        rank,
+        held_by_bound,
+        share.usage / share.weight,
+        share.weight,
+        share.running,
+        share.over_tokens(),
+        share.tokens_today,
+        share.max_tokens_per_day,
+    )
 
 
 def _lower(queues: Queues, owner: str, share: TeamShare, target: Standing, lo: int, hi: int) -> int:
