@@ -8,7 +8,6 @@ import time
 import dagster as dg
 import httpx
 import pytest
-import yaml
 from dagster._core.errors import DagsterUserCodeUnreachableError
 from dagster._core.events import EngineEventData
 from dagster._utils.error import serializable_error_info_from_exc_info
@@ -16,20 +15,8 @@ from dagster._utils.error import serializable_error_info_from_exc_info
 from batch_pipeline.pipeline.outages import MAX_RETRIES, RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, failure_reason, record_run_end
 from batch_pipeline.store.jobs import FAILED, RUNNING, JobStore, NewJob
-from tests.api_fixtures import REPO
 from tests.conftest import MODEL
-from tests.test_run_workers import _code_server
-from tests.test_serve import Served, _free_port
-
-
-@dg.op
-def _nothing() -> None:
-    pass
-
-
-@dg.job
-def _a_job() -> None:
-    _nothing()
+from tests.test_run_workers import _a_job, deployment_with_its_own_code_server
 
 
 @pytest.fixture
@@ -106,20 +93,8 @@ def test_a_run_failed_from_outside_for_another_reason_is_not_retried(instance, t
 def test_a_run_dequeued_while_its_code_server_is_down_waits_for_it_and_its_job_completes(tmp_path):
     """On main the queue failed the run at once ("Caught an unrecoverable error while dequeuing the run"),
     and its job stayed failed, with no output."""
-    port = _free_port()
-    workspace = tmp_path / "workspace.yaml"
-    workspace.write_text(
-        f"load_from:\n  - grpc_server:\n      host: 127.0.0.1\n      port: {port}\n"
-        "      location_name: batch_pipeline\n"
-    )
-    shipped = yaml.safe_load((REPO / "dagster_home" / "dagster.yaml").read_text())
-    shipped["run_coordinator"]["config"].update(max_concurrent_runs=1, dequeue_interval_seconds=1)
-    shipped["run_coordinator"]["config"]["user_code_failure_retry_delay"] = 3  # the shipped 10 s, shortened
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    log = tmp_path / "code_server.log"
-    servers = [_code_server(port, home, log)]
-    served = Served(tmp_path, instance_yaml=yaml.safe_dump(shipped), workspace=workspace)
+    # The queue's retry delay shortened from the shipped 10 s; how many retries, as shipped.
+    served, home, servers, restart = deployment_with_its_own_code_server(tmp_path, user_code_failure_retry_delay=3)
     try:
         served.wait_until_up()
 
@@ -163,7 +138,7 @@ def test_a_run_dequeued_while_its_code_server_is_down_waits_for_it_and_its_job_c
             assert time.monotonic() < deadline, [record.message for record in instance.all_logs(waiting.run_id)]
             time.sleep(0.5)
         assert run_of(second).status == dg.DagsterRunStatus.QUEUED  # back in the queue, not failed
-        servers.append(_code_server(port, home, log))
+        restart()
         for job_id in (first, second):
             while (job := httpx.get(f"{served.api}/v2/batch-completions/{job_id}", timeout=10).json()["job"])[
                 "status"

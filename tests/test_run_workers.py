@@ -154,23 +154,35 @@ def _code_server(port: int, home: Path, log: Path) -> subprocess.Popen:
     return server
 
 
-@pytest.mark.slow
-def test_a_run_worker_orphaned_by_a_code_server_restart_then_killed_is_found_and_its_job_resumed(tmp_path):
-    """On main the run stayed STARTED, its job `running`, until its max_runtime (a day by default)."""
+def deployment_with_its_own_code_server(tmp_path, poll_interval_seconds: int = 10, **coordinator):
+    """`make serve`'s deployment, with the shipped dagster.yaml (one run slot, and `coordinator` over its
+    run coordinator's config), whose code server runs apart, as a deployment that restarts it separately
+    runs it. Returns the deployment, its DAGSTER_HOME, the code servers started so far (to kill at the
+    end), and a function that starts another on the same port."""
     port = _free_port()
     workspace = tmp_path / "workspace.yaml"
     workspace.write_text(
         f"load_from:\n  - grpc_server:\n      host: 127.0.0.1\n      port: {port}\n"
         "      location_name: batch_pipeline\n"
     )
-    shipped = yaml.safe_load((REPO / "dagster_home" / "dagster.yaml").read_text())  # as `make serve` runs it
-    shipped["run_coordinator"]["config"].update(max_concurrent_runs=1, dequeue_interval_seconds=1)
-    shipped["run_monitoring"]["poll_interval_seconds"] = 2
+    shipped = yaml.safe_load((REPO / "dagster_home" / "dagster.yaml").read_text())
+    shipped["run_coordinator"]["config"].update(max_concurrent_runs=1, dequeue_interval_seconds=1, **coordinator)
+    shipped["run_monitoring"]["poll_interval_seconds"] = poll_interval_seconds
     home = tmp_path / "dagster_home"
     home.mkdir()
     log = tmp_path / "code_server.log"
     servers = [_code_server(port, home, log)]
-    served = Served(tmp_path, instance_yaml=yaml.safe_dump(shipped), workspace=workspace)
+
+    def restart() -> None:
+        servers.append(_code_server(port, home, log))
+
+    return Served(tmp_path, instance_yaml=yaml.safe_dump(shipped), workspace=workspace), home, servers, restart
+
+
+@pytest.mark.slow
+def test_a_run_worker_orphaned_by_a_code_server_restart_then_killed_is_found_and_its_job_resumed(tmp_path):
+    """On main the run stayed STARTED, its job `running`, until its max_runtime (a day by default)."""
+    served, home, servers, restart = deployment_with_its_own_code_server(tmp_path, poll_interval_seconds=2)
     try:
         served.wait_until_up()
         prompts = [f"Write a long story about the number {i}." for i in range(12)]
@@ -193,7 +205,7 @@ def test_a_run_worker_orphaned_by_a_code_server_restart_then_killed_is_found_and
         assert worker_pid in _descendants(servers[0].pid)  # the code server started it, and only it watched it
         servers[0].kill()  # the run worker lives on, orphaned
         servers[0].wait()
-        servers.append(_code_server(port, home, log))
+        restart()
         os.kill(worker_pid, signal.SIGKILL)
         deadline = time.monotonic() + 300
         while (job := httpx.get(f"{served.api}/v2/batch-completions/{job_id}", timeout=10).json()["job"])[
