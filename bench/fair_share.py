@@ -1,7 +1,9 @@
 """Fair share between teams: the admission decision's cost at scale, and the shares its policy gives.
 
     .venv/bin/python bench/fair_share.py [--queued 10000] [--teams 100] [--finished 20000] [--slots 20]
-                                         [--window-s 14400] [--sim-slots 8] [--out PATH]
+                                         [--window-s 14400] [--sim-slots 8] [--served-jobs 6]
+                                         [--served-prompts 4] [--served-max-tokens 16] [--served-rounds 2]
+                                         [--run-slots 2] [--no-serve] [--out PATH]
 
 1. **Decision time.** A job store (SQLite in a temporary directory) holding `--queued` waiting jobs across
    `--teams` teams (priorities low, none, high) and `--finished` jobs that used run slots in the last
@@ -18,6 +20,16 @@
    `--window-s` with `--sim-slots` slots, against first-come-first-served from the same arrivals: each
    team's share of the slot-seconds, against 25/25/50 (goal within +-10 %). A simulation of the policy,
    not of the service: the service's runs are tested through `serve` in tests/test_fair_share.py.
+3. **A lone team's throughput.** The real deployment (`python -m batch_pipeline.entrypoints.serve`, a fresh
+   DAGSTER_HOME each time, `--run-slots` run slots: max_concurrent_runs in its dagster.yaml, sensors every
+   second) started twice: without a tenants file (every job gets its Dagster run at once and waits in
+   Dagster's queue: main's path) and with a tenants file naming one team (its jobs wait in the job store and
+   the jobs sensor admits them to free slots: the new path). Each is sent the same `--served-jobs` jobs of
+   `--served-prompts` short prompts (`--served-max-tokens` new tokens, temperature 0, smollm2-135m-instruct)
+   through the HTTP API, once the API, the webserver and the daemon are up; timed from the first submission
+   to the last job seen completed (polled every 0.5 s): wall and jobs/minute, the two configurations
+   alternated over `--served-rounds` rounds, medians and the ratio new / main. Goal: unchanged within noise.
+   `--no-serve` skips it (tests/test_bench.py's quick run).
 
 Writes bench/results/fair_share-<time>.json (or --out).
 """
@@ -26,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import statistics
@@ -35,9 +48,14 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from control_plane import clean_environment, stop_leftovers, write_dagster_yaml
+from served import start_serve, stop_serve
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "results"
+MODEL = "smollm2-135m-instruct"
+PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is", "A short poem about rain:"]
 
 
 def _tenants_file(directory: Path, teams: int) -> Path:
@@ -259,6 +277,124 @@ def simulated_shares(window_s: float, slots: int, job_s: float = 60.0, half_life
     }
 
 
+def _served_round(work: Path, config: str, jobs: int, prompts: int, max_tokens: int, run_slots: int) -> dict:
+    """One deployment of `config` ("main": no tenants file; "new": a tenants file of one team), sent `jobs`
+    jobs at once; from the first submission to the last job seen completed."""
+    home, out = work / "dagster_home", work / "out"
+    home.mkdir(parents=True)
+    out.mkdir()
+    write_dagster_yaml(str(home), run_slots)
+    env = clean_environment(str(home), BATCH_PIPELINE_SENSOR_INTERVAL_S="1", VLLM_LOGGING_LEVEL="WARNING")
+    headers = {}
+    if config == "new":
+        key = "key-of-the-lone-team"
+        tenants_file = work / "tenants.yaml"
+        tenants_file.write_text(
+            "tenants:\n"
+            "  team-a:\n"
+            f"    api_keys_sha256: [{hashlib.sha256(key.encode()).hexdigest()}]\n"
+            f"    data_roots: [{out}]\n"
+        )
+        env["BATCH_PIPELINE_TENANTS"] = str(tenants_file)
+        headers = {"x-api-key": key}
+    serve, client = start_serve(home, env, REPO)
+    try:
+        bodies = [
+            {
+                "output_data_path": str(out / f"job-{j}.json"),
+                "model_config": {"model": MODEL},
+                "content": {
+                    "prompts": [f"{PROMPTS[p % len(PROMPTS)]} ({j})" for p in range(prompts)],
+                    "max_new_tokens": max_tokens,
+                    "temperature": 0.0,
+                },
+            }
+            for j in range(jobs)
+        ]
+        started = time.monotonic()
+        job_ids = []
+        for body in bodies:
+            response = client.post("/v2/batch-completions", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+            job_ids.append(response.json()["job_id"])
+        submitted_s = time.monotonic() - started
+        statuses: dict[str, str] = {}
+        deadline = started + 600 + 120 * jobs / run_slots
+        while True:
+            for job_id in job_ids:
+                if statuses.get(job_id) not in ("completed", "failed", "cancelled"):
+                    statuses[job_id] = client.get(f"/v2/batch-completions/{job_id}", headers=headers).json()["job"][
+                        "status"
+                    ]
+            if all(status in ("completed", "failed", "cancelled") for status in statuses.values()):
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"{config}: jobs did not finish: {statuses}\n{(home / 'serve.log').read_text()[-4000:]}"
+                )
+            time.sleep(0.5)
+        wall = time.monotonic() - started
+        assert all(status == "completed" for status in statuses.values()), statuses
+        return {
+            "config": config,
+            "jobs": jobs,
+            "submit_s": round(submitted_s, 2),
+            "wall_s": round(wall, 2),
+            "jobs_per_min": round(60 * jobs / wall, 2),
+        }
+    finally:
+        client.close()
+        stop_serve(serve)
+        stop_leftovers(str(home))
+
+
+def lone_team_throughput(jobs: int, prompts: int, max_tokens: int, rounds: int, run_slots: int) -> dict:
+    """A lone team's job throughput through `serve`, with a tenants file (new) against without (main)."""
+    runs: dict[str, list[dict]] = {"main": [], "new": []}
+    with tempfile.TemporaryDirectory(prefix="bench-fair-share-serve-") as directory:
+        for round_index in range(rounds):
+            for config in ("main", "new") if round_index % 2 == 0 else ("new", "main"):
+                work = Path(directory, f"{config}-{round_index}")
+                runs[config].append(_served_round(work, config, jobs, prompts, max_tokens, run_slots))
+                print(f"served round {round_index}: {runs[config][-1]}", flush=True)
+    summary = {
+        config: {
+            "wall_s_median": round(statistics.median(run["wall_s"] for run in of_config), 2),
+            "wall_s_min": min(run["wall_s"] for run in of_config),
+            "wall_s_max": max(run["wall_s"] for run in of_config),
+            "jobs_per_min_median": round(statistics.median(run["jobs_per_min"] for run in of_config), 2),
+        }
+        for config, of_config in runs.items()
+    }
+    return {
+        "jobs": jobs,
+        "prompts_per_job": prompts,
+        "max_new_tokens": max_tokens,
+        "run_slots": run_slots,
+        "rounds": rounds,
+        "runs": runs,
+        "summary": summary,
+        "new_over_main_jobs_per_min": round(
+            summary["new"]["jobs_per_min_median"] / summary["main"]["jobs_per_min_median"], 3
+        ),
+    }
+
+
+def _table(served: dict) -> str:
+    rows = [
+        "| configuration | wall s (median, min-max) | jobs/min (median) |",
+        "|---|---|---|",
+    ]
+    for config, label in (("main", "main: no tenants file"), ("new", "new: tenants file, one team")):
+        figures = served["summary"][config]
+        rows.append(
+            f"| {label} | {figures['wall_s_median']} ({figures['wall_s_min']}-{figures['wall_s_max']}) "
+            f"| {figures['jobs_per_min_median']} |"
+        )
+    rows.append(f"| new / main (jobs/min) | | {served['new_over_main_jobs_per_min']} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--queued", type=int, default=10_000)
@@ -267,16 +403,31 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=20)
     parser.add_argument("--window-s", type=float, default=14_400)
     parser.add_argument("--sim-slots", type=int, default=8)
+    parser.add_argument("--served-jobs", type=int, default=6)
+    parser.add_argument("--served-prompts", type=int, default=4)
+    parser.add_argument("--served-max-tokens", type=int, default=16)
+    parser.add_argument("--served-rounds", type=int, default=2)
+    parser.add_argument("--run-slots", type=int, default=2)
+    parser.add_argument("--no-serve", action="store_true", help="skip part 3 (the deployment, real vLLM jobs)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = {
         "date": datetime.now(UTC).isoformat(),
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?"),
         "avx512_bf16": "avx512_bf16" in open("/proc/cpuinfo").read(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": list(os.getloadavg()),  # other work on the machine
         "decision": decision_time(args.queued, args.teams, args.finished, args.slots),
         "shares": simulated_shares(args.window_s, args.sim_slots),
     }
-    print(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2), flush=True)
+    if not args.no_serve:
+        results["lone_team"] = lone_team_throughput(
+            args.served_jobs, args.served_prompts, args.served_max_tokens, args.served_rounds, args.run_slots
+        )
+        results["load_average_at_end"] = list(os.getloadavg())
+        print(json.dumps(results["lone_team"], indent=2))
+        print(_table(results["lone_team"]))
     out = args.out or RESULTS / f"fair_share-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -276,7 +276,7 @@ def test_the_api_flood_benchmark_measures_team_b_during_team_as_flood(tmp_path):
 def test_the_fair_share_benchmark_times_a_decision_and_its_shares_follow_the_weights(tmp_path):
     out = tmp_path / "fair_share.json"
     tiny = ["--queued", "120", "--teams", "6", "--finished", "60", "--slots", "3", "--window-s", "3600"]
-    _bench("fair_share.py", *tiny, "--sim-slots", "4", "--out", str(out))
+    _bench("fair_share.py", *tiny, "--sim-slots", "4", "--no-serve", "--out", str(out))
     results = json.loads(out.read_text())
     assert results["decision"]["queued"] == 120 and results["decision"]["fair_share_decision_ms"] > 0
     shares = results["shares"]

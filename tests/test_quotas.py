@@ -320,48 +320,89 @@ def test_the_day_of_the_tokens_quota_is_the_utc_day(api, teams):
 
 @pytest.mark.slow
 def test_through_serve_a_team_past_its_tokens_of_the_day_after_one_real_job_gets_429(teams, tmp_path, monkeypatch):
+    """Through the real deployment (one run slot), each quota answers 429 and stores nothing: an upload past
+    `max_stored_bytes` (no file listed, none on disk), a job past `max_queued_jobs` while the slot is held
+    (no job row), and, once one real job has used its tokens, a job past `max_tokens_per_day`."""
     import httpx
 
     from tests.test_serve import Served
 
     monkeypatch.delenv("BATCH_PIPELINE_JOBS_DB", raising=False)
-    tenants_file = tmp_path / "tenants-serve.yaml"  # a quota any one job reaches
+    monkeypatch.delenv("BATCH_PIPELINE_WORK_DIR", raising=False)  # the files dir is DAGSTER_HOME/work/files
+    tenants_file = tmp_path / "tenants-serve.yaml"  # a tokens quota any one job reaches
     tenants_file.write_text(
         "tenants:\n"
         "  small:\n"
         f"    api_keys_sha256: [{_digest(SMALL)}]\n"
         f"    data_roots: [{teams['small']}]\n"
         "    max_tokens_per_day: 1\n"
+        f"    max_stored_bytes: {STORED_MAX}\n"
+        "  other:\n"
+        f"    api_keys_sha256: [{_digest(OTHER)}]\n"
+        f"    data_roots: [{teams['other']}]\n"
+        "    max_queued_jobs: 1\n"
     )
     served = Served(tmp_path, env={"BATCH_PIPELINE_TENANTS": str(tenants_file)})
     try:
         served.wait_until_up()
+        api = httpx.Client(base_url=served.api, timeout=30)
 
-        def submit(name: str) -> httpx.Response:
-            return httpx.post(
-                f"{served.api}/v2/batch-completions",
-                json=_body(teams["small"] / name),
-                headers={"x-api-key": SMALL},
-                timeout=30,
-            )
+        def submit(key: str, output) -> httpx.Response:
+            return api.post("/v2/batch-completions", json=_body(output), headers={"x-api-key": key})
 
-        first = submit("1.json")
+        def job(job_id: str, key: str = SMALL) -> dict:
+            return api.get(f"/v2/batch-completions/{job_id}", headers={"x-api-key": key}).json()["job"]
+
+        # max_stored_bytes: one upload fits, the next would pass the quota: OpenAI's 429, no file kept.
+        data = _jsonl([_line("a", content="x" * 400)])
+        assert 2 * len(data) > STORED_MAX >= len(data) + 200  # room for the job's inline content below
+        first_file = _upload(api, data, key=SMALL)
+        assert first_file.status_code == 200, first_file.text
+        kept = _on_disk(tmp_path)
+        assert len(kept["files"]) == 1
+        refused = _upload(api, data, key=SMALL)
+        error = _openai_error(refused, "max_stored_bytes")
+        assert f"stores {len(data)} bytes" in error["message"] and f"quota of {STORED_MAX}" in error["message"]
+        assert "retry-after" not in refused.headers
+        assert _file_ids(api, SMALL) == [first_file.json()["id"]] and _on_disk(tmp_path)["files"] == kept["files"]
+
+        first = submit(SMALL, teams["small"] / "1.json")
         assert first.status_code == 200, first.text
-        url = f"{served.api}/v2/batch-completions/{first.json()['job_id']}"
+        first_id = first.json()["job_id"]
         deadline = time.monotonic() + 600
-        while (job := httpx.get(url, headers={"x-api-key": SMALL}, timeout=30).json()["job"])["status"] in (
-            "queued",
-            "running",
-        ):
+        while job(first_id)["status"] == "queued":
+            assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+            time.sleep(0.2)
+
+        # max_queued_jobs: while the one run slot is held, the other team's job waits in the store; one more
+        # is a 429 and makes no job.
+        waiting = submit(OTHER, teams["other"] / "1.json")
+        assert waiting.status_code == 200, waiting.text
+        waiting_id = waiting.json()["job_id"]
+        listed, on_disk = _job_ids(api, OTHER), _on_disk(tmp_path)["work"]
+        assert listed == [waiting_id] and job(waiting_id, OTHER)["status"] == "queued"
+        refused = submit(OTHER, teams["other"] / "2.json")
+        assert refused.status_code == 429, refused.text
+        detail = refused.json()["detail"]
+        assert detail.startswith("max_queued_jobs:") and "1 jobs waiting to start" in detail, detail
+        assert refused.headers["retry-after"] == "30"
+        assert _job_ids(api, OTHER) == listed and _on_disk(tmp_path)["work"] == on_disk
+        cancelled = api.post(f"/v2/batch-completions/{waiting_id}/actions/cancel", headers={"x-api-key": OTHER})
+        assert cancelled.status_code == 200 and cancelled.json()["success"] is True  # it need not run
+
+        # max_tokens_per_day: once the real job has used its tokens.
+        while (finished := job(first_id))["status"] in ("queued", "running"):
             assert time.monotonic() < deadline, served.log.read_text()[-3000:]
             time.sleep(1)
-        assert job["status"] == "completed", job
-        used = int(job["metadata"]["prompt_tokens"]) + int(job["metadata"]["completion_tokens"])
+        assert finished["status"] == "completed", finished
+        used = int(finished["metadata"]["prompt_tokens"]) + int(finished["metadata"]["completion_tokens"])
         assert used >= 1
-        refused = submit("2.json")
+        jobs_before = _job_ids(api, SMALL)
+        refused = submit(SMALL, teams["small"] / "2.json")
         assert refused.status_code == 429, refused.text
         assert refused.json()["detail"].startswith(f"max_tokens_per_day: your team's jobs have used {used}/1 tokens")
         assert int(refused.headers["retry-after"]) > 0
+        assert _job_ids(api, SMALL) == jobs_before == [first_id]
     finally:
         served.kill()
 
