@@ -32,8 +32,8 @@ class InvalidHardware(ValueError):
     """A hardware field that no pod can carry; the message names the field."""
 
 
-# Kubernetes keeps a quantity's milli-units in an int64.
-LARGEST_QUANTITY = Decimal(2**63 - 1) / 1000
+# What Kubernetes keeps of a quantity in an int64: bytes, or a CPU's milli-units.
+LARGEST_QUANTITY = {"cpus": Decimal(2**63 - 1) / 1000, "memory": Decimal(2**63 - 1), "storage": Decimal(2**63 - 1)}
 
 
 def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
@@ -47,7 +47,7 @@ def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
     amount = parse_quantity(text)
     if amount <= 0:
         raise InvalidHardware(f"{field}: {value!r} is not a positive Kubernetes quantity ({EXAMPLES})")
-    if amount > LARGEST_QUANTITY:  # "1e400" matches the grammar; no pod, and no float, holds it
+    if amount > LARGEST_QUANTITY.get(field, LARGEST_QUANTITY["memory"]):  # "1e400" matches the grammar
         raise InvalidHardware(f"{field}: {str(value)[:64]!r} is larger than any Kubernetes quantity ({EXAMPLES})")
     return text, amount
 
