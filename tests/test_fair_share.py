@@ -18,8 +18,7 @@ from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_q
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import run_tags
-from batch_pipeline.store.jobs import COMPLETED, RUNNING, JobStore, NewJob
-from batch_pipeline.store.jobs import jobs as jobs_table
+from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.tenancy.fair_share import (
     Queues,
     TeamShare,
@@ -32,6 +31,7 @@ from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants
 from tests.api_fixtures import write_instance_config
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
+from tests.test_quotas import _ran
 
 BOUNDED, FREE = "key-of-the-bounded-team", "key-of-the-free-team"
 
@@ -597,19 +597,6 @@ def capped(teams, tmp_path):
         f"    max_tokens_per_day: {TOKENS_PER_DAY}\n"
     )
     return teams
-
-
-def _ran(job_id: str, tokens: int, started_at: datetime, completed_at: datetime | None) -> None:
-    """The job's row as the pipeline leaves it: started, maybe ended, with its tokens."""
-    values = {
-        "status": COMPLETED if completed_at else RUNNING,
-        "started_at": started_at,
-        "completed_at": completed_at,
-        "prompt_tokens": tokens // 2,
-        "completion_tokens": tokens - tokens // 2,
-    }
-    with JobStore().engine.begin() as connection:
-        connection.execute(jobs_table.update().where(jobs_table.c.job_id == job_id).values(**values))
 
 
 def _one_slot_sensor(tmp_path, store: JobStore):
