@@ -153,7 +153,8 @@ def seed_finished_jobs(store, count: int, home: str, seed: int = 0) -> list[str]
     then what `mark_started` and `mark_run_ended` write (status, times, counts, the results summary)."""
     import uuid
 
-    from batch_pipeline.store.jobs import CANCELLED, COMPLETED, FAILED, NewJob, job_labels, jobs, label_digest
+    from batch_pipeline.store.jobs import NewJob
+    from batch_pipeline.store.schema import JobStatus, job_labels, jobs, label_digest
 
     rng = random.Random(seed)
     template = stored_request_template()
@@ -175,11 +176,11 @@ def seed_finished_jobs(store, count: int, home: str, seed: int = 0) -> list[str]
             "labels": labels,
         }
         requests = rng.randrange(10, 50_000)
-        status = COMPLETED if i % 20 < 17 else FAILED if i % 20 < 19 else CANCELLED
+        status = JobStatus.COMPLETED if i % 20 < 17 else JobStatus.FAILED if i % 20 < 19 else JobStatus.CANCELLED
         wait_s, wall_s = rng.uniform(1, 120), rng.uniform(30, 3600)
         started = created + timedelta(seconds=wait_s)
         ended = started + timedelta(seconds=wall_s)
-        done = requests if status == COMPLETED else rng.randrange(requests)
+        done = requests if status == JobStatus.COMPLETED else rng.randrange(requests)
         completion_tokens = done * rng.randrange(10, 200)
         results = {
             "num_requests": requests,
@@ -212,15 +213,15 @@ def seed_finished_jobs(store, count: int, home: str, seed: int = 0) -> list[str]
                 "started_at": started,
                 "queue_wait_s": wait_s,
                 "completed_at": ended,
-                "cancelled_at": ended if status == CANCELLED else None,
+                "cancelled_at": ended if status == JobStatus.CANCELLED else None,
                 "failed_at": None,
-                "failure_reason": "shard 2: the worker exited with code 137" if status == FAILED else None,
+                "failure_reason": "shard 2: the worker exited with code 137" if status == JobStatus.FAILED else None,
                 "requests_total": requests,
                 "requests_done": done,
                 "errors": 0,
                 "prompt_tokens": done * 40,
                 "completion_tokens": completion_tokens,
-                "results": json.dumps(results) if status == COMPLETED else None,
+                "results": json.dumps(results) if status == JobStatus.COMPLETED else None,
             }
         )
         label_rows.extend(

@@ -14,7 +14,8 @@ from dagster._utils.error import serializable_error_info_from_exc_info
 
 from batch_pipeline.pipeline.outages import MAX_RETRIES, RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, failure_reason, record_run_end
-from batch_pipeline.store.jobs import FAILED, RUNNING, JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.schema import JobStatus
 from tests.conftest import MODEL
 from tests.test_run_workers import _a_job, deployment_with_its_own_code_server
 
@@ -57,7 +58,7 @@ def test_a_run_the_retry_daemon_gave_up_on_for_an_unreachable_code_server_is_ret
     failures_before = len(instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE))
     record_run_end(instance, store, run, job_id)
     job = store.get(job_id)
-    assert job.status == RUNNING and "code location could not be reached" in job.status_detail
+    assert job.status == JobStatus.RUNNING and "code location could not be reached" in job.status_detail
     run = instance.get_run_by_id(run.run_id)
     assert run.tags[RETRIES_TAG] == "1"
     # A new failure event for the run retry daemon, which the instance marks as one it will retry.
@@ -70,7 +71,7 @@ def test_after_its_retries_a_job_failed_by_an_unreachable_code_server_says_so(in
     instance.add_run_tags(run.run_id, {RETRIES_TAG: str(MAX_RETRIES)})
     record_run_end(instance, store, instance.get_run_by_id(run.run_id), job_id)
     job = store.get(job_id)
-    assert job.status == FAILED
+    assert job.status == JobStatus.FAILED
     assert job.failure_reason.startswith("the code location could not be reached: Failed to retry run")
     assert "UNAVAILABLE" in job.failure_reason and "from outside" not in job.failure_reason
 
@@ -82,7 +83,7 @@ def test_a_run_failed_from_outside_for_another_reason_is_not_retried(instance, t
         other = EngineEventData.engine_error(serializable_error_info_from_exc_info(sys.exc_info()))
     store, job_id, run = _job_of_a_failed_run(instance, tmp_path, other, "Caught an unrecoverable error")
     record_run_end(instance, store, run, job_id)
-    assert store.get(job_id).status == FAILED
+    assert store.get(job_id).status == JobStatus.FAILED
     assert RETRIES_TAG not in instance.get_run_by_id(run.run_id).tags
     assert (
         failure_reason(instance, run.run_id) == "This run has been marked as failed from outside the execution context."

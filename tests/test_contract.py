@@ -206,3 +206,14 @@ def test_job_serialises_with_the_spec_field_names():
     dumped = job.model_dump(mode="json", by_alias=True)
     assert dumped["model_config"]["model"] == "m" and dumped["status"] == "queued"
     assert {"completed_at", "metadata", "priority", "input_data_path"} <= set(dumped)
+
+
+def test_every_status_the_store_holds_is_a_status_the_wire_reports():
+    """The contract cannot import the store, so this keeps the two enums one list: a status added to the
+    store but not to the wire would make every GET of such a job fail its response model."""
+    from batch_pipeline.contract import BatchCompletionsJobStatus
+    from batch_pipeline.store.schema import JobStatus
+
+    assert {status.value for status in JobStatus} == {status.value for status in BatchCompletionsJobStatus} - {
+        "unknown"
+    }

@@ -15,7 +15,8 @@ import pytest
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, run_tags
-from batch_pipeline.store.jobs import JobStore, jobs
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.schema import jobs
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL
 

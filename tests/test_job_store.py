@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 
-from batch_pipeline.store.jobs import SCHEMA_VERSION_TABLE, JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.schema import SCHEMA_VERSION_TABLE
 
 MODEL = "smollm2-135m-instruct"
 FIRST_RELEASE_TABLE = (

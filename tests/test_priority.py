@@ -4,7 +4,7 @@ that never ranks above `highest`, and the job says how it was read."""
 import pytest
 
 from batch_pipeline.contract.priority import MAX_PRIORITY_CHARS, InvalidPriority, read_priority
-from batch_pipeline.store.jobs import jobs
+from batch_pipeline.store.schema import jobs
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL
 from tests.test_api import _sensor_run_requests

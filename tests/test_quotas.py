@@ -16,8 +16,9 @@ import pytest
 import sqlalchemy as sa
 
 from batch_pipeline.admission.submission import QuotaExceeded, check_tokens_quota, hold_stored_bytes
-from batch_pipeline.store.jobs import COMPLETED, RUNNING, JobStore, jobs
+from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import files
+from batch_pipeline.store.schema import JobStatus, jobs
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 
@@ -254,7 +255,7 @@ def test_bytes_being_stored_at_once_are_counted_against_each_other(api, tmp_path
 def _ran(job_id: str, tokens: int, started_at: datetime, completed_at: datetime | None) -> None:
     """The job's row as the pipeline leaves it: started, maybe ended, with its tokens."""
     values = {
-        "status": COMPLETED if completed_at else RUNNING,
+        "status": JobStatus.COMPLETED if completed_at else JobStatus.RUNNING,
         "started_at": started_at,
         "completed_at": completed_at,
         "prompt_tokens": tokens // 2,

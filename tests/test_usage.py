@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batch_pipeline.pipeline.admission import _units_per_shard
-from batch_pipeline.store.jobs import COMPLETED, JobStore, SlotUse
+from batch_pipeline.store.jobs import JobStore, SlotUse
+from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.fair_share import shard_units
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
@@ -76,7 +77,7 @@ def _ran(store: JobStore, job_id: str, shards: dict[int, dict[str, int]], starte
     store.record_shards(job_id, {index: figures["requests_done"] for index, figures in shards.items()})
     for index, figures in shards.items():
         store.record_shard_progress(job_id, index, figures)
-    store.mark_run_ended(job_id, f"run-{job_id}", COMPLETED, ended)
+    store.mark_run_ended(job_id, f"run-{job_id}", JobStatus.COMPLETED, ended)
 
 
 def _summed(jobs: list[dict]) -> dict[str, int]:

@@ -12,7 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from batch_pipeline.api.usage import named_owners, team_label
-from batch_pipeline.store.jobs import QUEUED, JobStore
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.schema import JobStatus
 
 # Submission to run start, in seconds: from an idle local deployment (~2 s) to a queue hours deep.
 START_LATENCY_BUCKETS = (1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
@@ -36,7 +37,7 @@ class JobStoreCollector(Collector):
         per_model: dict[str, list[int]] = {}
         for status, model, count, requests_done, completion_tokens in self.store.counts_by_status_and_model():
             jobs.add_metric([status, model], count)
-            queued += count if status == QUEUED else 0
+            queued += count if status == JobStatus.QUEUED else 0
             totals = per_model.setdefault(model, [0, 0])
             totals[0] += requests_done
             totals[1] += completion_tokens

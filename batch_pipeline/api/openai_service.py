@@ -55,8 +55,9 @@ from batch_pipeline.openai_batch.jobs import (
     model_config_for,
     write_result_files,
 )
-from batch_pipeline.store.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, JobRecord, NewJob
+from batch_pipeline.store.jobs import JobRecord, NewJob
 from batch_pipeline.store.openai import BatchRecord, FileRecord, OpenAIStore
+from batch_pipeline.store.schema import JobStatus
 
 _CHUNK = 1024 * 1024
 
@@ -295,11 +296,11 @@ class OpenAIBatchService:
 
     def cancel_batch(self, caller: Caller, batch_id: str) -> Batch:
         batch, job = self._batch(caller, batch_id)
-        if job.is_finished and job.status != CANCELLED:
+        if job.is_finished and job.status != JobStatus.CANCELLED:
             raise InvalidOpenAIRequest("batch_id", f"the batch is already {describe_batch(batch, job).status}")
         self.jobs.cancel(caller, batch_id)
         batch, job = self._batch(caller, batch_id)
-        if job.status == CANCELLED and not job.requests_total and batch.finalized_at is None:
+        if job.status == JobStatus.CANCELLED and not job.requests_total and batch.finalized_at is None:
             # Stopped before its shards were planned: no run keeps partial results, so its error file (every
             # request cancelled) is written here.
             work_dir = self.jobs.job_storage.work_dir(batch_id)
@@ -410,13 +411,13 @@ def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
     timestamps: dict[str, int | None] = {"in_progress_at": _unix(job.started_at)}
     if batch.errors:
         status, timestamps = "failed", {"failed_at": _unix(job.failed_at or job.completed_at)}
-    elif job.status in (QUEUED, RUNNING):
+    elif job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
         total = job.requests_total or 0
         status = "finalizing" if total and (job.requests_done or 0) >= total else "in_progress"
-    elif job.status == COMPLETED:
+    elif job.status == JobStatus.COMPLETED:
         status = "completed" if batch.finalized_at else "finalizing"
         timestamps |= {"finalizing_at": ended, "completed_at": _unix(batch.finalized_at)}
-    elif job.status == CANCELLED:
+    elif job.status == JobStatus.CANCELLED:
         # Its finished work is written by the run that keeps partial results, if its shards were planned.
         done = batch.finalized_at is not None or (job.completed_at is not None and not job.requests_total)
         status = "cancelled" if done else "cancelling"
@@ -428,7 +429,7 @@ def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
     else:
         status, timestamps = "failed", timestamps | {"failed_at": ended}
     errors = batch.errors
-    if status == "failed" and not errors and job.status == FAILED:
+    if status == "failed" and not errors and job.status == JobStatus.FAILED:
         errors = [{"code": "batch_failed", "message": job.failure_reason or "the batch's job failed"}]
     if batch.finalized_at is not None:
         counts = BatchRequestCounts(total=batch.total, completed=batch.completed or 0, failed=batch.failed or 0)

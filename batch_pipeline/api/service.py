@@ -30,7 +30,8 @@ from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.pipeline.admission import place_in_queue
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
-from batch_pipeline.store.jobs import CANCELLED, FAILED, QUEUED, IdempotencyConflict, JobRecord, JobStore
+from batch_pipeline.store.jobs import IdempotencyConflict, JobRecord, JobStore
+from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import Tenants, priority_cap, tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
@@ -122,7 +123,7 @@ class BatchJobService:
         """Reprioritise a job that has not started: in the store before launch, on the queued run after."""
         run_priority(priority)
         record = self._record(caller, job_id)
-        if record.status != QUEUED:
+        if record.status != JobStatus.QUEUED:
             return self.describe(record), False
         run = find_run(self.instance, job_id)
         if run is not None and run.status not in _NOT_STARTED:
@@ -135,7 +136,7 @@ class BatchJobService:
 
     def cancel(self, caller: Caller, job_id: str) -> bool:
         record = self._record(caller, job_id)
-        if record.status == CANCELLED:
+        if record.status == JobStatus.CANCELLED:
             return True
         if record.is_finished:
             return False
@@ -169,14 +170,14 @@ class BatchJobService:
             }
         if record.status_detail:
             metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
-        if record.status == QUEUED and record.run_id is None and (registry := tenants()) is not None:
+        if record.status == JobStatus.QUEUED and record.run_id is None and (registry := tenants()) is not None:
             metadata["waiting_for"] = "a run slot: the jobs sensor gives free ones out by fair share between teams"
             if place_in_queue:
                 metadata |= _place_in_queue(self.store, registry, record)
         for key in _RESULT_FIELDS:
             if record.results and record.results.get(key) is not None:
                 metadata[key] = str(record.results[key])
-        if record.status == FAILED:
+        if record.status == JobStatus.FAILED:
             metadata["failure_reason"] = record.failure_reason or "the job failed"
         if record.priority is not None:
             metadata["priority_read_as"] = _priority_read_as(record.priority, priority_cap(record.owner))

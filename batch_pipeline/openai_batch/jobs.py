@@ -29,8 +29,9 @@ from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, Filt
 from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
-from batch_pipeline.store.jobs import FAILED, JobRecord, JobStore
+from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.openai import BatchResults, FileRecord, OpenAIStore
+from batch_pipeline.store.schema import JobStatus
 
 CUSTOM_IDS_FILE = "custom_ids.jsonl"
 OUTPUT_FILE = "output.json"
@@ -196,7 +197,7 @@ def model_config_for(model: str) -> BatchCompletionsModelConfig:
 def expired(job: JobRecord) -> bool:
     """Whether the job failed at its deadline (an OpenAI batch's completion window): stopped by run
     monitoring, or found past it when its run started."""
-    if job.status != FAILED:
+    if job.status != JobStatus.FAILED:
         return False
     at_deadline = job.completed_at is not None and job.completed_at >= job.expires_at
     return at_deadline or (job.failure_reason or "").startswith("max_runtime_sec exceeded")

@@ -27,7 +27,8 @@ from batch_pipeline.pipeline.partial_results import keep_partial_results, partia
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
-from batch_pipeline.store.jobs import CANCELLED, COMPLETED, FAILED, JobRecord, JobStore
+from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import tenants
 
 WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
@@ -224,7 +225,7 @@ def record_run_end(
     job_id = job_id or job_id_of(instance, run)
     ended_at = _end_time(instance, run.run_id)
     if run.status == dg.DagsterRunStatus.SUCCESS:
-        store.mark_run_ended(job_id, run.run_id, COMPLETED, ended_at)
+        store.mark_run_ended(job_id, run.run_id, JobStatus.COMPLETED, ended_at)
         return None
     if run.status == dg.DagsterRunStatus.FAILURE:
         reason = failure_reason(instance, run.run_id)
@@ -235,7 +236,7 @@ def record_run_end(
         if (outage := retry_after_outage(instance, run)) is not None:
             store.mark_retrying(job_id, run.run_id, outage)
             return None
-        store.mark_run_ended(job_id, run.run_id, FAILED, ended_at, reason=reason)
+        store.mark_run_ended(job_id, run.run_id, JobStatus.FAILED, ended_at, reason=reason)
         return partial_results_run_request(
             store.get(job_id), run.run_id, "job_failed", f"the job failed before this request finished: {reason}"
         )
@@ -243,11 +244,11 @@ def record_run_end(
     if record is not None and record.cancelled_at is None and ended_at >= record.expires_at:
         # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
         why = "max_runtime_sec exceeded: the run was stopped by run monitoring"
-        store.mark_run_ended(job_id, run.run_id, FAILED, ended_at, reason=why)
+        store.mark_run_ended(job_id, run.run_id, JobStatus.FAILED, ended_at, reason=why)
         return partial_results_run_request(
             record, run.run_id, "job_failed", f"the job failed before this request finished: {why}"
         )
-    store.mark_run_ended(job_id, run.run_id, CANCELLED, ended_at)
+    store.mark_run_ended(job_id, run.run_id, JobStatus.CANCELLED, ended_at)
     return partial_results_run_request(
         record, run.run_id, "cancelled", "the job was cancelled before this request finished"
     )

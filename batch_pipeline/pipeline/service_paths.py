@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 
 from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.store.jobs import default_store_url
+from batch_pipeline.store.engine import default_store_url
 from batch_pipeline.tenancy.tenants import tenants
 
 

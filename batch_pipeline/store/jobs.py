@@ -4,118 +4,35 @@ sensors (which launch runs and record how they ended) and the pipeline (which re
 A job's status, progress, counts and tokens are data in its row, written as they change, so that a
 status read is an indexed query whatever the job's size. SQLite in dagster_home/ by default; any
 SQLAlchemy URL (Postgres) in production. The schema is versioned (Alembic, `store/migrations/`) and
-upgraded once per process; one engine per process and URL.
+upgraded once per process; one engine per process and URL (`store/engine.py`), tables in `store/schema.py`.
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
-import hashlib
 import json
-import os
-import threading
 import uuid
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
-from typing import Any, overload
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import FunctionElement
 
-from batch_pipeline.core import io
-from batch_pipeline.core.settings import settings
-
-metadata = sa.MetaData()
-# Not Alembic's default name: the job store may share a database with Dagster's own storage.
-SCHEMA_VERSION_TABLE = "batch_pipeline_schema_version"
-
-QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "running", "completed", "failed", "cancelled"
-FINISHED = (COMPLETED, FAILED, CANCELLED)
-
-JOB_ID_LENGTH = 64  # the job_id column's bound
-
-jobs = sa.Table(
-    "batch_jobs",
-    metadata,
-    sa.Column("job_id", sa.String(JOB_ID_LENGTH), primary_key=True),
-    sa.Column("owner", sa.String(128), nullable=False, index=True),
-    sa.Column("idempotency_key", sa.String(256), nullable=True),
-    # The request as stored: inline content is not in it but in the file `content_path` names.
-    sa.Column("request", sa.Text, nullable=False),
-    sa.Column("request_sha256", sa.String(64), nullable=True),  # what an Idempotency-Key was first used for
-    sa.Column("content_path", sa.Text, nullable=True),
-    sa.Column("content_bytes", sa.BigInteger, nullable=True),  # the size of that file, as written
-    sa.Column("model", sa.String(256), nullable=True),
-    sa.Column("priority", sa.String(64), nullable=True),
-    sa.Column("labels", sa.Text, nullable=False),
-    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, index=True),
-    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("run_id", sa.String(64), nullable=True, index=True),  # the newest run of the job
-    sa.Column("status", sa.String(16), nullable=False, server_default=QUEUED),
-    sa.Column("status_detail", sa.Text, nullable=True),  # e.g. why a run is being retried
-    sa.Column("started_at", sa.DateTime(timezone=True), nullable=True),
-    sa.Column("queue_wait_s", sa.Float, nullable=True),  # submission to first run start
-    sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
-    sa.Column("cancelled_at", sa.DateTime(timezone=True), nullable=True),
-    sa.Column("failed_at", sa.DateTime(timezone=True), nullable=True),  # the job could not become a run
-    sa.Column("failure_reason", sa.Text, nullable=True),
-    # Totals over the shards, kept with each progress report; final figures when the job completes.
-    sa.Column("requests_total", sa.BigInteger, nullable=True),
-    sa.Column("requests_done", sa.BigInteger, nullable=True),
-    sa.Column("errors", sa.BigInteger, nullable=True),
-    sa.Column("prompt_tokens", sa.BigInteger, nullable=True),
-    sa.Column("completion_tokens", sa.BigInteger, nullable=True),
-    sa.Column("results", sa.Text, nullable=True),  # the finished job's summary (JSON), as in its metadata file
-    # Fair share: the end up to which the job's use of run slots is counted in its team's `team_usage` row.
-    sa.Column("usage_counted_until", sa.DateTime(timezone=True), nullable=True),
-    sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
-    sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
-    sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
-    sa.Index("ix_batch_jobs_owner_completed", "owner", "completed_at"),  # a team's tokens of the day
-    # Fair share's reads each tick: the ended jobs not yet counted, the running ones, the waiting ones.
-    sa.Index("ix_batch_jobs_usage_uncounted", "usage_counted_until", "completed_at"),
-    sa.Index("ix_batch_jobs_holding", "completed_at", "started_at"),
-    sa.Index("ix_batch_jobs_waiting", "status", "run_id", "created_at", "job_id", "owner", "priority", "expires_at"),
+from batch_pipeline.store.engine import default_store_url, engine_for
+from batch_pipeline.store.schema import (
+    FINISHED,
+    JOB_ID_LENGTH,
+    JobStatus,
+    job_labels,
+    job_shards,
+    jobs,
+    label_digest,
+    team_usage,
 )
-
-# Fair share: each team's decayed slot-seconds of its ended jobs, as they count at `as_of`.
-team_usage = sa.Table(
-    "batch_team_usage",
-    metadata,
-    sa.Column("owner", sa.String(128), primary_key=True),
-    sa.Column("usage", sa.Float, nullable=False),
-    sa.Column("as_of", sa.DateTime(timezone=True), nullable=False),
-)
-
-job_labels = sa.Table(
-    "batch_job_labels",
-    metadata,
-    sa.Column("job_id", sa.String(64), primary_key=True),
-    sa.Column("key", sa.Text, primary_key=True),
-    sa.Column("value", sa.Text, nullable=False),
-    # Keys and values have no bound: the index holds their digest, the query compares both.
-    sa.Column("digest", sa.String(64), nullable=False),
-    sa.Index("ix_batch_job_labels_digest", "digest", "job_id"),
-)
-
-job_shards = sa.Table(
-    "batch_job_shards",
-    metadata,
-    sa.Column("job_id", sa.String(64), primary_key=True),
-    sa.Column("shard_index", sa.Integer, primary_key=True),
-    sa.Column("requests_total", sa.BigInteger, nullable=False),
-    sa.Column("requests_done", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("errors", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=True),
-)
+from batch_pipeline.store.sql import json_scalar, owner_bucket, seconds_between, utc, utc_day, utc_now
 
 _SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens")
 _FIGURES = ("requests_done", "prompt_tokens", "completion_tokens")  # what usage and /metrics sum
@@ -138,7 +55,7 @@ class JobRecord:
     cancelled_at: datetime | None
     idempotency_key: str | None
     request_sha256: str | None = None  # what an Idempotency-Key was first used for
-    status: str = QUEUED
+    status: JobStatus = JobStatus.QUEUED
     model: str | None = None
     content_path: str | None = None
     content_bytes: int | None = None
@@ -172,21 +89,21 @@ class JobRecord:
             request_json=row.request,
             priority=row.priority,
             labels=json.loads(row.labels),
-            created_at=_utc(row.created_at),
-            expires_at=_utc(row.expires_at),
+            created_at=utc(row.created_at),
+            expires_at=utc(row.expires_at),
             run_id=row.run_id,
-            cancelled_at=_utc(row.cancelled_at),
+            cancelled_at=utc(row.cancelled_at),
             idempotency_key=row.idempotency_key,
             request_sha256=row.request_sha256,
-            status=row.status,
+            status=JobStatus(row.status),
             model=row.model,
             content_path=row.content_path,
             content_bytes=row.content_bytes,
             status_detail=row.status_detail,
-            started_at=_utc(row.started_at),
+            started_at=utc(row.started_at),
             queue_wait_s=row.queue_wait_s,
-            completed_at=_utc(row.completed_at),
-            failed_at=_utc(row.failed_at),
+            completed_at=utc(row.completed_at),
+            failed_at=utc(row.failed_at),
             failure_reason=row.failure_reason,
             requests_total=row.requests_total,
             requests_done=row.requests_done,
@@ -259,87 +176,6 @@ class Page:
     next_after: str | None  # the cursor of the next page; None on the last one
 
 
-def default_store_url() -> str:
-    home = os.environ.get("DAGSTER_HOME", "dagster_home")
-    return settings().jobs_db or f"sqlite:///{os.path.abspath(home)}/batch_jobs.db"
-
-
-_engines: dict[str, sa.Engine] = {}
-_engines_lock = threading.Lock()
-
-
-def engine_for(url: str) -> sa.Engine:
-    """The process's one engine for a URL (a connection pool), its schema upgraded when first made."""
-    with _engines_lock:
-        engine = _engines.get(url)
-        if engine is None:
-            engine = _engines[url] = _create_engine(url)
-            upgrade_schema(engine)
-        return engine
-
-
-def _create_engine(url: str) -> sa.Engine:
-    options: dict[str, Any] = {"pool_pre_ping": True}
-    if url.startswith("sqlite"):
-        # The API's threads, the daemon's sensors and the run's steps write the same file: wait for the
-        # lock, don't fail.
-        options["connect_args"] = {"timeout": 30, "check_same_thread": False}
-        _create_private(make_url(url).database)
-    engine = sa.create_engine(url, **options)
-    if url.startswith("sqlite"):
-        sa.event.listen(engine, "connect", _sqlite_wal)
-    return engine
-
-
-def _forget_inherited_connections() -> None:
-    for engine in _engines.values():
-        engine.dispose(close=False)
-
-
-# Step processes fork from a server that may hold pooled connections: a child opens its own.
-os.register_at_fork(after_in_child=_forget_inherited_connections)
-
-
-def upgrade_schema(engine: sa.Engine) -> None:
-    """Bring the database to the newest schema, whichever release made it. Processes starting together
-    (the API, the daemon) take turns: a lock on Postgres, a lock file beside a SQLite database."""
-    from alembic import command
-    from alembic.config import Config
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-
-    config = Config()
-    config.set_main_option("script_location", "batch_pipeline.store:migrations")
-    head = ScriptDirectory.from_config(config).get_current_head()
-    with engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"version_table": SCHEMA_VERSION_TABLE})
-        if context.get_current_revision() == head:
-            return
-    with _migration_lock(engine), engine.begin() as connection:
-        if engine.dialect.name == "postgresql":
-            connection.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('batch_pipeline_schema'))"))
-        config.attributes["connection"] = connection
-        command.upgrade(config, "head")
-
-
-@contextlib.contextmanager
-def _migration_lock(engine: sa.Engine) -> Iterator[None]:
-    database = engine.url.database if engine.dialect.name == "sqlite" else None
-    if not database or database == ":memory:" or database.startswith("file:"):
-        yield
-        return
-    with io.file_lock(f"{database}.migrate-lock"):
-        yield
-
-
-def label_digest(key: str, value: str) -> str:
-    return hashlib.sha256(json.dumps([key, value]).encode()).hexdigest()
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 class JobStore:
     def __init__(self, url: str | None = None) -> None:
         self.engine = engine_for(url or default_store_url())
@@ -350,7 +186,7 @@ class JobStore:
         """Store a new job in one transaction; with an idempotency key already used by this owner, return
         that job instead, or raise IdempotencyConflict if it was used for a different request. The second
         value says whether a job was created."""
-        now = _now()
+        now = utc_now()
         row = {
             "job_id": job.job_id,
             "owner": job.owner,
@@ -365,10 +201,15 @@ class JobStore:
             "created_at": now,
             "expires_at": now + timedelta(seconds=job.max_runtime_sec),
             "run_id": job.run_id,
-            "status": QUEUED,
+            "status": JobStatus.QUEUED,
         }
         if job.failure_reason is not None:
-            row |= {"status": FAILED, "failed_at": now, "completed_at": now, "failure_reason": job.failure_reason}
+            row |= {
+                "status": JobStatus.FAILED,
+                "failed_at": now,
+                "completed_at": now,
+                "failure_reason": job.failure_reason,
+            }
         try:
             with self.engine.begin() as connection:
                 connection.execute(jobs.insert().values(**row))
@@ -408,13 +249,15 @@ class JobStore:
         )
         with self.engine.connect() as connection:
             return [
-                SlotUse(owner, _utc(started), _utc(ended), int(count or 0), request)
+                SlotUse(owner, utc(started), utc(ended), int(count or 0), request)
                 for owner, started, ended, request, count in connection.execute(query)
             ]
 
     def slot_holders(self) -> dict[str, int]:
         """How many jobs of each owner hold a run slot: running, or given a run that has not started yet."""
-        holding = sa.or_(jobs.c.status == RUNNING, sa.and_(jobs.c.status == QUEUED, jobs.c.run_id.is_not(None)))
+        holding = sa.or_(
+            jobs.c.status == JobStatus.RUNNING, sa.and_(jobs.c.status == JobStatus.QUEUED, jobs.c.run_id.is_not(None))
+        )
         query = sa.select(jobs.c.owner, sa.func.count()).where(holding).group_by(jobs.c.owner)
         with self.engine.connect() as connection:
             return {owner: int(count) for owner, count in connection.execute(query)}
@@ -430,7 +273,7 @@ class JobStore:
         created = sa.type_coerce(jobs.c.created_at, sa.String)
         query = (
             sa.select(jobs.c.job_id, jobs.c.owner, jobs.c.priority, created)
-            .where(jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
+            .where(jobs.c.status == JobStatus.QUEUED, jobs.c.run_id.is_(None))
             .order_by(jobs.c.created_at, jobs.c.job_id)
         )
         with self.engine.connect() as connection:
@@ -440,17 +283,19 @@ class JobStore:
     def expired_waiting(self, now: datetime) -> builtins.list[tuple[str, str, datetime]]:
         """(job id, owner, deadline) of each queued job without a run whose deadline passed."""
         query = sa.select(jobs.c.job_id, jobs.c.owner, jobs.c.expires_at).where(
-            jobs.c.status == QUEUED, jobs.c.run_id.is_(None), jobs.c.expires_at <= now
+            jobs.c.status == JobStatus.QUEUED, jobs.c.run_id.is_(None), jobs.c.expires_at <= now
         )
         with self.engine.connect() as connection:
-            return [(job_id, owner, _utc(expires)) for job_id, owner, expires in connection.execute(query)]
+            return [(job_id, owner, utc(expires)) for job_id, owner, expires in connection.execute(query)]
 
     def waiting_records(self, job_ids: Iterable[str]) -> builtins.list[JobRecord]:
         """The records of those of these jobs still queued without a run, in the order asked."""
         wanted = list(job_ids)
         if not wanted:
             return []
-        query = sa.select(jobs).where(jobs.c.job_id.in_(wanted), jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
+        query = sa.select(jobs).where(
+            jobs.c.job_id.in_(wanted), jobs.c.status == JobStatus.QUEUED, jobs.c.run_id.is_(None)
+        )
         with self.engine.connect() as connection:
             by_id = {row.job_id: JobRecord.from_row(row) for row in connection.execute(query)}
         return [by_id[job_id] for job_id in wanted if job_id in by_id]
@@ -463,7 +308,7 @@ class JobStore:
         ).where(condition)  # fmt: skip
         with self.engine.connect() as connection:
             return [
-                SlotUse(owner, _utc(started), _utc(ended), int(count or 0), request, job_id, _utc(counted))
+                SlotUse(owner, utc(started), utc(ended), int(count or 0), request, job_id, utc(counted))
                 for job_id, owner, started, ended, request, count, counted in connection.execute(query)
             ]
 
@@ -483,7 +328,7 @@ class JobStore:
         """Each team's usage row: its ended jobs' decayed slot-seconds, as they count at the time given."""
         with self.engine.connect() as connection:
             rows = connection.execute(sa.select(team_usage.c.owner, team_usage.c.usage, team_usage.c.as_of))
-            return {owner: (float(usage), _utc(as_of)) for owner, usage, as_of in rows}
+            return {owner: (float(usage), utc(as_of)) for owner, usage, as_of in rows}
 
     def count_slot_usage(
         self,
@@ -551,7 +396,9 @@ class JobStore:
 
     def count_queued(self, owner: str) -> int:
         """How many of `owner`'s jobs wait to start (queued, with or without a run yet)."""
-        query = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.status == QUEUED)
+        query = (
+            sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.status == JobStatus.QUEUED)
+        )
         with self.engine.connect() as connection:
             return int(connection.execute(query).scalar_one())
 
@@ -654,7 +501,9 @@ class JobStore:
         """The queued jobs without a Dagster run, oldest first, a chunk of records at a time (one query
         each): a caller that stops early reads no more."""
         query = (
-            sa.select(jobs.c.job_id).where(jobs.c.status == QUEUED, jobs.c.run_id.is_(None)).order_by(jobs.c.created_at)
+            sa.select(jobs.c.job_id)
+            .where(jobs.c.status == JobStatus.QUEUED, jobs.c.run_id.is_(None))
+            .order_by(jobs.c.created_at)
         )
         with self.engine.connect() as connection:
             job_ids = connection.execute(query).scalars().all()
@@ -662,7 +511,9 @@ class JobStore:
             wanted = job_ids[start : start + chunk]
             with self.engine.connect() as connection:
                 rows = connection.execute(
-                    sa.select(jobs).where(jobs.c.job_id.in_(wanted), jobs.c.status == QUEUED, jobs.c.run_id.is_(None))
+                    sa.select(jobs).where(
+                        jobs.c.job_id.in_(wanted), jobs.c.status == JobStatus.QUEUED, jobs.c.run_id.is_(None)
+                    )
                 )
                 by_id = {row.job_id: JobRecord.from_row(row) for row in rows}
             yield [by_id[job_id] for job_id in wanted if job_id in by_id]
@@ -670,7 +521,7 @@ class JobStore:
     def unfinished_with_runs(self) -> builtins.list[tuple[str, str]]:
         """(job id, run id) of every job whose row says a run has it and that has not finished."""
         query = sa.select(jobs.c.job_id, jobs.c.run_id).where(
-            jobs.c.status.in_((QUEUED, RUNNING)), jobs.c.run_id.is_not(None)
+            jobs.c.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)), jobs.c.run_id.is_not(None)
         )
         with self.engine.connect() as connection:
             return [(row.job_id, row.run_id) for row in connection.execute(query)]
@@ -685,7 +536,7 @@ class JobStore:
         # created_at, not completed_at: the (status, created_at) index serves the order.
         query = (
             sa.select(jobs.c.results, shards.label("shards"))
-            .where(jobs.c.status == COMPLETED, jobs.c.model == model[:256], jobs.c.results.is_not(None))
+            .where(jobs.c.status == JobStatus.COMPLETED, jobs.c.model == model[:256], jobs.c.results.is_not(None))
             .order_by(jobs.c.created_at.desc())
             .limit(limit)
         )
@@ -696,10 +547,10 @@ class JobStore:
 
     def mark_failed(self, job_id: str, reason: str) -> None:
         """A job that cannot become a run: it is never taken again, and reads `failed` with the reason."""
-        now = _now()
+        now = utc_now()
         self._update(
-            sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == QUEUED),
-            status=FAILED,
+            sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == JobStatus.QUEUED),
+            status=JobStatus.FAILED,
             failed_at=now,
             completed_at=now,
             failure_reason=reason,
@@ -713,10 +564,10 @@ class JobStore:
 
     def cancel_before_launch(self, job_id: str) -> bool:
         """Mark a job cancelled if no run was made for it yet; False when a run already exists."""
-        now = _now()
+        now = utc_now()
         return self._update(
-            sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == QUEUED),
-            status=CANCELLED,
+            sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == JobStatus.QUEUED),
+            status=JobStatus.CANCELLED,
             cancelled_at=now,
             completed_at=now,
         )
@@ -724,37 +575,41 @@ class JobStore:
     def mark_cancelled(self, job_id: str) -> None:
         """The job's run was asked to stop: it reads cancelled now; its end is recorded when the run ends."""
         self._update(
-            sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED)), status=CANCELLED, cancelled_at=_now()
+            sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED)),
+            status=JobStatus.CANCELLED,
+            cancelled_at=utc_now(),
         )
 
     def mark_started(self, job_id: str, run_id: str, started_at: datetime | None = None) -> bool:
         """A run of the job started at `started_at` (its first, a retry, or a re-execution from the UI): it
         is the job's run now, and the job runs. False, and nothing changes, for a job cancelled before any
         run of it started: a run asked for just before the cancel must not run."""
-        now = started_at or _now()
+        now = started_at or utc_now()
         with self.engine.begin() as connection:
             row = connection.execute(
                 sa.select(jobs.c.created_at, jobs.c.started_at, jobs.c.status).where(jobs.c.job_id == job_id)
             ).first()
             if row is None:
                 return True  # a run with no job behind it (`execute_request` with an id of its own)
-            if row.status == CANCELLED and row.started_at is None:
+            if row.status == JobStatus.CANCELLED and row.started_at is None:
                 return False
             values: dict[str, Any] = {
                 "run_id": run_id,
-                "status": RUNNING,
+                "status": JobStatus.RUNNING,
                 "status_detail": None,
                 "completed_at": None,
                 "failure_reason": None,
             }
             if row.started_at is None:
-                values |= {"started_at": now, "queue_wait_s": (now - _utc(row.created_at)).total_seconds()}
+                values |= {"started_at": now, "queue_wait_s": (now - utc(row.created_at)).total_seconds()}
             connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(**values))
         return True
 
     def mark_retrying(self, job_id: str, run_id: str, reason: str) -> None:
         """The run failed and Dagster retries it: the job still runs, and says why it starts again."""
-        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), status=RUNNING, status_detail=reason)
+        self._update(
+            sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), status=JobStatus.RUNNING, status_detail=reason
+        )
 
     def mark_run_ended(
         self, job_id: str, run_id: str, status: str, ended_at: datetime, reason: str | None = None
@@ -762,7 +617,7 @@ class JobStore:
         """How the job's run ended, unless a newer run took the job over."""
         # A job someone cancelled reads cancelled however its run then ended.
         values: dict[str, Any] = {
-            "status": sa.case((jobs.c.cancelled_at.is_not(None), CANCELLED), else_=status),
+            "status": sa.case((jobs.c.cancelled_at.is_not(None), JobStatus.CANCELLED), else_=status),
             "completed_at": ended_at,
             "status_detail": None,
         }
@@ -790,7 +645,7 @@ class JobStore:
             connection.execute(
                 job_shards.insert(),
                 [
-                    {"job_id": job_id, "shard_index": index, "requests_total": total, "updated_at": _now()}
+                    {"job_id": job_id, "shard_index": index, "requests_total": total, "updated_at": utc_now()}
                     for index, total in requests_per_shard.items()
                 ],
             )
@@ -803,7 +658,7 @@ class JobStore:
             connection.execute(
                 job_shards.update()
                 .where(job_shards.c.job_id == job_id, job_shards.c.shard_index == shard_index)
-                .values(**values, updated_at=_now())
+                .values(**values, updated_at=utc_now())
             )
             self._total_shards(connection, job_id)
 
@@ -837,9 +692,9 @@ class JobStore:
             return [tuple(row) for row in connection.execute(query)]
 
     def oldest_queued_created_at(self) -> datetime | None:
-        query = sa.select(sa.func.min(jobs.c.created_at)).where(jobs.c.status == QUEUED)
+        query = sa.select(sa.func.min(jobs.c.created_at)).where(jobs.c.status == JobStatus.QUEUED)
         with self.engine.connect() as connection:
-            return _utc(connection.execute(query).scalar())
+            return utc(connection.execute(query).scalar())
 
     def queue_wait_buckets(self, bounds: Iterable[float]) -> tuple[builtins.list[int], int, float]:
         """Jobs whose run started, counted at or under each bound of their wait from submission to start;
@@ -984,116 +839,3 @@ class _Row(dict):
 
     def __getattr__(self, name: str) -> Any:
         return self.get(name)
-
-
-def _create_private(database: str | None) -> None:
-    """Create the SQLite file readable by its owner only, before SQLite does (with the umask's mode); its
-    WAL and shared-memory files take the database's mode. Jobs hold prompts: no other user reads them."""
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return
-    os.close(os.open(database, os.O_CREAT | os.O_RDWR, 0o600))
-    for path in (database, f"{database}-wal", f"{database}-shm"):
-        if os.path.exists(path) and os.stat(path).st_mode & 0o077:
-            os.chmod(path, 0o600)  # made by an older release with the umask's mode
-
-
-def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.close()
-
-
-@overload
-def _utc(value: datetime) -> datetime: ...
-@overload
-def _utc(value: None) -> None: ...
-def _utc(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
-# --- SQL that SQLite and Postgres spell differently (usage by day) -----------------------------------------
-
-
-def owner_bucket(column: Any, named: Collection[str]) -> Any:
-    """The owner when `named` holds it, else NULL: every other owner grouped as one, so that a grouping
-    has at most len(named) + 1 owners however many there were."""
-    return sa.case((column.in_(sorted(named)), column), else_=sa.null())
-
-
-class utc_day(FunctionElement[str]):
-    """A timestamp's UTC day, as text "YYYY-MM-DD"."""
-
-    type = sa.String()
-    name = "utc_day"
-    inherit_cache = True
-
-
-@compiles(utc_day)
-def _utc_day(element: utc_day, compiler: Any, **kw: Any) -> str:
-    # SQLite holds timestamps as UTC text ("YYYY-MM-DD HH:MM:SS.ffffff"), which date() reads.
-    return f"date({compiler.process(element.clauses, **kw)})"
-
-
-@compiles(utc_day, "postgresql")
-def _utc_day_postgres(element: utc_day, compiler: Any, **kw: Any) -> str:
-    return f"to_char(({compiler.process(element.clauses, **kw)}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
-
-
-class seconds_between(FunctionElement[float]):
-    """Seconds from the first timestamp to the second."""
-
-    type = sa.Float()
-    name = "seconds_between"
-    inherit_cache = True
-
-
-@compiles(seconds_between)
-def _seconds_between(element: seconds_between, compiler: Any, **kw: Any) -> str:
-    start, end = (compiler.process(clause, **kw) for clause in element.clauses)
-    return f"((julianday({end}) - julianday({start})) * 86400.0)"
-
-
-@compiles(seconds_between, "postgresql")
-def _seconds_between_postgres(element: seconds_between, compiler: Any, **kw: Any) -> str:
-    start, end = (compiler.process(clause, **kw) for clause in element.clauses)
-    return f"CAST(EXTRACT(EPOCH FROM ({end} - {start})) AS DOUBLE PRECISION)"
-
-
-# A JSON text Postgres' json type refuses whole (a lone surrogate's escape, an escaped NUL, which stored
-# requests of older releases may hold): its scalar is read by pattern instead of failing the query.
-_POSTGRES_UNPARSABLE_JSON = (
-    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u0000"
-)
-
-
-class json_scalar(FunctionElement[Any]):
-    """A top-level key's scalar value in a text column holding a JSON object (NULL when absent): a number or
-    a string on SQLite, its text on Postgres."""
-
-    name = "json_scalar"
-    inherit_cache = False  # the key is part of the SQL, not a bound value
-
-    def __init__(self, column: Any, key: str) -> None:
-        if not key.isidentifier():
-            raise ValueError(f"not a key this reads: {key!r}")
-        self.key = key
-        super().__init__(column)
-
-
-@compiles(json_scalar)
-def _json_scalar(element: json_scalar, compiler: Any, **kw: Any) -> str:
-    return f"json_extract({compiler.process(element.clauses, **kw)}, '$.{element.key}')"
-
-
-@compiles(json_scalar, "postgresql")
-def _json_scalar_postgres(element: json_scalar, compiler: Any, **kw: Any) -> str:
-    column = compiler.process(element.clauses, **kw)
-    unparsable = compiler.process(sa.literal(_POSTGRES_UNPARSABLE_JSON), **kw)
-    pattern = compiler.process(sa.literal(f'"{element.key}": ("[^"]*"|[-+0-9.eE]+)'), **kw)
-    return (
-        f"CASE WHEN {column} ~ {unparsable} THEN trim(BOTH '\"' FROM substring({column} FROM {pattern})) "
-        f"ELSE json_extract_path_text(CAST({column} AS JSON), '{element.key}') END"
-    )

@@ -13,7 +13,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from batch_pipeline.store.jobs import _now, _utc, default_store_url, engine_for, owner_bucket, utc_day
+from batch_pipeline.store.engine import default_store_url, engine_for
+from batch_pipeline.store.sql import owner_bucket, utc, utc_day, utc_now
 
 metadata = sa.MetaData()
 
@@ -199,7 +200,7 @@ class OpenAIStore:
                     error_file_id=results.error_file.file_id if results.error_file else None,
                     completed=results.completed,
                     failed=results.failed,
-                    finalized_at=_now(),
+                    finalized_at=utc_now(),
                 )
             )
         return stale
@@ -257,7 +258,7 @@ def _file(row: Any) -> FileRecord:
         filename=row.filename,
         purpose=row.purpose,
         bytes=row.bytes,
-        created_at=_utc(row.created_at),
+        created_at=utc(row.created_at),
         path=row.path,
     )
 
@@ -269,12 +270,12 @@ def _batch(row: Any) -> BatchRecord:
         endpoint=row.endpoint,
         input_file_id=row.input_file_id,
         completion_window=row.completion_window,
-        created_at=_utc(row.created_at),
+        created_at=utc(row.created_at),
         total=row.total,
         errors=json.loads(row.errors) if row.errors else None,
         output_file_id=row.output_file_id,
         error_file_id=row.error_file_id,
         completed=row.completed,
         failed=row.failed,
-        finalized_at=_utc(row.finalized_at),
+        finalized_at=utc(row.finalized_at),
     )

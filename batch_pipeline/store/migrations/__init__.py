@@ -1,2 +1,2 @@
 """The job store's schema as versioned Alembic migrations: jobs outlive deployments, so every release
-upgrades the database it finds (`jobs_store.upgrade_schema`), whichever release created it."""
+upgrades the database it finds (`store.engine.upgrade_schema`), whichever release created it."""

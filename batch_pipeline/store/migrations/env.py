@@ -1,8 +1,8 @@
-"""Alembic's entry point for the job store: run on the connection `jobs_store.upgrade_schema` passes in."""
+"""Alembic's entry point for the job store: run on the connection `store.engine.upgrade_schema` passes in."""
 
 from alembic import context
 
-from batch_pipeline.store.jobs import SCHEMA_VERSION_TABLE, metadata
+from batch_pipeline.store.schema import SCHEMA_VERSION_TABLE, metadata
 
 connection = context.config.attributes["connection"]
 context.configure(
