@@ -20,12 +20,14 @@ test: model
 test-fast: model
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# Lint and format (ruff), the layers (import-linter's contracts in pyproject.toml), types (mypy).
+# Lint and format (ruff), the layers (import-linter's contracts in pyproject.toml), types (mypy), and the docs
+# site (mkdocs.yml: a broken link, a missing image or a page left out of the nav fails it).
 lint: install
 	$(VENV)/bin/ruff check batch_pipeline tests bench
 	$(VENV)/bin/ruff format --check batch_pipeline tests bench
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(CURDIR)/site
 
 serve: model
 	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.entrypoints.serve

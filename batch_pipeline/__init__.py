@@ -1,2 +1,2 @@
 """batch_pipeline: Scale LLM Engine's batch completions API (and OpenAI's Batch API) served by Dagster runs
-on vLLM. README.md's "Reading the code" follows a request from its route to its output file."""
+on vLLM. docs/architecture.md ("Reading the code") follows a request from its route to its output file."""

@@ -202,7 +202,7 @@ def test_a_cluster_queue_per_team_in_one_cohort_with_weights_and_borrowing_limit
     assert len(cluster_queues) == 2
     assert len({queue["spec"]["cohortName"] for queue in cluster_queues.values()}) == 1
     weights = {name: parse_quantity(queue["spec"]["fairSharing"]["weight"]) for name, queue in cluster_queues.items()}
-    assert weights == {"batch-team-a": 2, "batch-team-b": 1}  # the tenants' weights, as the README's example
+    assert weights == {"batch-team-a": 2, "batch-team-b": 1}  # the tenants' weights (docs/operations/tenants.md)
     for name, queue in cluster_queues.items():
         assert queue["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": _namespace()}}
         for group in queue["spec"]["resourceGroups"]:

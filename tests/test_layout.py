@@ -1,5 +1,6 @@
-"""The README's map of the code matches the tree: a newcomer reading it finds every module, and every file it
-names is there; every module says what it holds."""
+"""The docs' map of the code (docs/architecture.md, "Reading the code") matches the tree: a newcomer reading it
+finds every module, and every file it names is there; every module says what it holds; every test the
+guarantees page (docs/guarantees.md) names exists."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "batch_pipeline"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+GUARANTEES = REPO / "docs" / "guarantees.md"
 
 
 def reading_section() -> str:
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("## Reading the code")
-    end = readme.find("\n## ", start + 1)
-    return readme[start : end if end >= 0 else None]
+    page = ARCHITECTURE.read_text()
+    assert page.startswith("# Reading the code\n"), f"{ARCHITECTURE} is no longer the map of the code"
+    return page
 
 
 def modules() -> list[Path]:
@@ -26,7 +28,7 @@ def modules() -> list[Path]:
     )
 
 
-def test_every_module_is_on_the_readme_map():
+def test_every_module_is_on_the_docs_map():
     section = reading_section()
     unnamed = [
         str(module)
@@ -36,14 +38,16 @@ def test_every_module_is_on_the_readme_map():
         and module.as_posix() not in section
         and module.name not in section
     ]
-    assert not unnamed, f"modules the README's 'Reading the code' does not name: {unnamed}"
+    assert not unnamed, f"modules docs/architecture.md ('Reading the code') does not name: {unnamed}"
 
 
 def test_every_file_the_map_names_exists():
     named = set(re.findall(r"`([a-z_]+/[a-z_]+\.py)", reading_section()))
     assert named, "the map names no file"
     missing = sorted(path for path in named if not (PACKAGE / path).exists())
-    assert not missing, f"the README's 'Reading the code' names files that are not in batch_pipeline/: {missing}"
+    assert not missing, (
+        f"docs/architecture.md ('Reading the code') names files that are not in batch_pipeline/: {missing}"
+    )
 
 
 def test_every_module_says_what_it_holds():
@@ -56,8 +60,8 @@ def test_every_module_says_what_it_holds():
 
 
 def test_every_test_the_guarantees_table_names_exists():
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("## Guarantees") : readme.index("\n## ", readme.index("## Guarantees") + 1)]
+    page = GUARANTEES.read_text()
+    table = page[page.index("| guarantee | test |") : page.index("**Runs heal themselves.**")]
     missing, named = [], 0
     for row in table.splitlines():
         module = None  # `::test_y` names a test of the module named last in the row
@@ -70,4 +74,4 @@ def test_every_test_the_guarantees_table_names_exists():
             if not path.exists() or (test_part and f"def {test_part[2:]}(" not in path.read_text()):
                 missing.append(f"{module}{test_part}")
     assert named > 50, "the table names no test"
-    assert not missing, f"the README's guarantees name tests that do not exist: {missing}"
+    assert not missing, f"docs/guarantees.md names tests that do not exist: {missing}"

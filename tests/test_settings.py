@@ -1,5 +1,6 @@
 """The settings: every BATCH_PIPELINE_* variable the package reads is documented in one object and in the
-README's table, and a value the service cannot use stops it at start-up naming the variable."""
+table of docs/operations/settings.md, and a value the service cannot use stops it at start-up naming the
+variable."""
 
 import re
 from pathlib import Path
@@ -10,16 +11,17 @@ from batch_pipeline.core.settings import SettingsError, settings, settings_table
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "batch_pipeline"
+SETTINGS_PAGE = REPO / "docs" / "operations" / "settings.md"
 # Whole names only: `BATCH_PIPELINE_MAX_*` in prose names a family, not a variable.
 VARIABLE = re.compile(r"\bBATCH_PIPELINE_[A-Z0-9_]*[A-Z0-9]\b")
 
 
-def test_the_readme_table_is_the_generators_output():
-    readme = (REPO / "README.md").read_text()
-    table = readme.split("<!-- settings:begin -->\n", 1)[1].split("<!-- settings:end -->", 1)[0]
+def test_the_settings_pages_table_is_the_generators_output():
+    page = SETTINGS_PAGE.read_text()
+    table = page.split("<!-- settings:begin -->\n", 1)[1].split("<!-- settings:end -->", 1)[0]
     assert table == settings_table(), (
-        "README.md's settings table differs from the settings: run `python -m batch_pipeline.core.settings` and paste "
-        "its output between <!-- settings:begin --> and <!-- settings:end -->"
+        "docs/operations/settings.md's table differs from the settings: run `python -m batch_pipeline.core.settings` "
+        "and paste its output between <!-- settings:begin --> and <!-- settings:end -->"
     )
 
 
@@ -32,7 +34,9 @@ def test_every_variable_the_package_names_is_a_documented_setting():
     }
     assert named, "the pattern finds the package's variables"
     undocumented = sorted(pair for pair in named if pair[0] not in variable_names())
-    assert not undocumented, f"add these to batch_pipeline/core/settings.py (and the README's table): {undocumented}"
+    assert not undocumented, (
+        f"add these to batch_pipeline/core/settings.py (and docs/operations/settings.md's table): {undocumented}"
+    )
 
 
 def test_a_bad_value_stops_the_api_at_start_naming_the_variable(monkeypatch):

@@ -238,7 +238,7 @@ class _StoredBytesLedger:
     """The bytes each team is storing in this process now (a file being copied, a content being written),
     held from the quota check until the store's row records them: two uploads at once are checked against
     each other, not both against the bytes stored before them. Per process: each API replica holds its own
-    (see README, Sharing between teams)."""
+    (see docs/operations/tenants.md, Sharing between teams)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

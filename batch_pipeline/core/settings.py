@@ -2,7 +2,7 @@
 
 `settings()` reads the environment when it is called, not when this module is imported, so a process (or a
 test) that changes a variable is seen by the next call; each process calls it once as it starts, so that a
-bad value fails the start naming the variable. README.md's settings table is printed from these fields:
+bad value fails the start naming the variable. The table of docs/operations/settings.md is printed from these fields:
 `python -m batch_pipeline.core.settings`.
 
 This module imports nothing else of ours, so that every layer (API, pipeline, launchers, worker, stores)
@@ -382,7 +382,7 @@ def _shown_default(field: FieldInfo) -> str:
 
 
 def settings_table() -> str:
-    """README.md's table of the variables: the service's, then the CLI's."""
+    """docs/operations/settings.md's table of the variables: the service's, then the CLI's."""
     rows = ["| variable | default | what it does |", "|---|---|---|"]
     for kind, reader in ((Settings, ""), (ClientSettings, "*Client:* ")):
         for field in kind.model_fields.values():

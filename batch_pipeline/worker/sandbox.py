@@ -573,7 +573,7 @@ def _remove_leftovers(uid: int) -> None:
 def _remove_files_of(uid: int, top: str) -> None:
     # The uid can only have made entries in directories others may write: the walk follows those (and
     # what the uid made, removed whole) and no others, so its cost does not grow with what else lies in
-    # /tmp. A world-writable directory below one others may not write is not reached (said in the README).
+    # /tmp. A world-writable directory below one others may not write is not reached (said in docs/tool-use.md).
     for directory, subdirectories, files in os.walk(top, onerror=lambda _: None):
         try:
             writable = os.stat(directory).st_mode & stat.S_IWOTH
