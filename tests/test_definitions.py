@@ -1,5 +1,9 @@
 """The Dagster definitions load, and the launchpad's config is the request: typed, with the spec's defaults."""
 
+import os
+import subprocess
+import sys
+
 import dagster as dg
 import pytest
 
@@ -20,7 +24,11 @@ REQUEST = {
 
 def test_every_definition_loads():
     repository = defs.get_repository_def()
-    assert sorted(job.name for job in repository.get_all_jobs()) == ["batch_completions", "keep_partial_results"]
+    assert sorted(job.name for job in repository.get_all_jobs()) == [
+        "batch_completions",
+        "cleanup",
+        "keep_partial_results",
+    ]
     job = batch_completions_job()
     assert {"shard_launcher", "job_storage", "job_store"} <= set(job.resource_defs)
     assert {"job_storage", "job_store"} <= set(defs.get_job_def("keep_partial_results").resource_defs)
@@ -78,7 +86,7 @@ def test_launchpad_fields_carry_the_spec_descriptions():
         ("job_store", "url", "sqlite:////tmp/other.db"),
     ],
 )
-@pytest.mark.parametrize("job_name", ["batch_completions", "keep_partial_results"])
+@pytest.mark.parametrize("job_name", ["batch_completions", "keep_partial_results", "cleanup"])
 def test_no_run_config_reconfigures_a_resource(job_name, resource, field, value):
     job = defs.get_job_def(job_name)
     if resource not in job.resource_defs:
@@ -96,3 +104,24 @@ def test_resources_are_the_deployments():
     job = batch_completions_job()
     for name in ("shard_launcher", "job_storage", "job_store"):
         assert job.resource_defs[name].config_schema.as_field().config_type.fields == {}, name
+
+
+def test_the_job_stores_password_is_nowhere_in_what_the_dagster_ui_reads_of_the_code_location(tmp_path):
+    """The UI (and anyone who reaches it) reads the code location's snapshot: jobs, their config schemas,
+    resources and their config. A Postgres URL's password must not be in it."""
+    secret = "hunter2-not-in-the-ui"
+    probe = (
+        "from dagster._core.remote_representation.external_data import RepositorySnap\n"
+        "from dagster._serdes import serialize_value\n"
+        "from batch_pipeline.pipeline.definitions import defs\n"
+        "print(serialize_value(RepositorySnap.from_def(defs.get_repository_def())))\n"
+    )
+    environment = os.environ | {
+        "DAGSTER_HOME": str(tmp_path),
+        "BATCH_PIPELINE_JOBS_DB": f"postgresql://batch:{secret}@127.0.0.1:1/jobs",
+    }
+    snapshot = subprocess.run(
+        [sys.executable, "-c", probe], env=environment, capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    assert '"batch_completions"' in snapshot and '"job_store"' in snapshot  # the snapshot, with its resources
+    assert secret not in snapshot
