@@ -7,9 +7,17 @@ import pickle
 import dagster as dg
 import pytest
 
-from batch_pipeline.launch.base import PodHardware, ShardResult, worker_stats
+from batch_pipeline.launch.base import PodHardware, ShardResult, worker_failure, worker_stats
 from batch_pipeline.shards.format import ShardSpec
-from batch_pipeline.shards.protocol import ShardStats, ShardTask
+from batch_pipeline.shards.protocol import (
+    FailureMessage,
+    ProgressMessage,
+    ShardStats,
+    ShardTask,
+    StatsMessage,
+    read_worker_message,
+    worker_message_payload,
+)
 
 
 @pytest.fixture
@@ -18,8 +26,7 @@ def task() -> ShardTask:
     return ShardTask(shard=shard, model_config={"model": "m"}, job_id="batch-1")
 
 
-def _report(**changes) -> dict:
-    """Stats as the worker sends them through Pipes: JSON."""
+def _stats(**changes) -> dict:
     stats = ShardStats(shard_index=3, items=2)
     stats.generated += 2
     stats.errors += 1
@@ -27,20 +34,35 @@ def _report(**changes) -> dict:
     return json.loads(json.dumps(stats.to_dict() | changes))
 
 
+def _report(**changes) -> dict:
+    """Stats as the worker sends them through Pipes: a stats message, as JSON."""
+    return {"kind": "stats", "stats": _stats(**changes)}
+
+
+def _sent(message) -> dict:
+    return json.loads(json.dumps(worker_message_payload(message)))
+
+
 def test_stats_round_trip_through_the_report(task):
     report = _report()
-    stats = worker_stats(task, [{"progress": {}}, report])
-    assert stats == ShardStats.from_dict(report) and stats.to_dict() == report
+    stats = worker_stats(task, [_sent(ProgressMessage({"requests_done": 1})), report])
+    assert stats == ShardStats.from_dict(report["stats"]) and stats.to_dict() == report["stats"]
     assert (stats.generated, stats.errors, stats.dtype) == (2, 1, "float32")
 
 
 @pytest.mark.parametrize(
     ("report", "named"),
     [
-        ({k: v for k, v in _report().items() if k != "items"}, "items: Field required"),
+        ({"kind": "stats", "stats": {k: v for k, v in _stats().items() if k != "items"}}, "items: Field required"),
         # a field with a default is required too: its default would hide the rename
-        ({"error_count" if k == "errors" else k: v for k, v in _report().items()}, "errors: Field required"),
-        ({"error_count" if k == "errors" else k: v for k, v in _report().items()}, "error_count"),
+        ({"kind": "stats", "stats": {"error_count" if k == "errors" else k: v for k, v in _stats().items()}}, "errors"),
+        (
+            {"kind": "stats", "stats": {"error_count" if k == "errors" else k: v for k, v in _stats().items()}},
+            "error_count",
+        ),
+        (_stats(), "discriminator 'kind'"),  # the stats of a release that sent them bare
+        ({"kind": "statistics", "stats": _stats()}, "'statistics'"),
+        ({"kind": "progress", "figures": {"requests_done": "many"}}, "figures.requests_done"),
         (_report(completion_tokens="many"), "completion_tokens: Input should be a valid integer"),
         (_report(sandbox=["not", "a", "mapping"]), "sandbox: Input should be a valid dictionary"),
     ],
@@ -53,16 +75,48 @@ def test_a_report_of_another_shape_fails_the_step_naming_shard_and_field(task, r
     assert not failure.value.allow_retries  # the same worker would report the same again
 
 
+def test_a_worker_that_ends_on_progress_or_a_failure_did_not_report_its_stats(task):
+    with pytest.raises(dg.Failure, match="shard 3: the worker's last message was its progress, not its stats"):
+        worker_stats(task, [_sent(ProgressMessage({"requests_done": 1}))])
+    with pytest.raises(dg.Failure, match="its failure, not its stats"):
+        worker_stats(task, [_sent(FailureMessage("disk full"))])
+
+
+def test_each_message_kind_reads_back_as_sent_and_the_failure_is_the_last_reason_given():
+    stats = ShardStats.from_dict(_stats())
+    for message in (ProgressMessage({"requests_done": 2}), FailureMessage("OSError: disk full"), StatsMessage(stats)):
+        assert read_worker_message(_sent(message)) == message
+    reports = [_sent(FailureMessage("first")), _sent(ProgressMessage({})), _sent(FailureMessage("last")), None]
+    assert worker_failure(reports) == "last"
+    assert worker_failure([_sent(ProgressMessage({})), {"failure": "a bare key of no release"}]) is None
+
+
 def test_no_report_at_all_fails_naming_the_shard(task):
     with pytest.raises(dg.Failure, match="shard 3: the worker exited without reporting its stats"):
         worker_stats(task, [])
 
 
 def test_a_shard_result_pickles_and_its_metadata_entry_is_the_stats_and_the_pod(task):
-    stats = ShardStats.from_dict(_report())
+    stats = ShardStats.from_dict(_stats())
     local = ShardResult(task=task, stats=stats)
     assert pickle.loads(pickle.dumps(local)) == local  # as Dagster's IO manager passes it between steps
     assert local.metadata_entry() == stats.to_dict()
     pod = ShardResult(task=task, stats=stats, pod=PodHardware(hardware={"gpus": 1}, inferred=None))
     assert list(pod.metadata_entry()) == [*stats.to_dict(), "pod_hardware", "pod_hardware_inferred"]
     assert pod.metadata_entry()["pod_hardware"] == {"gpus": 1}
+
+
+def test_a_failed_pods_reason_is_the_workers_own_from_its_last_pipes_lines():
+    """dagster-k8s's error quotes the pod's last log lines; the worker's failure message is among them."""
+    from batch_pipeline.launch.k8s import _worker_failure
+
+    line = json.dumps(
+        {
+            "__dagster_pipes_version": "0.1",
+            "method": "report_custom_message",
+            "params": {"payload": _sent(FailureMessage("OSError: [Errno 28] No space left on device"))},
+        }
+    )
+    pod_error = f"Pod failed.\nlast lines:\n2026-12-01T00:00:00Z {line}\nTraceback (most recent call last): ..."
+    assert _worker_failure(pod_error) == "OSError: [Errno 28] No space left on device"
+    assert _worker_failure("Pod failed: OOMKilled") is None

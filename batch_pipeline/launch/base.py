@@ -12,7 +12,14 @@ from typing import Any
 
 import dagster as dg
 
-from batch_pipeline.shards.protocol import ShardStats, ShardTask
+from batch_pipeline.shards.protocol import (
+    FailureMessage,
+    ProgressMessage,
+    ShardStats,
+    ShardTask,
+    StatsMessage,
+    read_worker_message,
+)
 
 # A worker's running counts (requests_done, errors, prompt_tokens, completion_tokens), as it reports them.
 ProgressCallback = Callable[[dict[str, int]], None]
@@ -39,9 +46,15 @@ class _ProgressHandler:
 
     def handle_message(self, message: Any) -> None:
         payload = (message.get("params") or {}).get("payload") if isinstance(message, dict) else None
-        if message.get("method") == "report_custom_message" and isinstance(payload, dict) and "progress" in payload:
+        if (
+            message.get("method") == "report_custom_message"
+            and isinstance(payload, dict)
+            and payload.get("kind") == ProgressMessage.kind
+        ):
             try:
-                self._on_progress(payload["progress"])
+                report = read_worker_message(payload)
+                assert isinstance(report, ProgressMessage)
+                self._on_progress(report.figures)
             except Exception:  # a progress figure never fails a shard
                 logger.warning("could not record a shard's progress", exc_info=True)
             return
@@ -93,9 +106,27 @@ def worker_stats(task: ShardTask, reports: Sequence[Any]) -> ShardStats:
     if not reports:
         raise dg.Failure(f"shard {task.shard.shard_index}: the worker exited without reporting its stats")
     try:
-        return ShardStats.from_dict(reports[-1])
+        last = read_worker_message(reports[-1])
     except ValueError as exc:  # a worker of another release: a retry would report the same
         raise dg.Failure(f"shard {task.shard.shard_index}: {exc}", allow_retries=False) from None
+    if not isinstance(last, StatsMessage):
+        raise dg.Failure(
+            f"shard {task.shard.shard_index}: the worker's last message was its {last.kind}, not its stats"
+        )
+    return last.stats
+
+
+def worker_failure(reports: Sequence[Any]) -> str | None:
+    """The reason a worker gave for failing, from its messages (the last such), if it gave one."""
+    for payload in reversed(reports):
+        if isinstance(payload, dict) and payload.get("kind") == FailureMessage.kind:
+            try:
+                message = read_worker_message(payload)
+            except ValueError:
+                continue
+            if isinstance(message, FailureMessage):
+                return message.reason
+    return None
 
 
 class ShardLauncher(dg.ConfigurableResource):

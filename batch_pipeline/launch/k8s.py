@@ -37,6 +37,7 @@ from batch_pipeline.launch.base import (
     ShardLauncher,
     ShardResult,
     raise_if_past_deadline,
+    worker_failure,
     worker_stats,
 )
 from batch_pipeline.shards.protocol import ShardTask
@@ -421,7 +422,8 @@ def _worker_failure(pod_error: str) -> str | None:
             message = json.loads(line[start:])
         except ValueError:
             continue
-        payload = (message.get("params") or {}).get("payload")
-        if message.get("method") == "report_custom_message" and isinstance(payload, dict) and "failure" in payload:
-            return payload["failure"]
+        if message.get("method") == "report_custom_message" and (
+            reason := worker_failure([(message.get("params") or {}).get("payload")])
+        ):
+            return reason
     return None

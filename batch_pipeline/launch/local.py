@@ -20,6 +20,7 @@ from batch_pipeline.launch.base import (
     ShardLauncher,
     ShardResult,
     raise_if_past_deadline,
+    worker_failure,
     worker_stats,
 )
 from batch_pipeline.shards.protocol import ShardTask
@@ -104,7 +105,7 @@ class LocalShardLauncher(ShardLauncher):
         reports = session.get_custom_messages()
         if returncode != 0:
             raise_if_past_deadline(task)
-            failure = next((r["failure"] for r in reversed(reports) if isinstance(r, dict) and "failure" in r), None)
+            failure = worker_failure(reports)
             raise dg.Failure(
                 f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
                 + ("" if failure else f"; the end of its output ({log_path}):\n{_tail(log_path)}")

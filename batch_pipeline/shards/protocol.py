@@ -1,12 +1,13 @@
-"""What the orchestrator and a shard worker send each other: the ShardTask in, the ShardStats back, each
-checked against this release's fields."""
+"""What the orchestrator and a shard worker send each other: the ShardTask in; back, over Pipes, the
+worker's messages (progress as it runs, then its stats, or its failure), each checked against this
+release's fields."""
 
 from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.shards.format import ShardSpec
@@ -93,3 +94,47 @@ _SHARD_STATS: TypeAdapter[ShardStats] = TypeAdapter(ShardStats)
 _DEFAULTED_STATS = tuple(
     f.name for f in fields(ShardStats) if f.default is not MISSING or f.default_factory is not MISSING
 )
+
+
+@dataclass(frozen=True)
+class ProgressMessage:
+    """A shard's running counts (absolute, not increments), sent as results reach its checkpoint."""
+
+    figures: dict[str, int]
+    kind: Literal["progress"] = "progress"
+
+
+@dataclass(frozen=True)
+class FailureMessage:
+    """Why the worker is failing (e.g. a full disk under the checkpoint), sent just before it exits."""
+
+    reason: str
+    kind: Literal["failure"] = "failure"
+
+
+@dataclass(frozen=True)
+class StatsMessage:
+    """What the worker did with its shard: its last message when it succeeds."""
+
+    stats: ShardStats
+    kind: Literal["stats"] = "stats"
+
+
+WorkerMessage = ProgressMessage | FailureMessage | StatsMessage
+_WORKER_MESSAGE: TypeAdapter[WorkerMessage] = TypeAdapter(Annotated[WorkerMessage, Field(discriminator="kind")])
+
+
+def worker_message_payload(message: WorkerMessage) -> dict[str, Any]:
+    """The message as the worker sends it (a Pipes custom message: JSON)."""
+    return asdict(message)
+
+
+def read_worker_message(payload: Any) -> WorkerMessage:
+    """A worker's message as the orchestrator receives it, checked as ShardTask.from_dict checks a task (and
+    stats as strictly as ShardStats.from_dict): ValueError naming the field for one of another release."""
+    if isinstance(payload, dict) and payload.get("kind") == StatsMessage.kind and set(payload) == {"kind", "stats"}:
+        return StatsMessage(ShardStats.from_dict(payload["stats"]))
+    try:
+        return _WORKER_MESSAGE.validate_python(payload)
+    except ValidationError as exc:
+        raise ValueError(f"not a worker message of this release: {describe_validation_error(exc)}") from None

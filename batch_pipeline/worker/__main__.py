@@ -1,8 +1,9 @@
 """The shard worker: `python -m batch_pipeline.worker`.
 
 Launched by Dagster Pipes (a local subprocess or a Kubernetes pod), it reads its task from the Pipes
-extras, reports progress as Pipes log lines and as `{"progress": ...}` custom messages (the orchestrator
-writes them into the job store), and its stats as the last custom message. Started by hand,
+extras, reports progress as Pipes log lines and as progress messages (`shards.protocol.WorkerMessage`,
+sent as Pipes custom messages; the orchestrator writes them into the job store), then its stats, or why it
+failed, as the last message. Started by hand,
 `--task FILE` names a JSON task instead. It knows nothing of HTTP or of the job store.
 """
 
@@ -27,7 +28,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
-    from batch_pipeline.shards.protocol import ShardTask
+    from batch_pipeline.shards.protocol import (
+        FailureMessage,
+        ProgressMessage,
+        ShardTask,
+        StatsMessage,
+        worker_message_payload,
+    )
     from batch_pipeline.worker.runner import ShardRunner
 
     if args.task:
@@ -45,13 +52,15 @@ def main(argv: list[str] | None = None) -> int:
             runner = ShardRunner(
                 task,
                 report=lambda line: pipes.log.info(prefix + line),
-                report_progress=lambda figures: pipes.report_custom_message({"progress": figures}),
+                report_progress=lambda figures: pipes.report_custom_message(
+                    worker_message_payload(ProgressMessage(figures))
+                ),
             )
             stats = runner.run()
         except Exception as exc:  # the step's failure message, e.g. a full disk under the checkpoint
-            pipes.report_custom_message({"failure": f"{type(exc).__name__}: {exc}"})
+            pipes.report_custom_message(worker_message_payload(FailureMessage(f"{type(exc).__name__}: {exc}")))
             raise
-        pipes.report_custom_message(stats.to_dict())
+        pipes.report_custom_message(worker_message_payload(StatsMessage(stats)))
     return 0
 
 
