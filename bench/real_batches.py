@@ -20,6 +20,15 @@ Sections, each its own comparison, reported as ratios of medians:
 - real: 256 chat requests, each with one of 4 shared ~300-token system prompts, a quarter exact copies of
   others, at most 16/64/256 new tokens (70/20/10 %), greedy: the job vs. raw `LLM.chat` on the same list in
   the same order with a SamplingParams per request (target: job ≤ 0.8x raw).
+- unique: 512 greedy chat requests that share no prompt prefix (each opens with its own seeded words), at
+  most 32 new tokens: the job vs. raw `LLM.chat`; every greedy text compared with raw's.
+- loop: 1,024 distinct greedy chat requests × 64 new tokens as a default request (issue 29's size): the job
+  vs. raw `LLM.chat`, with the shard's own generate_s beside raw's; every text compared with raw's.
+- lengths: 96 shared prompts, each asked three times, greedy, differing only in max_tokens (8/32/96), in a
+  mixed order: not copies (dedup leaves them), so the job runs all 288 vs. raw with a SamplingParams per
+  request; every text compared with raw's.
+- many: 10,000 distinct greedy chat requests × 4 new tokens: the job (its in-flight window, ordering,
+  checkpoint and progress at scale) vs. raw `LLM.chat`; every text compared with raw's.
 
 Every system is a cold process timed from its start to its exit; within a round the systems rotate (the job
 first in round 0, so raw knows the dtype the job ran at). Raw runs at the dtype the job's metadata reports
@@ -51,7 +60,9 @@ from pathlib import Path
 from engine_overhead import MODEL, RESULTS, TOPICS, prompts
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("default", "sample", "skew", "dedup", "real")
+SECTIONS = ("default", "sample", "skew", "dedup", "real", "unique", "loop", "lengths", "many")
+# Sections whose every output text is compared with raw's (greedy on both sides).
+TEXT_CHECKED = ("unique", "loop", "lengths", "many")
 SEED = 20261201
 # Set by some sections only: every other job runs with the defaults.
 SECTION_SETTINGS = ("BATCH_PIPELINE_DEDUPLICATE", "BATCH_PIPELINE_MIN_SHARD_TOKENS")
@@ -72,8 +83,10 @@ try:
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
 except AttributeError:
     dtype = None
+texts = [o.outputs[0].text for o in outputs] if spec.get("texts") else None
 print(json.dumps({"completion_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-                  "entries": len(outputs), "dtype": dtype}))
+                  "entries": len(outputs), "dtype": dtype, "texts_sha256": texts and [
+                      __import__("hashlib").sha256(t.encode()).hexdigest()[:16] for t in texts]}))
 """
 
 VERBS = ["changes", "outlasts", "explains", "borrows from", "depends on", "echoes", "surprises", "shapes"]
@@ -179,6 +192,28 @@ def real_requests(scale: float) -> list[dict]:
     return requests
 
 
+def unique_requests(scale: float) -> list[dict]:
+    """Prompts that share no prefix: each opens with its own seeded words, so the prefix cache finds nothing."""
+    rng = random.Random(SEED + 1)
+    words = [*TOPICS, *VERBS, *PLACES]
+    return [chat(f"{' '.join(rng.sample(words, 3))} #{k}: {p}", 32) for k, p in enumerate(prompts(scaled(512, scale)))]
+
+
+def loop_requests(scale: float) -> list[dict]:
+    return [chat(p, 64) for p in prompts(scaled(1024, scale))]
+
+
+def lengths_requests(scale: float) -> list[dict]:
+    """Each prompt three times with max_tokens 8, 32 and 96: the same greedy request but for its length."""
+    requests = [chat(p, tokens) for p in prompts(max(2, scaled(288, scale) // 3)) for tokens in (8, 32, 96)]
+    random.Random(SEED + 2).shuffle(requests)
+    return requests
+
+
+def many_requests(scale: float) -> list[dict]:
+    return [chat(p, 4) for p in prompts(scaled(10_000, scale))]
+
+
 def sample_request(scale: float) -> dict:
     request = json.loads((REPO / "examples" / "sample_request.json").read_text())
     content = request["content"]
@@ -276,7 +311,17 @@ def job_dtype(metadata: dict) -> str | None:
     return ",".join(dtypes) or None
 
 
-def run_job(request: dict, code_root: Path, env: dict | None = None, requests: list[dict] | None = None) -> dict:
+def text_hashes(outputs: list) -> list[str]:
+    return [hashlib.sha256(text_of(entry).encode()).hexdigest()[:16] for entry in outputs]
+
+
+def run_job(
+    request: dict,
+    code_root: Path,
+    env: dict | None = None,
+    requests: list[dict] | None = None,
+    texts: bool = False,
+) -> dict:
     """`batch-pipeline run` on `request` in a fresh DAGSTER_HOME: its wall from process start to exit, what its
     metadata says (optional keys with .get(): older code writes fewer), each shard's finish from the event log."""
     with tempfile.TemporaryDirectory(prefix="real_batches-") as home:
@@ -325,12 +370,14 @@ def run_job(request: dict, code_root: Path, env: dict | None = None, requests: l
     }
     if requests is not None:
         result["copy_mismatches"] = copy_mismatches(requests, outputs)
+    if texts:
+        result["texts_sha256"] = text_hashes(outputs)
     return result
 
 
-def run_raw(requests: list[dict], dtype: str | None, code_root: Path, work: Path) -> dict:
+def run_raw(requests: list[dict], dtype: str | None, code_root: Path, work: Path, texts: bool = False) -> dict:
     spec = work / "raw-spec.json"
-    spec.write_text(json.dumps({"model": MODEL, "dtype": dtype, "requests": requests}))
+    spec.write_text(json.dumps({"model": MODEL, "dtype": dtype, "requests": requests, "texts": texts}))
     wall, completed = timed([sys.executable, "-c", RAW, str(spec)], environment(code_root), code_root)
     return {
         "wall_s": round(wall, 2),
@@ -347,9 +394,9 @@ def raw_dtype(state: dict) -> str | None:
 def section_systems(section: str, scale: float, code_root: Path, work: Path, state: dict):
     """The workload's description and, in order (the job first), each system's name and how to run it once."""
 
-    def job(request: dict, env: dict | None = None, requests: list[dict] | None = None):
+    def job(request: dict, env: dict | None = None, requests: list[dict] | None = None, texts: bool = False):
         def run() -> dict:
-            result = run_job(request, code_root, env, requests)
+            result = run_job(request, code_root, env, requests, texts)
             state["job_dtype"] = result["dtype"] or state.get("job_dtype")
             return result
 
@@ -388,6 +435,14 @@ def section_systems(section: str, scale: float, code_root: Path, work: Path, sta
             "job": job(v2(requests, 1)),
             "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work),
         }
+    if section in TEXT_CHECKED:
+        requests = {"unique": unique_requests, "loop": loop_requests, "lengths": lengths_requests}.get(
+            section, many_requests
+        )(scale)
+        return describe(requests), {
+            "job": job(v2(requests, 1), texts=True),
+            "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work, texts=True),
+        }
     raise ValueError(section)
 
 
@@ -403,6 +458,14 @@ def spread(values: list[float]) -> dict:
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return round(numerator / denominator, 3) if numerator and denominator else None
+
+
+def text_mismatches(jobs: list[dict], raws: list[dict]) -> list[int]:
+    """For each job run, how many of its output texts differ from the first raw run's (same order)."""
+    reference = next((r["texts_sha256"] for r in raws if r.get("texts_sha256")), None)
+    if reference is None:
+        return []
+    return [sum(a != b for a, b in zip(r.get("texts_sha256") or [], reference)) for r in jobs]
 
 
 def summarize(section: str, by_system: dict[str, list[dict]]) -> dict:
@@ -456,6 +519,15 @@ def summarize(section: str, by_system: dict[str, list[dict]]) -> dict:
             "num_deduplicated": sorted({r["num_deduplicated"] for r in jobs}, key=str),
             "raw_dtype": sorted({r.get("dtype") or r["requested_dtype"] for r in by_system.get("raw", [])}),
         }
+    if section in TEXT_CHECKED:
+        raws = by_system.get("raw", [])
+        summary |= {
+            "job_over_raw": ratio(median.get("job"), median.get("raw")),
+            "generate_s": spread([s.get("generate_s") for r in jobs for s in r["shards"]]),
+            "raw_dtype": sorted({r.get("dtype") or r["requested_dtype"] for r in raws}),
+            "text_mismatches": text_mismatches(jobs, raws),
+            "load_avg_1m": spread([r.get("load_avg_1m_before") for r in jobs + raws]),
+        }
     return summary
 
 
@@ -492,6 +564,13 @@ def comparison(section: str, summary: dict) -> tuple[str, str, str]:
             f"copy mismatches {summary['copy_mismatches']}"
         )
         return "job / job with BATCH_PIPELINE_DEDUPLICATE=0", fmt(summary["job_over_no_dedup"]), details
+    if section in TEXT_CHECKED:
+        details = (
+            f"shard generate_s {summary['generate_s']['median']} s; texts differing from raw's "
+            f"{summary['text_mismatches']}; job at {dtype}, raw at {','.join(str(d) for d in summary['raw_dtype'])}; "
+            f"load avg {summary['load_avg_1m']['min']}-{summary['load_avg_1m']['max']}"
+        )
+        return "job / raw", fmt(summary["job_over_raw"]), details
     details = (
         f"target <= 0.80x; num_deduplicated {summary['num_deduplicated']}; job at {dtype}, "
         f"raw at {','.join(str(d) for d in summary['raw_dtype'])}"

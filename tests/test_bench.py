@@ -295,3 +295,39 @@ def test_the_api_memory_label_cases_refuse_the_huge_label_and_list_the_largest_a
     for case in ("largest_ascii", "largest_wide"):
         assert runs[case]["codes"] == {"200": 2} and runs[case]["listed_jobs"] == 3
         assert runs[case]["list_bytes"] > 0 and runs[case]["list_peak_rss_mb"] > 0
+
+
+def test_the_real_batches_lengths_workload_asks_each_prompt_at_three_lengths_only():
+    """Issue 29's mixed-length batch: shared prompts whose greedy requests differ in max_tokens alone, so
+    deduplication leaves every one to the engine."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import real_batches
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    requests = real_batches.lengths_requests(1.0)
+    by_prompt: dict[str, list[int]] = {}
+    for request in requests:
+        by_prompt.setdefault(json.dumps(request["messages"]), []).append(request["max_tokens"])
+    assert len(requests) == 288 and len(by_prompt) == 96
+    assert all(sorted(lengths) == [8, 32, 96] for lengths in by_prompt.values())
+    assert len({json.dumps(r, sort_keys=True) for r in requests}) == len(requests)
+    assert len(real_batches.many_requests(1.0)) == 10_000 and len(real_batches.loop_requests(1.0)) == 1024
+    assert real_batches.describe(real_batches.unique_requests(0.01))["distinct"] == 5
+
+
+@pytest.mark.slow
+def test_the_real_batches_text_checked_workloads_match_raw_vllms_greedy_texts(tmp_path):
+    out = tmp_path / "real_batches.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "bench" / "real_batches.py"), "--sections", "lengths", "--scale", "0.03"]
+        + ["--repeat", "1", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    result = json.loads(out.read_text())
+    assert result["workloads"]["lengths"]["requests"] == 9
+    summary = result["summary"]["lengths"]
+    assert summary["runs"] == {"job": 1, "raw": 1} and summary["text_mismatches"] == [0]
