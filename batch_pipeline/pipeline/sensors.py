@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import dagster as dg
 from dagster import DagsterEventType, RunStatusSensorContext, SensorEvaluationContext
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG
 from pydantic import ValidationError
 
 from batch_pipeline.admission.submission import StoredRequest
@@ -229,8 +230,10 @@ def record_run_end(
         return None
     if run.status == dg.DagsterRunStatus.FAILURE:
         reason = failure_reason(instance, run.run_id)
-        if run.tags.get(WILL_RETRY_TAG) == "true":
-            # The daemon retries it: the retry writes the whole output, or keeps these results if it fails too.
+        if run.tags.get(WILL_RETRY_TAG) == "true" or run.tags.get(AUTO_RETRY_RUN_ID_TAG):
+            # The daemon retries it (or has: a later failure of the same run, its worker still running after
+            # the run was failed from outside, reads will_retry=false though the retry is launched): the retry
+            # writes the whole output, or keeps these results if it fails too.
             store.mark_retrying(job_id, run.run_id, reason)
             return None
         if (outage := retry_after_outage(instance, run)) is not None:
