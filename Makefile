@@ -46,6 +46,8 @@ bench: model
 	$(PY) bench/fair_share.py
 	$(PY) bench/real_batches.py
 	$(PY) bench/openai_batch.py
+	$(PY) bench/resume.py
+	$(PY) bench/webhooks.py
 	$(PY) bench/chaos_soak.py --seed 1 2 3 --jobs 24 --faults 24
 	$(PY) bench/plots.py
 

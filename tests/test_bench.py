@@ -297,6 +297,24 @@ def test_the_api_memory_label_cases_refuse_the_huge_label_and_list_the_largest_a
         assert runs[case]["list_bytes"] > 0 and runs[case]["list_peak_rss_mb"] > 0
 
 
+@pytest.mark.slow
+def test_the_resume_benchmark_resumes_a_cancelled_job_against_a_fresh_one(tmp_path):
+    out = tmp_path / "resume.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "bench" / "resume.py"), "--requests", "600", "--max-tokens", "4", "--rounds", "1"]
+        + ["--out", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["fresh"]["requests_generated"] == 600
+    resumed = row["resumed"]
+    assert resumed["requests_kept"] + resumed["requests_generated"] == 600 and resumed["requests_kept"] > 0
+    assert row["wall_ratio"] > 0 and row["tokens_ratio"] < 1
+
+
 def test_the_real_batches_lengths_workload_asks_each_prompt_at_three_lengths_only():
     """Issue 29's mixed-length batch: shared prompts whose greedy requests differ in max_tokens alone, so
     deduplication leaves every one to the engine."""

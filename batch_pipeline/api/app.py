@@ -22,8 +22,15 @@ from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, LargeBodySlots
 from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.openai_service import OpenAIBatchService, max_file_bytes
-from batch_pipeline.api.service import BatchJobService, IdempotencyConflict, JobNotFound, UnservableRequest
+from batch_pipeline.api.service import (
+    BatchJobService,
+    IdempotencyConflict,
+    JobNotFound,
+    ResumeConflict,
+    UnservableRequest,
+)
 from batch_pipeline.api.usage import ForbiddenTeam, InvalidUsageQuery, usage_report
+from batch_pipeline.api.webhooks import job_webhooks
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
     BatchCompletionsJob,
@@ -39,6 +46,7 @@ from batch_pipeline.contract import (
 )
 from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.usage import UsageResponse
+from batch_pipeline.contract.webhooks import WebhookEventsResponse
 from batch_pipeline.core.settings import SlotsBusy, settings
 from batch_pipeline.dry_run.estimate import DryRunsBusy
 from batch_pipeline.pipeline.resources import JobStorage
@@ -197,6 +205,33 @@ def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
     return CancelBatchCompletionsV2Response(success=service.cancel(who, job_id))
 
 
+@router.get("/v2/batch-completions/{job_id}/webhooks", response_model=WebhookEventsResponse, responses=_NOT_FOUND)
+def job_webhooks_route(job_id: str, who: CallerDep, service: ServiceDep):
+    """The delivery state of each webhook event of the job (its end, announced to its team's endpoints)."""
+    return job_webhooks(service.store, who, job_id)
+
+
+@router.post(
+    "/v2/batch-completions/{job_id}/actions/resume",
+    response_model=GetBatchCompletionV2Response,
+    responses=_NOT_FOUND
+    | {
+        409: {
+            "model": ErrorBody,
+            "description": "The job cannot be resumed now, and why: it is queued, running or completed (only a "
+            "failed, cancelled or expired job can be), its run is still stopping, or its checkpoints were deleted",
+        }
+    },
+)
+def resume_job(job_id: str, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None):
+    """Run a failed, cancelled or expired job (an OpenAI batch too: a batch is a job) again on the requests
+    it has no result for: the finished ones are kept from its checkpoints, never generated again. The same
+    job writes its same output path whole (a batch: its output and error files), its deadline renewed from
+    `max_runtime_sec`; its metadata says `resumed_from` and the requests and tokens kept and generated.
+    With an `Idempotency-Key` this job's last resume was made with, that resume is answered again."""
+    return GetBatchCompletionV2Response(job=service.resume(who, job_id, idempotency_key))
+
+
 @router.get(
     "/v2/usage",
     response_model=UsageResponse,
@@ -272,6 +307,10 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
 
     @app.exception_handler(IdempotencyConflict)
     async def _conflict(_: Request, exc: IdempotencyConflict) -> JSONResponse:
+        return AsciiJSONResponse(status_code=409, content={"detail": str(exc)})
+
+    @app.exception_handler(ResumeConflict)
+    async def _not_resumable(_: Request, exc: ResumeConflict) -> JSONResponse:
         return AsciiJSONResponse(status_code=409, content={"detail": str(exc)})
 
     @app.exception_handler(JobNotFound)

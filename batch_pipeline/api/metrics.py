@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 from batch_pipeline.api.usage import named_owners, team_label
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.webhooks import WebhookOutbox
 
 # Submission to run start, in seconds: from an idle local deployment (~2 s) to a queue hours deep.
 START_LATENCY_BUCKETS = (1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
@@ -46,6 +47,7 @@ class JobStoreCollector(Collector):
             tokens.add_metric([model], completion_tokens)
         yield from (jobs, requests, tokens)
         yield from _team_figures(self.store)
+        yield from _webhook_figures(self.store)
         yield GaugeMetricFamily(
             "batch_pipeline_queue_depth", "Jobs waiting for their first run to start.", value=queued
         )
@@ -96,6 +98,40 @@ def _team_figures(store: JobStore) -> Iterator[Metric]:
         prompt_tokens.add_metric([label], prompt)
         completion_tokens.add_metric([label], completion)
     yield from (jobs, requests, prompt_tokens, completion_tokens)
+
+
+def _webhook_figures(store: JobStore) -> Iterator[Metric]:
+    """The webhook outbox's figures by team and event type, read from its rows (the delivery process is
+    another process: every API replica reports the same)."""
+    labels = ["team", "type"]
+    events = CounterMetricFamily(
+        "batch_pipeline_webhook_events", "Webhook events written as jobs ended.", labels=labels
+    )
+    delivered = CounterMetricFamily(
+        "batch_pipeline_webhook_delivered", "Webhook events every subscribed endpoint took (2xx).", labels=labels
+    )
+    given_up = CounterMetricFamily(
+        "batch_pipeline_webhook_given_up", "Webhook events given up after the 24-hour retry window.", labels=labels
+    )
+    attempts = CounterMetricFamily(
+        "batch_pipeline_webhook_delivery_attempts", "Attempts to deliver webhook events.", labels=labels
+    )
+    pending = GaugeMetricFamily(
+        "batch_pipeline_webhook_pending", "Webhook events not delivered yet (being sent or retried).", labels=labels
+    )
+    totals: dict[tuple[str, str], list[int]] = {}
+    for owner, event_type, state, count, tries in WebhookOutbox(engine=store.engine).figures_by_team(named_owners()):
+        figures = totals.setdefault((team_label(owner), event_type), [0, 0, 0, 0, 0])
+        figures[0] += count
+        figures[1] += count if state == "delivered" else 0
+        figures[2] += count if state == "failed" else 0
+        figures[3] += tries
+        figures[4] += count if state == "pending" else 0
+    families: tuple[CounterMetricFamily | GaugeMetricFamily, ...] = (events, delivered, given_up, attempts, pending)
+    for key, figures in sorted(totals.items()):
+        for family, value in zip(families, figures):
+            family.add_metric(list(key), value)
+    yield from (events, delivered, given_up, attempts, pending)
 
 
 def metrics_text(store: JobStore) -> bytes:

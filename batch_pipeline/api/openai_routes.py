@@ -3,13 +3,15 @@ OpenAI's shape so the `openai` SDK reads them (`OpenAI(base_url=".../v1", api_ke
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.types import Message
 
 from batch_pipeline.admission.submission import StoredBytes
@@ -19,9 +21,12 @@ from batch_pipeline.api.limits import MULTIPART_MARGIN
 from batch_pipeline.api.openai_service import BatchNotFound, FileNotFound, InvalidOpenAIRequest, OpenAIBatchService
 from batch_pipeline.contract import BatchCompletionsEstimate
 from batch_pipeline.contract.openai_batch import (
+    MAX_EXPIRES_AFTER_S,
+    MIN_EXPIRES_AFTER_S,
     Batch,
     BatchList,
     CreateBatchRequest,
+    ExpiresAfter,
     FileDeleted,
     FileList,
     FilePurpose,
@@ -56,6 +61,14 @@ _UPLOAD_BODY = {
                 "properties": {
                     "file": {"type": "string", "format": "binary", "description": "the JSONL input"},
                     "purpose": {"type": "string", "enum": ["batch"]},
+                    "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                    "expires_after[seconds]": {
+                        "type": "integer",
+                        "minimum": MIN_EXPIRES_AFTER_S,
+                        "maximum": MAX_EXPIRES_AFTER_S,
+                        "description": "the file expires this many seconds after its creation (as the openai SDK "
+                        "sends `expires_after`; a JSON object in a field `expires_after` is read too)",
+                    },
                 },
             }
         }
@@ -83,7 +96,38 @@ async def upload_file(request: Request, who: CallerDep, service: ServiceDep):
             raise InvalidOpenAIRequest("file", "a multipart field `file` holding the JSONL is required")
         if not isinstance(purpose, str):
             raise InvalidOpenAIRequest("purpose", "a multipart field `purpose` (batch) is required")
-        return await run_in_threadpool(service.upload, who, upload.filename or "", purpose, upload.file)
+        expires_after = _expires_after(form)
+        return await run_in_threadpool(service.upload, who, upload.filename or "", purpose, upload.file, expires_after)
+
+
+def _expires_after(form: FormData) -> ExpiresAfter | None:
+    """An upload's `expires_after`: the fields `expires_after[anchor]` and `expires_after[seconds]` (as the
+    openai SDK sends it), or a JSON object in `expires_after`; InvalidOpenAIRequest names a bad field."""
+    fields: dict[str, Any] = {}
+    for name in ("anchor", "seconds"):
+        value = form.get(f"expires_after[{name}]")
+        if value is not None:
+            if not isinstance(value, str):
+                raise InvalidOpenAIRequest(f"expires_after.{name}", f"expires_after.{name}: must be a form field")
+            fields[name] = value
+    whole = form.get("expires_after")
+    if whole is not None:
+        if fields or not isinstance(whole, str):
+            raise InvalidOpenAIRequest("expires_after", "expires_after: give it once, as a JSON object")
+        try:
+            fields = json.loads(whole[:1024])
+        except ValueError:
+            raise InvalidOpenAIRequest("expires_after", "expires_after: must be a JSON object") from None
+        if not isinstance(fields, dict):
+            raise InvalidOpenAIRequest("expires_after", "expires_after: must be a JSON object")
+    if not fields:
+        return None
+    try:
+        return ExpiresAfter.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        param = ".".join(["expires_after", *(str(part) for part in error["loc"])])
+        raise InvalidOpenAIRequest(param, f"{param}: {error['msg']}") from None
 
 
 def _within_room(request: Request, quota: StoredBytes) -> Request:
@@ -227,7 +271,7 @@ def is_openai_path(request: Request) -> bool:
 def add_error_handlers(app) -> None:
     @app.exception_handler(FileNotFound)
     async def _no_file(_: Request, exc: FileNotFound) -> Response:
-        return openai_error(404, f"No such File object: {exc.args[0][:100]!a}", param="file_id")
+        return openai_error(404, f"No such File object: {exc.args[0][:100]!a}", param=exc.param)
 
     @app.exception_handler(BatchNotFound)
     async def _no_batch(_: Request, exc: BatchNotFound) -> Response:

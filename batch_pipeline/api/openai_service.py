@@ -37,6 +37,7 @@ from batch_pipeline.contract.openai_batch import (
     BatchRequestCounts,
     BatchUsage,
     CreateBatchRequest,
+    ExpiresAfter,
     FileDeleted,
     OpenAIFile,
 )
@@ -83,7 +84,11 @@ def max_file_bytes() -> int:
 
 
 class FileNotFound(LookupError):
-    pass
+    """No such file for the caller (absent, another team's, or expired); `param` names the field."""
+
+    def __init__(self, file_id: str, param: str = "file_id") -> None:
+        super().__init__(file_id)
+        self.param = param
 
 
 class BatchNotFound(LookupError):
@@ -110,23 +115,33 @@ class OpenAIBatchService:
         """The caller's team's stored bytes against its max_stored_bytes (None without one)."""
         return stored_bytes_of(self.jobs.store, caller.owner)
 
-    def upload(self, caller: Caller, filename: str, purpose: str, content: IO[bytes]) -> OpenAIFile:
+    def upload(
+        self,
+        caller: Caller,
+        filename: str,
+        purpose: str,
+        content: IO[bytes],
+        expires_after: ExpiresAfter | None = None,
+    ) -> OpenAIFile:
         """Store an uploaded file, copied a chunk at a time from the spooled upload; past the team's
-        max_stored_bytes, QuotaExceeded and nothing kept."""
+        max_stored_bytes, QuotaExceeded and nothing kept. With `expires_after`, it expires that many seconds
+        after its creation: absent from then on, and deleted by the `cleanup` schedule."""
         if purpose != "batch":
             raise InvalidOpenAIRequest(
                 "purpose", f"purpose must be 'batch' (got {purpose[:64]!a}): files here are inputs of batches"
             )
         # Shown back as sent, but stored as text any database holds: no NUL, no lone surrogate, no control.
         filename = "".join(character for character in filename if character.isprintable())[:256]
+        created_at = datetime.now(UTC)
         record = FileRecord(
             file_id=FileRecord.new_id(),
             owner=caller.owner,
             filename=filename or "upload.jsonl",
             purpose=purpose,
             bytes=0,
-            created_at=datetime.now(UTC),
+            created_at=created_at,
             path="",
+            expires_at=created_at + timedelta(seconds=expires_after.seconds) if expires_after else None,
         )
         path = io.join(self.files_dir, record.file_id)
         start = content.tell()
@@ -178,11 +193,12 @@ class OpenAIBatchService:
 
         return describe_file(record), chunks()
 
-    def _file(self, caller: Caller, file_id: str) -> FileRecord:
+    def _file(self, caller: Caller, file_id: str, param: str = "file_id") -> FileRecord:
         record = self.store.get_file(file_id)
-        # Someone else's file is reported as absent, as their jobs are.
-        if record is None or (record.owner != caller.owner and not caller.is_admin):
-            raise FileNotFound(file_id)
+        # Someone else's file is reported as absent, as their jobs are; so is an expired one, from the
+        # moment it expires, whether or not the cleanup has deleted it yet.
+        if record is None or (record.owner != caller.owner and not caller.is_admin) or record.expired():
+            raise FileNotFound(file_id, param)
         return record
 
     # --- batches ----------------------------------------------------------------------------------------
@@ -239,6 +255,7 @@ class OpenAIBatchService:
             created_at=datetime.now(UTC),
             total=checked.total,
             errors=[error.model_dump() for error in errors] or None,
+            output_expires_after=body.output_expires_after.seconds if body.output_expires_after else None,
         )
         # Before the job: the pipeline finalizes a job as a batch when it finds this row.
         self.store.add_batch(batch)
@@ -317,6 +334,9 @@ class OpenAIBatchService:
         return describe_batch(batch, job)
 
     def _input_file(self, caller: Caller, file_id: str) -> FileRecord:
+        record = self.store.get_file(file_id)
+        if record is not None and record.owner == caller.owner and record.expired():
+            raise FileNotFound(file_id, "input_file_id")  # the caller's own file, expired: 404, as OpenAI's
         try:
             input_file = self._file(caller, file_id)
         except FileNotFound:
@@ -402,6 +422,7 @@ def describe_file(record: FileRecord) -> OpenAIFile:
         created_at=_unix(record.created_at),
         filename=record.filename,
         purpose=record.purpose,
+        expires_at=_unix(record.expires_at),
     )
 
 

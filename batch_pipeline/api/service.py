@@ -26,11 +26,17 @@ from batch_pipeline.contract import (
 )
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
+from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
+from batch_pipeline.core import io
 from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
+from batch_pipeline.openai_batch.jobs import expired
 from batch_pipeline.pipeline.admission import place_in_queue
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
+from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, STOPPED_RUN_TAG
+from batch_pipeline.shards.format import shard_directories
 from batch_pipeline.store.jobs import IdempotencyConflict, JobRecord, JobStore
+from batch_pipeline.store.retention import checkpoints_deleted
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import Tenants, priority_cap, tenants
 
@@ -52,11 +58,17 @@ _RESULT_FIELDS = (
 )
 
 
-__all__ = ["BatchJobService", "IdempotencyConflict", "JobNotFound", "UnservableRequest"]
+__all__ = ["BatchJobService", "IdempotencyConflict", "JobNotFound", "ResumeConflict", "UnservableRequest"]
+# What a resume can start again from: how the job ended, as its users read it (an expired job is failed).
+RESUMABLE = (JobStatus.FAILED, JobStatus.CANCELLED)
 
 
 class JobNotFound(LookupError):
     pass
+
+
+class ResumeConflict(ValueError):
+    """A job that cannot be resumed now, and why (its status, its run still stopping, its checkpoints gone)."""
 
 
 class _StoredRequestView(WireModel):
@@ -125,7 +137,7 @@ class BatchJobService:
         record = self._record(caller, job_id)
         if record.status != JobStatus.QUEUED:
             return self.describe(record), False
-        run = find_run(self.instance, job_id)
+        run = find_run(self.instance, job_id, record.resume_count)
         if run is not None and run.status not in _NOT_STARTED:
             return self.describe(record), False
         if run is not None:
@@ -140,12 +152,12 @@ class BatchJobService:
             return True
         if record.is_finished:
             return False
-        run = find_run(self.instance, job_id)
+        run = find_run(self.instance, job_id, record.resume_count)
         if run is None:
             cancelled_before_launch = self.store.cancel_before_launch(job_id)
             # The sensor may have asked for the run just before: look again, and stop that run too. (A run
             # created later still never starts: a job cancelled before any run started refuses to.)
-            run = find_run(self.instance, job_id)
+            run = find_run(self.instance, job_id, record.resume_count)
             if run is None:
                 return cancelled_before_launch
         if run.is_finished:
@@ -154,6 +166,64 @@ class BatchJobService:
         if cancelled:
             self.store.mark_cancelled(job_id)
         return cancelled
+
+    def resume(self, caller: Caller, job_id: str, idempotency_key: str | None) -> BatchCompletionsJob:
+        """Run a failed, cancelled or expired job again on the requests it has no result for: the same job,
+        its same output path, its deadline renewed from `max_runtime_sec`. Its next run plans the same
+        shards, whose workers skip what their checkpoints hold (see `pipeline.job._count_kept`). With an
+        `Idempotency-Key` this job's last resume was made with, that resume's job is answered again."""
+        record = self._record(caller, job_id)
+        if idempotency_key is not None and record.resume_idempotency_key == idempotency_key:
+            return self.describe(record)
+        self._check_resumable(record)
+        resumed_from = "expired" if expired(record) else record.status.value
+        max_runtime = _stored_max_runtime(record)
+        if not self.store.resume(record, resumed_from, idempotency_key, max_runtime):
+            # Changed since it was read: a concurrent resume (with this key: the same answer), or its run's end.
+            again = self._record(caller, job_id)
+            if idempotency_key is not None and again.resume_idempotency_key == idempotency_key:
+                return self.describe(again)
+            raise ResumeConflict(f"the job is {again.status.value}: it changed while being resumed; read it again")
+        return self.describe(self._record(caller, job_id))
+
+    def _check_resumable(self, record: JobRecord) -> None:
+        """Raise ResumeConflict naming why the job cannot be resumed now."""
+        if record.status not in RESUMABLE:
+            raise ResumeConflict(
+                f"the job is {record.status.value}: only a failed, cancelled or expired job can be resumed"
+            )
+        if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
+            raise ResumeConflict("a schedule's job is launched by its schedule's tick and cannot be resumed")
+        run = find_run(self.instance, record.job_id, record.resume_count)
+        if record.completed_at is None or (run is not None and not run.is_finished):
+            raise ResumeConflict(
+                f"the job is {record.status.value} but its run is still stopping: resume it once it has stopped"
+            )
+        if record.run_id is not None and self._keeping_partial_results(record.run_id):
+            raise ResumeConflict(
+                f"the job is {record.status.value} and its finished results are still being merged into its "
+                "output: resume it once that is done"
+            )
+        if (gone := self._checkpoints_gone(record)) is not None:
+            raise ResumeConflict(gone)
+
+    def _keeping_partial_results(self, run_id: str) -> bool:
+        """Whether `keep_partial_results` is still merging what the stopped run `run_id` finished."""
+        runs = self.instance.get_runs(filters=dg.RunsFilter(tags={STOPPED_RUN_TAG: run_id}), limit=1)
+        return bool(runs) and not runs[0].is_finished
+
+    def _checkpoints_gone(self, record: JobRecord) -> str | None:
+        """Why the job's work (its inline content, its shards' checkpoints) can no longer be resumed from,
+        or None: retention deleted its work dir (when, from its row), or the files are gone otherwise. The
+        answer never names the service's paths."""
+        if (deleted := checkpoints_deleted(self.store.engine, record.job_id)) is not None:
+            return deleted
+        work_dir = self.job_storage.work_dir(record.job_id)
+        if record.content_path is not None and not io.exists(record.content_path):
+            return "the job's checkpoints were deleted: its inline content is no longer stored"
+        if record.requests_total and not shard_directories(work_dir):
+            return "the job's checkpoints were deleted: its work dir holds no shards"
+        return None
 
     def describe(self, record: JobRecord, place_in_queue: bool = False) -> BatchCompletionsJob:
         """The job as its row has it: no file, no run and no event log is read. With `place_in_queue` (a GET
@@ -181,6 +251,8 @@ class BatchJobService:
             metadata["failure_reason"] = record.failure_reason or "the job failed"
         if record.priority is not None:
             metadata["priority_read_as"] = _priority_read_as(record.priority, priority_cap(record.owner))
+        if record.resume_count:
+            metadata |= _resume_metadata(record)
         try:
             status = BatchCompletionsJobStatus(record.status)
         except ValueError:
@@ -194,7 +266,8 @@ class BatchJobService:
             status=status,
             created_at=record.created_at.isoformat(),
             expires_at=record.expires_at.isoformat(),
-            completed_at=record.completed_at.isoformat() if record.completed_at else None,
+            # A resumed job waiting for its new run keeps its last end in the row (fair share counts it): not shown.
+            completed_at=record.completed_at.isoformat() if record.completed_at and record.is_finished else None,
             metadata=metadata,
         )
 
@@ -204,6 +277,37 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
+
+
+def _resume_metadata(record: JobRecord) -> dict[str, str]:
+    """A resumed job's metadata: from what (status, run) and when it was last resumed; once its run counted
+    its checkpoints, the requests and tokens kept from them, and those generated since (requests as they
+    finish, completion tokens once it completed: its total less what was kept)."""
+    metadata = {"resumed_from": record.resumed_from or "", "resume_count": str(record.resume_count)}
+    if record.resumed_from_run_id:
+        metadata["resumed_from_run_id"] = record.resumed_from_run_id
+    if record.resumed_at:
+        metadata["resumed_at"] = record.resumed_at.isoformat()
+    if record.requests_kept is None:
+        return metadata
+    metadata |= {
+        "resume_requests_kept": str(record.requests_kept),
+        "resume_completion_tokens_kept": str(record.completion_tokens_kept or 0),
+        "resume_requests_generated": str(max(0, (record.requests_done or 0) - record.requests_kept)),
+    }
+    if record.status == JobStatus.COMPLETED and record.completion_tokens is not None:
+        generated = record.completion_tokens - (record.completion_tokens_kept or 0)
+        metadata["resume_completion_tokens_generated"] = str(max(0, generated))
+    return metadata
+
+
+def _stored_max_runtime(record: JobRecord) -> int:
+    """The job's `max_runtime_sec` as stored (a row that does not parse: the default)."""
+    try:
+        value = record.request.get("max_runtime_sec")
+    except ValueError:
+        return DEFAULT_MAX_RUNTIME_SEC
+    return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_RUNTIME_SEC
 
 
 def _place_in_queue(store: JobStore, registry: Tenants, record: JobRecord) -> dict[str, str]:

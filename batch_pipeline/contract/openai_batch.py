@@ -20,6 +20,19 @@ BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 FilePurpose = Literal["batch", "batch_output"]
+# OpenAI's bounds of a file's `expires_after.seconds`: an hour to 30 days.
+MIN_EXPIRES_AFTER_S, MAX_EXPIRES_AFTER_S = 3600, 2592000
+
+
+class ExpiresAfter(WireModel):
+    """OpenAI's expiration policy of a file: it expires `seconds` after its `anchor` (its creation)."""
+
+    anchor: Literal["created_at"] = Field(description="The time the expiry counts from: the file's creation")
+    seconds: int = Field(
+        ge=MIN_EXPIRES_AFTER_S,
+        le=MAX_EXPIRES_AFTER_S,
+        description="Seconds after the anchor at which the file expires: 3600 (an hour) to 2592000 (30 days)",
+    )
 
 
 class OpenAIFile(WireModel):
@@ -29,6 +42,9 @@ class OpenAIFile(WireModel):
     created_at: int
     filename: str
     purpose: FilePurpose
+    expires_at: int | None = Field(
+        None, description="When the file expires (unix seconds): from then on it is absent (404); null: never"
+    )
     # Kept by OpenAI for older clients; always "processed" once stored.
     status: Literal["processed"] = "processed"
 
@@ -59,6 +75,11 @@ class CreateBatchRequest(WireModel):
         None,
         description="The batch's job labels, bounded as OpenAI's: at most 16 pairs, keys up to 64 characters, "
         "values up to 512.",
+    )
+    output_expires_after: ExpiresAfter | None = Field(
+        None,
+        description="When the batch's output and error files expire, counted from their creation (OpenAI's bounds: "
+        "3600 to 2592000 seconds); unset: they are kept until deleted",
     )
 
     @field_validator("completion_window")

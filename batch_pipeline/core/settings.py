@@ -201,6 +201,14 @@ class Settings(_EnvironmentSettings):
         "",
         description="Where catalog models and synced checkpoints are kept (unset: `~/.cache/batch_pipeline/models`)",
     )
+    retention_days: int = Field(
+        30,
+        ge=0,
+        le=36500,
+        description="Days a finished job's work dir (inline content, shard inputs, checkpoints) is kept after the job "
+        "ended; then the `cleanup` schedule deletes it and the job can no longer be resumed (0: kept forever; a "
+        "team's `retention_days` in the tenants file wins). Outputs the user named are never deleted",
+    )
     # The pipeline
     sensor_interval_s: int = Field(
         2, description="Seconds between the sensors' polls of the job store (read when the definitions load)"

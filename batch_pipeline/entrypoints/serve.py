@@ -1,4 +1,5 @@
-"""`make serve`: the API, the Dagster webserver and the Dagster daemon, stopped together on Ctrl-C.
+"""`make serve`: the API, the Dagster webserver, the Dagster daemon and the webhook delivery process,
+stopped together on Ctrl-C.
 
 python -m batch_pipeline.entrypoints.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from batch_pipeline.core.settings import SettingsError, settings
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.tenancy.tenants import TenantsFileError
+from batch_pipeline.webhooks.delivery import WebhookSecretError, check_webhook_secrets
 
 REPO = Path(__file__).resolve().parents[2]
 # The Dagster UI's address: loopback only (see the module docstring).
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
     try:
         secure_service_paths()
-    except TenantsFileError as exc:
+        check_webhook_secrets()  # a webhook's missing secret is named now, not when a job ends
+    except (TenantsFileError, WebhookSecretError) as exc:
         parser.error(str(exc))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     _create_storage()
@@ -56,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             str(args.dagster_port),
         ],
         "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", args.workspace],
+        # Webhook delivery in a process of its own: a receiver that is down or slow never holds a sensor
+        # tick, a run or the API (batch_pipeline/webhooks/delivery.py).
+        "webhooks": [sys.executable, "-m", "batch_pipeline.webhooks"],
     }
     processes = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands.items()}
     print(

@@ -10,6 +10,7 @@ from batch_pipeline.core.settings import settings
 from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
 from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline import step_server
+from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, deployment_resource
@@ -69,14 +70,16 @@ local_executor = dg.multiprocess_executor.configured(
 )
 
 defs = dg.Definitions(
-    jobs=[batch_completions, keep_partial_results],
+    jobs=[batch_completions, keep_partial_results, cleanup],
     sensors=[batch_jobs_sensor, record_succeeded_runs, record_stopped_runs, record_failed_runs],
-    schedules=schedules_from_environment(),
+    schedules=[*schedules_from_environment(), cleanup_schedule],
     # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={
         "job_store": deployment_resource(JobStoreResource(url=_loaded_with.jobs_db)),
         "shard_launcher": deployment_resource(shard_launcher_from_environment()),
-        "job_storage": deployment_resource(JobStorage(work_dir_base=_loaded_with.work_dir)),
+        "job_storage": deployment_resource(
+            JobStorage(work_dir_base=_loaded_with.work_dir, retention_days=_loaded_with.retention_days)
+        ),
     },
     executor=local_executor,
 )

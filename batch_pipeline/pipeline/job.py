@@ -27,10 +27,11 @@ from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
-from batch_pipeline.shards.merge import MissingResult, merge_sorted_outputs, write_output_array
+from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
 from batch_pipeline.shards.planning import PlanningSettings, ShardPlan, plan_shard_count, write_shards
 from batch_pipeline.shards.protocol import ShardTask
 from batch_pipeline.shards.records import work_items
+from batch_pipeline.store.jobs import JobRecord, JobStore
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
@@ -191,7 +192,9 @@ def plan_shards(
         ) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
-    job_store.get_store().record_shards(job_id, {shard.shard_index: shard.item_count for shard in shards})
+    store = job_store.get_store()
+    store.record_shards(job_id, {shard.shard_index: shard.item_count for shard in shards})
+    _count_kept(context, store, job_id, work_dir)
     deadline = job_deadline(context, request.max_runtime_sec)
     copies = sum(s.copy_count for s in shards)
     context.log.info(
@@ -218,6 +221,21 @@ def plan_shards(
             tool_config=tool_config,
         )
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
+
+
+def _count_kept(context: OpExecutionContext, store: JobStore, job_id: str, work_dir: str) -> None:
+    """A resumed job's first run counts what the checkpoints already hold, before any shard runs: those
+    requests are kept, never generated again (the same plan puts each request in the same shard, whose
+    worker skips what its checkpoint holds). A retry of that run finds the count made and keeps it."""
+    record = store.get(job_id)
+    if record is None or not record.resume_count or record.requests_kept is not None:
+        return
+    kept = checkpointed(work_dir)
+    if store.record_kept(job_id, kept.requests, kept.prompt_tokens, kept.completion_tokens):
+        context.log.info(
+            f"resumed from {record.resumed_from} (run {record.resumed_from_run_id}): {kept.requests} requests "
+            f"({kept.completion_tokens} completion tokens) kept from the checkpoints; only the rest are generated"
+        )
 
 
 def _records(request: StoredRequest, files: DataFiles) -> Iterator[tuple[str, Any]]:
@@ -355,6 +373,7 @@ def write_job_metadata(
         "tool_config": next((s.tool_config for s in stats if s.tool_config), None),
         "shards": shards,
     }
+    metadata |= _resume_figures(job_store.get_store().get(metadata["job_id"]), merged.results, completion_tokens)
     with job_data_files(context, job_store, job_storage).atomic_write(metadata_path(merged.output_data_path)) as handle:
         json.dump(metadata, handle, indent=2)
     context.add_output_metadata(
@@ -404,6 +423,20 @@ def write_job_metadata(
         )
     )
     return metadata
+
+
+def _resume_figures(record: JobRecord | None, requests: int, completion_tokens: int) -> dict[str, Any]:
+    """A resumed job's metadata: what it was resumed from, what its checkpoints kept, what it generated."""
+    if record is None or not record.resume_count or record.requests_kept is None:
+        return {}
+    return {
+        "resumed_from": record.resumed_from,
+        "resumed_from_run_id": record.resumed_from_run_id,
+        "resume_requests_kept": record.requests_kept,
+        "resume_requests_generated": requests - record.requests_kept,
+        "resume_completion_tokens_kept": record.completion_tokens_kept,
+        "resume_completion_tokens_generated": completion_tokens - (record.completion_tokens_kept or 0),
+    }
 
 
 def _run_start(context: OpExecutionContext) -> float:

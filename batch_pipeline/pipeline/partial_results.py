@@ -14,11 +14,11 @@ from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
 from batch_pipeline.openai_batch.jobs import expired, finalize_batch
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.tags import STOPPED_RUN_TAG
 from batch_pipeline.shards.merge import partial_outputs, progress, write_output_array
 from batch_pipeline.store.jobs import JobRecord
 
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"  # on the stopped run: "finished/planned"
-STOPPED_RUN_TAG = "batch_pipeline/stopped_run_id"
 # Ahead of queued batch runs: it is short, and the user waits for these results.
 PARTIAL_RESULTS_PRIORITY = "100"
 

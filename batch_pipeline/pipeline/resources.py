@@ -32,6 +32,9 @@ class JobStorage(dg.ConfigurableResource):
     """
 
     work_dir_base: str = Field(default="", description="Base path or URL of job work dirs; empty = $DAGSTER_HOME/work.")
+    retention_days: int = Field(
+        default=30, ge=0, description="Days a finished job's work dir is kept (0: forever); a team's own wins."
+    )
 
     def base(self) -> str:
         base = self.work_dir_base or os.path.join(os.environ.get("DAGSTER_HOME", "dagster_home"), "work")

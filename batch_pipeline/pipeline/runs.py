@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from batch_pipeline.pipeline.tags import JOB_ID_TAG
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, RESUME_TAG
 
 ROOT_RUN_ID_TAG = "dagster/root_run_id"  # Dagster's tag on every re-execution
 
@@ -25,9 +25,11 @@ def job_id_of(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str:
     return tagged_job_id(instance, run) or run.root_run_id or run.run_id
 
 
-def find_run(instance: dg.DagsterInstance, job_id: str) -> dg.DagsterRun | None:
-    """The job's newest run: its own, or a re-execution of it (which need not carry the job's tags)."""
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: job_id}), limit=1)
+def find_run(instance: dg.DagsterInstance, job_id: str, resume_count: int | None = None) -> dg.DagsterRun | None:
+    """The job's newest run: its own, or a re-execution of it (which need not carry the job's tags). For a
+    job resumed `resume_count` times, a run of that resume only: None until the jobs sensor makes it."""
+    tags = {JOB_ID_TAG: job_id} | ({RESUME_TAG: str(resume_count)} if resume_count else {})
+    runs = instance.get_runs(filters=dg.RunsFilter(tags=tags), limit=1)
     if not runs:
         return None
     # Every re-execution is newer than the run it re-executes, and carries the first run's id as its root

@@ -38,6 +38,7 @@ PLACEHOLDERS = {
     "hour": "%H",
 }
 TEMPLATED_FIELDS = ("input_data_path", "output_data_path")
+RESERVED_NAMES = frozenset({"cleanup"})  # retention's schedule (pipeline/cleanup.py)
 
 
 class ScheduleFileError(ValueError):
@@ -129,6 +130,10 @@ def load_schedule_specs(path: str) -> list[ScheduleSpec]:
             raise ScheduleFileError(f"{path}:{line}: {label}.request.{exc}") from None
         if spec.name in names:
             raise ScheduleFileError(f"{path}:{_line(entry_node, ['name'])}: {label}.name: {spec.name!r} is used twice")
+        if spec.name in RESERVED_NAMES:
+            raise ScheduleFileError(
+                f"{path}:{_line(entry_node, ['name'])}: {label}.name: {spec.name!r} is the service's own schedule"
+            )
         names.add(spec.name)
         specs.append(spec)
     return specs

@@ -27,7 +27,7 @@ from batch_pipeline.pipeline.outages import describe_outage, outage_error, retry
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, SCHEDULE_OWNER_PREFIX, run_tags
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, RESUME_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import tenants
@@ -79,7 +79,7 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore):
     slots = free_run_slots(context.instance)
     chosen = admissions(queues, store, registry, slots, now)
     records = store.waiting_records(admission.job.job_id for admission in chosen)
-    runs = _tagged_runs(context.instance, [record.job_id for record in records])
+    runs = _tagged_runs(context.instance, records)
     for job_id, run_id in runs.items():  # a run the daemon made, already finished: the status sensors record it
         store.link_run(job_id, run_id)
     given = {record.job_id for record in records} - set(runs)
@@ -122,7 +122,7 @@ def _waiting(context: SensorEvaluationContext, store: JobStore) -> Iterator[JobR
     """The queued jobs still without a run, oldest first; the runs the daemon made since the last tick are
     linked to their jobs on the way."""
     for records in store.awaiting_launch():
-        runs = _tagged_runs(context.instance, [record.job_id for record in records])
+        runs = _tagged_runs(context.instance, records)
         for record in records:
             if record.job_id in runs:  # the daemon made its run since the last tick
                 store.link_run(record.job_id, runs[record.job_id])
@@ -150,12 +150,18 @@ def _launchable(context: SensorEvaluationContext, store: JobStore, records: Iter
         yield run_request
 
 
-def _tagged_runs(instance: dg.DagsterInstance, job_ids: list[str]) -> dict[str, str]:
-    """The id of a run of each of these jobs that has one, in one query."""
-    if not job_ids:
+def _tagged_runs(instance: dg.DagsterInstance, records: list[JobRecord]) -> dict[str, str]:
+    """The id of a run of each of these jobs that has one, in one query; of a resumed job, a run of its
+    latest resume only (its runs from before the resume are finished, and not this resume's run)."""
+    if not records:
         return {}
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: job_ids}))
-    return {run.tags[JOB_ID_TAG]: run.run_id for run in reversed(runs)}  # newest last: it wins
+    resume = {record.job_id: str(record.resume_count or 0) for record in records}
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: list(resume)}))
+    return {
+        run.tags[JOB_ID_TAG]: run.run_id
+        for run in reversed(runs)  # newest last: it wins
+        if run.tags.get(RESUME_TAG, "0") == resume.get(run.tags[JOB_ID_TAG])
+    }
 
 
 def run_request_for(record: JobRecord) -> dg.RunRequest:
@@ -173,7 +179,7 @@ def run_request_for(record: JobRecord) -> dg.RunRequest:
         raise ValueError(f"run tags (labels, model): {problem}")
     run_config = run_config_for(request)
     dg.validate_run_config(batch_completions, run_config)  # DagsterInvalidConfigError names the field
-    return dg.RunRequest(run_key=record.job_id, run_config=run_config, tags=tags)
+    return dg.RunRequest(run_key=run_key(record), run_config=run_config, tags=tags)
 
 
 def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:

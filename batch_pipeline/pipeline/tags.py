@@ -13,6 +13,11 @@ MODEL_TAG = "batch_pipeline/model"
 # The job's deadline in epoch seconds: its expires_at (submission + max_runtime_sec). Every run of the job,
 # retries included, stops at this instant, however long it waited in the queue.
 DEADLINE_TAG = "batch_pipeline/deadline"
+# How many times the job was resumed (`POST .../actions/resume`) when the run was made; absent on the runs
+# of a job never resumed. The jobs sensor and the API tell a resumed job's new run from its old ones by it.
+RESUME_TAG = "batch_pipeline/resume"
+# On a `keep_partial_results` run: the stopped run whose finished results it merges.
+STOPPED_RUN_TAG = "batch_pipeline/stopped_run_id"
 # Run monitoring's limit counts from run start; the run sets it from the deadline when it starts.
 MAX_RUNTIME_TAG = "dagster/max_runtime"
 # The shard workers stop at the job's deadline and fail the run with the reason; Dagster's run
@@ -44,9 +49,19 @@ def run_tags(record: JobRecord) -> dict[str, str]:
         MAX_RUNTIME_TAG: str(int((record.expires_at - record.created_at).total_seconds()) + RUN_MONITORING_GRACE_S),
         **RUN_RETRY_TAGS,
     }
+    if record.resume_count:
+        tags[RESUME_TAG] = str(record.resume_count)
+        # From the resume, whose deadline counts from then.
+        since = record.resumed_at or record.created_at
+        tags[MAX_RUNTIME_TAG] = str(int((record.expires_at - since).total_seconds()) + RUN_MONITORING_GRACE_S)
     for key, value in record.labels.items():
         tags[LABEL_TAG_PREFIX + key] = value
     return tags
+
+
+def run_key(record: JobRecord) -> str:
+    """The run key of the job's run: its id, and for a resumed job which resume (one run per resume)."""
+    return f"{record.job_id}:resume-{record.resume_count}" if record.resume_count else record.job_id
 
 
 def max_runtime_from(deadline: float, run_start: float) -> str:

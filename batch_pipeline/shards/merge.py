@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO
 
 from batch_pipeline.core import io
@@ -51,6 +53,35 @@ def progress(work_dir: str) -> tuple[int, int]:
         total += count_lines(io.join(directory, INPUT_FILE)) + count_lines(io.join(directory, COPIES_FILE))
         done += count_lines(io.join(directory, RESULTS_FILE))
     return done, total
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """What a job's shards' checkpoints hold: requests with a result, and their tokens."""
+
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def checkpointed(work_dir: str) -> Checkpointed:
+    """The results a job's shard checkpoints hold (whole lines; a torn last one is not a result), counted
+    as the worker counts a shard's tokens: a v1 output's `num_*_tokens`, an OpenAI object's `usage`. What a
+    resumed job keeps rather than generates again."""
+    requests = prompt_tokens = completion_tokens = 0
+    for directory in shard_directories(work_dir):
+        results_path = io.join(directory, RESULTS_FILE)
+        if not io.exists(results_path):
+            continue
+        with io.open_file(results_path, "r", encoding="utf-8") as handle:
+            for _, payload in iter_result_lines(handle):
+                output = json.loads(payload)
+                counts = output["usage"] if isinstance(output.get("usage"), dict) else output
+                prefix = "" if counts is not output else "num_"
+                requests += 1
+                prompt_tokens += int(counts.get(f"{prefix}prompt_tokens") or 0)
+                completion_tokens += int(counts.get(f"{prefix}completion_tokens") or 0)
+    return Checkpointed(requests, prompt_tokens, completion_tokens)
 
 
 def partial_outputs(work_dir: str, missing: Callable[[int], str]) -> Iterator[tuple[int, str]]:

@@ -33,6 +33,7 @@ from batch_pipeline.store.schema import (
     team_usage,
 )
 from batch_pipeline.store.sql import json_scalar, owner_bucket, seconds_between, utc, utc_day, utc_now
+from batch_pipeline.store.webhooks import add_end_event
 
 _SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens")
 _FIGURES = ("requests_done", "prompt_tokens", "completion_tokens")  # what usage and /metrics sum
@@ -71,6 +72,14 @@ class JobRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     results: dict[str, Any] | None = None
+    resume_count: int | None = None
+    resumed_from: str | None = None
+    resumed_from_run_id: str | None = None
+    resumed_at: datetime | None = None
+    resume_idempotency_key: str | None = None
+    requests_kept: int | None = None
+    prompt_tokens_kept: int | None = None
+    completion_tokens_kept: int | None = None
 
     @cached_property
     def request(self) -> dict[str, Any]:
@@ -111,6 +120,14 @@ class JobRecord:
             prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens,
             results=json.loads(row.results) if row.results else None,
+            resume_count=row.resume_count,
+            resumed_from=row.resumed_from,
+            resumed_from_run_id=row.resumed_from_run_id,
+            resumed_at=utc(row.resumed_at),
+            resume_idempotency_key=row.resume_idempotency_key,
+            requests_kept=row.requests_kept,
+            prompt_tokens_kept=row.prompt_tokens_kept,
+            completion_tokens_kept=row.completion_tokens_kept,
         )
 
 
@@ -221,6 +238,8 @@ class JobStore:
                             for key, value in job.labels.items()
                         ],
                     )
+                if job.failure_reason is not None:  # stored ended: its webhook event in the same transaction
+                    add_end_event(connection, job.job_id)
         except IntegrityError:
             if job.idempotency_key is None:
                 raise
@@ -548,7 +567,8 @@ class JobStore:
     def mark_failed(self, job_id: str, reason: str) -> None:
         """A job that cannot become a run: it is never taken again, and reads `failed` with the reason."""
         now = utc_now()
-        self._update(
+        self._end(
+            job_id,
             sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == JobStatus.QUEUED),
             status=JobStatus.FAILED,
             failed_at=now,
@@ -565,7 +585,8 @@ class JobStore:
     def cancel_before_launch(self, job_id: str) -> bool:
         """Mark a job cancelled if no run was made for it yet; False when a run already exists."""
         now = utc_now()
-        return self._update(
+        return self._end(
+            job_id,
             sa.and_(jobs.c.job_id == job_id, jobs.c.run_id.is_(None), jobs.c.status == JobStatus.QUEUED),
             status=JobStatus.CANCELLED,
             cancelled_at=now,
@@ -623,11 +644,17 @@ class JobStore:
         }
         if reason is not None:
             values["failure_reason"] = reason
-        self._update(
-            sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, jobs.c.run_id.is_(None))),
-            run_id=run_id,
-            **values,
-        )
+        condition = sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, jobs.c.run_id.is_(None)))
+        with self.engine.begin() as connection:
+            # The job's end, with its webhook event in the same transaction; a run's end recorded again (the
+            # status sensors and the reconciler) changes the row but announces nothing new.
+            ending = connection.execute(
+                jobs.update().where(condition, jobs.c.completed_at.is_(None)).values(run_id=run_id, **values)
+            ).rowcount
+            if ending:
+                add_end_event(connection, job_id)
+            else:
+                connection.execute(jobs.update().where(condition).values(run_id=run_id, **values))
 
     def record_results(self, job_id: str, run_id: str, results: dict[str, Any]) -> None:
         """The summary of what the job's run wrote (its output's metadata, or the partial results of a
@@ -675,6 +702,58 @@ class JobStore:
             jobs.update()
             .where(jobs.c.job_id == job_id)
             .values(requests_total=total("requests_total"), **{name: total(name) for name in _SHARD_FIGURES})
+        )
+
+    # --- resume ---------------------------------------------------------------------------------------
+
+    def resume(
+        self,
+        record: JobRecord,
+        resumed_from: str,
+        idempotency_key: str | None,
+        max_runtime_sec: int,
+    ) -> bool:
+        """The stopped job `record` (failed, cancelled or expired, its run's end recorded) queued again, as
+        it was read: the jobs sensor gives it a new run (its runs count `resume_count`), which plans the
+        same shards and generates only what their checkpoints lack. Its deadline counts again from now.
+        False, and nothing changes, when the row changed since it was read (another resume, a late
+        status sensor)."""
+        now = utc_now()
+        same_run = jobs.c.run_id.is_(None) if record.run_id is None else jobs.c.run_id == record.run_id
+        return self._update(
+            sa.and_(
+                jobs.c.job_id == record.job_id,
+                jobs.c.status == record.status,
+                same_run,
+                jobs.c.completed_at.is_not(None),
+                jobs.c.work_dir_deleted_at.is_(None),  # a cleanup between the caller's read and this write
+            ),
+            status=JobStatus.QUEUED,
+            run_id=None,
+            resume_count=sa.func.coalesce(jobs.c.resume_count, 0) + 1,
+            resumed_from=resumed_from,
+            resumed_from_run_id=record.run_id,
+            resumed_at=now,
+            resume_idempotency_key=idempotency_key,
+            requests_kept=None,
+            prompt_tokens_kept=None,
+            completion_tokens_kept=None,
+            expires_at=now + timedelta(seconds=max_runtime_sec),
+            cancelled_at=None,
+            failed_at=None,
+            failure_reason=None,
+            status_detail=None,
+            results=None,
+        )
+
+    def record_kept(self, job_id: str, requests: int, prompt_tokens: int, completion_tokens: int) -> bool:
+        """What a resumed job's checkpoints held when its resume's first run planned its shards: kept, never
+        generated again. Counted once a resume: a retry of that run finds it set and keeps it."""
+        return self._update(
+            sa.and_(jobs.c.job_id == job_id, jobs.c.resume_count.is_not(None), jobs.c.requests_kept.is_(None)),
+            requests_kept=requests,
+            prompt_tokens_kept=prompt_tokens,
+            completion_tokens_kept=completion_tokens,
         )
 
     # --- figures for /metrics ---------------------------------------------------------------------------
@@ -822,6 +901,14 @@ class JobStore:
     def _update(self, condition: Any, **values: Any) -> bool:
         with self.engine.begin() as connection:
             return connection.execute(jobs.update().where(condition).values(**values)).rowcount > 0
+
+    def _end(self, job_id: str, condition: Any, **values: Any) -> bool:
+        """`_update` for a change that ends the job, with its webhook event in the same transaction."""
+        with self.engine.begin() as connection:
+            if connection.execute(jobs.update().where(condition).values(**values)).rowcount == 0:
+                return False
+            add_end_event(connection, job_id)
+            return True
 
     def _one(self, condition: Any) -> JobRecord | None:
         with self.engine.connect() as connection:

@@ -8,7 +8,7 @@ import json
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -28,6 +28,9 @@ files = sa.Table(
     sa.Column("bytes", sa.BigInteger, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("path", sa.Text, nullable=False),
+    # When the file expires (its upload's `expires_after`, its batch's `output_expires_after`); None: never.
+    # From then on it reads as absent, and the `cleanup` schedule deletes its bytes and this row.
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True, index=True),
 )
 
 batches = sa.Table(
@@ -46,6 +49,8 @@ batches = sa.Table(
     sa.Column("completed", sa.BigInteger, nullable=True),
     sa.Column("failed", sa.BigInteger, nullable=True),
     sa.Column("finalized_at", sa.DateTime(timezone=True), nullable=True),
+    # Seconds after their creation at which the batch's output and error files expire (None: never).
+    sa.Column("output_expires_after", sa.Integer, nullable=True),
 )
 
 
@@ -58,6 +63,11 @@ class FileRecord:
     bytes: int
     created_at: datetime
     path: str
+    expires_at: datetime | None = None
+
+    def expired(self, now: datetime | None = None) -> bool:
+        """Whether the file has expired: from that moment it reads as absent, cleaned up or not."""
+        return self.expires_at is not None and self.expires_at <= (now or utc_now())
 
     @staticmethod
     def new_id() -> str:
@@ -79,6 +89,7 @@ class BatchRecord:
     completed: int | None = None
     failed: int | None = None
     finalized_at: datetime | None = None
+    output_expires_after: int | None = None  # seconds after their creation its output and error files expire
 
 
 @dataclass(frozen=True)
@@ -112,14 +123,18 @@ class OpenAIStore:
         self, owner: str | None, purpose: str | None, limit: int, after: str | None
     ) -> tuple[list[FileRecord], bool]:
         """Files newest first, a page of `limit` after the file `after`; and whether more follow."""
-        rows, more = self._page(
-            files, files.c.file_id, owner, limit, after, files.c.purpose == purpose if purpose else None
-        )
+        condition = _kept(utc_now())
+        if purpose:
+            condition = sa.and_(condition, files.c.purpose == purpose)
+        rows, more = self._page(files, files.c.file_id, owner, limit, after, condition)
         return [_file(row) for row in rows], more
 
     def file_bytes_of(self, owner: str) -> int:
-        """The bytes of `owner`'s files kept now (uploads, and the output and error files of its batches)."""
-        query = sa.select(sa.func.coalesce(sa.func.sum(files.c.bytes), 0)).where(files.c.owner == owner)
+        """The bytes of `owner`'s files kept now (uploads, and the output and error files of its batches): an
+        expired file counts no more, even before the cleanup deletes it."""
+        query = sa.select(sa.func.coalesce(sa.func.sum(files.c.bytes), 0)).where(
+            files.c.owner == owner, _kept(utc_now())
+        )
         with self.engine.connect() as connection:
             return int(connection.execute(query).scalar_one())
 
@@ -130,7 +145,7 @@ class OpenAIStore:
         each was stored (`file_bytes_of`'s files); owners outside `named` summed as one, None."""
         per_file = sa.select(
             owner_bucket(files.c.owner, named).label("owner"), utc_day(files.c.created_at).label("day"), files.c.bytes
-        ).where(files.c.created_at >= since, files.c.created_at < until)
+        ).where(files.c.created_at >= since, files.c.created_at < until, _kept(utc_now()))
         if owner is not None:
             per_file = per_file.where(files.c.owner == owner)
         grouped = per_file.subquery()
@@ -142,7 +157,7 @@ class OpenAIStore:
 
     def file_bytes_by_owner(self, owner: str | None, named: Collection[str]) -> dict[str | None, int]:
         """`file_bytes_of` for each owner of `named` (every other owner's summed as None)."""
-        per_file = sa.select(owner_bucket(files.c.owner, named).label("owner"), files.c.bytes)
+        per_file = sa.select(owner_bucket(files.c.owner, named).label("owner"), files.c.bytes).where(_kept(utc_now()))
         if owner is not None:
             per_file = per_file.where(files.c.owner == owner)
         grouped = per_file.subquery()
@@ -153,6 +168,23 @@ class OpenAIStore:
     def delete_file(self, file_id: str) -> bool:
         with self.engine.begin() as connection:
             return connection.execute(files.delete().where(files.c.file_id == file_id)).rowcount > 0
+
+    def expired_files(self, now: datetime, limit: int = 500) -> list[FileRecord]:
+        """Files expired at `now`, the longest expired first (the cleanup's read, `ix_openai_files_expires_at`)."""
+        query = (
+            sa.select(files)
+            .where(files.c.expires_at.is_not(None), files.c.expires_at <= now)
+            .order_by(files.c.expires_at, files.c.file_id)
+            .limit(limit)
+        )
+        with self.engine.connect() as connection:
+            return [_file(row) for row in connection.execute(query)]
+
+    def forget_expired_file(self, file_id: str, now: datetime) -> bool:
+        """Delete the row of a file expired at `now` (its bytes deleted first); False when it is not one."""
+        condition = sa.and_(files.c.file_id == file_id, files.c.expires_at.is_not(None), files.c.expires_at <= now)
+        with self.engine.begin() as connection:
+            return connection.execute(files.delete().where(condition)).rowcount > 0
 
     # --- batches ----------------------------------------------------------------------------------------
 
@@ -181,9 +213,12 @@ class OpenAIStore:
         re-executed run); returns the paths of the files replaced, for the caller to remove."""
         with self.engine.begin() as connection:
             old = connection.execute(
-                sa.select(batches.c.output_file_id, batches.c.error_file_id).where(batches.c.batch_id == batch_id)
+                sa.select(batches.c.output_file_id, batches.c.error_file_id, batches.c.output_expires_after).where(
+                    batches.c.batch_id == batch_id
+                )
             ).first()
-            stale_ids = [file_id for file_id in (old or ()) if file_id]
+            stale_ids = [file_id for file_id in (old[:2] if old else ()) if file_id]
+            lifetime = old.output_expires_after if old else None
             stale: list[str] = list(
                 connection.execute(sa.select(files.c.path).where(files.c.file_id.in_(stale_ids))).scalars()
             )
@@ -191,7 +226,10 @@ class OpenAIStore:
                 connection.execute(files.delete().where(files.c.file_id.in_(stale_ids)))
             for file in (results.output_file, results.error_file):
                 if file is not None:
-                    connection.execute(files.insert().values(**_file_row(file)))
+                    row = _file_row(file)
+                    if lifetime is not None:  # the batch's output_expires_after, anchored at the file's creation
+                        row["expires_at"] = file.created_at + timedelta(seconds=lifetime)
+                    connection.execute(files.insert().values(**row))
             connection.execute(
                 batches.update()
                 .where(batches.c.batch_id == batch_id)
@@ -242,6 +280,11 @@ class OpenAIStore:
         return rows[:limit], len(rows) > limit
 
 
+def _kept(now: datetime) -> Any:
+    """The files not expired at `now`."""
+    return sa.or_(files.c.expires_at.is_(None), files.c.expires_at > now)
+
+
 def _storable_id(value: str) -> bool:
     # Not an id this store makes (too long for its column, a NUL Postgres cannot compare): absent.
     return len(value) <= 64 and "\x00" not in value
@@ -260,6 +303,7 @@ def _file(row: Any) -> FileRecord:
         bytes=row.bytes,
         created_at=utc(row.created_at),
         path=row.path,
+        expires_at=utc(row.expires_at),
     )
 
 
@@ -278,4 +322,5 @@ def _batch(row: Any) -> BatchRecord:
         completed=row.completed,
         failed=row.failed,
         finalized_at=utc(row.finalized_at),
+        output_expires_after=row.output_expires_after,
     )

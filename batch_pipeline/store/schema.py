@@ -66,6 +66,21 @@ jobs = sa.Table(
     sa.Column("results", sa.Text, nullable=True),  # the finished job's summary (JSON), as in its metadata file
     # Fair share: the end up to which the job's use of run slots is counted in its team's `team_usage` row.
     sa.Column("usage_counted_until", sa.DateTime(timezone=True), nullable=True),
+    # Resume (POST .../actions/resume): how many times the job was resumed (its runs' `batch_pipeline/resume`
+    # tag), the last time from which status and run, with which Idempotency-Key, and what its checkpoints
+    # already held then (kept, never generated again), as that resume's first run counted them.
+    sa.Column("resume_count", sa.Integer, nullable=True),
+    sa.Column("resumed_from", sa.String(16), nullable=True),
+    sa.Column("resumed_from_run_id", sa.String(64), nullable=True),
+    sa.Column("resumed_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("resume_idempotency_key", sa.String(256), nullable=True),
+    sa.Column("requests_kept", sa.BigInteger, nullable=True),
+    sa.Column("prompt_tokens_kept", sa.BigInteger, nullable=True),
+    sa.Column("completion_tokens_kept", sa.BigInteger, nullable=True),
+    # Retention (the `cleanup` schedule, `store/retention.py`): when the finished job's work dir (its inline
+    # content, shard inputs, checkpoints) was deleted; from then on its content_bytes are 0 and it cannot
+    # be resumed. The user's named output is never deleted.
+    sa.Column("work_dir_deleted_at", sa.DateTime(timezone=True), nullable=True),
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
     sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
     sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
@@ -74,6 +89,8 @@ jobs = sa.Table(
     sa.Index("ix_batch_jobs_usage_uncounted", "usage_counted_until", "completed_at"),
     sa.Index("ix_batch_jobs_holding", "completed_at", "started_at"),
     sa.Index("ix_batch_jobs_waiting", "status", "run_id", "created_at", "job_id", "owner", "priority", "expires_at"),
+    # Retention's read each tick: the ended jobs whose work dirs are still kept, the longest ended first.
+    sa.Index("ix_batch_jobs_retention", "work_dir_deleted_at", "completed_at"),
 )
 
 # Fair share: each team's decayed slot-seconds of its ended jobs, as they count at `as_of`.
@@ -107,6 +124,32 @@ job_shards = sa.Table(
     sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=True),
+)
+
+
+# Webhooks (issue 28): the outbox. One row per event, written in the transaction that ends its job, so
+# that no end is lost and none is announced that did not happen; the delivery process (`webhooks/`) sends
+# it to the endpoints of the job's team, as the tenants file names them when it is sent, and keeps here
+# how that went. Delivered at least once: `webhook-id` is the event id, for receivers to drop repeats.
+webhook_events = sa.Table(
+    "batch_webhook_events",
+    metadata,
+    sa.Column("event_id", sa.String(64), primary_key=True),  # "evt_..."; the webhook-id header
+    sa.Column("job_id", sa.String(JOB_ID_LENGTH), nullable=False, index=True),
+    sa.Column("owner", sa.String(128), nullable=False),  # the job's owner, copied in the same transaction
+    sa.Column("type", sa.String(32), nullable=False),  # job.completed, ..., batch.completed, ...
+    sa.Column("payload", sa.Text, nullable=False),  # the body sent, as signed
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    # pending (to be sent), delivered (every subscribed endpoint answered 2xx), failed (given up after the
+    # retry window), unsubscribed (no endpoint of the team takes this type).
+    sa.Column("state", sa.String(16), nullable=False, server_default="pending"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("next_attempt_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("last_attempt_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("last_error", sa.Text, nullable=True),  # e.g. "webhooks[0]: HTTP 500"; never a URL or secret
+    sa.Column("delivered_to", sa.Text, nullable=False, server_default="[]"),  # endpoint ids that took it (JSON)
+    sa.Column("delivered_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Index("ix_batch_webhook_events_due", "state", "next_attempt_at"),
 )
 
 

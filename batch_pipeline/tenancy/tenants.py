@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import yaml
 from fsspec.core import split_protocol
@@ -50,6 +51,57 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The events a team's webhook endpoint may take: its jobs' ends, and for OpenAI batches OpenAI's names.
+WEBHOOK_EVENT_TYPES = (
+    "job.completed", "job.failed", "job.cancelled", "job.expired",
+    "batch.completed", "batch.failed", "batch.cancelled", "batch.expired",
+)  # fmt: skip
+
+
+class WebhookConfig(_Strict):
+    """One endpoint of a team's webhooks: the operator's, never a request's. Its secret is not in the file:
+    `secret_env` names the environment variable of the delivery process that holds it (`whsec_...`)."""
+
+    url: str = Field(description="Where the team's events are POSTed: an http:// or https:// URL")
+    secret_env: str = Field(description="The environment variable holding the Standard Webhooks secret")
+    events: list[str] = Field(
+        default_factory=lambda: list(WEBHOOK_EVENT_TYPES), min_length=1, description="The event types it takes"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _an_http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("a webhook url is an http:// or https:// URL with a host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("a webhook url holds no credentials (the signature authenticates the service)")
+        if any(c in url for c in "\x00\r\n \t"):
+            raise ValueError("a webhook url holds no spaces or control characters")
+        return url
+
+    @field_validator("secret_env")
+    @classmethod
+    def _a_variable_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", name):
+            raise ValueError(f"{name!r} is not an environment variable's name")
+        return name
+
+    @field_validator("events")
+    @classmethod
+    def _known_events(cls, events: list[str]) -> list[str]:
+        unknown = [event for event in events if event not in WEBHOOK_EVENT_TYPES]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not an event type ({', '.join(WEBHOOK_EVENT_TYPES)})")
+        return events
+
+    @property
+    def endpoint_id(self) -> str:
+        """The endpoint's name in the outbox (which endpoints took an event): a digest of its URL, not the
+        URL, which may carry a token in its path."""
+        return hashlib.sha256(self.url.encode()).hexdigest()[:16]
+
+
 class TenantConfig(_Strict):
     api_keys_sha256: list[KeyDigest] = Field(default_factory=list)
     data_roots: list[str] = Field(default_factory=list)
@@ -62,11 +114,19 @@ class TenantConfig(_Strict):
     )
     max_stored_bytes: int | None = Field(None, ge=0, description="OpenAI files plus inline contents, in bytes")
     max_tokens_per_day: int | None = Field(None, ge=0, description="Prompt plus completion tokens a day")
+    retention_days: int | None = Field(
+        None,
+        ge=0,
+        le=36500,
+        description="Days the team's finished jobs' work dirs are kept (0: forever; unset: the deployment's)",
+    )
     # Kueue's share of the GPUs, cluster-wide: the team's shard pods name this LocalQueue (of the shard
     # pods' namespace) in their `kueue.x-k8s.io/queue-name` label. Unset: its pods are not queued by Kueue.
     kueue_queue: TenantName | None = Field(
         None, description="The Kueue LocalQueue of the team's shard pods (a DNS label, as team names are)"
     )
+    # Signed webhooks when the team's jobs end (`batch_pipeline/webhooks/`).
+    webhooks: list[WebhookConfig] = Field(default_factory=list, description="Where the team's job events go")
 
     @field_validator("max_priority")
     @classmethod

@@ -1,0 +1,291 @@
+"""Retention: the `cleanup` schedule, and the small job it launches when something is due, so that each
+deletion is a run the UI shows (what it deleted in its metadata and log).
+
+- A finished job's work dir (inline content, shard inputs, checkpoints, a batch's copy of its input) is
+  deleted `retention_days` after the job ended: the deployment's (BATCH_PIPELINE_RETENTION_DAYS), or its
+  team's in the tenants file; 0 keeps them forever. The job's row says when (`work_dir_deleted_at`), and a
+  resume is refused from then on (409, `store.retention.checkpoints_deleted`).
+- An OpenAI file is deleted once it expired (`expires_after`, a batch's `output_expires_after`); it reads
+  as absent from the moment it expires, cleaned up or not.
+- Outputs the user named are never deleted: a job's `output_data_path` and its metadata file stay even
+  where they lie inside its work dir. An OpenAI batch's output is its output and error files, which
+  expire only as their batch asked.
+
+Every delete goes through fsspec (a work dir on s3:// is deleted as a local one), is idempotent (a
+second run, or a retry, finds nothing more to do), and never follows a symlink: a local work dir is
+removed beneath the base's descriptor (a symlink in its place, or in it, is unlinked, never followed).
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import stat
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import dagster as dg
+from dagster import OpExecutionContext
+
+from batch_pipeline.admission.paths import metadata_path
+from batch_pipeline.core import io
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.store import retention
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.openai import OpenAIStore
+from batch_pipeline.tenancy.tenants import Tenants, tenants
+
+CLEANUP_CRON = "23 * * * *"  # hourly
+_CHUNK = 500
+# A work dir is base/<job id>: a job id is one plain name (never `files`, the OpenAI files' directory).
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NOT_WORK_DIRS = frozenset({"files"})
+
+
+@dataclass(frozen=True)
+class RetentionGroup:
+    """Jobs whose work dirs are kept `days` days: those of `owners` (None: any owner but `other_than`)."""
+
+    days: int
+    owners: tuple[str, ...] | None
+    other_than: tuple[str, ...] = ()
+
+
+def retention_groups(default_days: int, registry: Tenants | None) -> list[RetentionGroup]:
+    """The deployment's retention and each team's own, as groups of owners (0 days: kept forever, no group)."""
+    overrides: dict[int, list[str]] = {}
+    for team in registry.teams.values() if registry else ():
+        if team.config.retention_days is not None:
+            overrides.setdefault(team.config.retention_days, []).append(team.owner)
+    own = tuple(owner for owners in overrides.values() for owner in owners)
+    groups = [RetentionGroup(days, tuple(owners)) for days, owners in sorted(overrides.items())]
+    groups.append(RetentionGroup(default_days, None, own))
+    return [group for group in groups if group.days > 0]
+
+
+@dataclass
+class CleanupReport:
+    work_dirs_deleted: list[str] = field(default_factory=list)
+    files_deleted: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "work_dirs_deleted": len(self.work_dirs_deleted),
+            "files_deleted": len(self.files_deleted),
+            "failures": len(self.failures),
+        }
+
+
+def anything_due(store: JobStore, storage: JobStorage, now: datetime) -> bool:
+    """Whether a cleanup run would delete anything now (two indexed reads of one row each)."""
+    if OpenAIStore(engine=store.engine).expired_files(now, limit=1):
+        return True
+    return any(
+        retention.due_work_dirs(store.engine, now - timedelta(days=group.days), group.owners, group.other_than, 1)
+        for group in retention_groups(storage.retention_days, tenants())
+    )
+
+
+def clean_up(store: JobStore, storage: JobStorage, now: datetime, log: Any) -> CleanupReport:
+    """Delete the expired OpenAI files and the work dirs past their retention, as of `now`."""
+    report = CleanupReport()
+    _delete_expired_files(OpenAIStore(engine=store.engine), storage.files_dir(), now, log, report)
+    for group in retention_groups(storage.retention_days, tenants()):
+        _delete_due_work_dirs(store, storage, group, now, log, report)
+    return report
+
+
+def _delete_expired_files(files: OpenAIStore, files_dir: str, now: datetime, log: Any, report: CleanupReport) -> None:
+    failed: set[str] = set()  # tried once this run: left to the next one
+    while expired := files.expired_files(now, _CHUNK):
+        progressed = False
+        for record in expired:
+            if record.file_id in failed:
+                continue
+            try:
+                if record.path == io.join(files_dir, record.file_id) and _PLAIN_NAME.match(record.file_id):
+                    _delete_entry(files_dir, record.file_id)
+                else:  # not where this deployment keeps files: its row goes, nothing outside is touched
+                    log.warning(f"{record.file_id}: its bytes are not under {files_dir}; only its row is deleted")
+            except Exception as exc:  # an object store's error too: the other files are still deleted
+                failed.add(record.file_id)
+                report.failures.append(f"{record.file_id}: {exc}")
+                log.error(f"{record.file_id}: could not delete its bytes: {exc}")
+                continue
+            if files.forget_expired_file(record.file_id, now):
+                report.files_deleted.append(record.file_id)
+                progressed = True
+                log.info(f"{record.file_id} ({record.owner}) expired at {record.expires_at}: deleted")
+        if not progressed:
+            return
+
+
+def _delete_due_work_dirs(
+    store: JobStore, storage: JobStorage, group: RetentionGroup, now: datetime, log: Any, report: CleanupReport
+) -> None:
+    cutoff = now - timedelta(days=group.days)
+    batches = OpenAIStore(engine=store.engine)
+    failed: set[str] = set()  # tried once this run: left to the next one
+    while due := retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, _CHUNK):
+        progressed = False
+        for job in due:
+            if job.job_id in failed:
+                continue
+            if not _PLAIN_NAME.match(job.job_id) or job.job_id in _NOT_WORK_DIRS:
+                log.warning(f"{job.job_id!r}: not a work dir's name; its row is marked, nothing is deleted")
+                retention.claim_work_dir(store.engine, job.job_id, cutoff, now)
+                progressed = True
+                continue
+            if not retention.claim_work_dir(store.engine, job.job_id, cutoff, now):
+                continue  # resumed, or claimed by another cleanup, since it was read
+            # An OpenAI batch's output in its work dir is the service's (its output and error files are the
+            # user's); any other job's named output, and its metadata, are the user's.
+            keep = () if batches.get_batch(job.job_id) is not None else _named_outputs(job.request_json)
+            try:
+                delete_work_dir(storage.base(), job.job_id, keep)
+            except Exception as exc:  # an object store's error too: the other work dirs are still deleted
+                failed.add(job.job_id)
+                retention.release_work_dir(store.engine, job.job_id, now, job.content_bytes)
+                report.failures.append(f"{job.job_id}: {exc}")
+                log.error(f"{job.job_id}: could not delete its work dir: {exc}")
+                continue
+            progressed = True
+            report.work_dirs_deleted.append(job.job_id)
+            log.info(f"{job.job_id} ({job.owner}) ended {job.completed_at}: work dir deleted ({group.days} days kept)")
+        if not progressed:
+            return
+
+
+def _named_outputs(request_json: str) -> tuple[str, ...]:
+    try:
+        output = json.loads(request_json).get("output_data_path")
+    except (ValueError, AttributeError):
+        return ()
+    return (output, metadata_path(output)) if isinstance(output, str) and output else ()
+
+
+def delete_work_dir(base: str, job_id: str, keep: Collection[str] = ()) -> None:
+    """Delete the work dir `base/job_id` and everything in it but the paths of `keep` (and the
+    directories holding them); nothing when it is already gone. Locally no symlink is followed."""
+    if not _PLAIN_NAME.match(job_id) or job_id in _NOT_WORK_DIRS:
+        raise ValueError(f"{job_id!r} is not a work dir's name")
+    root = io.join(base, job_id)
+    kept = {path[len(root) + 1 :] for path in (_normal(path) for path in keep) if path.startswith(root + "/")}
+    if not io.is_local(root):
+        fs, resolved = io.filesystem(root)
+        if not kept:
+            io.remove_tree(root)
+            return
+        for path in fs.find(resolved):
+            if path.removeprefix(resolved.rstrip("/") + "/") not in kept:
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(path)
+        return
+    if not kept:
+        _delete_entry(base, job_id)
+        return
+    _prune_beneath(io.filesystem(base)[1], job_id, kept)
+
+
+def _normal(path: str) -> str:
+    return os.path.abspath(path) if io.is_local(path) else path
+
+
+def _delete_entry(directory: str, name: str) -> None:
+    """Delete `directory/name` (a file, a symlink or a whole tree), beneath the directory's descriptor and
+    with no symlink followed; nothing when it is gone. On an object store, the object or prefix."""
+    if not io.is_local(directory):
+        path = io.join(directory, name)
+        fs, resolved = io.filesystem(path)
+        if fs.isdir(resolved):
+            io.remove_tree(path)
+        else:
+            io.remove(path)
+        return
+    try:
+        fd = os.open(io.filesystem(directory)[1], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's
+    except FileNotFoundError:
+        return  # no base yet: nothing was ever written there
+    try:
+        try:
+            mode = os.lstat(name, dir_fd=fd).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(name, dir_fd=fd)  # descriptor-based: a symlink inside is unlinked, never followed
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)  # a file, or a symlink put there: the link goes, not its target
+    finally:
+        os.close(fd)
+
+
+def _prune_beneath(base: str, name: str, kept: set[str]) -> None:
+    """Delete everything under `base/name` but the relative paths of `kept`, no symlink followed."""
+    try:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            if not stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+                os.unlink(name, dir_fd=fd)  # a symlink in the work dir's place: unlinked, never followed
+                return
+        except FileNotFoundError:
+            return
+        for top, directories, names, top_fd in os.fwalk(name, dir_fd=fd, topdown=False, follow_symlinks=False):
+            relative = top.removeprefix(name).lstrip("/")
+            for entry in names:
+                if os.path.join(relative, entry) not in kept:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry, dir_fd=top_fd)
+            for entry in directories:
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISLNK(os.lstat(entry, dir_fd=top_fd).st_mode):
+                        os.unlink(entry, dir_fd=top_fd)
+                    else:
+                        with contextlib.suppress(OSError):  # not empty: it holds a kept file
+                            os.rmdir(entry, dir_fd=top_fd)
+    finally:
+        os.close(fd)
+
+
+@dg.op(description="Delete expired OpenAI files and the work dirs of jobs past their retention.")
+def delete_expired(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> dict:
+    report = clean_up(job_store.get_store(), job_storage, datetime.now(UTC), context.log)
+    context.add_output_metadata(
+        {
+            **report.summary(),
+            "work_dirs": ", ".join(report.work_dirs_deleted[:100]),
+            "files": ", ".join(report.files_deleted[:100]),
+        }
+    )
+    if report.failures:
+        raise dg.Failure(
+            f"{len(report.failures)} deletions failed (retried by the next cleanup): {'; '.join(report.failures[:5])}"
+        )
+    return report.summary()
+
+
+@dg.job(executor_def=dg.in_process_executor, description="Retention: expired OpenAI files and old work dirs deleted.")
+def cleanup():
+    delete_expired()
+
+
+@dg.schedule(
+    name="cleanup",
+    cron_schedule=CLEANUP_CRON,
+    job=cleanup,
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+    description="Hourly: a `cleanup` run when an OpenAI file expired or a finished job's work dir is past its "
+    "retention (BATCH_PIPELINE_RETENTION_DAYS, or the team's retention_days); else the tick is skipped.",
+)
+def cleanup_schedule(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage):
+    tick = context.scheduled_execution_time or datetime.now(UTC)
+    if not anything_due(job_store.get_store(), job_storage, datetime.now(UTC)):
+        return dg.SkipReason("no OpenAI file has expired and no work dir is past its retention")
+    return dg.RunRequest(run_key=f"cleanup@{tick.astimezone(UTC).isoformat()}")

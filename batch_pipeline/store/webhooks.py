@@ -1,0 +1,242 @@
+"""The webhook outbox (`batch_webhook_events`): the event a job's end announces, written by the job store in
+the transaction that ends the job (`add_end_event`), and read and updated by the delivery process
+(`batch_pipeline.webhooks`) as it sends each one; its state per event is what a team reads back.
+
+A job's event goes to its own owner's endpoints only: the owner is copied from the job's row in the same
+transaction, and nothing a request sends names an endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from batch_pipeline.store.engine import default_store_url, engine_for
+from batch_pipeline.store.openai import batches
+from batch_pipeline.store.schema import JobStatus, jobs, webhook_events
+from batch_pipeline.store.sql import owner_bucket, utc, utc_now
+
+JOB_EVENTS = ("job.completed", "job.failed", "job.cancelled", "job.expired")
+BATCH_EVENTS = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expired")
+EVENT_TYPES = JOB_EVENTS + BATCH_EVENTS
+STATES = ("pending", "delivered", "failed", "unsubscribed")
+
+
+@dataclass(frozen=True)
+class WebhookEvent:
+    event_id: str
+    job_id: str
+    owner: str
+    type: str
+    payload: str
+    created_at: datetime
+    state: str
+    attempts: int
+    next_attempt_at: datetime
+    last_attempt_at: datetime | None
+    last_error: str | None
+    delivered_to: tuple[str, ...]
+    delivered_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> WebhookEvent:
+        return cls(
+            event_id=row.event_id,
+            job_id=row.job_id,
+            owner=row.owner,
+            type=row.type,
+            payload=row.payload,
+            created_at=utc(row.created_at),
+            state=row.state,
+            attempts=int(row.attempts),
+            next_attempt_at=utc(row.next_attempt_at),
+            last_attempt_at=utc(row.last_attempt_at),
+            last_error=row.last_error,
+            delivered_to=tuple(json.loads(row.delivered_to or "[]")),
+            delivered_at=utc(row.delivered_at),
+        )
+
+
+def _expired(status: str, reason: str | None, completed_at: datetime | None, expires_at: datetime | None) -> bool:
+    """As `openai_batch.jobs.expired` reads a job: failed at its deadline."""
+    if status != JobStatus.FAILED:
+        return False
+    if completed_at is not None and expires_at is not None and utc(completed_at) >= utc(expires_at):
+        return True
+    return (reason or "").startswith("max_runtime_sec exceeded")
+
+
+def add_end_event(connection: sa.Connection, job_id: str) -> str | None:
+    """In the caller's transaction, which has just ended the job: the event its end announces, from the
+    job's row as that transaction sees it. None (nothing written) for a job not ended."""
+    row = connection.execute(
+        sa.select(jobs.c.owner, jobs.c.status, jobs.c.failure_reason, jobs.c.completed_at, jobs.c.expires_at).where(
+            jobs.c.job_id == job_id
+        )
+    ).first()
+    if row is None or row.completed_at is None or row.status not in JOB_STATUS_EVENT:
+        return None
+    outcome = "expired" if _expired(row.status, row.failure_reason, row.completed_at, row.expires_at) else row.status
+    outcome = JOB_STATUS_EVENT.get(outcome, outcome)
+    is_batch = connection.execute(sa.select(batches.c.batch_id).where(batches.c.batch_id == job_id)).first()
+    now = utc_now()
+    event_id = f"evt_{uuid.uuid4().hex}"
+    payload: dict[str, Any]
+    if is_batch:  # OpenAI's event object (https://platform.openai.com/docs/api-reference/webhook-events)
+        event_type = f"batch.{outcome}"
+        payload = {
+            "id": event_id,
+            "object": "event",
+            "created_at": int(now.timestamp()),
+            "type": event_type,
+            "data": {"id": job_id},
+        }
+    else:  # Standard Webhooks' payload shape: type, timestamp, data
+        event_type = f"job.{outcome}"
+        payload = {"type": event_type, "timestamp": now.isoformat(), "data": {"job_id": job_id, "status": outcome}}
+    connection.execute(
+        webhook_events.insert().values(
+            event_id=event_id,
+            job_id=job_id,
+            owner=row.owner,
+            type=event_type,
+            payload=json.dumps(payload, separators=(",", ":")),
+            created_at=now,
+            state="pending",
+            attempts=0,
+            next_attempt_at=now,
+            delivered_to="[]",
+        )
+    )
+    return event_id
+
+
+# A finished status's event name ("expired" is a failure at the deadline).
+JOB_STATUS_EVENT = {
+    JobStatus.COMPLETED: "completed",
+    JobStatus.FAILED: "failed",
+    JobStatus.CANCELLED: "cancelled",
+    "expired": "expired",
+}
+
+
+class WebhookOutbox:
+    def __init__(self, url: str | None = None, engine: sa.Engine | None = None) -> None:
+        self.engine = engine or engine_for(url or default_store_url())
+
+    def events_of_job(self, job_id: str) -> list[WebhookEvent]:
+        """The events of one job, oldest first (the caller checks the job is the asker's)."""
+        query = (
+            sa.select(webhook_events)
+            .where(webhook_events.c.job_id == job_id)
+            .order_by(webhook_events.c.created_at, webhook_events.c.event_id)
+        )
+        with self.engine.connect() as connection:
+            return [WebhookEvent.from_row(row) for row in connection.execute(query)]
+
+    def get(self, event_id: str) -> WebhookEvent | None:
+        with self.engine.connect() as connection:
+            row = connection.execute(sa.select(webhook_events).where(webhook_events.c.event_id == event_id)).first()
+        return WebhookEvent.from_row(row) if row else None
+
+    def claim_due(
+        self, now: datetime, limit: int, lease: timedelta, skip_owners: Collection[str] = ()
+    ) -> list[WebhookEvent]:
+        """Up to `limit` pending events due by `now`, oldest due first, each claimed for `lease` (its next
+        attempt moved past the lease, its attempts counted), so that another delivery process, or this one's
+        next tick, does not send it again while this attempt runs. An attempt that dies with its process is
+        retried when the lease ends: at least once. `skip_owners`' events wait (theirs are in flight)."""
+        query = (
+            sa.select(webhook_events.c.event_id, webhook_events.c.next_attempt_at)
+            .where(webhook_events.c.state == "pending", webhook_events.c.next_attempt_at <= now)
+            .order_by(webhook_events.c.next_attempt_at)
+            .limit(limit)
+        )
+        if skip_owners:
+            query = query.where(webhook_events.c.owner.not_in(sorted(skip_owners)))
+        claimed: list[str] = []
+        with self.engine.begin() as connection:
+            for event_id, due in connection.execute(query).all():
+                taken = connection.execute(
+                    webhook_events.update()
+                    .where(
+                        webhook_events.c.event_id == event_id,
+                        webhook_events.c.state == "pending",
+                        webhook_events.c.next_attempt_at == due,
+                    )
+                    .values(
+                        next_attempt_at=now + lease,
+                        attempts=webhook_events.c.attempts + 1,
+                        last_attempt_at=now,
+                    )
+                ).rowcount
+                if taken:
+                    claimed.append(event_id)
+            if not claimed:
+                return []
+            rows = connection.execute(sa.select(webhook_events).where(webhook_events.c.event_id.in_(claimed)))
+            by_id = {row.event_id: WebhookEvent.from_row(row) for row in rows}
+        return [by_id[event_id] for event_id in claimed]
+
+    def record_attempt(
+        self,
+        event: WebhookEvent,
+        delivered_to: Collection[str],
+        state: str,
+        error: str | None,
+        next_attempt_at: datetime | None,
+        now: datetime,
+    ) -> None:
+        """How an attempt went: the endpoints that took the event so far, its state, the last error, and
+        when to try again (pending)."""
+        values: dict[str, Any] = {
+            "delivered_to": json.dumps(sorted(set(delivered_to))),
+            "state": state,
+            "last_error": error,
+        }
+        if next_attempt_at is not None:
+            values["next_attempt_at"] = next_attempt_at
+        if state == "delivered":
+            values["delivered_at"] = now
+        with self.engine.begin() as connection:
+            connection.execute(
+                webhook_events.update()
+                .where(webhook_events.c.event_id == event.event_id, webhook_events.c.state == "pending")
+                .values(**values)
+            )
+
+    # --- figures for /metrics ---------------------------------------------------------------------------
+
+    def figures_by_team(self, named: Collection[str]) -> list[tuple[str | None, str, str, int, int]]:
+        """(owner, event type, state, events, attempts) over every event, by owner of `named` (every other
+        owner summed as None)."""
+        per_event = sa.select(
+            owner_bucket(webhook_events.c.owner, named).label("owner"),
+            webhook_events.c.type,
+            webhook_events.c.state,
+            webhook_events.c.attempts,
+        ).subquery()
+        query = sa.select(
+            per_event.c.owner,
+            per_event.c.type,
+            per_event.c.state,
+            sa.func.count(),
+            sa.func.coalesce(sa.func.sum(per_event.c.attempts), 0),
+        ).group_by(per_event.c.owner, per_event.c.type, per_event.c.state)
+        with self.engine.connect() as connection:
+            return [(o, t, s, int(c), int(a)) for o, t, s, c, a in connection.execute(query)]
+
+    def delivery_latencies(self, since: datetime) -> list[float]:
+        """Seconds from each event's job end (the event's creation) to its delivery, for events delivered
+        since `since` (the bench's figure)."""
+        query = sa.select(webhook_events.c.created_at, webhook_events.c.delivered_at).where(
+            webhook_events.c.delivered_at.is_not(None), webhook_events.c.delivered_at >= since
+        )
+        with self.engine.connect() as connection:
+            return [(utc(done) - utc(made)).total_seconds() for made, done in connection.execute(query)]

@@ -1,0 +1,215 @@
+"""The webhook delivery loop: the outbox's due events (`store/webhooks.py`), each POSTed to the endpoints
+of its job's team in the tenants file, signed the Standard Webhooks way (`webhook-id`, `webhook-timestamp`,
+`webhook-signature`, by the `standardwebhooks` library), retried with exponential backoff for 24 hours and
+then given up (state `failed`, visible in the event's state and in /metrics).
+
+It runs in a process of its own (`python -m batch_pipeline.webhooks`, started by `serve`), off every path
+a job or a sensor takes: a receiver that is down, slow or answers 500 costs one worker thread of this
+process for at most the request's timeouts, and never a job, a sensor tick or the API. Each team has at
+most `PER_TEAM_IN_FLIGHT` events in flight, so one team's slow receiver cannot hold every worker.
+
+What is sent where: an event goes to the endpoints of its job's owner's team only (its `owner` is the
+job's, copied in the transaction that ended the job), and only to a URL of the tenants file. Redirects are
+not followed (a receiver cannot send the service elsewhere). Secrets are read from the environment
+variables the file names, and never logged, stored or shown; errors are recorded as "webhooks[i]: HTTP
+500", never with a URL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timedelta
+
+import httpx
+from standardwebhooks.webhooks import Webhook
+
+from batch_pipeline.store.sql import utc_now
+from batch_pipeline.store.webhooks import WebhookEvent, WebhookOutbox
+from batch_pipeline.tenancy.tenants import Tenants, WebhookConfig, team_of_owner, tenants
+
+logger = logging.getLogger(__name__)
+
+RETRY_WINDOW = timedelta(hours=24)  # then an event's delivery is given up
+FIRST_RETRY_S = 2.0  # then doubling, each with +-20% jitter, up to MAX_RETRY_S
+MAX_RETRY_S = 3600.0
+CONNECT_TIMEOUT_S = 2.0
+TIMEOUT_S = 5.0  # each read and write; the response's body is never read
+LEASE = timedelta(minutes=2)  # an attempt whose process died is retried after this
+WORKERS = 8
+PER_TEAM_IN_FLIGHT = 2
+POLL_S = 0.5
+
+
+class WebhookSecretError(ValueError):
+    """A webhook's secret_env names no usable secret; the message names the field, never the value."""
+
+
+def signer(config: WebhookConfig) -> Webhook:
+    """The endpoint's Standard Webhooks signer, from the variable its `secret_env` names."""
+    value = os.environ.get(config.secret_env)
+    if not value:
+        raise WebhookSecretError(f"secret_env {config.secret_env} is not set")
+    try:
+        return Webhook(value)
+    except Exception:  # the library's errors may quote what it was given: never the secret
+        raise WebhookSecretError(
+            f"secret_env {config.secret_env} is not a Standard Webhooks secret (whsec_...)"
+        ) from None
+
+
+def check_webhook_secrets(registry: Tenants | None = None) -> None:
+    """Every webhook of the tenants file has its secret in this environment: checked as the delivery process
+    (and `serve`) starts, so that a missing one is named at once, not at a job's end."""
+    registry = registry if registry is not None else tenants()
+    if registry is None:
+        return
+    for team in registry.teams.values():
+        for index, config in enumerate(team.config.webhooks):
+            try:
+                signer(config)
+            except WebhookSecretError as exc:
+                raise WebhookSecretError(
+                    f"{registry.source}: tenants.{team.name}.webhooks.{index}.secret_env: {exc}"
+                ) from None
+
+
+def signed_headers(webhook: Webhook, event_id: str, payload: str, now: datetime) -> dict[str, str]:
+    return {
+        "content-type": "application/json",
+        "user-agent": "batch_pipeline-webhooks",
+        "webhook-id": event_id,
+        "webhook-timestamp": str(int(now.timestamp())),
+        "webhook-signature": webhook.sign(event_id, now, payload),
+    }
+
+
+def retry_delay(attempts: int) -> float:
+    """Seconds before the next attempt after `attempts` failed ones: exponential, jittered."""
+    base = min(FIRST_RETRY_S * 2 ** max(attempts - 1, 0), MAX_RETRY_S)
+    return base * random.uniform(0.8, 1.2)
+
+
+def _describe(exc: Exception) -> str:
+    """An attempt's error without its URL (httpx's messages quote it)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection failed"
+    if isinstance(exc, WebhookSecretError):
+        return str(exc)
+    return type(exc).__name__
+
+
+class Deliverer:
+    def __init__(
+        self,
+        outbox: WebhookOutbox | None = None,
+        endpoints: Callable[[str], list[WebhookConfig]] | None = None,
+        clock: Callable[[], datetime] = utc_now,
+        workers: int = WORKERS,
+    ) -> None:
+        self.outbox = outbox or WebhookOutbox()
+        self.endpoints = endpoints or _team_endpoints
+        self.clock = clock
+        self.client = httpx.Client(
+            timeout=httpx.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S), follow_redirects=False, trust_env=False
+        )
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
+        self.workers = workers
+        self._in_flight: Counter[str] = Counter()  # events being sent, by owner
+        self._lock = threading.Lock()
+
+    def tick(self) -> list[Future[None]]:
+        """Claim the due events there are free workers for (at most PER_TEAM_IN_FLIGHT a team) and send each
+        in a worker; returns their futures (the loop does not wait for them)."""
+        with self._lock:
+            free = self.workers - sum(self._in_flight.values())
+            busy = {owner for owner, count in self._in_flight.items() if count >= PER_TEAM_IN_FLIGHT}
+        if free <= 0:
+            return []
+        events = self.outbox.claim_due(self.clock(), free, LEASE, skip_owners=busy)
+        futures = []
+        for event in events:
+            with self._lock:
+                self._in_flight[event.owner] += 1
+            futures.append(self.pool.submit(self._send, event))
+        return futures
+
+    def run(self, stop: threading.Event) -> None:
+        logger.info("delivering webhook events (%d workers)", self.workers)
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # the store unreachable for a moment: the next tick tries again
+                logger.warning("could not read the webhook outbox: %s", type(exc).__name__)
+            stop.wait(POLL_S)
+        self.close()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+
+    def _send(self, event: WebhookEvent) -> None:
+        try:
+            self._attempt(event)
+        except Exception as exc:  # never lose the worker; the lease retries the event
+            logger.warning("webhook event %s: %s", event.event_id, type(exc).__name__)
+        finally:
+            with self._lock:
+                self._in_flight[event.owner] -= 1
+                if self._in_flight[event.owner] <= 0:
+                    del self._in_flight[event.owner]
+
+    def _attempt(self, event: WebhookEvent) -> None:
+        configs = [(i, c) for i, c in enumerate(self.endpoints(event.owner)) if event.type in c.events]
+        now = self.clock()
+        if not configs:
+            self.outbox.record_attempt(event, event.delivered_to, "unsubscribed", None, None, now)
+            return
+        delivered = set(event.delivered_to)
+        errors = []
+        for index, config in configs:
+            if config.endpoint_id in delivered:
+                continue
+            try:
+                status = self._post(config, event)
+            except Exception as exc:
+                errors.append(f"webhooks[{index}]: {_describe(exc)}")
+                continue
+            if 200 <= status < 300:
+                delivered.add(config.endpoint_id)
+            else:
+                note = " (redirects are not followed)" if 300 <= status < 400 else ""
+                errors.append(f"webhooks[{index}]: HTTP {status}{note}")
+        now = self.clock()
+        if not errors:
+            self.outbox.record_attempt(event, delivered, "delivered", None, None, now)
+            return
+        error = "; ".join(errors)
+        give_up_at = event.created_at + RETRY_WINDOW
+        if now >= give_up_at:
+            logger.warning("webhook event %s of %s given up after %d attempts: %s", event.event_id,
+                           event.owner, event.attempts, error)  # fmt: skip
+            self.outbox.record_attempt(event, delivered, "failed", error, None, now)
+            return
+        retry_at = min(now + timedelta(seconds=retry_delay(event.attempts)), give_up_at)
+        logger.info("webhook event %s attempt %d: %s", event.event_id, event.attempts, error)
+        self.outbox.record_attempt(event, delivered, "pending", error, retry_at, now)
+
+    def _post(self, config: WebhookConfig, event: WebhookEvent) -> int:
+        # Signed at the wall clock's time, which the receiver checks against its own (5 minutes' tolerance).
+        headers = signed_headers(signer(config), event.event_id, event.payload, utc_now())
+        with self.client.stream("POST", config.url, content=event.payload.encode(), headers=headers) as response:
+            return response.status_code  # the body is not read: a receiver cannot make it hold us
+
+
+def _team_endpoints(owner: str) -> list[WebhookConfig]:
+    """The endpoints of the owner's team as the tenants file says now; none for an owner of no team."""
+    team = team_of_owner(owner)
+    return list(team.config.webhooks) if team is not None else []

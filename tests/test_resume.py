@@ -1,0 +1,223 @@
+"""`POST /v2/batch-completions/{job_id}/actions/resume`: a failed, cancelled or expired job runs again on the
+requests it has no result for. Fast tests of who may resume what, and when (the API over a real Dagster
+instance and job store, no daemon); `test_resume_e2e` resumes a real job through `serve`."""
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from batch_pipeline.pipeline.sensors import run_request_for
+from batch_pipeline.pipeline.tags import RESUME_TAG
+from batch_pipeline.shards.merge import checkpointed
+from batch_pipeline.store import retention
+from batch_pipeline.store.schema import JobStatus
+from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
+from tests.test_api import _body, _sensor_run_requests
+
+ALICE = {"x-api-key": USER_KEY}
+BOB = {"x-api-key": OTHER_KEY}
+
+
+def _resume(api, job_id: str, headers=ALICE, key: str | None = None):
+    headers = {**headers, **({"Idempotency-Key": key} if key is not None else {})}
+    return api.client.post(f"/v2/batch-completions/{job_id}/actions/resume", headers=headers)
+
+
+def _cancelled_job(api, tmp_path, name: str = "out", **fields) -> str:
+    """A job cancelled before any run of it (no daemon here): cancelled, its end recorded."""
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path, name, **fields), headers=ALICE).json()[
+        "job_id"
+    ]
+    assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=ALICE).json() == {"success": True}
+    return job_id
+
+
+def test_a_cancelled_job_is_resumed_as_the_same_job_queued_again_with_a_renewed_deadline(deployment_factory, tmp_path):
+    api = deployment_factory()
+    job_id = _cancelled_job(api, tmp_path, max_runtime_sec=3600)
+    before = api.job(job_id)
+
+    response = _resume(api, job_id)
+    assert response.status_code == 200, response.text
+    job = response.json()["job"]
+    assert job["job_id"] == job_id and job["status"] == "queued"
+    assert job["output_data_path"] == before["output_data_path"]
+    assert job["completed_at"] is None  # its last end is not its end any more
+    assert datetime.fromisoformat(job["expires_at"]) > datetime.fromisoformat(before["expires_at"])
+    metadata = job["metadata"]
+    assert (metadata["resumed_from"], metadata["resume_count"]) == ("cancelled", "1")
+    assert all(isinstance(value, str) for value in metadata.values())
+    assert api.job(job_id)["metadata"]["resumed_from"] == "cancelled"  # GET says so too
+
+    # The jobs sensor gives it a run of its own: a new run key (one run per resume) and the resume's tag.
+    (request,) = _sensor_run_requests(api)
+    assert request.run_key == f"{job_id}:resume-1" and request.tags[RESUME_TAG] == "1"
+    assert float(request.tags["batch_pipeline/deadline"]) == datetime.fromisoformat(job["expires_at"]).timestamp()
+
+    # Cancelled again while it waits for that run, it can be resumed again.
+    assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=ALICE).json() == {"success": True}
+    assert api.job(job_id)["status"] == "cancelled"
+    again = _resume(api, job_id).json()["job"]
+    assert again["metadata"]["resume_count"] == "2"
+    assert run_request_for(api.store.get(job_id)).run_key == f"{job_id}:resume-2"
+
+
+@pytest.mark.parametrize("status", ["queued", "running", "completed"])
+def test_a_job_that_is_queued_running_or_completed_is_a_409_naming_its_status(deployment_factory, tmp_path, status):
+    api = deployment_factory()
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    if status != "queued":
+        assert api.store.mark_started(job_id, "run-1")
+    if status == "completed":
+        api.store.mark_run_ended(job_id, "run-1", JobStatus.COMPLETED, datetime.now().astimezone())
+    assert api.job(job_id)["status"] == status
+
+    response = _resume(api, job_id)
+    assert response.status_code == 409
+    assert f"the job is {status}" in response.json()["detail"]
+    assert api.job(job_id)["status"] == status and "resumed_from" not in api.job(job_id)["metadata"]
+
+
+def test_a_cancelled_job_whose_run_is_still_stopping_is_a_409(deployment_factory, tmp_path):
+    api = deployment_factory()
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    api.store.mark_started(job_id, "run-1")
+    api.store.mark_cancelled(job_id)  # asked to stop; the run's end not recorded yet
+    response = _resume(api, job_id)
+    assert response.status_code == 409 and "still stopping" in response.json()["detail"]
+
+
+def test_a_job_whose_checkpoints_are_gone_is_a_409_saying_so(deployment_factory, tmp_path):
+    api = deployment_factory()
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    api.store.record_shards(job_id, {0: 1})  # it had planned a shard, whose directory is not there
+    assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=ALICE).json() == {"success": True}
+    response = _resume(api, job_id)
+    assert response.status_code == 409
+    assert "the job's checkpoints were deleted" in response.json()["detail"]
+
+
+def test_a_job_whose_work_dir_retention_deleted_is_a_409_saying_when(deployment_factory, tmp_path):
+    api = deployment_factory()
+    job_id = _cancelled_job(api, tmp_path)
+    # What the cleanup job does first to a job past its retention: mark the row, then delete the work dir.
+    assert retention.claim_work_dir(
+        api.store.engine, job_id, datetime.now(UTC) + timedelta(seconds=1), datetime.now(UTC)
+    )
+    deleted = retention.work_dir_deleted_at(api.store.engine, job_id)
+    response = _resume(api, job_id)
+    assert response.status_code == 409
+    assert response.json()["detail"].startswith(f"the checkpoints were deleted on {deleted:%Y-%m-%d %H:%M:%S} UTC")
+    # And the store's own condition refuses it, for a cleanup between the route's read and its write.
+    assert not api.store.resume(api.store.get(job_id), "cancelled", None, 3600)
+    assert api.job(job_id)["status"] == "cancelled"
+
+
+def test_another_teams_job_is_a_404_as_get_is_and_an_admin_may_resume_it(deployment_factory, tmp_path):
+    api = deployment_factory()
+    job_id = _cancelled_job(api, tmp_path)
+    assert api.client.get(f"/v2/batch-completions/{job_id}", headers=BOB).status_code == 404
+    response = _resume(api, job_id, headers=BOB)
+    assert response.status_code == 404 and response.json()["detail"] == f"no batch job '{job_id}'"
+    assert api.job(job_id)["status"] == "cancelled"  # untouched
+    assert _resume(api, "batch-" + "x" * 500).status_code == 404  # no such job, however long the id
+    assert _resume(api, job_id, headers={}).status_code == 401  # keys are configured: none sent
+    assert _resume(api, job_id, headers={"x-api-key": "wrong"}).status_code == 401
+    assert _resume(api, job_id, headers={"x-api-key": ADMIN_KEY}).json()["job"]["status"] == "queued"
+
+
+def test_a_resume_repeated_with_its_idempotency_key_is_answered_again_and_without_it_is_a_409(
+    deployment_factory, tmp_path
+):
+    api = deployment_factory()
+    job_id = _cancelled_job(api, tmp_path)
+    first = _resume(api, job_id, key="resume-once")
+    assert first.status_code == 200
+    repeated = _resume(api, job_id, key="resume-once")
+    assert repeated.status_code == 200 and repeated.json() == first.json()  # resumed once, not twice
+    assert api.store.get(job_id).resume_count == 1
+    without_key = _resume(api, job_id)
+    assert without_key.status_code == 409 and "the job is queued" in without_key.json()["detail"]
+    another_key = _resume(api, job_id, key="resume-twice")
+    assert another_key.status_code == 409
+    assert _resume(api, job_id, key="").status_code == 422  # as on create: an empty key names the header
+    assert len(api.store.list().jobs) == 1
+
+
+def test_the_kept_figures_are_what_the_checkpoints_hold_whole_lines_only(tmp_path):
+    shard = tmp_path / "shards" / "000"
+    shard.mkdir(parents=True)
+    (shard / "results.tsv").write_text(
+        '0\t{"text": "a", "num_prompt_tokens": 3, "num_completion_tokens": 5}\n'
+        '2\t{"id": "x-2", "usage": {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}}\n'
+        '3\t{"error": {"code": "invalid_request", "message": "m", "type": "invalid_request_error", "param": null}}\n'
+        '4\t{"text": "torn'  # a killed worker's last line: no result
+    )
+    (tmp_path / "shards" / "001").mkdir()  # a shard that finished nothing
+    kept = checkpointed(str(tmp_path))
+    assert (kept.requests, kept.prompt_tokens, kept.completion_tokens) == (3, 7, 11)
+
+
+def test_an_openai_batch_cancelled_before_launch_is_resumed_through_the_same_route(deployment_factory, monkeypatch):
+    from tests.test_openai_batch import _bearer, _create, _jsonl, _line, _upload
+
+    api = deployment_factory()
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(api.home / "data"))
+    client = api.client
+    file_id = _upload(client, _jsonl([_line(f"req-{i}", f"prompt {i}") for i in range(3)])).json()["id"]
+    batch_id = _create(client, file_id).json()["id"]
+    assert client.post(f"/v1/batches/{batch_id}/cancel", headers=_bearer(USER_KEY)).json()["status"] == "cancelled"
+
+    response = _resume(api, batch_id)
+    assert response.status_code == 200, response.text
+    assert response.json()["job"]["metadata"]["resumed_from"] == "cancelled"
+    batch = client.get(f"/v1/batches/{batch_id}", headers=_bearer(USER_KEY)).json()
+    assert batch["status"] == "in_progress"
+    (request,) = _sensor_run_requests(api)
+    assert request.run_key == f"{batch_id}:resume-1"
+
+
+@pytest.mark.slow
+def test_an_openai_batch_cancelled_while_running_then_resumed_rewrites_its_files_whole(deployment_factory, monkeypatch):
+    from tests.test_openai_batch import _bearer, _create, _jsonl, _line, _upload
+
+    api = deployment_factory()
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(api.home / "data"))
+    api.start_daemon()
+    client = api.client
+    short = [_line(f"short-{i}", f"Short {i}:", max_tokens=2, temperature=0) for i in range(8)]
+    long = [_line(f"long-{i}", f"Long {i}:", max_tokens=400, ignore_eos=True, temperature=0) for i in range(8)]
+    batch_id = _create(client, _upload(client, _jsonl(short + long)).json()["id"]).json()["id"]
+    api.wait_for(batch_id, lambda j: int(j["metadata"].get("requests_done", "0")) >= 8, timeout=600)
+    client.post(f"/v1/batches/{batch_id}/cancel", headers=_bearer(USER_KEY))
+    deadline = time.monotonic() + 300
+    while (batch := client.get(f"/v1/batches/{batch_id}", headers=_bearer(USER_KEY)).json())["status"] != "cancelled":
+        assert time.monotonic() < deadline, batch
+        time.sleep(1)
+    assert batch["error_file_id"] is not None  # the long ones, unfinished
+    stale_files = {batch["output_file_id"], batch["error_file_id"]}
+
+    while (response := _resume(api, batch_id)).status_code == 409:  # its partial results still being kept
+        assert "still" in response.json()["detail"] and time.monotonic() < deadline, response.text
+        time.sleep(1)
+    assert response.status_code == 200, response.text
+    job = api.wait_for(batch_id, lambda j: j["status"] in ("completed", "failed", "cancelled"), timeout=900)
+    assert job["status"] == "completed", job
+    while (batch := client.get(f"/v1/batches/{batch_id}", headers=_bearer(USER_KEY)).json())["status"] != "completed":
+        assert time.monotonic() < deadline + 900, batch
+        time.sleep(1)
+    assert batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+    assert batch["error_file_id"] is None and batch["output_file_id"] not in stale_files
+    text = client.get(f"/v1/files/{batch['output_file_id']}/content", headers=_bearer(USER_KEY)).text
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(
+        [f"short-{i}" for i in range(8)] + [f"long-{i}" for i in range(8)]
+    )
+    assert all(line["response"]["status_code"] == 200 for line in lines)
+    for stale in stale_files - {None}:  # the partial files it replaced are gone
+        assert client.get(f"/v1/files/{stale}", headers=_bearer(USER_KEY)).status_code == 404
+    metadata = job["metadata"]
+    assert int(metadata["resume_requests_kept"]) >= 8
+    assert int(metadata["resume_requests_kept"]) + int(metadata["resume_requests_generated"]) == 16

@@ -1,0 +1,560 @@
+"""Signed webhooks when a job ends (issue 28 part 2): the outbox is written in the transaction that ends the
+job; the delivery process sends each event, signed the Standard Webhooks way, to the endpoints the tenants
+file gives the job's team, and nowhere else; a receiver that is down gets it once it is up again, one that
+answers 500 or hangs is retried with backoff for 24 hours and then given up, visibly, and none delays a job.
+The receivers are real HTTP servers that verify with the `standardwebhooks` library."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import sqlalchemy as sa
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.openai import batches
+from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.webhooks import WebhookOutbox
+from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, WebhookConfig
+from batch_pipeline.webhooks import delivery
+from batch_pipeline.webhooks.delivery import Deliverer, WebhookSecretError, check_webhook_secrets
+from tests.conftest import MODEL
+
+ALPHA, BETA = "key-of-team-alpha", "key-of-team-beta"
+ALPHA_SECRET = "whsec_" + base64.b64encode(b"alpha's secret of 24 bytes").decode()
+BETA_SECRET = "whsec_" + base64.b64encode(b"beta's own secret, 24 byte").decode()
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Receiver:
+    """A webhook receiver on a local port: verifies each delivery with the standardwebhooks library and
+    answers `mode`: "ok" (204), "500", or "hang" (holds the request until released)."""
+
+    def __init__(self, secret: str, mode: str = "ok", port: int = 0) -> None:
+        self.verifier = Webhook(secret)
+        self.mode = mode
+        self.received: list[dict] = []  # {"headers", "body", "verified", "payload"}
+        self.release = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                headers = {name.lower(): value for name, value in self.headers.items()}
+                try:
+                    payload, verified = receiver.verifier.verify(body, headers), True
+                except WebhookVerificationError:
+                    payload, verified = None, False
+                receiver.received.append({"headers": headers, "body": body, "verified": verified, "payload": payload})
+                if receiver.mode == "hang":
+                    receiver.release.wait(120)
+                status = 500 if receiver.mode == "500" else 204 if verified else 400
+                try:
+                    self.send_response(status)
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                except OSError:
+                    pass  # the sender gave up waiting
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def verified_payloads(self) -> list[dict]:
+        return [entry["payload"] for entry in self.received if entry["verified"]]
+
+    def stop(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _new_job(owner: str, reason: str | None = None, job_id: str | None = None) -> NewJob:
+    request = {"output_data_path": "/tmp/o.json", "model_config": {"model": MODEL}, "input_data_path": "/tmp/i.json"}
+    return NewJob(
+        job_id=job_id or NewJob.new_id(),
+        owner=owner,
+        request_json=json.dumps(request),
+        request_sha256="0" * 64,
+        model=MODEL,
+        priority=None,
+        labels={},
+        max_runtime_sec=60,
+        failure_reason=reason,
+    )
+
+
+@pytest.fixture
+def store(tmp_path) -> JobStore:
+    return JobStore(f"sqlite:///{tmp_path}/jobs.db")
+
+
+def _events(store: JobStore, job_id: str) -> list:
+    return WebhookOutbox(engine=store.engine).events_of_job(job_id)
+
+
+# --- the outbox: written with the end, in the same transaction ---------------------------------------------
+
+
+def test_each_way_a_job_ends_writes_one_event_of_its_owner_with_the_end(store):
+    cancelled, _ = store.create(_new_job("team:alpha"))
+    assert _events(store, cancelled.job_id) == []  # a queued job announces nothing
+    assert store.cancel_before_launch(cancelled.job_id)
+    [event] = _events(store, cancelled.job_id)
+    assert (event.type, event.owner, event.state, event.attempts) == ("job.cancelled", "team:alpha", "pending", 0)
+    assert json.loads(event.payload) == {
+        "type": "job.cancelled",
+        "timestamp": json.loads(event.payload)["timestamp"],
+        "data": {"job_id": cancelled.job_id, "status": "cancelled"},
+    }
+
+    expired, _ = store.create(_new_job("team:alpha"))
+    store.mark_failed(expired.job_id, "max_runtime_sec exceeded: the job's deadline passed while it waited")
+    assert [e.type for e in _events(store, expired.job_id)] == ["job.expired"]
+
+    ran, _ = store.create(_new_job("team:beta"))
+    store.mark_started(ran.job_id, "run-1")
+    assert _events(store, ran.job_id) == []
+    ended = datetime.now(UTC)
+    store.mark_run_ended(ran.job_id, "run-1", JobStatus.COMPLETED, ended)
+    store.mark_run_ended(ran.job_id, "run-1", JobStatus.COMPLETED, ended)  # recorded again (a late sensor)
+    assert [(e.type, e.owner) for e in _events(store, ran.job_id)] == [("job.completed", "team:beta")]
+    store.mark_started(ran.job_id, "run-2")  # re-executed from the UI: a new end is a new event
+    store.mark_run_ended(ran.job_id, "run-2", JobStatus.FAILED, datetime.now(UTC), reason="boom")
+    assert [e.type for e in _events(store, ran.job_id)] == ["job.completed", "job.failed"]
+
+    stopped, _ = store.create(_new_job("team:beta"))
+    store.mark_started(stopped.job_id, "run-3")
+    store.mark_cancelled(stopped.job_id)
+    assert _events(store, stopped.job_id) == []  # its end is when its run ends
+    store.mark_run_ended(stopped.job_id, "run-3", JobStatus.CANCELLED, datetime.now(UTC))
+    assert [e.type for e in _events(store, stopped.job_id)] == ["job.cancelled"]
+
+
+def test_an_openai_batch_announces_openais_batch_event_shape(store):
+    batch_id = NewJob.new_id()
+    with store.engine.begin() as connection:  # the batch row is stored before its job, as the API does
+        connection.execute(
+            batches.insert().values(
+                batch_id=batch_id,
+                owner="team:alpha",
+                endpoint="/v1/chat/completions",
+                input_file_id="file-1",
+                completion_window="24h",
+                created_at=datetime.now(UTC),
+                total=1,
+            )  # fmt: skip
+        )
+    store.create(_new_job("team:alpha", reason="the input file did not validate", job_id=batch_id))
+    [event] = _events(store, batch_id)
+    payload = json.loads(event.payload)
+    assert event.type == "batch.failed" and payload == {
+        "id": event.event_id,
+        "object": "event",
+        "created_at": payload["created_at"],
+        "type": "batch.failed",
+        "data": {"id": batch_id},
+    }
+    assert event.event_id.startswith("evt_") and isinstance(payload["created_at"], int)
+
+
+def test_an_end_whose_event_cannot_be_written_does_not_happen(store):
+    """Same transaction: when the outbox insert fails, the job's status change is rolled back with it."""
+    job, _ = store.create(_new_job("team:alpha"))
+    with store.engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                "CREATE TRIGGER no_events BEFORE INSERT ON batch_webhook_events BEGIN SELECT RAISE(ABORT, 'x'); END"
+            )
+        )
+    with pytest.raises(sa.exc.IntegrityError):
+        store.cancel_before_launch(job.job_id)
+    assert store.get(job.job_id).status == JobStatus.QUEUED and store.get(job.job_id).completed_at is None
+    store.mark_started(job.job_id, "run-1")
+    with pytest.raises(sa.exc.IntegrityError):
+        store.mark_run_ended(job.job_id, "run-1", JobStatus.COMPLETED, datetime.now(UTC))
+    assert store.get(job.job_id).status == JobStatus.RUNNING
+    with store.engine.begin() as connection:
+        connection.execute(sa.text("DROP TRIGGER no_events"))
+    store.mark_run_ended(job.job_id, "run-1", JobStatus.COMPLETED, datetime.now(UTC))
+    assert [e.type for e in _events(store, job.job_id)] == ["job.completed"]
+
+
+# --- the tenants file ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("webhook", "named"),
+    [
+        ("{url: 'ftp://example.com/x', secret_env: A}", "tenants.alpha.webhooks.0.url"),
+        ("{url: 'https://user:pw@example.com/x', secret_env: A}", "tenants.alpha.webhooks.0.url"),
+        ("{url: 'https://example.com/x', secret_env: 'not a name'}", "tenants.alpha.webhooks.0.secret_env"),
+        ("{url: 'https://example.com/x', secret_env: A, events: [job.done]}", "tenants.alpha.webhooks.0.events"),
+        ("{url: 'https://example.com/x', secret_env: A, secret: whsec_x}", "tenants.alpha.webhooks.0.secret"),
+    ],
+)
+def test_a_wrong_webhook_in_the_tenants_file_is_named_with_its_field(tmp_path, webhook, named):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"tenants:\n  alpha:\n    api_keys_sha256: [{_digest(ALPHA)}]\n    webhooks:\n      - {webhook}\n")
+    with pytest.raises(TenantsFileError, match=f"^{path}:line 5: {named}"):
+        Tenants.load(str(path))
+
+
+def test_a_missing_or_malformed_secret_is_named_and_never_shown(tmp_path, monkeypatch):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(
+        f"tenants:\n  alpha:\n    api_keys_sha256: [{_digest(ALPHA)}]\n"
+        "    webhooks: [{url: 'https://example.com/x', secret_env: ALPHA_WEBHOOK_SECRET}]\n"
+    )
+    registry = Tenants.load(str(path))
+    monkeypatch.delenv("ALPHA_WEBHOOK_SECRET", raising=False)
+    with pytest.raises(
+        WebhookSecretError, match="tenants.alpha.webhooks.0.secret_env: secret_env ALPHA_WEBHOOK_SECRET is not set"
+    ):
+        check_webhook_secrets(registry)
+    monkeypatch.setenv("ALPHA_WEBHOOK_SECRET", "whsec_%%%not-base64%%%")
+    with pytest.raises(WebhookSecretError) as raised:
+        check_webhook_secrets(registry)
+    assert "not-base64" not in str(raised.value) and "is not a Standard Webhooks secret" in str(raised.value)
+    monkeypatch.setenv("ALPHA_WEBHOOK_SECRET", ALPHA_SECRET)
+    check_webhook_secrets(registry)
+
+
+# --- delivery, against real receivers ------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def _deliver_all(deliverer: Deliverer) -> None:
+    for future in deliverer.tick():
+        future.result(timeout=60)
+
+
+def test_a_receiver_answering_500_is_retried_with_backoff_and_given_up_after_24_hours_visibly(store, monkeypatch):
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    failing = Receiver(ALPHA_SECRET, mode="500")
+    clock = Clock()
+    endpoint = WebhookConfig(url=failing.url, secret_env="ALPHA_SECRET")
+    deliverer = Deliverer(WebhookOutbox(engine=store.engine), endpoints=lambda owner: [endpoint], clock=clock)
+    try:
+        job, _ = store.create(_new_job("team:alpha"))
+        store.cancel_before_launch(job.job_id)
+        clock.now = datetime.now(UTC)
+        waits = []
+        while (event := _events(store, job.job_id)[0]).state == "pending":
+            _deliver_all(deliverer)
+            event = _events(store, job.job_id)[0]
+            if event.state == "pending":
+                assert event.last_error == "webhooks[0]: HTTP 500"
+                waits.append((event.next_attempt_at - clock.now).total_seconds())
+                assert deliverer.tick() == []  # not due before its backoff
+                clock.now = event.next_attempt_at
+        assert event.state == "failed" and event.last_error == "webhooks[0]: HTTP 500"
+        assert all(entry["verified"] for entry in failing.received) and len(failing.received) == event.attempts
+        assert 1.6 <= waits[0] <= 2.4 and 3.2 <= waits[1] <= 4.8  # exponential, jittered
+        assert max(waits) <= delivery.MAX_RETRY_S * 1.2
+        assert clock.now - event.created_at >= timedelta(hours=24)
+        assert 20 <= event.attempts <= 60
+    finally:
+        deliverer.close()
+        failing.stop()
+
+
+def test_a_redirect_is_not_followed_and_an_event_goes_to_its_teams_endpoints_only(store, monkeypatch):
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    monkeypatch.setenv("BETA_SECRET", BETA_SECRET)
+    alpha, beta = Receiver(ALPHA_SECRET), Receiver(BETA_SECRET)
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(307)
+            self.send_header("location", alpha.url)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    redirecting = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=redirecting.serve_forever, daemon=True).start()
+    endpoints = {
+        "team:alpha": [WebhookConfig(url=alpha.url, secret_env="ALPHA_SECRET")],
+        "team:beta": [
+            WebhookConfig(url=beta.url, secret_env="BETA_SECRET"),
+            WebhookConfig(
+                url=f"http://127.0.0.1:{redirecting.server_address[1]}/",
+                secret_env="BETA_SECRET",
+                events=["job.failed"],
+            ),
+        ],
+    }
+    deliverer = Deliverer(WebhookOutbox(engine=store.engine), endpoints=lambda owner: endpoints.get(owner, []))
+    try:
+        ids = {}
+        for owner in ("team:alpha", "team:beta", "admins"):
+            job, _ = store.create(_new_job(owner))
+            store.mark_failed(job.job_id, "boom")
+            ids[owner] = job.job_id
+        _deliver_all(deliverer)
+        assert [p["data"]["job_id"] for p in alpha.verified_payloads()] == [ids["team:alpha"]]
+        assert [p["data"]["job_id"] for p in beta.verified_payloads()] == [ids["team:beta"]]
+        [beta_event] = _events(store, ids["team:beta"])
+        assert (
+            beta_event.state == "pending"
+            and beta_event.last_error == "webhooks[1]: HTTP 307 (redirects are not followed)"
+        )
+        assert len(beta_event.delivered_to) == 1  # the first endpoint is not sent it again
+        assert [e.state for e in _events(store, ids["admins"])] == ["unsubscribed"]
+        assert [e.state for e in _events(store, ids["team:alpha"])] == ["delivered"]
+    finally:
+        deliverer.close()
+        redirecting.shutdown()
+        redirecting.server_close()
+        alpha.stop()
+        beta.stop()
+
+
+def test_a_forged_or_replayed_or_other_teams_signature_is_rejected_by_the_verifier():
+    secret = Webhook(ALPHA_SECRET)
+    now = datetime.now(UTC)
+    body = '{"type":"job.completed","data":{"job_id":"batch-1"}}'
+    headers = delivery.signed_headers(secret, "evt_1", body, now)
+    assert secret.verify(body, headers)["data"]["job_id"] == "batch-1"
+    with pytest.raises(WebhookVerificationError):  # another body under the same signature
+        secret.verify(body.replace("batch-1", "batch-2"), headers)
+    with pytest.raises(WebhookVerificationError):  # signed with another team's secret
+        secret.verify(body, delivery.signed_headers(Webhook(BETA_SECRET), "evt_1", body, now))
+    with pytest.raises(WebhookVerificationError):  # a replay of an old delivery
+        secret.verify(body, delivery.signed_headers(secret, "evt_1", body, now - timedelta(hours=1)))
+    with pytest.raises(WebhookVerificationError):
+        secret.verify(body, headers | {"webhook-id": "evt_2"})
+
+
+# --- through serve: the real deployment ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_through_serve_each_event_reaches_its_team_once_up_signed_and_a_hanging_or_500_receiver_delays_no_job(
+    tmp_path, monkeypatch
+):
+    """The real deployment (`serve`: API, Dagster daemon, webhook process; one run slot). Team alpha's
+    receiver is down when its first event (a batch whose input did not validate: batch.failed) is sent, and
+    comes up once the outbox shows the failed attempt; it then gets that event, a cancelled job's and a real
+    job's job.completed, each verified by the standardwebhooks library, and never another team's. Team beta's
+    endpoints hang and answer 500: its event stays pending, retried, while alpha's real job runs and ends."""
+    import httpx
+
+    from tests.test_openai_batch import _create, _jsonl, _line, _upload
+    from tests.test_serve import Served
+
+    monkeypatch.delenv("BATCH_PIPELINE_JOBS_DB", raising=False)
+    monkeypatch.delenv("BATCH_PIPELINE_WORK_DIR", raising=False)
+    roots = {name: tmp_path / name for name in ("alpha", "beta")}
+    for root in roots.values():
+        root.mkdir()
+    alpha_port = _free_port()
+    hanging, failing = Receiver(BETA_SECRET, mode="hang"), Receiver(BETA_SECRET, mode="500")
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        "tenants:\n"
+        "  alpha:\n"
+        f"    api_keys_sha256: [{_digest(ALPHA)}]\n"
+        f"    data_roots: [{roots['alpha']}]\n"
+        f"    webhooks: [{{url: 'http://127.0.0.1:{alpha_port}/hook', secret_env: ALPHA_SECRET}}]\n"
+        "  beta:\n"
+        f"    api_keys_sha256: [{_digest(BETA)}]\n"
+        f"    data_roots: [{roots['beta']}]\n"
+        "    webhooks:\n"
+        f"      - {{url: '{hanging.url}', secret_env: BETA_SECRET}}\n"
+        f"      - {{url: '{failing.url}', secret_env: BETA_SECRET, events: [batch.failed]}}\n"
+        "admins:\n"
+        f"  api_keys_sha256: [{_digest('admin-key')}]\n"
+    )
+    served = Served(
+        tmp_path,
+        env={"BATCH_PIPELINE_TENANTS": str(tenants_file), "ALPHA_SECRET": ALPHA_SECRET, "BETA_SECRET": BETA_SECRET},
+    )
+    alpha = None
+    try:
+        served.wait_until_up()
+        api = httpx.Client(base_url=served.api, timeout=30)
+        deadline = time.monotonic() + 900
+
+        def webhooks(job_id: str, key: str = ALPHA) -> httpx.Response:
+            return api.get(f"/v2/batch-completions/{job_id}/webhooks", headers={"x-api-key": key})
+
+        def wait_until(predicate, what: str):
+            while not (value := predicate()):
+                assert time.monotonic() < deadline, f"{what}\n{served.log.read_text()[-3000:]}"
+                time.sleep(0.3)
+            return value
+
+        def invalid_batch(key: str) -> str:
+            uploaded = _upload(api, _jsonl([_line("a", temperature=9)]), key=key)
+            assert uploaded.status_code == 200, uploaded.text
+            created = _create(api, uploaded.json()["id"], key=key)
+            assert created.status_code == 200 and created.json()["status"] == "failed", created.text
+            return created.json()["id"]
+
+        # Beta's event first: its receivers hang and answer 500, for as long as this test runs.
+        beta_batch = invalid_batch(BETA)
+        wait_until(lambda: hanging.received and failing.received, "beta's endpoints were sent its event")
+
+        # Alpha's receiver is down: the first attempt fails, visibly, to alpha alone.
+        alpha_batch = invalid_batch(ALPHA)
+        assert webhooks(alpha_batch, BETA).status_code == 404  # another team's job: absent
+        first = wait_until(
+            lambda: [e for e in webhooks(alpha_batch).json()["events"] if e["attempts"] >= 1 and e["last_error"]],
+            "alpha's first attempt failed",
+        )[0]
+        assert first["type"] == "batch.failed" and first["state"] == "pending"
+        assert first["last_error"] == "webhooks[0]: connection failed"
+
+        # A real job of alpha runs to its end while beta's receivers hang; a queued one is cancelled.
+        body = {
+            "output_data_path": str(roots["alpha"] / "out.json"),
+            "model_config": {"model": MODEL},
+            "content": {"prompts": ["The capital of France is"], "max_new_tokens": 4, "temperature": 0},
+        }
+        ran = api.post("/v2/batch-completions", json=body, headers={"x-api-key": ALPHA}).json()["job_id"]
+        queued = api.post(
+            "/v2/batch-completions", json=body | {"output_data_path": str(roots["alpha"] / "2.json")},
+            headers={"x-api-key": ALPHA},
+        ).json()["job_id"]  # fmt: skip
+        cancelled = api.post(f"/v2/batch-completions/{queued}/actions/cancel", headers={"x-api-key": ALPHA})
+        assert cancelled.status_code == 200, cancelled.text
+
+        alpha = Receiver(ALPHA_SECRET, port=alpha_port)  # the down period ends
+        wait_until(
+            lambda: (
+                api.get(f"/v2/batch-completions/{ran}", headers={"x-api-key": ALPHA}).json()["job"]["status"]
+                not in ("queued", "running")
+            ),
+            "alpha's job ended",
+        )
+        assert (
+            api.get(f"/v2/batch-completions/{ran}", headers={"x-api-key": ALPHA}).json()["job"]["status"] == "completed"
+        )
+        wait_until(lambda: len(alpha.verified_payloads()) >= 3, "alpha's three events arrived")
+        wait_until(
+            lambda: all(webhooks(j).json()["events"][0]["state"] == "delivered" for j in (alpha_batch, ran, queued)),
+            "alpha's events read delivered",
+        )
+        got = {}
+        for payload in alpha.verified_payloads():
+            key = payload["data"].get("job_id") or payload["data"]["id"]
+            got.setdefault(key, set()).add(payload["type"])
+        assert got == {alpha_batch: {"batch.failed"}, ran: {"job.completed"}, queued: {"job.cancelled"}}
+        assert all(entry["verified"] for entry in alpha.received)  # every delivery verified
+        [batch_event] = [e for e in alpha.verified_payloads() if e["type"] == "batch.failed"]
+        assert batch_event["object"] == "event" and batch_event["id"].startswith("evt_")
+        assert batch_event["id"] == webhooks(alpha_batch).json()["events"][0]["id"]
+
+        # A forged delivery (the body changed, or signed with beta's secret) is rejected by alpha's verifier.
+        entry = alpha.received[0]
+        forged = entry["body"].replace(alpha_batch.encode(), beta_batch.encode())
+        with pytest.raises(WebhookVerificationError):
+            alpha.verifier.verify(forged, entry["headers"])
+        resigned = delivery.signed_headers(Webhook(BETA_SECRET), entry["headers"]["webhook-id"], forged.decode(),
+                                           datetime.now(UTC))  # fmt: skip
+        with pytest.raises(WebhookVerificationError):
+            alpha.verifier.verify(forged, resigned)
+
+        # Beta's event: pending, retried, never delivered; beta's receivers saw beta's event only.
+        [beta_event] = webhooks(beta_batch, BETA).json()["events"]
+        assert beta_event["state"] == "pending" and beta_event["attempts"] >= 1
+        assert (
+            "webhooks[1]: HTTP 500" in beta_event["last_error"] or "webhooks[0]: timed out" in beta_event["last_error"]
+        )
+        for receiver in (hanging, failing):
+            assert {p["data"]["id"] for p in receiver.verified_payloads()} == {beta_batch}
+
+        # Figures for Prometheus; and no secret anywhere it could be read.
+        metrics = api.get("/metrics", headers={"x-api-key": "admin-key"}).text
+        assert 'batch_pipeline_webhook_delivered_total{team="alpha",type="job.completed"} 1.0' in metrics
+        assert 'batch_pipeline_webhook_pending{team="beta",type="batch.failed"} 1.0' in metrics
+        shown = served.log.read_text() + metrics + webhooks(ran).text + webhooks(beta_batch, BETA).text
+        for secret in (ALPHA_SECRET, BETA_SECRET):
+            assert secret not in shown and secret.removeprefix("whsec_") not in shown
+        assert alpha.url not in shown and hanging.url not in shown
+    finally:
+        served.kill()
+        for receiver in (alpha, hanging, failing):
+            if receiver is not None:
+                receiver.stop()
+
+
+# --- what a team reads back: its own events only ----------------------------------------------------------------
+
+
+@pytest.fixture
+def two_teams(tmp_path, monkeypatch):
+    roots = {name: tmp_path / name for name in ("alpha", "beta")}
+    for root in roots.values():
+        root.mkdir()
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        "tenants:\n"
+        "  alpha:\n"
+        f"    api_keys_sha256: [{_digest(ALPHA)}]\n"
+        f"    data_roots: [{roots['alpha']}]\n"
+        "    webhooks: [{url: 'https://alpha.example/hook?token=t0ps3cret', secret_env: ALPHA_SECRET}]\n"
+        "  beta:\n"
+        f"    api_keys_sha256: [{_digest(BETA)}]\n"
+        f"    data_roots: [{roots['beta']}]\n"
+        "admins:\n"
+        f"  api_keys_sha256: [{_digest('admin-key')}]\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    return roots
+
+
+def test_a_jobs_webhook_states_are_read_by_its_team_and_admins_only_and_counted_for_prometheus(two_teams, tenants_api):
+    from tests.test_openai_batch import _create, _jsonl, _line, _upload
+
+    uploaded = _upload(tenants_api, _jsonl([_line("a", temperature=9)]), key=ALPHA)
+    batch = _create(tenants_api, uploaded.json()["id"], key=ALPHA).json()
+    assert batch["status"] == "failed"
+    route = f"/v2/batch-completions/{batch['id']}/webhooks"
+    own = tenants_api.get(route, headers={"x-api-key": ALPHA})
+    assert own.status_code == 200, own.text
+    [event] = own.json()["events"]
+    assert event["type"] == "batch.failed" and event["state"] == "pending" and event["attempts"] == 0
+    assert tenants_api.get(route, headers={"x-api-key": BETA}).status_code == 404  # absent to another team
+    assert tenants_api.get(route, headers={"x-api-key": "admin-key"}).json() == own.json()
+    assert tenants_api.get("/v2/batch-completions/batch-nope/webhooks", headers={"x-api-key": ALPHA}).status_code == 404
+    metrics = tenants_api.get("/metrics", headers={"x-api-key": "admin-key"}).text
+    assert 'batch_pipeline_webhook_events_total{team="alpha",type="batch.failed"} 1.0' in metrics
+    assert 'batch_pipeline_webhook_pending{team="alpha",type="batch.failed"} 1.0' in metrics
+    for text in (own.text, metrics):
+        assert "t0ps3cret" not in text and ALPHA_SECRET not in text and "alpha.example" not in text
