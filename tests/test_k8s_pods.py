@@ -475,6 +475,7 @@ CONTROL_PLANE_PODS = {
         "app.kubernetes.io/component": "run_worker",
     },
     "API": {"app.kubernetes.io/name": "batch-pipeline-api"},
+    "webhooks": {"app.kubernetes.io/name": "batch-pipeline-webhooks"},
     "postgres": {"app.kubernetes.io/name": "postgresql"},
     "other": {"app": "anything"},
 }
@@ -524,7 +525,10 @@ def test_the_control_plane_admits_only_the_pods_that_need_it(tmp_path):
         return sources | ({"outside"} if _ingress_allowed(policies, pods[to], port, None) else set())
 
     everyone = set(pods) | {"outside"}
-    assert admitted("postgres", 5432) == {"webserver", "read-only webserver", "daemon", "code server", "run", "API"}
+    assert admitted("postgres", 5432) == {
+        "webserver", "read-only webserver", "daemon", "code server", "run", "API", "webhooks"
+    }  # fmt: skip
+    assert admitted("webhooks", 80) == set()
     assert admitted("code server", 3030) == {"webserver", "read-only webserver", "daemon"}
     assert admitted("webserver", 80) == set()  # operators port-forward to it
     assert admitted("read-only webserver", 80) == everyone
@@ -554,6 +558,8 @@ def _run_pod_labels(values: dict, tmp_path: Path) -> dict:
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEYS_SECRET = "batch-pipeline-api-keys"
+WEBHOOK_SECRETS = "batch-pipeline-webhook-secrets"
+API, WEBHOOKS = "batch-pipeline-api", "batch-pipeline-webhooks"  # our Deployments
 
 
 def _manifests() -> list[dict]:
@@ -600,7 +606,7 @@ def _assert_locked_down(pod_spec: dict, container: dict) -> None:
 
 def test_the_api_pod_runs_locked_down_with_a_service_account_of_its_own_with_no_rights_and_no_token():
     objects = _manifests()
-    (api,) = [obj for obj in objects if obj["kind"] == "Deployment"]
+    (api,) = [obj for obj in objects if obj["kind"] == "Deployment" and obj["metadata"]["name"] == API]
     pod = api["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     _assert_locked_down(pod, container)
@@ -614,6 +620,46 @@ def test_the_api_pod_runs_locked_down_with_a_service_account_of_its_own_with_no_
     assert account not in bound
     # the API's keys reach the API alone
     assert {"secretRef": {"name": API_KEYS_SECRET}} in container["envFrom"]
+
+
+def test_the_webhook_pod_runs_serves_process_locked_down_with_only_its_own_secrets_and_reaches_out_only():
+    """What `serve` runs beside the API on one machine runs in a cluster as its own Deployment: no token, no
+    Kubernetes rights, the webhook secrets (which no other pod gets) and not the API's keys, nothing
+    reaching it, and out only DNS, Postgres and HTTP(S) to receivers, never the cloud metadata address."""
+    from batch_pipeline.entrypoints.serve import webhooks_command
+
+    objects = _manifests()
+    deployments = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Deployment"}
+    pod = deployments[WEBHOOKS]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    _assert_locked_down(pod, container)
+    assert pod["automountServiceAccountToken"] is False and "ports" not in container
+    (account,) = [
+        obj
+        for obj in objects
+        if obj["kind"] == "ServiceAccount" and obj["metadata"]["name"] == pod["serviceAccountName"]
+    ]
+    assert account["automountServiceAccountToken"] is False
+    assert container["command"][0] == "python" and container["command"][1:] == webhooks_command()[1:]
+    assert {"secretRef": {"name": WEBHOOK_SECRETS}} in container["envFrom"]
+    assert API_KEYS_SECRET not in str(container["envFrom"])
+    (api_container,) = deployments[API]["spec"]["template"]["spec"]["containers"]
+    assert WEBHOOK_SECRETS not in str(api_container["envFrom"])
+    assert _tenants_file(container["env"], pod["volumes"], container["volumeMounts"]) == "batch-pipeline-tenants"
+
+    policy = _network_policy(WEBHOOKS)
+    kubernetes_validate.validate(policy, KUBERNETES_VERSION, strict=True)
+    assert policy["spec"]["ingress"] == []
+    batch = {"kubernetes.io/metadata.name": "batch"}
+    assert _egress_allowed(
+        policy, 53, "UDP", namespace={"kubernetes.io/metadata.name": "kube-system"}, pod={"k8s-app": "kube-dns"}
+    )
+    assert _egress_allowed(policy, 5432, namespace=batch, pod={"app.kubernetes.io/name": "postgresql"})
+    for address in ("52.216.8.1", "10.20.30.40", "2600:1fa0::1"):  # a receiver outside, or in the company's network
+        assert _egress_allowed(policy, 443, ip=address) and _egress_allowed(policy, 80, ip=address)
+    for address in ("169.254.169.254", "fd00:ec2::254", "127.0.0.1"):
+        assert not _egress_allowed(policy, 80, ip=address) and not _egress_allowed(policy, 443, ip=address)
+    assert not _egress_allowed(policy, 3030, namespace=batch, pod={"component": "user-deployments"})
 
 
 def test_each_service_account_has_only_the_rights_its_pods_use(tmp_path):
@@ -639,7 +685,7 @@ def test_each_service_account_has_only_the_rights_its_pods_use(tmp_path):
     # nobody reads secrets or holds wildcards; the shard workers and the API hold nothing
     for granted in rights.values():
         assert not any(resource in {"secrets", "*"} or verb == "*" for resource, verb in granted)
-    assert {"batch-pipeline-worker", "batch-pipeline-api"}.isdisjoint(rights)
+    assert {"batch-pipeline-worker", "batch-pipeline-api", "batch-pipeline-webhooks"}.isdisjoint(rights)
     # the charts would otherwise make accounts of their own, with Roles granting pods and jobs to every pod
     for chart in (values, values["dagster-user-deployments"]):
         assert chart["serviceAccount"]["create"] is False and chart["rbacEnabled"] is False
@@ -875,7 +921,7 @@ def test_the_api_pod_runs_uvicorn_as_serve_does_with_the_head_timeout():
     pod runs the same command line as `make serve`, with the protocol that does."""
     from batch_pipeline.entrypoints.serve import api_command
 
-    (api,) = [obj for obj in _manifests() if obj["kind"] == "Deployment"]
+    (api,) = [obj for obj in _manifests() if obj["kind"] == "Deployment" and obj["metadata"]["name"] == API]
     (container,) = api["spec"]["template"]["spec"]["containers"]
     assert container["command"][0] == "uvicorn"
     assert container["command"][1:] == api_command("0.0.0.0", 8000)[1:]
@@ -895,7 +941,7 @@ def _tenants_file(env: list[dict], volumes: list[dict], mounts: list[dict]) -> s
 def test_the_api_the_code_location_and_every_run_read_the_same_tenants_file(tmp_path):
     """A job is held to its team's roots when it is submitted (the API) and again when its run starts and
     opens its files (the code location's runs): all three read one tenants file."""
-    (api,) = [obj for obj in _manifests() if obj["kind"] == "Deployment"]
+    (api,) = [obj for obj in _manifests() if obj["kind"] == "Deployment" and obj["metadata"]["name"] == API]
     pod = api["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     values = _values()

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", args.workspace],
         # Webhook delivery in a process of its own: a receiver that is down or slow never holds a sensor
         # tick, a run or the API (batch_pipeline/webhooks/delivery.py).
-        "webhooks": [sys.executable, "-m", "batch_pipeline.webhooks"],
+        "webhooks": webhooks_command(),
     }
     processes = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands.items()}
     print(
@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.5)
     return _stop_all(processes)
+
+
+def webhooks_command() -> list[str]:
+    """The webhook delivery process's command line; k8s/webhooks.yaml's pod runs the same."""
+    return [sys.executable, "-m", "batch_pipeline.webhooks"]
 
 
 def api_command(host: str, port: int) -> list[str]:
