@@ -13,6 +13,7 @@ from batch_pipeline.pipeline.tags import RESUME_TAG
 from batch_pipeline.shards.merge import checkpointed
 from batch_pipeline.store import retention
 from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.webhooks import WebhookOutbox
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
 from tests.test_api import _body, _sensor_run_requests
 
@@ -221,3 +222,54 @@ def test_an_openai_batch_cancelled_while_running_then_resumed_rewrites_its_files
     metadata = job["metadata"]
     assert int(metadata["resume_requests_kept"]) >= 8
     assert int(metadata["resume_requests_kept"]) + int(metadata["resume_requests_generated"]) == 16
+
+
+def _failed_after_a_run(api, tmp_path, name: str = "out") -> str:
+    """A job whose run started and failed, its end recorded (as the run-status sensor records it)."""
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path, name), headers=ALICE).json()["job_id"]
+    assert api.store.mark_started(job_id, "run-1")
+    api.store.mark_run_ended(job_id, "run-1", JobStatus.FAILED, datetime.now(UTC), "a shard failed")
+    return job_id
+
+
+def test_a_resumed_job_cancelled_before_its_new_run_starts_never_runs(deployment_factory, tmp_path):
+    """Its first start is kept in the row: the guard that a job cancelled before its run started refuses
+    to start read that start, and the cancel answered success while the resume's run generated anyway."""
+    api = deployment_factory()
+    job_id = _failed_after_a_run(api, tmp_path)
+    assert _resume(api, job_id).status_code == 200
+    # The jobs sensor asked for the resume's run; the user cancels before the daemon starts it.
+    assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=ALICE).json() == {"success": True}
+    assert not api.store.mark_started(job_id, "run-2")
+    assert api.job(job_id)["status"] == "cancelled"
+
+
+def test_a_resumed_jobs_new_end_is_announced_even_if_its_run_never_started(deployment_factory, tmp_path):
+    """Its previous end stays in the row until a run of it starts: a run failed before starting (at launch,
+    its code location unreachable) ended the job again with no webhook event."""
+    api = deployment_factory()
+    job_id = _failed_after_a_run(api, tmp_path)
+    assert _resume(api, job_id).status_code == 200
+    api.store.link_run(job_id, "run-2")
+    api.store.mark_run_ended(job_id, "run-2", JobStatus.FAILED, datetime.now(UTC), "the code location was down")
+    assert api.job(job_id)["status"] == "failed"
+    events = WebhookOutbox(engine=api.store.engine).events_of_job(job_id)
+    assert [event.type for event in events] == ["job.failed", "job.failed"]
+
+
+def test_a_resume_is_not_undone_by_the_late_end_of_the_run_it_resumed_from(deployment_factory, tmp_path):
+    """Resumed, its new run cancelled while queued: resumed again before that run's end was recorded, the
+    late record flipped the job back to cancelled with the old run, and it was never launched."""
+    api = deployment_factory()
+    job_id = _failed_after_a_run(api, tmp_path)
+    assert _resume(api, job_id).status_code == 200
+    api.store.link_run(job_id, "run-2")
+    api.store.mark_cancelled(job_id)  # asked to stop; run-2's end not recorded yet
+    response = _resume(api, job_id)
+    assert response.status_code == 409 and "still stopping" in response.json()["detail"]
+
+    api.store.mark_run_ended(job_id, "run-2", JobStatus.CANCELLED, datetime.now(UTC))
+    assert _resume(api, job_id).status_code == 200
+    api.store.mark_run_ended(job_id, "run-2", JobStatus.CANCELLED, datetime.now(UTC))  # recorded again, late
+    job = api.store.get(job_id)
+    assert (job.status, job.run_id, job.resume_count) == (JobStatus.QUEUED, None, 2)

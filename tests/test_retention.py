@@ -283,6 +283,7 @@ UPLOAD_REFUSALS = [
     ({"expires_after": '{"anchor": "created_at", "seconds": true}'}, "expires_after.seconds"),
     ({"expires_after": "[1, 2]"}, "expires_after"),
     ({"expires_after": "{not json"}, "expires_after"),
+    ({"expires_after": "[" * 1000}, "expires_after"),  # nested past the JSON parser's stack: was a 500
 ]
 BATCH_REFUSALS = [
     ({"anchor": "created_at", "seconds": 3599}, "output_expires_after.seconds"),
@@ -404,3 +405,17 @@ def test_a_deletion_that_fails_fails_the_run_keeps_the_row_and_the_next_run_comp
     assert not memory.find(f"/bucket/work/{job}") and memory.cat("/bucket/user/out.json") == b"[]"
     assert retention.work_dir_deleted_at(store.engine, job) is not None and store.get(job).content_bytes == 0
     memory.rm("/bucket", recursive=True)
+
+
+def test_a_cleanup_still_running_is_not_joined_by_the_next_hours(tmp_path):
+    """Found by an attacker review: each hour's tick made a run of its own, so cleanups of many files
+    overlapped and held every run slot the teams' jobs share."""
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        running = instance.create_run_for_job(job_def=cleanup, status=dg.DagsterRunStatus.STARTED)
+        resources = {"job_store": JobStoreResource(url=f"sqlite:///{tmp_path}/jobs.db"), "job_storage": JobStorage()}
+        context = dg.build_schedule_context(
+            instance=instance, resources=resources, scheduled_execution_time=datetime.now(UTC)
+        )
+        result = cleanup_schedule.evaluate_tick(context)
+        assert not result.run_requests and running.run_id in result.skip_message

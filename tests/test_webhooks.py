@@ -116,6 +116,25 @@ def _events(store: JobStore, job_id: str) -> list:
     return WebhookOutbox(engine=store.engine).events_of_job(job_id)
 
 
+def test_one_teams_many_events_never_take_every_delivery_worker(store):
+    """Found by an attacker review: the claim took the oldest due events whoever they belonged to, so a team
+    ending 20 jobs at once (cancelled before launch) filled all 8 workers, and a receiver of its that
+    trickles its answer kept every other team's webhooks waiting."""
+    for _ in range(20):
+        job, _ = store.create(_new_job("team:alpha"))
+        assert store.cancel_before_launch(job.job_id)
+    beta, _ = store.create(_new_job("team:beta"))
+    assert store.cancel_before_launch(beta.job_id)
+    outbox = WebhookOutbox(engine=store.engine)
+    now = datetime.now(UTC) + timedelta(seconds=1)
+
+    claimed = outbox.claim_due(now, 8, delivery.LEASE, delivery.PER_TEAM_IN_FLIGHT)
+    assert sorted(event.owner for event in claimed) == ["team:alpha", "team:alpha", "team:beta"]
+    # With alpha's two in flight, the next tick claims none of alpha's, however many are due.
+    later = outbox.claim_due(now, 8, delivery.LEASE, delivery.PER_TEAM_IN_FLIGHT, {"team:alpha": 2})
+    assert later == []
+
+
 # --- the outbox: written with the end, in the same transaction ---------------------------------------------
 
 

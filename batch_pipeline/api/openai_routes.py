@@ -116,7 +116,7 @@ def _expires_after(form: FormData) -> ExpiresAfter | None:
             raise InvalidOpenAIRequest("expires_after", "expires_after: give it once, as a JSON object")
         try:
             fields = json.loads(whole[:1024])
-        except ValueError:
+        except (ValueError, RecursionError):  # 1,000 "[" nest past the parser's stack
             raise InvalidOpenAIRequest("expires_after", "expires_after: must be a JSON object") from None
         if not isinstance(fields, dict):
             raise InvalidOpenAIRequest("expires_after", "expires_after: must be a JSON object")

@@ -195,7 +195,11 @@ class BatchJobService:
         if record.owner.startswith(SCHEDULE_OWNER_PREFIX):
             raise ResumeConflict("a schedule's job is launched by its schedule's tick and cannot be resumed")
         run = find_run(self.instance, record.job_id, record.resume_count)
-        if record.completed_at is None or (run is not None and not run.is_finished):
+        # Its end not recorded yet (a resumed job keeps its previous end until its new run's is recorded).
+        ended = record.completed_at is not None and (
+            record.resumed_at is None or record.completed_at > record.resumed_at
+        )
+        if not ended or (run is not None and not run.is_finished):
             raise ResumeConflict(
                 f"the job is {record.status.value} but its run is still stopping: resume it once it has stopped"
             )

@@ -29,6 +29,7 @@ from typing import Any
 
 import dagster as dg
 from dagster import OpExecutionContext
+from dagster._core.storage.dagster_run import IN_PROGRESS_RUN_STATUSES
 
 from batch_pipeline.admission.paths import metadata_path
 from batch_pipeline.core import io
@@ -286,6 +287,17 @@ def cleanup():
 )
 def cleanup_schedule(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage):
     tick = context.scheduled_execution_time or datetime.now(UTC)
+    # One cleanup at a time: each holds a run slot the teams' jobs share, and a long one (many files) must not
+    # be joined by the next hour's.
+    unfinished = context.instance.get_run_ids(
+        dg.RunsFilter(
+            job_name=cleanup.name,
+            statuses=[*IN_PROGRESS_RUN_STATUSES, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED],
+        ),
+        limit=1,
+    )
+    if unfinished:
+        return dg.SkipReason(f"the cleanup run {unfinished[0]} has not finished: it deletes the rest")
     if not anything_due(job_store.get_store(), job_storage, datetime.now(UTC)):
         return dg.SkipReason("no OpenAI file has expired and no work dir is past its retention")
     return dg.RunRequest(run_key=f"cleanup@{tick.astimezone(UTC).isoformat()}")

@@ -608,11 +608,17 @@ class JobStore:
         now = started_at or utc_now()
         with self.engine.begin() as connection:
             row = connection.execute(
-                sa.select(jobs.c.created_at, jobs.c.started_at, jobs.c.status).where(jobs.c.job_id == job_id)
+                sa.select(jobs.c.created_at, jobs.c.started_at, jobs.c.resumed_at, jobs.c.status).where(
+                    jobs.c.job_id == job_id
+                )
             ).first()
             if row is None:
                 return True  # a run with no job behind it (`execute_request` with an id of its own)
-            if row.status == JobStatus.CANCELLED and row.started_at is None:
+            # Cancelled before any run started, or (resumed, its first start kept) before its resume's run did.
+            resumed_since_start = (
+                row.resumed_at is not None and row.started_at is not None and utc(row.started_at) < utc(row.resumed_at)
+            )
+            if row.status == JobStatus.CANCELLED and (row.started_at is None or resumed_since_start):
                 return False
             values: dict[str, Any] = {
                 "run_id": run_id,
@@ -644,12 +650,20 @@ class JobStore:
         }
         if reason is not None:
             values["failure_reason"] = reason
-        condition = sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, jobs.c.run_id.is_(None)))
+        # The job's run, or none yet; never the run a resume started the job again from (its end, recorded
+        # late, would undo the resume).
+        unlinked = sa.and_(
+            jobs.c.run_id.is_(None),
+            sa.or_(jobs.c.resumed_from_run_id.is_(None), jobs.c.resumed_from_run_id != run_id),
+        )
+        condition = sa.and_(jobs.c.job_id == job_id, sa.or_(jobs.c.run_id == run_id, unlinked))
+        # Not ended since it was last queued: a resumed job keeps its previous end until a run of it starts.
+        not_ended = sa.or_(jobs.c.completed_at.is_(None), jobs.c.completed_at < jobs.c.resumed_at)
         with self.engine.begin() as connection:
             # The job's end, with its webhook event in the same transaction; a run's end recorded again (the
             # status sensors and the reconciler) changes the row but announces nothing new.
             ending = connection.execute(
-                jobs.update().where(condition, jobs.c.completed_at.is_(None)).values(run_id=run_id, **values)
+                jobs.update().where(condition, not_ended).values(run_id=run_id, **values)
             ).rowcount
             if ending:
                 add_end_event(connection, job_id)

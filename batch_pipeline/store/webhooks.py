@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -146,29 +147,55 @@ class WebhookOutbox:
         return WebhookEvent.from_row(row) if row else None
 
     def claim_due(
-        self, now: datetime, limit: int, lease: timedelta, skip_owners: Collection[str] = ()
+        self,
+        now: datetime,
+        limit: int,
+        lease: timedelta,
+        per_owner: int,
+        in_flight: Mapping[str, int] | None = None,
     ) -> list[WebhookEvent]:
         """Up to `limit` pending events due by `now`, oldest due first, each claimed for `lease` (its next
         attempt moved past the lease, its attempts counted), so that another delivery process, or this one's
         next tick, does not send it again while this attempt runs. An attempt that dies with its process is
-        retried when the lease ends: at least once. `skip_owners`' events wait (theirs are in flight)."""
-        query = (
-            sa.select(webhook_events.c.event_id, webhook_events.c.next_attempt_at)
-            .where(webhook_events.c.state == "pending", webhook_events.c.next_attempt_at <= now)
-            .order_by(webhook_events.c.next_attempt_at)
-            .limit(limit)
+        retried when the lease ends: at least once. At most `per_owner` events of an owner are in flight
+        (`in_flight`: theirs already sent), so that one team's events, however many and however slow its
+        receiver, never take every worker."""
+        in_flight = in_flight or {}
+        due = sa.and_(webhook_events.c.state == "pending", webhook_events.c.next_attempt_at <= now)
+        # Each owner's oldest due events first, at most `per_owner` of them: a team with thousands due
+        # leaves room in the query for the others.
+        place = sa.func.row_number().over(
+            partition_by=webhook_events.c.owner, order_by=(webhook_events.c.next_attempt_at, webhook_events.c.event_id)
         )
-        if skip_owners:
-            query = query.where(webhook_events.c.owner.not_in(sorted(skip_owners)))
+        ranked = (
+            sa.select(
+                webhook_events.c.event_id,
+                webhook_events.c.next_attempt_at,
+                webhook_events.c.owner,
+                place.label("place"),
+            )
+            .where(due)
+            .subquery()
+        )
+        query = (
+            sa.select(ranked.c.event_id, ranked.c.next_attempt_at, ranked.c.owner)
+            .where(ranked.c.place <= per_owner)
+            .order_by(ranked.c.next_attempt_at)
+        )
+        taking: Counter[str] = Counter(in_flight)
         claimed: list[str] = []
         with self.engine.begin() as connection:
-            for event_id, due in connection.execute(query).all():
+            for event_id, due_at, owner in connection.execute(query).all():
+                if len(claimed) >= limit:
+                    break
+                if taking[owner] >= per_owner:
+                    continue
                 taken = connection.execute(
                     webhook_events.update()
                     .where(
                         webhook_events.c.event_id == event_id,
                         webhook_events.c.state == "pending",
-                        webhook_events.c.next_attempt_at == due,
+                        webhook_events.c.next_attempt_at == due_at,
                     )
                     .values(
                         next_attempt_at=now + lease,
@@ -178,6 +205,7 @@ class WebhookOutbox:
                 ).rowcount
                 if taken:
                     claimed.append(event_id)
+                    taking[owner] += 1
             if not claimed:
                 return []
             rows = connection.execute(sa.select(webhook_events).where(webhook_events.c.event_id.in_(claimed)))

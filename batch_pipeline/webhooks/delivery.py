@@ -130,10 +130,10 @@ class Deliverer:
         in a worker; returns their futures (the loop does not wait for them)."""
         with self._lock:
             free = self.workers - sum(self._in_flight.values())
-            busy = {owner for owner, count in self._in_flight.items() if count >= PER_TEAM_IN_FLIGHT}
+            in_flight = dict(self._in_flight)
         if free <= 0:
             return []
-        events = self.outbox.claim_due(self.clock(), free, LEASE, skip_owners=busy)
+        events = self.outbox.claim_due(self.clock(), free, LEASE, PER_TEAM_IN_FLIGHT, in_flight)
         futures = []
         for event in events:
             with self._lock:
