@@ -1,14 +1,94 @@
 """What the chaos soak (bench/chaos_soak.py: the deployment as separate processes, every component
 SIGKILLed at random, every job checked completed exactly once) found, each as a test that failed before."""
 
-import dagster as dg
-from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG
+import logging
+import time
 
+import dagster as dg
+from dagster._core.events import DagsterEvent, DagsterEventType
+from dagster._core.events.log import EventLogEntry
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG
+from dagster._daemon.auto_run_reexecution.auto_run_reexecution import filter_runs_to_should_retry
+
+from batch_pipeline.pipeline import sensors
+from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.retries import RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, record_run_end
 from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.schema import JobStatus
 from tests.conftest import MODEL
 from tests.test_run_workers import _a_job
+
+
+def _instance_retrying_runs(tmp_path) -> dg.DagsterInstance:
+    (tmp_path / "dagster.yaml").write_text(
+        "run_retries:\n  enabled: true\n  max_retries: 2\n  retry_on_asset_or_op_failure: false\n"
+        "telemetry:\n  enabled: false\n"
+    )
+    return dg.DagsterInstance.from_config(str(tmp_path))
+
+
+def _report_failed(instance: dg.DagsterInstance, run: dg.DagsterRun, seconds_ago: float) -> None:
+    """The run's failure as the instance records any (report_run_failed's event), `seconds_ago` back."""
+    event = DagsterEvent(
+        event_type_value=DagsterEventType.RUN_FAILURE.value,
+        job_name=run.job_name,
+        message="This run has been marked as failed from outside the execution context.",
+    )
+    entry = EventLogEntry(
+        error_info=None,
+        level=logging.ERROR,
+        user_message=event.message or "",
+        run_id=run.run_id,
+        timestamp=time.time() - seconds_ago,
+        job_name=run.job_name,
+        dagster_event=event,
+    )
+    instance.handle_new_event(entry)
+
+
+def _failures(instance: dg.DagsterInstance, run_id: str) -> int:
+    return len(instance.all_logs(run_id, of_type=DagsterEventType.RUN_FAILURE))
+
+
+def test_a_failed_run_the_retry_daemon_never_retried_is_handed_back_to_it_and_its_job_keeps_running(tmp_path):
+    """Found by the soak (seed 1): a dequeue that gave up on a down code server failed the run, with
+    dagster/will_retry=true, and no retry ever came; the job read running at 0 done until the soak's deadline.
+    The instance stores a failure event before it writes the run's status and will_retry tag; the run retry
+    daemon read the event in that gap (3 s under load), saw a run not failed, and moved its cursor past it.
+    Now the jobs sensor, which reconciles runs ended a minute ago, reports such a run's failure again: the
+    daemon reads it anew and retries the run. A run that failed just now is left to the daemon."""
+    with _instance_retrying_runs(tmp_path) as instance:
+        store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+        runs = {}
+        for name, ended_s_ago in (("missed", 120), ("recent", 1)):
+            run = instance.create_run_for_job(_a_job, tags={"dagster/max_retries": "2"})
+            _report_failed(instance, run, seconds_ago=ended_s_ago)
+            job = NewJob(NewJob.new_id(), "team:a", "{}", "0" * 64, MODEL, None, {}, 600, run_id=run.run_id)
+            store.create(job)
+            store.mark_started(job.job_id, run.run_id)
+            runs[name] = (job.job_id, instance.get_run_by_id(run.run_id))
+        for _, run in runs.values():
+            assert run.tags[WILL_RETRY_TAG] == "true" and AUTO_RETRY_RUN_ID_TAG not in run.tags
+
+        context = dg.build_sensor_context(
+            instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
+        )
+        list(sensors.batch_jobs_sensor(context) or [])
+
+        job_id, missed = runs["missed"]
+        assert _failures(instance, missed.run_id) == 2  # a failure newer than the daemon's cursor
+        handed_back = instance.get_run_by_id(missed.run_id)
+        assert handed_back.tags[RETRIES_TAG] == "1"
+        # What the run retry daemon decides when it reads that failure: retry it.
+        assert [run.run_id for run in filter_runs_to_should_retry([handed_back], instance)] == [missed.run_id]
+        job = store.get(job_id)
+        assert job.status == JobStatus.RUNNING and "handed to the run retry daemon again" in job.status_detail
+
+        job_id, recent = runs["recent"]
+        assert _failures(instance, recent.run_id) == 1
+        assert RETRIES_TAG not in instance.get_run_by_id(recent.run_id).tags
+        assert store.get(job_id).status == JobStatus.RUNNING
 
 
 def test_a_failed_run_whose_retry_the_daemon_already_launched_leaves_its_job_running(tmp_path):

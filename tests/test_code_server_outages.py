@@ -12,7 +12,7 @@ from dagster._core.errors import DagsterUserCodeUnreachableError
 from dagster._core.events import EngineEventData
 from dagster._utils.error import serializable_error_info_from_exc_info
 
-from batch_pipeline.pipeline.outages import MAX_RETRIES, RETRIES_TAG
+from batch_pipeline.pipeline.retries import MAX_RETRIES, RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, failure_reason, record_run_end
 from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.schema import JobStatus

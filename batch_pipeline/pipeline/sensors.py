@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import dagster as dg
 from dagster import DagsterEventType, RunStatusSensorContext, SensorEvaluationContext
-from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG
 from pydantic import ValidationError
 
 from batch_pipeline.admission.submission import StoredRequest
@@ -23,20 +23,20 @@ from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.admission import admissions, free_run_slots, waiting_queues
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
-from batch_pipeline.pipeline.outages import describe_outage, outage_error, retry_after_outage
 from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
 from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.retries import describe_outage, outage_error, retry_after_outage, retry_missed_read
 from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, RESUME_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import tenants
 
-WILL_RETRY_TAG = "dagster/will_retry"  # set on a failed run the daemon will retry
 # The sensors below are declared with it, so it is read when the definitions load (a code server starts).
 SENSOR_INTERVAL_S = settings().sensor_interval_s
 # A row still unfinished this long after its run ended missed the status sensors (they were stopped, or
-# the row was written by a release before them): the jobs sensor sets it from the run.
+# the row was written by a release before them): the jobs sensor sets it from the run. A run retry the
+# daemon meant to launch exists by then too (it ticks every 5 s).
 RECONCILE_AFTER_S = 60
 _FINISHED_RUNS = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
@@ -240,6 +240,9 @@ def record_run_end(
             # The daemon retries it (or has: a later failure of the same run, its worker still running after
             # the run was failed from outside, reads will_retry=false though the retry is launched): the retry
             # writes the whole output, or keeps these results if it fails too.
+            ended_long_ago = (datetime.now(UTC) - ended_at).total_seconds() >= RECONCILE_AFTER_S
+            if ended_long_ago and retry_missed_read(instance, run):
+                reason = f"{reason}; its retry was not launched, so the run is handed to the run retry daemon again"
             store.mark_retrying(job_id, run.run_id, reason)
             return None
         if (outage := retry_after_outage(instance, run)) is not None:

@@ -1,0 +1,95 @@
+"""Failed runs that Dagster's run retry daemon dropped are handed back to it, and their jobs say why.
+
+The daemon reads each run failure event once, and drops a run for good in two ways:
+- **An unreachable code location.** The queue waits out a short outage itself (max_user_code_failure_retries in
+  dagster.yaml). What is left is a dequeue that ran out of those retries, and the daemon giving up on a run
+  (`dagster/will_retry=false`) when the code location does not answer at the moment it retries.
+- **A failure read too early.** The instance stores a run's failure event, then writes the run's status, then
+  its `dagster/will_retry` tag. A daemon tick that reads the event in between sees a run that has not failed,
+  skips it, and moves its cursor past it: the run reads will_retry=true and is never retried. Under load the
+  gap is seconds (a soak saw 3 s).
+
+Both are handed back the same way. The status sensors run in the code server, so when one of them reads such a
+run the location is back. The run's failure is reported again, and the daemon reads it once more. It
+re-executes from failure, so the job resumes from its checkpoints. This happens at most MAX_RETRIES times a run,
+each at least the jobs sensor's reconcile delay apart (a new failure moves the run's end).
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, MAX_RETRIES_TAG, WILL_RETRY_TAG
+from dagster._utils.error import SerializableErrorInfo
+
+# The errors Dagster raises where a code server cannot be reached, or its code cannot be loaded.
+UNREACHABLE_ERRORS = ("DagsterUserCodeUnreachableError", "DagsterCodeLocationLoadError")
+RETRIES_TAG = "batch_pipeline/code_location_retries"
+MAX_RETRIES = 5
+
+
+def outage_error(instance: dg.DagsterInstance, run_id: str) -> tuple[str, SerializableErrorInfo] | None:
+    """The newest engine event of the run that carries an error, with that error, where the error says the
+    code location could not be reached: how the dequeue and the run retry daemon record giving up."""
+    for record in reversed(instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)):
+        event = record.dagster_event
+        data = event.engine_event_data if event is not None else None
+        if data is not None and data.error is not None:
+            return (record.message, data.error) if _names_unreachable(data.error) else None
+    return None
+
+
+def _names_unreachable(error: SerializableErrorInfo | None) -> bool:
+    while error is not None:
+        if error.cls_name in UNREACHABLE_ERRORS:
+            return True
+        error = error.cause or error.context
+    return False
+
+
+def describe_outage(message: str, error: SerializableErrorInfo) -> str:
+    first_line = error.message.strip().splitlines()[0] if error.message.strip() else error.cls_name or "error"
+    return f"the code location could not be reached: {message} ({first_line[:500]})"
+
+
+def retry_after_outage(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
+    """If the failed run gave up because its code location did not answer, and it may still be retried, hand
+    it to the run retry daemon again and say why; else None."""
+    if run.tags.get(AUTO_RETRY_RUN_ID_TAG) or not instance.run_retries_enabled:
+        return None  # retried already, or retries are off
+    if not _retries_left(run):
+        return None
+    found = outage_error(instance, run.run_id)
+    if found is None:
+        return None
+    why = describe_outage(*found)
+    _hand_back(instance, run, f"{why}; it answers now: the run is handed to the run retry daemon again")
+    return why
+
+
+def retry_missed_read(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """For a run that failed a while ago, reads will_retry=true, and has no retry: the daemon read its failure
+    too early. Hand it back and say True; else False. Only for runs whose end is older than a daemon tick."""
+    if run.tags.get(WILL_RETRY_TAG) != "true" or run.tags.get(AUTO_RETRY_RUN_ID_TAG):
+        return False
+    if not instance.run_retries_enabled or not _retries_left(run):
+        return False
+    _hand_back(
+        instance,
+        run,
+        "the run retry daemon read this failure before the run's status was written, and did not retry it: the "
+        "failure is reported again for it",
+    )
+    return True
+
+
+def _retries_left(run: dg.DagsterRun) -> bool:
+    handed_back = int(run.tags.get(RETRIES_TAG, "0") or 0)
+    return handed_back < MAX_RETRIES and int(run.tags.get(MAX_RETRIES_TAG, "0") or 0) > 0
+
+
+def _hand_back(instance: dg.DagsterInstance, run: dg.DagsterRun, message: str) -> None:
+    handed_back = int(run.tags.get(RETRIES_TAG, "0") or 0)
+    instance.add_run_tags(run.run_id, {RETRIES_TAG: str(handed_back + 1)})
+    # A run failure again: the instance sets dagster/will_retry from the run's retries left, and the run
+    # retry daemon, which reads each run failure once, retries it.
+    instance.report_run_failed(run, message)
