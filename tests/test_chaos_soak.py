@@ -2,9 +2,12 @@
 SIGKILLed at random, every job checked completed exactly once) found, each as a test that failed before."""
 
 import logging
+import sys
 import time
+from pathlib import Path
 
 import dagster as dg
+import pytest
 from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.events.log import EventLogEntry
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG
@@ -18,6 +21,8 @@ from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.schema import JobStatus
 from tests.conftest import MODEL
 from tests.test_run_workers import _a_job
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _instance_retrying_runs(tmp_path) -> dg.DagsterInstance:
@@ -114,3 +119,30 @@ def test_a_failed_run_whose_retry_the_daemon_already_launched_leaves_its_job_run
         keep_partial_results = record_run_end(instance, store, instance.get_run_by_id(run.run_id), job.job_id)
         assert keep_partial_results is None
         assert store.get(job.job_id).status == JobStatus.RUNNING
+
+
+@pytest.mark.slow
+def test_a_short_seeded_soak_completes_every_job_exactly_once_through_every_kind_of_fault(tmp_path):
+    """bench/chaos_soak.py at a small size: the embedded deployment as separate processes, a job of each kind
+    (v1, completion, chat, repeats, data_parallelism 2, sampled with seeds) submitted with client retries and
+    an Idempotency-Key, and each fault kind struck at least once (the API, the daemon, the code server, the code
+    server just as the queue dequeues, a run worker, a run worker orphaned by a code-server restart, a shard
+    worker). Each job must complete exactly once: one row per key, one successful run, n entries in input
+    order, its metadata, no stray partial file. `make bench` runs the long one (24 jobs, 24 faults, 3 seeds)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import chaos_soak
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    config = chaos_soak.SoakConfig(
+        seed=5,
+        jobs=len(chaos_soak.JOB_KINDS),
+        faults=len(chaos_soak.FAULT_KINDS),
+        gap_s=(2.0, 6.0),  # every kind strikes while the six jobs are still unfinished
+        deadline_s=1200.0,
+        work_dir=str(tmp_path / "soak"),
+    )
+    result = chaos_soak.run_soak(config)
+    assert result["passed"], chaos_soak.report(result)
+    assert {job["kind"] for job in result["jobs"]} == set(chaos_soak.JOB_KINDS)
+    assert {fault["kind"] for fault in result["faults"]} == set(chaos_soak.FAULT_KINDS)
