@@ -66,12 +66,18 @@ def step_failure_messages(result: dg.JobExecutionResult) -> list[str]:
 
 
 def worker_pids() -> list[int]:
-    """Processes of shard workers (`python -m batch_pipeline.worker`) on this machine."""
+    """Processes of shard workers (`python -m batch_pipeline.worker`) of this test's deployment: those whose
+    DAGSTER_HOME is this process's, where it has one (a soak or another checkout's tests may run beside)."""
+    home = os.environ.get("DAGSTER_HOME")
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if b"batch_pipeline.worker" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                if b"batch_pipeline.worker" not in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    continue
+                if home is None or f"DAGSTER_HOME={home}".encode() in Path(f"/proc/{entry}/environ").read_bytes().split(
+                    b"\0"
+                ):
                     pids.append(int(entry))
             except OSError:
                 pass

@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 import dagster as dg
+from dagster._core.storage.dagster_run import FINISHED_STATUSES
 from pydantic import Field
 
 from batch_pipeline.core import io
@@ -124,12 +125,15 @@ class LocalShardLauncher(ShardLauncher):
             try:
                 return process.wait(timeout=RUN_STATUS_CHECK_S)
             except subprocess.TimeoutExpired:
-                run = context.instance.get_run_by_id(context.run_id)
-                if run is not None and run.is_finished:
+                # Ids only: a whole run (its config and tags) costs tens of ms to read while the engine computes.
+                finished = dg.RunsFilter(run_ids=[context.run_id], statuses=list(FINISHED_STATUSES))
+                if context.instance.get_run_ids(finished, limit=1):
                     _stop(process)
+                    run = context.instance.get_run_by_id(context.run_id)
                     raise dg.Failure(
-                        f"shard {task.shard.shard_index}: the run ended ({run.status.value}) while the shard ran; "
-                        "its worker was stopped, and a retry of the run resumes it from its checkpoint"
+                        f"shard {task.shard.shard_index}: the run ended ({run.status.value if run else 'deleted'}) "
+                        "while the shard ran; its worker was stopped, and a retry of the run resumes it from its "
+                        "checkpoint"
                     ) from None
 
     @staticmethod
