@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
+import dagster as dg
 import pytest
 import sqlalchemy as sa
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from batch_pipeline.openai_batch.jobs import CUSTOM_IDS_FILE
+from batch_pipeline.pipeline import sensors
+from batch_pipeline.pipeline.partial_results import keep_partial_results
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from batch_pipeline.store.jobs import JobStore, NewJob
-from batch_pipeline.store.openai import batches
+from batch_pipeline.store.openai import OpenAIStore, batches
 from batch_pipeline.store.schema import JobStatus
-from batch_pipeline.store.webhooks import WebhookOutbox
+from batch_pipeline.store.webhooks import PARTIAL_RESULTS_WAIT, WebhookOutbox
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, WebhookConfig
 from batch_pipeline.webhooks import delivery
 from batch_pipeline.webhooks.delivery import Deliverer, WebhookSecretError, check_webhook_secrets
@@ -38,13 +48,18 @@ def _digest(key: str) -> str:
 
 class Receiver:
     """A webhook receiver on a local port: verifies each delivery with the standardwebhooks library and
-    answers `mode`: "ok" (204), "500", or "hang" (holds the request until released)."""
+    answers `mode`: "ok" (204), "500", "hang" (holds the request until released), or "drip" (sends its
+    answer a byte every 0.2 s, far inside any read timeout, until released or cut off by the sender).
+    `reads`: what a receiver reacting to the event looks up as it arrives (the job's output), kept in
+    `read_back`."""
 
-    def __init__(self, secret: str, mode: str = "ok", port: int = 0) -> None:
+    def __init__(self, secret: str, mode: str = "ok", port: int = 0, reads: Callable[[], Any] | None = None) -> None:
         self.verifier = Webhook(secret)
         self.mode = mode
         self.received: list[dict] = []  # {"headers", "body", "verified", "payload"}
+        self.read_back: list[Any] = []
         self.release = threading.Event()
+        self.cut_off = threading.Event()  # a dripped answer's connection was closed by the sender
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,6 +71,11 @@ class Receiver:
                 except WebhookVerificationError:
                     payload, verified = None, False
                 receiver.received.append({"headers": headers, "body": body, "verified": verified, "payload": payload})
+                if reads is not None:
+                    receiver.read_back.append(reads())
+                if receiver.mode == "drip":
+                    self.drip()
+                    return
                 if receiver.mode == "hang":
                     receiver.release.wait(120)
                 status = 500 if receiver.mode == "500" else 204 if verified else 400
@@ -65,6 +85,19 @@ class Receiver:
                     self.end_headers()
                 except OSError:
                     pass  # the sender gave up waiting
+
+            def drip(self) -> None:
+                answer = itertools.chain(b"HTTP/1.1 204 No Content\r\nx-drip: ", itertools.repeat(ord("a")))
+                until = time.monotonic() + 120
+                for byte in answer:
+                    if receiver.release.wait(0.2) or time.monotonic() > until:
+                        return
+                    try:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                    except OSError:
+                        receiver.cut_off.set()
+                        return
 
             def log_message(self, *args) -> None:
                 pass
@@ -92,8 +125,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _new_job(owner: str, reason: str | None = None, job_id: str | None = None) -> NewJob:
-    request = {"output_data_path": "/tmp/o.json", "model_config": {"model": MODEL}, "input_data_path": "/tmp/i.json"}
+def _new_job(owner: str, reason: str | None = None, job_id: str | None = None, output: str = "/tmp/o.json") -> NewJob:
+    request = {"output_data_path": output, "model_config": {"model": MODEL}, "input_data_path": "/tmp/i.json"}
     return NewJob(
         job_id=job_id or NewJob.new_id(),
         owner=owner,
@@ -222,6 +255,181 @@ def test_an_end_whose_event_cannot_be_written_does_not_happen(store):
     assert [e.type for e in _events(store, job.job_id)] == ["job.completed"]
 
 
+# --- a stopped job: announced once keep_partial_results has written its output --------------------------------
+
+
+@dg.op
+def _generate() -> None:
+    pass
+
+
+@dg.job
+def _a_batch_run():
+    _generate()
+
+
+class StoppedJob:
+    """A job whose run is cancelled after its shards finished two of its three requests (their checkpoints
+    as a worker leaves them), as the real status sensor records it; for a batch, its batch row and custom
+    ids as the API stores them. `request` is the run request of keep_partial_results the sensor returned."""
+
+    def __init__(self, store: JobStore, instance: dg.DagsterInstance, tmp_path: Path, batch: bool = False) -> None:
+        self.store, self.instance = store, instance
+        self.storage = JobStorage(work_dir_base=str(tmp_path / "work"))
+        self.output = tmp_path / "out" / "output.json"
+        self.job_id = NewJob.new_id()
+        if batch:
+            with store.engine.begin() as connection:
+                connection.execute(
+                    batches.insert().values(
+                        batch_id=self.job_id,
+                        owner="team:alpha",
+                        endpoint="/v1/chat/completions",
+                        input_file_id="file-1",
+                        completion_window="24h",
+                        created_at=datetime.now(UTC),
+                        total=3,
+                    )
+                )
+        store.create(_new_job("team:alpha", job_id=self.job_id, output=str(self.output)))
+        run = instance.create_run_for_job(_a_batch_run, tags={JOB_ID_TAG: self.job_id})
+        store.mark_started(self.job_id, run.run_id)
+        work_dir = Path(self.storage.work_dir(self.job_id))
+        for shard, (items, results) in enumerate([([0, 2], {0: "a"}), ([1], {1: "b"})]):
+            directory = work_dir / "shards" / f"{shard:03d}"
+            directory.mkdir(parents=True)
+            (directory / "input.jsonl").write_text(
+                "".join(json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in items)
+            )
+            (directory / "results.tsv").write_text(
+                "".join(f"{i}\t{json.dumps({'text': text})}\n" for i, text in results.items())
+            )
+        (work_dir / CUSTOM_IDS_FILE).write_text("".join(json.dumps(f"request-{i}") + "\n" for i in range(3)))
+        store.record_shards(self.job_id, {0: 2, 1: 1})
+        store.mark_cancelled(self.job_id)  # the user's cancel; the run then stops
+        cancelled = instance.report_run_canceled(run)
+        run = instance.get_run_by_id(run.run_id)
+        context = dg.build_run_status_sensor_context(
+            sensor_name="record_stopped_runs",
+            dagster_event=cancelled,
+            dagster_instance=instance,
+            dagster_run=run,
+            resources={"job_store": JobStoreResource(url=str(store.engine.url))},
+        )
+        self.request = sensors.record_stopped_runs(context)
+        assert isinstance(self.request, dg.RunRequest)
+
+    def keep_partial_results(self) -> dg.ExecuteInProcessResult:
+        """The run the sensor asked for, as the daemon launches it."""
+        return keep_partial_results.execute_in_process(
+            run_config=self.request.run_config,
+            tags=self.request.tags,
+            instance=self.instance,
+            resources={"job_store": JobStoreResource(url=str(self.store.engine.url)), "job_storage": self.storage},
+            raise_on_error=False,
+        )
+
+    def what_a_receiver_reads(self) -> dict:
+        """The job's output, and a batch's output and error files, as the API would answer them now."""
+        batch = OpenAIStore(engine=self.store.engine).get_batch(self.job_id)
+        return {
+            "output": json.loads(self.output.read_text()) if self.output.exists() else None,
+            "batch_files": (batch.output_file_id, batch.error_file_id) if batch else None,
+        }
+
+
+def _receiver_of(stopped: StoppedJob, monkeypatch) -> tuple[Receiver, Deliverer, Clock]:
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    receiver = Receiver(ALPHA_SECRET, reads=stopped.what_a_receiver_reads)
+    endpoint = WebhookConfig(url=receiver.url, secret_env="ALPHA_SECRET")
+    clock = Clock()
+    deliverer = Deliverer(WebhookOutbox(engine=stopped.store.engine), endpoints=lambda owner: [endpoint], clock=clock)
+    return receiver, deliverer, clock
+
+
+KEPT = [
+    {"text": "a"},
+    {"text": "b"},
+    {"error": {"message": "the job was cancelled before this request finished", "type": "server_error",
+               "param": None, "code": "cancelled"}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["job", "batch"])
+def test_a_stopped_jobs_end_is_announced_once_keep_partial_results_has_written_its_output(
+    store, dagster_home, tmp_path, monkeypatch, batch
+):
+    """Found in issue 28's leftovers: the status sensor wrote a cancelled job's event with its end, and
+    launched keep_partial_results, which merges the finished results into the output afterwards; a receiver
+    told at once found no output (nor a batch's output and error files). The event is held until the
+    transaction that records the output as final, and it is still one event."""
+    stopped = StoppedJob(store, dagster_home, tmp_path, batch=batch)
+    receiver, deliverer, clock = _receiver_of(stopped, monkeypatch)
+    try:
+        [event] = _events(store, stopped.job_id)
+        assert event.type == ("batch.cancelled" if batch else "job.cancelled") and event.state == "pending"
+        clock.now = datetime.now(UTC)
+        _deliver_all(deliverer)
+        assert receiver.received == [], f"announced before its output was written: {receiver.read_back}"
+
+        assert stopped.keep_partial_results().success
+        clock.now = datetime.now(UTC)
+        _deliver_all(deliverer)
+        [read] = receiver.read_back
+        assert read["output"] == KEPT
+        if batch:
+            assert read["batch_files"][0] is not None and read["batch_files"][1] is not None
+        assert [(e.type, e.state) for e in _events(store, stopped.job_id)] == [(event.type, "delivered")]
+
+        # keep_partial_results run again (retried, or re-executed from the UI): nothing new is announced.
+        assert stopped.keep_partial_results().success
+        clock.now = datetime.now(UTC) + timedelta(hours=2)
+        _deliver_all(deliverer)
+        assert len(receiver.received) == 1 and len(_events(store, stopped.job_id)) == 1
+    finally:
+        deliverer.close()
+        receiver.stop()
+
+
+def test_a_stopped_jobs_end_is_announced_when_keep_partial_results_gives_up_or_never_runs(
+    store, dagster_home, tmp_path, monkeypatch
+):
+    """An event is never lost for an output that does not come: keep_partial_results failing its last retry
+    releases it; one that never runs leaves it held for PARTIAL_RESULTS_WAIT after the end, and no longer."""
+    never_kept = StoppedJob(store, dagster_home, tmp_path / "never")
+    failing = StoppedJob(store, dagster_home, tmp_path / "failing")
+    receiver, deliverer, clock = _receiver_of(failing, monkeypatch)
+    try:
+        failing.output.parent.write_text("a file where the output's directory should be")
+        result = failing.keep_partial_results()
+        assert not result.success and len([e for e in result.all_events if e.is_step_up_for_retry]) == 2
+        clock.now = datetime.now(UTC)
+        _deliver_all(deliverer)
+        assert [p["data"]["job_id"] for p in receiver.verified_payloads()] == [failing.job_id]
+        assert receiver.read_back[0]["output"] is None  # announced without the output that never came
+
+        [held] = _events(store, never_kept.job_id)
+        assert held.state == "pending" and held.attempts == 0
+        clock.now = held.created_at + PARTIAL_RESULTS_WAIT - timedelta(minutes=1)
+        _deliver_all(deliverer)
+        assert len(receiver.received) == 1
+        clock.now = held.created_at + PARTIAL_RESULTS_WAIT
+        _deliver_all(deliverer)
+        assert [p["data"]["job_id"] for p in receiver.verified_payloads()] == [failing.job_id, never_kept.job_id]
+
+        # The failed one retried once the disk is fixed: its output is kept, and nothing more is announced.
+        failing.output.parent.unlink()
+        assert failing.keep_partial_results().success
+        assert failing.what_a_receiver_reads()["output"] == KEPT
+        clock.now += timedelta(hours=2)
+        _deliver_all(deliverer)
+        assert len(receiver.received) == 2
+        assert [len(_events(store, job.job_id)) for job in (failing, never_kept)] == [1, 1]
+    finally:
+        deliverer.close()
+        receiver.stop()
+
+
 # --- the tenants file ------------------------------------------------------------------------------------------
 
 
@@ -306,6 +514,41 @@ def test_a_receiver_answering_500_is_retried_with_backoff_and_given_up_after_24_
     finally:
         deliverer.close()
         failing.stop()
+
+
+def test_a_receiver_dripping_its_answer_holds_a_worker_no_longer_than_the_attempts_timeout(store, monkeypatch):
+    """Found in issue 28's leftovers: httpx's timeouts are per read and write, so a receiver sending its
+    answer a byte every 0.2 s (far inside the 5 s read timeout) held a delivery worker, and the connection,
+    for as long as it kept dripping. An attempt now ends at BATCH_PIPELINE_WEBHOOK_ATTEMPT_TIMEOUT_S, its
+    connection closed, failed, and is retried with the backoff."""
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    monkeypatch.setenv("BATCH_PIPELINE_WEBHOOK_ATTEMPT_TIMEOUT_S", "1.5")
+    dripping = Receiver(ALPHA_SECRET, mode="drip")
+    clock = Clock()
+    endpoint = WebhookConfig(url=dripping.url, secret_env="ALPHA_SECRET")
+    deliverer = Deliverer(WebhookOutbox(engine=store.engine), endpoints=lambda owner: [endpoint], clock=clock)
+    try:
+        job, _ = store.create(_new_job("team:alpha"))
+        store.cancel_before_launch(job.job_id)
+        clock.now = datetime.now(UTC)
+        started = time.monotonic()
+        [attempt] = deliverer.tick()
+        attempt.result(timeout=20)
+        assert 1.5 <= time.monotonic() - started < 8
+        assert dripping.cut_off.wait(5), "the dripping connection was left open"
+        [event] = _events(store, job.job_id)
+        assert (event.state, event.attempts, event.last_error) == ("pending", 1, "webhooks[0]: timed out")
+        assert 1.6 <= (event.next_attempt_at - clock.now).total_seconds() <= 2.4  # the first backoff
+        assert [entry["verified"] for entry in dripping.received] == [True]
+
+        dripping.mode = "ok"  # the receiver mended: the retry, once due, is taken
+        assert deliverer.tick() == []
+        clock.now = event.next_attempt_at
+        _deliver_all(deliverer)
+        assert [(e.state, e.attempts) for e in _events(store, job.job_id)] == [("delivered", 2)]
+    finally:
+        dripping.stop()  # first: before the fix, the attempt ends only when the drip does
+        deliverer.close()
 
 
 def test_a_redirect_is_not_followed_and_an_event_goes_to_its_teams_endpoints_only(store, monkeypatch):

@@ -252,6 +252,15 @@ class Settings(_EnvironmentSettings):
     k8s_poll_interval_s: float = Field(
         10.0, description="With the `k8s` launcher: seconds between reads of a shard pod's state"
     )
+    # Webhooks (the delivery process, `python -m batch_pipeline.webhooks`)
+    webhook_attempt_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=90,
+        description="Seconds one delivery attempt of a webhook event may take in all, however slowly a receiver "
+        "answers (each read and write also times out after 5 s); then it counts as failed and is retried with "
+        "backoff. At most 90, so that an attempt ends within its 2-minute claim",
+    )
     # The shard worker
     checkpoint_upload_s: float = Field(
         30.0, description="Seconds between uploads of a shard's checkpoint to a remote work dir"

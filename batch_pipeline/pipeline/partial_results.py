@@ -3,6 +3,10 @@
 into the output in input order, each unfinished request an error entry at its index, with a metadata file
 saying how many finished. A job rather than sensor code: retried, visible in the UI, and never under a
 sensor's timeout however large the job.
+
+The job's end was recorded with its webhook event held (`store/webhooks.py`): the transaction that records
+the output as final releases it, and so does giving up (the last retry failed, or a newer run has the job),
+so that a receiver told of the end reads the whole output, and is told even when there is none.
 """
 
 import json
@@ -16,11 +20,13 @@ from batch_pipeline.openai_batch.jobs import expired, finalize_batch
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.tags import STOPPED_RUN_TAG
 from batch_pipeline.shards.merge import partial_outputs, progress, write_output_array
-from batch_pipeline.store.jobs import JobRecord
+from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.webhooks import WebhookOutbox
 
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"  # on the stopped run: "finished/planned"
 # Ahead of queued batch runs: it is short, and the user waits for these results.
 PARTIAL_RESULTS_PRIORITY = "100"
+MERGE_RETRIES = 2
 
 
 @dg.op(
@@ -29,18 +35,37 @@ PARTIAL_RESULTS_PRIORITY = "100"
         "run_id": dg.Field(str, description="the run that stopped"),
         "code": dg.Field(str, description="error code of each unfinished request's entry"),
         "reason": dg.Field(str, description="message of each unfinished request's entry"),
+        "held_event": dg.Field(
+            dg.Noneable(str),
+            default_value=None,
+            is_required=False,
+            description="the webhook event of the job's end, held until this output is written",
+        ),
     },
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    retry_policy=dg.RetryPolicy(max_retries=MERGE_RETRIES, delay=5),
     description="Merge the finished results of a stopped run into its output; mark the rest.",
 )
 def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> dict:
     config = context.op_config
     store = job_store.get_store()
+    try:
+        return _merge(context, store, job_storage)
+    except Exception:
+        if config["held_event"] and context.retry_number >= MERGE_RETRIES:
+            # Given up: the end is announced without the output it waited for, rather than an hour late.
+            WebhookOutbox(engine=store.engine).release(config["held_event"])
+        raise
+
+
+def _merge(context: OpExecutionContext, store: JobStore, job_storage: JobStorage) -> dict:
+    config = context.op_config
     record = store.get(config["job_id"])
     if record is None:
         raise dg.Failure(f"no job {config['job_id']} in the job store")
     if record.run_id != config["run_id"]:
         context.log.info(f"{record.job_id}: a newer run ({record.run_id}) has the job; its output is that run's")
+        if config["held_event"]:  # nothing to wait for: the stopped run's end is announced now
+            WebhookOutbox(engine=store.engine).release(config["held_event"])
         return {}
     work_dir = job_storage.work_dir(record.job_id)
     done, total = progress(work_dir)
@@ -60,8 +85,10 @@ def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResou
     }
     with files.atomic_write(metadata_path(output_path)) as handle:
         json.dump(summary, handle, indent=2)
-    store.record_results(record.job_id, config["run_id"], summary)
     finalize_batch(store, record.job_id, output_path, work_dir, job_storage.files_dir(), expired=expired(record))
+    # Last, once every file is written (a batch's output and error files too): the output is final, and the
+    # end's event is released in the same transaction.
+    store.record_results(record.job_id, config["run_id"], summary, held_event=config["held_event"])
     context.instance.add_run_tags(config["run_id"], {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
     context.log.info(f"{record.job_id}: kept {done} of {total} results in {output_path}")
     context.add_output_metadata({"output_data_path": output_path, "finished": done, "planned": total})
@@ -76,18 +103,21 @@ def keep_partial_results():
     merge_finished_results()
 
 
-def partial_results_run_request(record: JobRecord | None, run_id: str, code: str, reason: str) -> dg.RunRequest | None:
-    """The run that keeps a stopped run's finished results; None when it planned no shards."""
-    if record is None or not record.requests_total:
+def keeps_partial_results(record: JobRecord | None) -> bool:
+    """Whether a stopped run of this job has finished results to keep: it planned shards."""
+    return record is not None and bool(record.requests_total)
+
+
+def partial_results_run_request(
+    record: JobRecord | None, run_id: str, code: str, reason: str, held_event: str | None = None
+) -> dg.RunRequest | None:
+    """The run that keeps a stopped run's finished results (and releases `held_event`, its end's webhook
+    event, once they are written); None when it planned no shards."""
+    if record is None or not keeps_partial_results(record):
         return None
+    config = {"job_id": record.job_id, "run_id": run_id, "code": code, "reason": reason, "held_event": held_event}
     return dg.RunRequest(
         run_key=f"partial-results:{run_id}",
-        run_config={
-            "ops": {
-                "merge_finished_results": {
-                    "config": {"job_id": record.job_id, "run_id": run_id, "code": code, "reason": reason}
-                }
-            }
-        },
+        run_config={"ops": {"merge_finished_results": {"config": config}}},
         tags={"dagster/priority": PARTIAL_RESULTS_PRIORITY, STOPPED_RUN_TAG: run_id},
     )

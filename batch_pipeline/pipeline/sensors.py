@@ -23,7 +23,11 @@ from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.admission import admissions, free_run_slots, waiting_queues
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
-from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
+from batch_pipeline.pipeline.partial_results import (
+    keep_partial_results,
+    keeps_partial_results,
+    partial_results_run_request,
+)
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.retries import describe_outage, outage_error, retry_after_outage, retry_missed_read
 from batch_pipeline.pipeline.runs import job_id_of
@@ -223,14 +227,27 @@ def _end_time(instance: dg.DagsterInstance, run_id: str) -> datetime:
 
 
 def record_run_end(
-    instance: dg.DagsterInstance, store: JobStore, run: dg.DagsterRun, job_id: str | None = None
+    instance: dg.DagsterInstance,
+    store: JobStore,
+    run: dg.DagsterRun,
+    job_id: str | None = None,
+    launches_partial_results: bool = False,
 ) -> dg.RunRequest | None:
     """How a finished run of a job (the run's own, unless given) ended, into the job's row: completed;
     failed with the step's reason (or still running, when Dagster retries the run); cancelled, or failed
     when run monitoring stopped it at its deadline. Returns the run that keeps a stopped run's finished
-    results, if one is needed."""
+    results, if one is needed. `launches_partial_results`: the caller launches that run (the status
+    sensors), so the end's webhook event waits for it to write the output."""
     job_id = job_id or job_id_of(instance, run)
     ended_at = _end_time(instance, run.run_id)
+
+    def stopped(record: JobRecord | None, status: str, failure: str | None, entry: tuple[str, str]):
+        """A run stopped before the end: the job's end (`failure` its reason), and the run that keeps its
+        finished results, each unfinished request's entry `entry` (code, message)."""
+        keeping = launches_partial_results and keeps_partial_results(record)
+        held = store.mark_run_ended(job_id, run.run_id, status, ended_at, failure, keeping_partial_results=keeping)
+        return partial_results_run_request(record, run.run_id, *entry, held_event=held if keeping else None)
+
     if run.status == dg.DagsterRunStatus.SUCCESS:
         store.mark_run_ended(job_id, run.run_id, JobStatus.COMPLETED, ended_at)
         return None
@@ -248,22 +265,16 @@ def record_run_end(
         if (outage := retry_after_outage(instance, run)) is not None:
             store.mark_retrying(job_id, run.run_id, outage)
             return None
-        store.mark_run_ended(job_id, run.run_id, JobStatus.FAILED, ended_at, reason=reason)
-        return partial_results_run_request(
-            store.get(job_id), run.run_id, "job_failed", f"the job failed before this request finished: {reason}"
-        )
+        failed = ("job_failed", f"the job failed before this request finished: {reason}")
+        return stopped(store.get(job_id), JobStatus.FAILED, reason, failed)
     record = store.get(job_id)
     if record is not None and record.cancelled_at is None and ended_at >= record.expires_at:
         # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
         why = "max_runtime_sec exceeded: the run was stopped by run monitoring"
-        store.mark_run_ended(job_id, run.run_id, JobStatus.FAILED, ended_at, reason=why)
-        return partial_results_run_request(
-            record, run.run_id, "job_failed", f"the job failed before this request finished: {why}"
-        )
-    store.mark_run_ended(job_id, run.run_id, JobStatus.CANCELLED, ended_at)
-    return partial_results_run_request(
-        record, run.run_id, "cancelled", "the job was cancelled before this request finished"
-    )
+        failed = ("job_failed", f"the job failed before this request finished: {why}")
+        return stopped(record, JobStatus.FAILED, why, failed)
+    cancelled = ("cancelled", "the job was cancelled before this request finished")
+    return stopped(record, JobStatus.CANCELLED, None, cancelled)
 
 
 @dg.run_status_sensor(
@@ -287,7 +298,7 @@ def record_succeeded_runs(context: RunStatusSensorContext, job_store: JobStoreRe
     "results its shards finished are merged into its output by keep_partial_results.",
 )
 def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
-    return record_run_end(context.instance, job_store.get_store(), context.dagster_run)
+    return record_run_end(context.instance, job_store.get_store(), context.dagster_run, launches_partial_results=True)
 
 
 @dg.run_failure_sensor(
@@ -300,4 +311,4 @@ def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreReso
 )
 def record_failed_runs(context: dg.RunFailureSensorContext, job_store: JobStoreResource):
     run = context.instance.get_run_by_id(context.dagster_run.run_id) or context.dagster_run  # with will_retry
-    return record_run_end(context.instance, job_store.get_store(), run)
+    return record_run_end(context.instance, job_store.get_store(), run, launches_partial_results=True)

@@ -33,7 +33,7 @@ from batch_pipeline.store.schema import (
     team_usage,
 )
 from batch_pipeline.store.sql import json_scalar, owner_bucket, seconds_between, utc, utc_day, utc_now
-from batch_pipeline.store.webhooks import add_end_event
+from batch_pipeline.store.webhooks import add_end_event, release_held_event
 
 _SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens")
 _FIGURES = ("requests_done", "prompt_tokens", "completion_tokens")  # what usage and /metrics sum
@@ -639,9 +639,18 @@ class JobStore:
         )
 
     def mark_run_ended(
-        self, job_id: str, run_id: str, status: str, ended_at: datetime, reason: str | None = None
-    ) -> None:
-        """How the job's run ended, unless a newer run took the job over."""
+        self,
+        job_id: str,
+        run_id: str,
+        status: str,
+        ended_at: datetime,
+        reason: str | None = None,
+        keeping_partial_results: bool = False,
+    ) -> str | None:
+        """How the job's run ended, unless a newer run took the job over; returns the id of the webhook event
+        its end wrote (None: nothing new ended). `keeping_partial_results`: keep_partial_results is about to
+        merge the run's finished results into the output, so the event is held until `record_results`
+        records that output (`add_end_event`)."""
         # A job someone cancelled reads cancelled however its run then ended.
         values: dict[str, Any] = {
             "status": sa.case((jobs.c.cancelled_at.is_not(None), JobStatus.CANCELLED), else_=status),
@@ -666,18 +675,22 @@ class JobStore:
                 jobs.update().where(condition, not_ended).values(run_id=run_id, **values)
             ).rowcount
             if ending:
-                add_end_event(connection, job_id)
-            else:
-                connection.execute(jobs.update().where(condition).values(run_id=run_id, **values))
+                return add_end_event(connection, job_id, held=keeping_partial_results)
+            connection.execute(jobs.update().where(condition).values(run_id=run_id, **values))
+            return None
 
-    def record_results(self, job_id: str, run_id: str, results: dict[str, Any]) -> None:
+    def record_results(self, job_id: str, run_id: str, results: dict[str, Any], held_event: str | None = None) -> None:
         """The summary of what the job's run wrote (its output's metadata, or the partial results of a
-        stopped run), with the counts it gives."""
+        stopped run), with the counts it gives. `held_event`: the job's end event, held until its output is
+        final, released in the same transaction (`release_held_event`)."""
         values: dict[str, Any] = {"results": json.dumps(results)}
         for name in ("requests_total", "requests_done", "errors", "prompt_tokens", "completion_tokens"):
             if results.get(name) is not None:
                 values[name] = results[name]
-        self._update(sa.and_(jobs.c.job_id == job_id, jobs.c.run_id == run_id), **values)
+        with self.engine.begin() as connection:
+            connection.execute(jobs.update().where(jobs.c.job_id == job_id, jobs.c.run_id == run_id).values(**values))
+            if held_event is not None:
+                release_held_event(connection, held_event)
 
     def record_shards(self, job_id: str, requests_per_shard: dict[int, int]) -> None:
         """The job's shards as planned (again, on a retry): progress is counted against these totals."""

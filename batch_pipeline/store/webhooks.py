@@ -4,6 +4,12 @@ the transaction that ends the job (`add_end_event`), and read and updated by the
 
 A job's event goes to its own owner's endpoints only: the owner is copied from the job's row in the same
 transaction, and nothing a request sends names an endpoint.
+
+The event of a job whose run stopped early (cancelled, failed) is written held: `keep_partial_results` is
+about to merge the results its shards finished into the job's output, and a receiver told at once would
+read an output not written yet. The transaction that records that output as final releases it
+(`release_held_event`); an event whose output never comes (keep_partial_results failed for good, or never
+ran) is sent `PARTIAL_RESULTS_WAIT` after the end all the same, so that no end goes unannounced.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ JOB_EVENTS = ("job.completed", "job.failed", "job.cancelled", "job.expired")
 BATCH_EVENTS = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expired")
 EVENT_TYPES = JOB_EVENTS + BATCH_EVENTS
 STATES = ("pending", "delivered", "failed", "unsubscribed")
+# The longest a stopped job's event waits for keep_partial_results to write its output (which takes seconds
+# to minutes): then it is sent, whatever became of that output.
+PARTIAL_RESULTS_WAIT = timedelta(hours=1)
 
 
 @dataclass(frozen=True)
@@ -73,9 +82,11 @@ def _expired(status: str, reason: str | None, completed_at: datetime | None, exp
     return (reason or "").startswith("max_runtime_sec exceeded")
 
 
-def add_end_event(connection: sa.Connection, job_id: str) -> str | None:
+def add_end_event(connection: sa.Connection, job_id: str, held: bool = False) -> str | None:
     """In the caller's transaction, which has just ended the job: the event its end announces, from the
-    job's row as that transaction sees it. None (nothing written) for a job not ended."""
+    job's row as that transaction sees it. None (nothing written) for a job not ended. `held`: the job's
+    output is still being written (keep_partial_results), so the event is not due before
+    `release_held_event`, or `PARTIAL_RESULTS_WAIT` from now at the latest."""
     row = connection.execute(
         sa.select(jobs.c.owner, jobs.c.status, jobs.c.failure_reason, jobs.c.completed_at, jobs.c.expires_at).where(
             jobs.c.job_id == job_id
@@ -111,11 +122,25 @@ def add_end_event(connection: sa.Connection, job_id: str) -> str | None:
             created_at=now,
             state="pending",
             attempts=0,
-            next_attempt_at=now,
+            next_attempt_at=now + PARTIAL_RESULTS_WAIT if held else now,
             delivered_to="[]",
         )
     )
     return event_id
+
+
+def release_held_event(connection: sa.Connection, event_id: str) -> bool:
+    """In the caller's transaction, which records the job's output as final (or gives up on it): the held
+    end event `event_id` is due now. False, and nothing changed, when it is not held any more (released
+    already, or sent once its wait ended): an event is written once, and this never writes one."""
+    now = utc_now()
+    held = sa.and_(
+        webhook_events.c.event_id == event_id,
+        webhook_events.c.state == "pending",
+        webhook_events.c.attempts == 0,
+        webhook_events.c.next_attempt_at > now,
+    )
+    return connection.execute(webhook_events.update().where(held).values(next_attempt_at=now)).rowcount > 0
 
 
 # A finished status's event name ("expired" is a failure at the deadline).
@@ -140,6 +165,11 @@ class WebhookOutbox:
         )
         with self.engine.connect() as connection:
             return [WebhookEvent.from_row(row) for row in connection.execute(query)]
+
+    def release(self, event_id: str) -> bool:
+        """`release_held_event` in a transaction of its own: for a job whose output will not be written."""
+        with self.engine.begin() as connection:
+            return release_held_event(connection, event_id)
 
     def get(self, event_id: str) -> WebhookEvent | None:
         with self.engine.connect() as connection:

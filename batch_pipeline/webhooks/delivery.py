@@ -5,8 +5,9 @@ then given up (state `failed`, visible in the event's state and in /metrics).
 
 It runs in a process of its own (`python -m batch_pipeline.webhooks`, started by `serve`), off every path
 a job or a sensor takes: a receiver that is down, slow or answers 500 costs one worker thread of this
-process for at most the request's timeouts, and never a job, a sensor tick or the API. Each team has at
-most `PER_TEAM_IN_FLIGHT` events in flight, so one team's slow receiver cannot hold every worker.
+process for one attempt, at most BATCH_PIPELINE_WEBHOOK_ATTEMPT_TIMEOUT_S however slowly it answers, and
+never a job, a sensor tick or the API. Each team has at most `PER_TEAM_IN_FLIGHT` events in flight, so one
+team's slow receiver cannot hold every worker.
 
 What is sent where: an event goes to the endpoints of its job's owner's team only (its `owner` is the
 job's, copied in the transaction that ended the job), and only to a URL of the tenants file. Redirects are
@@ -17,6 +18,7 @@ variables the file names, and never logged, stored or shown; errors are recorded
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -29,6 +31,7 @@ from datetime import datetime, timedelta
 import httpx
 from standardwebhooks.webhooks import Webhook
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.store.sql import utc_now
 from batch_pipeline.store.webhooks import WebhookEvent, WebhookOutbox
 from batch_pipeline.tenancy.tenants import Tenants, WebhookConfig, team_of_owner, tenants
@@ -40,7 +43,9 @@ FIRST_RETRY_S = 2.0  # then doubling, each with +-20% jitter, up to MAX_RETRY_S
 MAX_RETRY_S = 3600.0
 CONNECT_TIMEOUT_S = 2.0
 TIMEOUT_S = 5.0  # each read and write; the response's body is never read
-LEASE = timedelta(minutes=2)  # an attempt whose process died is retried after this
+# An attempt whose process died is retried after this; a live one ends before it (the attempt's timeout is
+# at most 90 s).
+LEASE = timedelta(minutes=2)
 WORKERS = 8
 PER_TEAM_IN_FLIGHT = 2
 POLL_S = 0.5
@@ -95,9 +100,9 @@ def retry_delay(attempts: int) -> float:
     return base * random.uniform(0.8, 1.2)
 
 
-def _describe(exc: Exception) -> str:
+def _describe(exc: BaseException) -> str:
     """An attempt's error without its URL (httpx's messages quote it)."""
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return "timed out"
     if isinstance(exc, httpx.ConnectError):
         return "connection failed"
@@ -117,9 +122,8 @@ class Deliverer:
         self.outbox = outbox or WebhookOutbox()
         self.endpoints = endpoints or _team_endpoints
         self.clock = clock
-        self.client = httpx.Client(
-            timeout=httpx.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S), follow_redirects=False, trust_env=False
-        )
+        self.attempt_timeout_s = settings().webhook_attempt_timeout_s
+        self.tls = httpx.create_ssl_context(trust_env=False)  # made once: each attempt's client shares it
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
         self.workers = workers
         self._in_flight: Counter[str] = Counter()  # events being sent, by owner
@@ -153,7 +157,6 @@ class Deliverer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.client.close()
 
     def _send(self, event: WebhookEvent) -> None:
         try:
@@ -173,16 +176,12 @@ class Deliverer:
             self.outbox.record_attempt(event, event.delivered_to, "unsubscribed", None, None, now)
             return
         delivered = set(event.delivered_to)
+        due = [(index, config) for index, config in configs if config.endpoint_id not in delivered]
         errors = []
-        for index, config in configs:
-            if config.endpoint_id in delivered:
-                continue
-            try:
-                status = self._post(config, event)
-            except Exception as exc:
-                errors.append(f"webhooks[{index}]: {_describe(exc)}")
-                continue
-            if 200 <= status < 300:
+        for (index, config), status in zip(due, asyncio.run(self._post_all(due, event)), strict=True):
+            if isinstance(status, BaseException):
+                errors.append(f"webhooks[{index}]: {_describe(status)}")
+            elif 200 <= status < 300:
                 delivered.add(config.endpoint_id)
             else:
                 note = " (redirects are not followed)" if 300 <= status < 400 else ""
@@ -202,11 +201,28 @@ class Deliverer:
         logger.info("webhook event %s attempt %d: %s", event.event_id, event.attempts, error)
         self.outbox.record_attempt(event, delivered, "pending", error, retry_at, now)
 
-    def _post(self, config: WebhookConfig, event: WebhookEvent) -> int:
+    async def _post_all(
+        self, endpoints: list[tuple[int, WebhookConfig]], event: WebhookEvent
+    ) -> list[int | BaseException]:
+        """The event POSTed to these endpoints at once: each one's status, or what failed it. An attempt
+        takes at most `attempt_timeout_s` however many endpoints, and a slow one delays no other."""
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+            follow_redirects=False,
+            trust_env=False,
+            verify=self.tls,
+        ) as client:
+            posts = (self._post(client, config, event) for _, config in endpoints)
+            return await asyncio.gather(*posts, return_exceptions=True)
+
+    async def _post(self, client: httpx.AsyncClient, config: WebhookConfig, event: WebhookEvent) -> int:
         # Signed at the wall clock's time, which the receiver checks against its own (5 minutes' tolerance).
         headers = signed_headers(signer(config), event.event_id, event.payload, utc_now())
-        with self.client.stream("POST", config.url, content=event.payload.encode(), headers=headers) as response:
-            return response.status_code  # the body is not read: a receiver cannot make it hold us
+        # httpx's timeouts are per read and write: a receiver that sends a byte every few seconds would hold
+        # the worker for ever. This one bounds the whole request, from the connect to the status line.
+        async with asyncio.timeout(self.attempt_timeout_s):
+            async with client.stream("POST", config.url, content=event.payload.encode(), headers=headers) as response:
+                return response.status_code  # the body is not read: a receiver cannot make it hold us
 
 
 def _team_endpoints(owner: str) -> list[WebhookConfig]:
