@@ -2,12 +2,16 @@
 requests it has no result for. Fast tests of who may resume what, and when (the API over a real Dagster
 instance and job store, no daemon); `test_resume_e2e` resumes a real job through `serve`."""
 
+import hashlib
 import json
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+import dagster as dg
 import pytest
 
+from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import RESUME_TAG
 from batch_pipeline.shards.merge import checkpointed
@@ -273,3 +277,120 @@ def test_a_resume_is_not_undone_by_the_late_end_of_the_run_it_resumed_from(deplo
     api.store.mark_run_ended(job_id, "run-2", JobStatus.CANCELLED, datetime.now(UTC))  # recorded again, late
     job = api.store.get(job_id)
     assert (job.status, job.run_id, job.resume_count) == (JobStatus.QUEUED, None, 2)
+
+
+def _run(api, job_id: str, whole: bool = False) -> dg.JobExecutionResult:
+    """The run the jobs sensor asks for the job, executed on the deployment's instance: its first two ops
+    (validate_input, plan_shards), or `whole`."""
+    from batch_pipeline.pipeline.definitions import batch_completions_job
+
+    request = run_request_for(api.store.get(job_id))
+    return dg.execute_job(
+        dg.reconstructable(batch_completions_job),
+        instance=api.instance,
+        run_config=request.run_config,
+        tags=request.tags,
+        op_selection=None if whole else ["validate_input", "plan_shards"],
+        raise_on_error=False,
+    )
+
+
+def _shard_items(work_dir: Path) -> dict[str, list[int]]:
+    """The request indices each shard's input holds, by shard directory."""
+    return {
+        shard.name: [json.loads(line)["index"] for line in (shard / "input.jsonl").read_text().splitlines()]
+        for shard in sorted((work_dir / "shards").iterdir())
+    }
+
+
+def test_a_resumed_job_keeps_the_shard_plan_of_its_first_run_whatever_the_settings_say_now(
+    deployment_factory, tmp_path, monkeypatch
+):
+    """Found by review (issue 28): a resume planned the job's shards again from the day's settings, so with
+    BATCH_PIPELINE_MAX_SHARDS_PER_JOB or _MIN_SHARD_TOKENS changed since it stopped, its checkpoints no
+    longer lined up with its shards: results generated again, or in a shard that did not own them."""
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "2")
+    monkeypatch.setenv("BATCH_PIPELINE_MIN_SHARD_TOKENS", "0")
+    api = deployment_factory()
+    content = {"prompts": [f"Prompt {i}" for i in range(6)], "max_new_tokens": 4, "temperature": 0.0}
+    body = _body(tmp_path, data_parallelism=2, content=content)
+    job_id = api.client.post("/v2/batch-completions", json=body, headers=ALICE).json()["job_id"]
+    first = _run(api, job_id)
+    assert first.success
+    work_dir = Path(api.service.job_storage.work_dir(job_id))
+    planned = _shard_items(work_dir)
+    assert len(planned) == 2 and sorted(index for items in planned.values() for index in items) == list(range(6))
+    # What its shard workers left before the run failed: every result in the checkpoint of its shard.
+    for shard, indices in planned.items():
+        results = [{"text": f"kept {i}", "num_prompt_tokens": 2, "num_completion_tokens": 1} for i in indices]
+        lines = "".join(f"{i}\t{json.dumps(result)}\n" for i, result in zip(indices, results, strict=True))
+        (work_dir / "shards" / shard / "results.tsv").write_text(lines)
+    api.store.mark_run_ended(job_id, first.run_id, JobStatus.FAILED, datetime.now(UTC), "a shard failed")
+    assert _resume(api, job_id).status_code == 200
+
+    # The deployment's shard settings changed since: either alone would plan this job in one shard now.
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "1")
+    monkeypatch.setenv("BATCH_PIPELINE_MIN_SHARD_TOKENS", str(10**9))
+    step_server.stop()  # the resume's run's steps start with them
+    resumed = _run(api, job_id)
+    assert resumed.success
+    assert _shard_items(work_dir) == planned
+    assert api.store.get(job_id).requests_kept == 6
+
+    # The whole run generates nothing: every result is the one its checkpoint kept, once, in input order.
+    done = _run(api, job_id, whole=True)
+    assert done.success
+    output = json.loads(Path(body["output_data_path"]).read_text())
+    assert [entry["text"] for entry in output] == [f"kept {i}" for i in range(6)]
+    metadata = json.loads(Path(body["output_data_path"] + ".metadata.json").read_text())
+    assert metadata["data_parallelism"] == {"requested": 2, "used": 2, "reason": None} and len(metadata["shards"]) == 2
+    assert sum(shard["generated"] for shard in metadata["shards"]) == 0 and metadata["resume_requests_generated"] == 0
+
+
+QUEUE_KEY = "key-of-the-queued-team"
+
+
+@pytest.fixture
+def one_queued_job(tmp_path, monkeypatch):
+    """A team that may have one job waiting to start (`max_queued_jobs: 1`); its data root."""
+    root = tmp_path / "team-q"
+    root.mkdir()
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        "tenants:\n"
+        "  team-q:\n"
+        f"    api_keys_sha256: [{hashlib.sha256(QUEUE_KEY.encode()).hexdigest()}]\n"
+        f"    data_roots: [{root}]\n"
+        "    max_queued_jobs: 1\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+    return root
+
+
+def test_a_resume_past_the_teams_max_queued_jobs_is_a_429_naming_it_and_resumes_nothing(one_queued_job, tenants_api):
+    """Found by review (issue 28): a resume queues the job again, and it was never held to the team's
+    max_queued_jobs, as a submission is: a team at its quota queued as many stopped jobs as it liked."""
+    api, team = tenants_api, {"x-api-key": QUEUE_KEY}
+
+    def submit(name: str) -> str:
+        response = api.post("/v2/batch-completions", json=_body(one_queued_job, name), headers=team)
+        assert response.status_code == 200, response.text
+        return response.json()["job_id"]
+
+    stopped = submit("stopped")
+    assert api.post(f"/v2/batch-completions/{stopped}/actions/cancel", headers=team).json() == {"success": True}
+    waiting = submit("waiting")  # the team's one queued job
+
+    refused = api.post(f"/v2/batch-completions/{stopped}/actions/resume", headers=team)
+    assert refused.status_code == 429, refused.text
+    detail = refused.json()["detail"]
+    assert detail.startswith("max_queued_jobs: your team has 1 jobs waiting to start, its quota of 1"), detail
+    assert refused.headers["retry-after"] == "30"
+    job = api.get(f"/v2/batch-completions/{stopped}", headers=team).json()["job"]
+    assert job["status"] == "cancelled" and "resumed_from" not in job["metadata"]
+
+    # Once the waiting one no longer waits, the resume is taken.
+    assert api.post(f"/v2/batch-completions/{waiting}/actions/cancel", headers=team).json() == {"success": True}
+    resumed = api.post(f"/v2/batch-completions/{stopped}/actions/resume", headers=team)
+    assert resumed.status_code == 200, resumed.text
+    assert resumed.json()["job"]["status"] == "queued"

@@ -45,6 +45,15 @@ def _run_cleanup(store_url: str, storage: JobStorage, instance: dg.DagsterInstan
     return run.output_for_node("delete_expired")
 
 
+def _summary(**figures: int) -> dict[str, int]:
+    """A cleanup run's summary: the figures given, 0 for the others."""
+    names = (
+        "work_dirs_deleted", "files_deleted", "webhook_events_deleted", "failures",
+        "work_dirs_left", "files_left", "webhook_events_left",
+    )  # fmt: skip
+    return {name: figures.get(name, 0) for name in names}
+
+
 def _ended(store: JobStore, job_id: str, ended: datetime) -> None:
     """What a run records of a job that ended at `ended`."""
     store.mark_started(job_id, f"run-{job_id}", ended - timedelta(minutes=5))
@@ -114,7 +123,7 @@ def test_cleanup_frees_work_dirs_past_retention_and_leaves_user_outputs(teams, t
     assert before["team-b"] == sum(content.values()) > 0
 
     summary = _run_cleanup(url, storage, instance)
-    assert summary == {"work_dirs_deleted": 3, "files_deleted": 0, "failures": 0}
+    assert summary == _summary(work_dirs_deleted=3)
 
     assert not os.path.lexists(storage.work_dir(old_b)) and not os.path.lexists(storage.work_dir(old_a))
     assert not os.path.lexists(storage.work_dir(linked_b))  # the link went, not what it pointed at
@@ -188,6 +197,10 @@ def deployment(deployment_factory):
     return deployment_factory()
 
 
+def _key(key: str) -> dict[str, str]:
+    return {"x-api-key": key}
+
+
 def _expire(deployment, file_id: str) -> None:
     """Time passing: the file's expiry moved to a moment ago."""
     with deployment.store.engine.begin() as connection:
@@ -234,7 +247,7 @@ def test_an_expired_file_is_a_404_everywhere_and_the_cleanup_deletes_its_bytes(d
 
     storage = deployment.service.job_storage
     summary = _run_cleanup(os.environ["BATCH_PIPELINE_JOBS_DB"], storage, deployment.instance)
-    assert summary == {"work_dirs_deleted": 0, "files_deleted": 1, "failures": 0}
+    assert summary == _summary(files_deleted=1)
     assert not os.path.exists(path)
     with deployment.store.engine.connect() as connection:
         ids = set(connection.execute(sa.select(files_table.c.file_id)).scalars())
@@ -401,7 +414,7 @@ def test_a_deletion_that_fails_fails_the_run_keeps_the_row_and_the_next_run_comp
         assert memory.exists(f"/bucket/work/{job}/content.json")
 
         Refusing.refuse = False
-        assert _run_cleanup(url, storage, instance) == {"work_dirs_deleted": 1, "files_deleted": 0, "failures": 0}
+        assert _run_cleanup(url, storage, instance) == _summary(work_dirs_deleted=1)
     assert not memory.find(f"/bucket/work/{job}") and memory.cat("/bucket/user/out.json") == b"[]"
     assert retention.work_dir_deleted_at(store.engine, job) is not None and store.get(job).content_bytes == 0
     memory.rm("/bucket", recursive=True)
@@ -419,3 +432,86 @@ def test_a_cleanup_still_running_is_not_joined_by_the_next_hours(tmp_path):
         )
         result = cleanup_schedule.evaluate_tick(context)
         assert not result.run_requests and running.run_id in result.skip_message
+
+
+def test_one_cleanup_run_deletes_at_most_its_bounds_and_says_what_it_left_to_the_next(deployment, tmp_path):
+    """Found by review (issue 28): one run deleted all that was due, however much, so the first run over a
+    backlog (retention deployed over months of jobs, a retention_days lowered) held its run slot for hours,
+    and nothing said how far it had got."""
+    from tests.test_api import _body as job_body
+
+    client, store, storage = deployment.client, deployment.store, deployment.service.job_storage
+    url = os.environ["BATCH_PIPELINE_JOBS_DB"]
+    jobs = []
+    for n in range(3):
+        response = client.post("/v2/batch-completions", json=job_body(tmp_path, f"job-{n}"), headers=_key(USER_KEY))
+        jobs.append(response.json()["job_id"])
+        _ended(store, jobs[-1], datetime.now(UTC) - 40 * DAY)
+    files = [_upload(client, _jsonl([_line(f"request-{n}")])).json()["id"] for n in range(3)]
+    for file_id in files:
+        _expire(deployment, file_id)
+
+    resources = {"job_store": JobStoreResource(url=url), "job_storage": storage}
+    bounds = {"ops": {"delete_expired": {"config": {"max_work_dirs": 2, "max_files": 2}}}}
+    run = cleanup.execute_in_process(instance=deployment.instance, resources=resources, run_config=bounds)
+    left = {"work_dirs_left": 1, "files_left": 1}
+    assert run.output_for_node("delete_expired") == _summary(work_dirs_deleted=2, files_deleted=2, **left)
+    assert [os.path.lexists(storage.work_dir(job_id)) for job_id in jobs] == [False, False, True]  # oldest first
+    with store.engine.connect() as connection:
+        assert set(connection.execute(sa.select(files_table.c.file_id)).scalars()) == {files[2]}
+    (output,) = [event for event in run.events_for_node("delete_expired") if event.event_type_value == "STEP_OUTPUT"]
+    assert {name: output.step_output_data.metadata[name].value for name in left} == left
+    messages = [entry.user_message for entry in deployment.instance.all_logs(run.run_id)]
+    assert "left to the next cleanup, still due: 1 work dir, 1 file" in messages
+
+    # The next run deletes the rest; then nothing is due.
+    assert _run_cleanup(url, storage, deployment.instance) == _summary(work_dirs_deleted=1, files_deleted=1)
+    assert not os.path.lexists(storage.work_dir(jobs[2]))
+    assert _run_cleanup(url, storage, deployment.instance) is None
+
+
+def test_sent_webhook_events_past_retention_are_deleted_by_the_cleanup_and_pending_ones_never(
+    teams, tenants_api, tmp_path
+):
+    """Found by review (issue 28): the webhook outbox kept every event it ever sent, forever. Delivered,
+    given-up and unsubscribed events go once their team's retention has passed since they were written;
+    a pending one, however old, is still to be sent."""
+    from batch_pipeline.store.schema import webhook_events
+    from batch_pipeline.store.webhooks import WebhookOutbox
+
+    url = os.environ["BATCH_PIPELINE_JOBS_DB"]
+    store = JobStore(url)
+    storage = JobStorage(retention_days=30)
+    outbox = WebhookOutbox(engine=store.engine)
+    # (team, state, age in days): team-a keeps 2 days, team-b the deployment's 30.
+    events = {
+        "b-delivered-old": ("team-b", "delivered", 40),
+        "b-failed-old": ("team-b", "failed", 40),
+        "b-unsubscribed-old": ("team-b", "unsubscribed", 40),
+        "b-pending-old": ("team-b", "pending", 40),
+        "b-delivered-recent": ("team-b", "delivered", 10),
+        "a-delivered-old": ("team-a", "delivered", 3),
+        "a-delivered-recent": ("team-a", "delivered", 1),
+    }
+    job_of = {}
+    for name, (team, state, days) in events.items():
+        key = A_KEY if team == "team-a" else B_KEY
+        response = tenants_api.post(
+            "/v2/batch-completions", json=_body(teams[team] / f"{name}.json"), headers={"x-api-key": key}
+        )
+        job_of[name] = response.json()["job_id"]
+        _ended(store, job_of[name], datetime.now(UTC) - timedelta(hours=1))  # its work dir is kept: not due
+        (event,) = outbox.events_of_job(job_of[name])
+        with store.engine.begin() as connection:  # what the delivery process recorded, and time passing
+            connection.execute(
+                webhook_events.update()
+                .where(webhook_events.c.event_id == event.event_id)
+                .values(state=state, created_at=datetime.now(UTC) - timedelta(days=days))
+            )
+
+    instance = dg.DagsterInstance.from_config(os.environ["DAGSTER_HOME"])
+    assert _run_cleanup(url, storage, instance) == _summary(webhook_events_deleted=4)
+    kept = {name for name, job_id in job_of.items() if outbox.events_of_job(job_id)}
+    assert kept == {"b-pending-old", "b-delivered-recent", "a-delivered-recent"}
+    assert all(os.path.exists(storage.work_dir(job_id)) for job_id in job_of.values())
+    assert _run_cleanup(url, storage, instance) is None  # the old pending one is never due

@@ -6,6 +6,7 @@ import json
 import os
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -326,3 +327,53 @@ def test_through_serve_usage_equals_the_jobs_own_figures(teams, tmp_path, monkey
             }, family
     finally:
         served.kill()
+
+
+def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_deletes_them(api, teams):
+    """Found by review (issue 28): only a job's inline content counted in its team's stored bytes; the
+    checkpoints in its work dir, as large as its output, counted nothing in usage or against
+    max_stored_bytes, until retention deleted them."""
+    import logging
+
+    import dagster as dg
+
+    from batch_pipeline.admission.submission import StoredRequest
+    from batch_pipeline.pipeline.cleanup import clean_up
+    from batch_pipeline.pipeline.execute import execute_request
+    from batch_pipeline.pipeline.resources import JobStorage
+
+    store = JobStore(os.environ["BATCH_PIPELINE_JOBS_DB"])
+    job_id = _submit(api, A_KEY, teams["team-a"] / "out.json", prompts=["one", "two", "three"])
+    shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
+    shard.mkdir(parents=True)
+    # What the job's first worker left when it was killed after its last result: every result checkpointed.
+    results = [{"text": f"result {i}", "num_prompt_tokens": 1, "num_completion_tokens": 4} for i in range(3)]
+    (shard / "results.tsv").write_text("".join(f"{i}\t{json.dumps(result)}\n" for i, result in enumerate(results)))
+    with dg.DagsterInstance.from_config(os.environ["DAGSTER_HOME"]) as instance:
+        run = execute_request(StoredRequest.model_validate(store.get(job_id).request), instance, job_id=job_id)
+    assert run.success
+    record = store.get(job_id)
+    held = (shard / "results.tsv").stat().st_size + (shard / "output.tsv").stat().st_size
+    assert record.status == JobStatus.COMPLETED and record.checkpoint_bytes == held
+
+    (team,) = _usage(api, A_KEY)["teams"]
+    assert team["stored_bytes"] == team["stored_bytes_now"] == record.content_bytes + held
+    # max_stored_bytes counts them too: the team at its quota now, any more inline content is refused.
+    tenants_file = Path(os.environ["BATCH_PIPELINE_TENANTS"])
+    quota = record.content_bytes + held
+    tenants_file.write_text(
+        tenants_file.read_text().replace(
+            f"data_roots: [{teams['team-a']}]\n", f"data_roots: [{teams['team-a']}]\n    max_stored_bytes: {quota}\n"
+        )
+    )
+    refused = api.post("/v2/batch-completions", json=_body(teams["team-a"] / "2.json"), headers=_headers(A_KEY))
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["detail"].startswith(f"max_stored_bytes: your team stores {quota} bytes")
+
+    # Retention deletes the work dir: nothing of it is stored, nothing counts.
+    later = datetime.now(UTC) + timedelta(days=31)
+    report = clean_up(store, JobStorage(retention_days=30), later, logging.getLogger(__name__))
+    assert report.work_dirs_deleted == [job_id] and not shard.exists()
+    assert store.get(job_id).checkpoint_bytes == 0
+    (team,) = _usage(api, A_KEY)["teams"]
+    assert team["stored_bytes"] == team["stored_bytes_now"] == 0

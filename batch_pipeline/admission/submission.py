@@ -166,8 +166,9 @@ QUEUE_QUOTA_RETRY_AFTER_S = 30
 
 
 def check_queue_quota(store: JobStore, owner: str, idempotency_key: str | None = None) -> None:
-    """Raise QuotaExceeded when `owner`'s team has `max_queued_jobs` jobs waiting to start already. A retry
-    of a submission that made its job (the same Idempotency-Key) is answered with that job, never refused."""
+    """Raise QuotaExceeded when `owner`'s team has `max_queued_jobs` jobs waiting to start already: for a new
+    job, or a stopped one resumed (queued again). A retry of a submission that made its job (the same
+    Idempotency-Key) is answered with that job, never refused."""
     team = team_of_owner(owner)
     limit = team.config.max_queued_jobs if team is not None else None
     if limit is None:
@@ -178,7 +179,7 @@ def check_queue_quota(store: JobStore, owner: str, idempotency_key: str | None =
     if queued >= limit:
         raise QuotaExceeded(
             "max_queued_jobs",
-            f"your team has {queued} jobs waiting to start, its quota of {limit}; submit again once one has started",
+            f"your team has {queued} jobs waiting to start, its quota of {limit}; try again once one has started",
             retry_after_s=QUEUE_QUOTA_RETRY_AFTER_S,
         )
 
@@ -214,8 +215,8 @@ def check_tokens_quota(
 @dataclass(frozen=True)
 class StoredBytes:
     """A team's stored bytes against its `max_stored_bytes`: its OpenAI files (uploads and its batches'
-    output and error files; deleted ones no longer count), its jobs' inline content, and what this process
-    is storing for it at the moment."""
+    output and error files; deleted ones no longer count), its jobs' inline content and checkpoints (until
+    retention deletes their work dirs), and what this process is storing for it at the moment."""
 
     stored: int
     limit: int
@@ -228,7 +229,7 @@ class StoredBytes:
         size = f"{'at least ' if at_least else ''}{adding} bytes"
         return QuotaExceeded(
             "max_stored_bytes",
-            f"your team stores {self.stored} bytes (OpenAI files and jobs' inline content), its quota of "
+            f"your team stores {self.stored} bytes (OpenAI files, jobs' inline content and checkpoints), its quota of "
             f"{self.limit}; {what} of {size} would take it past; delete files it no longer needs "
             "(DELETE /v1/files/{file_id}) to make room, or name the prompts by input_data_path",
         )
@@ -251,7 +252,7 @@ class _StoredBytesLedger:
 
     def _stored(self, store: JobStore, owner: str, limit: int) -> StoredBytes:
         files = OpenAIStore(engine=store.engine).file_bytes_of(owner)
-        return StoredBytes(files + store.content_bytes_of(owner) + self._held.get(owner, 0), limit)
+        return StoredBytes(files + store.work_dir_bytes_of(owner) + self._held.get(owner, 0), limit)
 
     def of(self, store: JobStore, owner: str) -> StoredBytes | None:
         limit = _stored_bytes_limit(owner)

@@ -220,7 +220,12 @@ def job_webhooks_route(job_id: str, who: CallerDep, service: ServiceDep):
             "model": ErrorBody,
             "description": "The job cannot be resumed now, and why: it is queued, running or completed (only a "
             "failed, cancelled or expired job can be), its run is still stopping, or its checkpoints were deleted",
-        }
+        },
+        429: {
+            "model": ErrorBody,
+            "description": "max_queued_jobs: the job's team already has its quota of jobs waiting to start; a resume "
+            "queues the job again, as a submission does (Retry-After says when to try again)",
+        },
     },
 )
 def resume_job(job_id: str, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None):

@@ -15,7 +15,7 @@ from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
 from batch_pipeline.admission.paths import DataFiles
-from batch_pipeline.admission.submission import UnservableRequest, check_servable, submit
+from batch_pipeline.admission.submission import UnservableRequest, check_queue_quota, check_servable, submit
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
@@ -176,6 +176,8 @@ class BatchJobService:
         if idempotency_key is not None and record.resume_idempotency_key == idempotency_key:
             return self.describe(record)
         self._check_resumable(record)
+        # Queued again, it waits to start as a new job does: held to its team's max_queued_jobs likewise.
+        check_queue_quota(self.store, record.owner)
         resumed_from = "expired" if expired(record) else record.status.value
         max_runtime = _stored_max_runtime(record)
         if not self.store.resume(record, resumed_from, idempotency_key, max_runtime):

@@ -6,8 +6,8 @@ whole, or today while it runs, so the days' figures of a job sum to its own meta
 tokens of a day are what its `max_tokens_per_day` counts. gpu_seconds is fair share's measure, undecayed:
 from the job's start to its end (or now), times its shards (at least one), times each shard's GPUs (its
 CPUs where it asks for none, else one). Jobs count on the day they were submitted; stored bytes on the
-day they were stored (OpenAI files still kept: uploads and batches' output and error files; jobs'
-inline content).
+day they were stored (OpenAI files still kept: uploads and batches' output and error files), a job's inline
+content and checkpoints on the day it was submitted, until retention deletes its work dir.
 """
 
 from __future__ import annotations
@@ -151,14 +151,14 @@ def usage_report(
         figures.prompt_tokens += work.prompt_tokens
         figures.completion_tokens += work.completion_tokens
         figures.gpu_seconds += work.shard_seconds * shard_units(work.gpus, work.cpus)
-    for bucket, on, jobs, content_bytes in store.submissions_by_day(start, end, owner, named):
+    for bucket, on, jobs, work_dir_bytes in store.submissions_by_day(start, end, owner, named):
         figures = day(bucket, on)
         figures.jobs += jobs
-        figures.stored_bytes += content_bytes
+        figures.stored_bytes += work_dir_bytes
     for bucket, on, file_bytes in files.file_bytes_by_day(start, end, owner, named):
         day(bucket, on).stored_bytes += file_bytes
     stored_now: dict[str, int] = {}
-    for totals in (files.file_bytes_by_owner(owner, named), store.content_bytes_by_owner(owner, named)):
+    for totals in (files.file_bytes_by_owner(owner, named), store.work_dir_bytes_by_owner(owner, named)):
         for bucket, stored in totals.items():
             stored_now[team_label(bucket)] = stored_now.get(team_label(bucket), 0) + stored
 

@@ -30,8 +30,8 @@ class UsageDay(WireModel):
     )
     stored_bytes: int = Field(
         description="Bytes the team stored that day and still stores: OpenAI files (uploads, its batches' output "
-        "and error files) not expired, and the inline content of the jobs it submitted whose work dirs retention "
-        "has not deleted"
+        "and error files) not expired, and the inline content and checkpoints of the jobs it submitted whose work "
+        "dirs retention has not deleted"
     )
 
 

@@ -7,9 +7,16 @@ deletion is a run the UI shows (what it deleted in its metadata and log).
   resume is refused from then on (409, `store.retention.checkpoints_deleted`).
 - An OpenAI file is deleted once it expired (`expires_after`, a batch's `output_expires_after`); it reads
   as absent from the moment it expires, cleaned up or not.
+- A webhook event no longer pending (delivered, given up, or for no endpoint) is deleted from the outbox
+  `retention_days` after it was written (its job's end), by the same groups; a pending one never is.
 - Outputs the user named are never deleted: a job's `output_data_path` and its metadata file stay even
   where they lie inside its work dir. An OpenAI batch's output is its output and error files, which
   expire only as their batch asked.
+
+One run deletes at most `max_work_dirs` work dirs, `max_files` files and `max_webhook_events` events (its
+config; the defaults below), so that a backlog (a first deployment of retention, a lowered
+`retention_days`) is spread over the hourly runs instead of holding a run slot for hours; what is left is
+in the run's metadata and log, for the next run.
 
 Every delete goes through fsspec (a work dir on s3:// is deleted as a local one), is idempotent (a
 second run, or a retry, finds nothing more to do), and never follows a symlink: a local work dir is
@@ -30,6 +37,7 @@ from typing import Any
 import dagster as dg
 from dagster import OpExecutionContext
 from dagster._core.storage.dagster_run import IN_PROGRESS_RUN_STATUSES
+from pydantic import Field
 
 from batch_pipeline.admission.paths import metadata_path
 from batch_pipeline.core import io
@@ -37,9 +45,14 @@ from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.store import retention
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
+from batch_pipeline.store.webhooks import delete_finished_events
 from batch_pipeline.tenancy.tenants import Tenants, tenants
 
 CLEANUP_CRON = "23 * * * *"  # hourly
+# One run's bounds (its config's defaults): the rest is left to the next hour's run.
+MAX_WORK_DIRS_PER_RUN = 1000
+MAX_FILES_PER_RUN = 1000
+MAX_WEBHOOK_EVENTS_PER_RUN = 10_000  # rows only: cheap to delete
 _CHUNK = 500
 # A work dir is base/<job id>: a job id is one plain name (never `files`, the OpenAI files' directory).
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -67,46 +80,103 @@ def retention_groups(default_days: int, registry: Tenants | None) -> list[Retent
     return [group for group in groups if group.days > 0]
 
 
+class CleanupLimits(dg.Config):
+    """How much one cleanup run deletes at most; what is due beyond it is left to the next run."""
+
+    max_work_dirs: int = Field(default=MAX_WORK_DIRS_PER_RUN, ge=1, description="Work dirs one run deletes at most")
+    max_files: int = Field(default=MAX_FILES_PER_RUN, ge=1, description="Expired OpenAI files one run deletes at most")
+    max_webhook_events: int = Field(
+        default=MAX_WEBHOOK_EVENTS_PER_RUN, ge=1, description="Webhook outbox rows one run deletes at most"
+    )
+
+
 @dataclass
 class CleanupReport:
     work_dirs_deleted: list[str] = field(default_factory=list)
     files_deleted: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    webhook_events_deleted: int = 0
+    # Still due once the run's bounds were reached (or a deletion failed): for the next run.
+    work_dirs_left: int = 0
+    files_left: int = 0
+    webhook_events_left: int = 0
 
     def summary(self) -> dict[str, Any]:
         return {
             "work_dirs_deleted": len(self.work_dirs_deleted),
             "files_deleted": len(self.files_deleted),
+            "webhook_events_deleted": self.webhook_events_deleted,
             "failures": len(self.failures),
+            "work_dirs_left": self.work_dirs_left,
+            "files_left": self.files_left,
+            "webhook_events_left": self.webhook_events_left,
         }
+
+    def left(self) -> str | None:
+        """What the next run is left to delete, in words; None when nothing."""
+        parts = [
+            f"{count} {what}{'s' if count > 1 else ''}"
+            for count, what in (
+                (self.work_dirs_left, "work dir"),
+                (self.files_left, "file"),
+                (self.webhook_events_left, "webhook event"),
+            )
+            if count
+        ]
+        return f"left to the next cleanup, still due: {', '.join(parts)}" if parts else None
 
 
 def anything_due(store: JobStore, storage: JobStorage, now: datetime) -> bool:
-    """Whether a cleanup run would delete anything now (two indexed reads of one row each)."""
+    """Whether a cleanup run would delete anything now (indexed reads of one row each, and a count of the
+    webhook events past retention)."""
     if OpenAIStore(engine=store.engine).expired_files(now, limit=1):
         return True
-    return any(
-        retention.due_work_dirs(store.engine, now - timedelta(days=group.days), group.owners, group.other_than, 1)
-        for group in retention_groups(storage.retention_days, tenants())
-    )
-
-
-def clean_up(store: JobStore, storage: JobStorage, now: datetime, log: Any) -> CleanupReport:
-    """Delete the expired OpenAI files and the work dirs past their retention, as of `now`."""
-    report = CleanupReport()
-    _delete_expired_files(OpenAIStore(engine=store.engine), storage.files_dir(), now, log, report)
     for group in retention_groups(storage.retention_days, tenants()):
-        _delete_due_work_dirs(store, storage, group, now, log, report)
+        cutoff = now - timedelta(days=group.days)
+        if retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, 1):
+            return True
+        if delete_finished_events(store.engine, cutoff, group.owners, group.other_than, limit=0)[1]:
+            return True
+    return False
+
+
+def clean_up(
+    store: JobStore, storage: JobStorage, now: datetime, log: Any, limits: CleanupLimits | None = None
+) -> CleanupReport:
+    """Delete the expired OpenAI files, the work dirs past their retention and the webhook events past it, as
+    of `now`, at most `limits` of each; the report says what is left."""
+    limits = limits or CleanupLimits()
+    report = CleanupReport()
+    files = OpenAIStore(engine=store.engine)
+    _delete_expired_files(files, storage.files_dir(), now, log, report, limits.max_files)
+    report.files_left = files.count_expired_files(now)
+    work_dirs, events = limits.max_work_dirs, limits.max_webhook_events
+    for group in retention_groups(storage.retention_days, tenants()):
+        cutoff = now - timedelta(days=group.days)
+        work_dirs -= _delete_due_work_dirs(store, storage, group, now, log, report, work_dirs)
+        report.work_dirs_left += retention.count_due_work_dirs(store.engine, cutoff, group.owners, group.other_than)
+        deleted, left = delete_finished_events(store.engine, cutoff, group.owners, group.other_than, events)
+        events -= deleted
+        report.webhook_events_deleted += deleted
+        report.webhook_events_left += left
+        if deleted:
+            log.info(f"{deleted} webhook events written before {cutoff} deleted ({group.days} days kept)")
     return report
 
 
-def _delete_expired_files(files: OpenAIStore, files_dir: str, now: datetime, log: Any, report: CleanupReport) -> None:
+def _delete_expired_files(
+    files: OpenAIStore, files_dir: str, now: datetime, log: Any, report: CleanupReport, limit: int
+) -> None:
     failed: set[str] = set()  # tried once this run: left to the next one
-    while expired := files.expired_files(now, _CHUNK):
+    tried = 0
+    while tried < limit and (expired := files.expired_files(now, _CHUNK)):
         progressed = False
         for record in expired:
             if record.file_id in failed:
                 continue
+            if tried >= limit:
+                return
+            tried += 1
             try:
                 if record.path == io.join(files_dir, record.file_id) and _PLAIN_NAME.match(record.file_id):
                     _delete_entry(files_dir, record.file_id)
@@ -126,16 +196,29 @@ def _delete_expired_files(files: OpenAIStore, files_dir: str, now: datetime, log
 
 
 def _delete_due_work_dirs(
-    store: JobStore, storage: JobStorage, group: RetentionGroup, now: datetime, log: Any, report: CleanupReport
-) -> None:
+    store: JobStore,
+    storage: JobStorage,
+    group: RetentionGroup,
+    now: datetime,
+    log: Any,
+    report: CleanupReport,
+    limit: int,
+) -> int:
+    """Delete the group's due work dirs, at most `limit` of them tried; how many were tried."""
     cutoff = now - timedelta(days=group.days)
     batches = OpenAIStore(engine=store.engine)
     failed: set[str] = set()  # tried once this run: left to the next one
-    while due := retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, _CHUNK):
+    tried = 0
+    while tried < limit and (
+        due := retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, _CHUNK)
+    ):
         progressed = False
         for job in due:
             if job.job_id in failed:
                 continue
+            if tried >= limit:
+                return tried
+            tried += 1
             if not _PLAIN_NAME.match(job.job_id) or job.job_id in _NOT_WORK_DIRS:
                 log.warning(f"{job.job_id!r}: not a work dir's name; its row is marked, nothing is deleted")
                 retention.claim_work_dir(store.engine, job.job_id, cutoff, now)
@@ -150,7 +233,7 @@ def _delete_due_work_dirs(
                 delete_work_dir(storage.base(), job.job_id, keep)
             except Exception as exc:  # an object store's error too: the other work dirs are still deleted
                 failed.add(job.job_id)
-                retention.release_work_dir(store.engine, job.job_id, now, job.content_bytes)
+                retention.release_work_dir(store.engine, job.job_id, now, job.content_bytes, job.checkpoint_bytes)
                 report.failures.append(f"{job.job_id}: {exc}")
                 log.error(f"{job.job_id}: could not delete its work dir: {exc}")
                 continue
@@ -158,7 +241,8 @@ def _delete_due_work_dirs(
             report.work_dirs_deleted.append(job.job_id)
             log.info(f"{job.job_id} ({job.owner}) ended {job.completed_at}: work dir deleted ({group.days} days kept)")
         if not progressed:
-            return
+            return tried
+    return tried
 
 
 def _named_outputs(request_json: str) -> tuple[str, ...]:
@@ -255,9 +339,16 @@ def _prune_beneath(base: str, name: str, kept: set[str]) -> None:
         os.close(fd)
 
 
-@dg.op(description="Delete expired OpenAI files and the work dirs of jobs past their retention.")
-def delete_expired(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> dict:
-    report = clean_up(job_store.get_store(), job_storage, datetime.now(UTC), context.log)
+@dg.op(
+    description="Delete expired OpenAI files, the work dirs of jobs past their retention and the webhook events "
+    "past it, at most the config's bounds of each a run."
+)
+def delete_expired(
+    context: OpExecutionContext, config: CleanupLimits, job_store: JobStoreResource, job_storage: JobStorage
+) -> dict:
+    report = clean_up(job_store.get_store(), job_storage, datetime.now(UTC), context.log, config)
+    if (left := report.left()) is not None:
+        context.log.info(left)
     context.add_output_metadata(
         {
             **report.summary(),
@@ -272,7 +363,10 @@ def delete_expired(context: OpExecutionContext, job_store: JobStoreResource, job
     return report.summary()
 
 
-@dg.job(executor_def=dg.in_process_executor, description="Retention: expired OpenAI files and old work dirs deleted.")
+@dg.job(
+    executor_def=dg.in_process_executor,
+    description="Retention: expired OpenAI files, old work dirs and old webhook events deleted.",
+)
 def cleanup():
     delete_expired()
 
@@ -282,8 +376,9 @@ def cleanup():
     cron_schedule=CLEANUP_CRON,
     job=cleanup,
     default_status=dg.DefaultScheduleStatus.RUNNING,
-    description="Hourly: a `cleanup` run when an OpenAI file expired or a finished job's work dir is past its "
-    "retention (BATCH_PIPELINE_RETENTION_DAYS, or the team's retention_days); else the tick is skipped.",
+    description="Hourly: a `cleanup` run when an OpenAI file expired, or a finished job's work dir or a sent "
+    "webhook event is past its retention (BATCH_PIPELINE_RETENTION_DAYS, or the team's retention_days); else the "
+    "tick is skipped.",
 )
 def cleanup_schedule(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage):
     tick = context.scheduled_execution_time or datetime.now(UTC)
@@ -299,5 +394,5 @@ def cleanup_schedule(context: dg.ScheduleEvaluationContext, job_store: JobStoreR
     if unfinished:
         return dg.SkipReason(f"the cleanup run {unfinished[0]} has not finished: it deletes the rest")
     if not anything_due(job_store.get_store(), job_storage, datetime.now(UTC)):
-        return dg.SkipReason("no OpenAI file has expired and no work dir is past its retention")
+        return dg.SkipReason("no OpenAI file has expired and no work dir or webhook event is past its retention")
     return dg.RunRequest(run_key=f"cleanup@{tick.astimezone(UTC).isoformat()}")

@@ -27,8 +27,9 @@ from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
+from batch_pipeline.shards.format import checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
-from batch_pipeline.shards.planning import PlanningSettings, ShardPlan, plan_shard_count, write_shards
+from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan, ShardPlan, plan_shard_count, write_shards
 from batch_pipeline.shards.protocol import ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.store.jobs import JobRecord, JobStore
@@ -177,13 +178,20 @@ def plan_shards(
 ):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
-    settings = PlanningSettings.from_environment(shard_launcher.shard_slots())
+    store = job_store.get_store()
+    record = store.get(job_id)
+    # Every later run of the job (a retry, a resume) writes the shards its first run planned, whatever the
+    # settings say now: each checkpointed result lies in the shard that plan put its request in.
+    kept = RecordedPlan.from_json(record.shard_plan) if record is not None and record.shard_plan else None
     try:
-        records = _records(request, job_data_files(context, job_store, job_storage))
-        plan, items = plan_shard_count(work_items(records), request.data_parallelism or 1, settings)
-        # A tool loop runs code whose output may change between runs: its requests are never merged.
-        deduplicate = settings.deduplicate and request.tool_config is None
-        shards = write_shards(items, plan.used, work_dir, deduplicate=deduplicate)
+        items = work_items(_records(request, job_data_files(context, job_store, job_storage)))
+        recorded = kept
+        if recorded is None:
+            settings = PlanningSettings.from_environment(shard_launcher.shard_slots())
+            first_plan, items = plan_shard_count(items, request.data_parallelism or 1, settings)
+            # A tool loop runs code whose output may change between runs: its requests are never merged.
+            recorded = RecordedPlan(first_plan, settings.deduplicate and request.tool_config is None)
+        shards = write_shards(items, recorded.plan.used, work_dir, deduplicate=recorded.deduplicate)
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     except io.SymlinkRefused as exc:
@@ -192,8 +200,13 @@ def plan_shards(
         ) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
-    store = job_store.get_store()
-    store.record_shards(job_id, {shard.shard_index: shard.item_count for shard in shards})
+    plan = recorded.plan
+    store.record_shards(
+        job_id,
+        {shard.shard_index: shard.item_count for shard in shards},
+        {shard.shard_index: checkpoint_bytes(shard.directory) for shard in shards},
+        shard_plan=recorded.to_json(),
+    )
     _count_kept(context, store, job_id, work_dir)
     deadline = job_deadline(context, request.max_runtime_sec)
     copies = sum(s.copy_count for s in shards)
@@ -202,6 +215,7 @@ def plan_shards(
         + ", ".join(f"{s.prompt_count} prompts (~{s.estimated_tokens} tokens)" for s in shards)
         + (f"; {copies} repeat an earlier deterministic request and take its output" if copies else "")
         + (f"; {plan.used} shards of the {plan.requested} asked: {plan.reason}" if plan.reason else "")
+        + ("; the shard plan of the job's first run, kept so that its checkpoints line up" if kept else "")
     )
     yield dg.Output(PlanSummary(plan=plan, deduplicated=copies), "plan")
     # A task carries the request's parts as JSON, as the worker reads them.
@@ -266,7 +280,10 @@ def run_shard(
     def record_progress(figures: dict[str, int]) -> None:
         store.record_shard_progress(task.job_id, task.shard.shard_index, figures)
 
-    result = shard_launcher.run_shard(context, task, on_progress=record_progress)
+    try:
+        result = shard_launcher.run_shard(context, task, on_progress=record_progress)
+    finally:  # however the attempt ended (failed, stopped): its checkpoint is stored until retention deletes it
+        _record_checkpoint_bytes(context, store, task)
     stats = result.stats
     record_progress(
         {
@@ -287,6 +304,14 @@ def run_shard(
         }
     )
     return result
+
+
+def _record_checkpoint_bytes(context: OpExecutionContext, store: JobStore, task: ShardTask) -> None:
+    """What the shard's checkpoint holds now, counted in its team's stored bytes."""
+    try:
+        store.record_checkpoint_bytes(task.job_id, task.shard.shard_index, checkpoint_bytes(task.shard.directory))
+    except Exception as exc:  # a figure never fails a shard, nor hides why it failed
+        context.log.warning(f"could not measure shard {task.shard.shard_index}'s checkpoint: {exc}")
 
 
 @dg.op(description="Merge the shard outputs in input order into one JSON array at output_data_path.")

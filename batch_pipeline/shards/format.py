@@ -114,6 +114,12 @@ def count_lines(path: str) -> int:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
 
 
+def checkpoint_bytes(directory: str) -> int:
+    """The bytes of a shard's checkpoint: its results file, and its sorted output once it completed."""
+    paths = [io.join(directory, name) for name in (RESULTS_FILE, OUTPUT_FILE)]
+    return sum(io.size(path) for path in paths if io.exists(path))
+
+
 def shard_directories(work_dir: str) -> list[str]:
     fs, root = io.filesystem(io.join(work_dir, "shards"))
     if not fs.exists(root):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, Any
@@ -68,6 +69,26 @@ class ShardPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RecordedPlan:
+    """The shard plan a job's first run made, as the job store keeps it (`batch_jobs.shard_plan`): its shard
+    count and whether repeats were copies. Every later run of the job (a retry, a resume) writes its shards
+    from it, whatever the settings say by then: `write_shards` puts the same items in the same shards for
+    the same count, so each checkpointed result still lies in its request's shard."""
+
+    plan: ShardPlan
+    deduplicate: bool
+
+    def to_json(self) -> str:
+        return json.dumps({**self.plan.to_dict(), "deduplicate": self.deduplicate})
+
+    @classmethod
+    def from_json(cls, text: str) -> RecordedPlan:
+        fields = json.loads(text)
+        plan = ShardPlan(requested=int(fields["requested"]), used=int(fields["used"]), reason=fields.get("reason"))
+        return cls(plan=plan, deduplicate=bool(fields["deduplicate"]))
 
 
 def plan_shard_count(

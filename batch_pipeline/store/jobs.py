@@ -36,6 +36,8 @@ from batch_pipeline.store.sql import json_scalar, owner_bucket, seconds_between,
 from batch_pipeline.store.webhooks import add_end_event, release_held_event
 
 _SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens")
+# What a team stores of a job's work dir: the inline content written at submission, and its checkpoints.
+_WORK_DIR_BYTES = sa.func.coalesce(jobs.c.content_bytes, 0) + sa.func.coalesce(jobs.c.checkpoint_bytes, 0)
 _FIGURES = ("requests_done", "prompt_tokens", "completion_tokens")  # what usage and /metrics sum
 
 
@@ -80,6 +82,8 @@ class JobRecord:
     requests_kept: int | None = None
     prompt_tokens_kept: int | None = None
     completion_tokens_kept: int | None = None
+    shard_plan: str | None = None  # the shard plan of its first run (JSON), kept for every later run
+    checkpoint_bytes: int | None = None
 
     @cached_property
     def request(self) -> dict[str, Any]:
@@ -128,6 +132,8 @@ class JobRecord:
             requests_kept=row.requests_kept,
             prompt_tokens_kept=row.prompt_tokens_kept,
             completion_tokens_kept=row.completion_tokens_kept,
+            shard_plan=row.shard_plan,
+            checkpoint_bytes=row.checkpoint_bytes,
         )
 
 
@@ -421,10 +427,10 @@ class JobStore:
         with self.engine.connect() as connection:
             return int(connection.execute(query).scalar_one())
 
-    def content_bytes_of(self, owner: str) -> int:
-        """The bytes of inline content `owner`'s jobs stored (jobs of older releases, which did not record
-        it, count none)."""
-        query = sa.select(sa.func.coalesce(sa.func.sum(jobs.c.content_bytes), 0)).where(jobs.c.owner == owner)
+    def work_dir_bytes_of(self, owner: str) -> int:
+        """The bytes `owner`'s jobs store in their work dirs: inline content and checkpoints, until retention
+        deletes them (jobs of older releases, which did not record them, count none)."""
+        query = sa.select(sa.func.coalesce(sa.func.sum(_WORK_DIR_BYTES), 0)).where(jobs.c.owner == owner)
         with self.engine.connect() as connection:
             return int(connection.execute(query).scalar_one())
 
@@ -692,16 +698,44 @@ class JobStore:
             if held_event is not None:
                 release_held_event(connection, held_event)
 
-    def record_shards(self, job_id: str, requests_per_shard: dict[int, int]) -> None:
-        """The job's shards as planned (again, on a retry): progress is counted against these totals."""
+    def record_shards(
+        self,
+        job_id: str,
+        requests_per_shard: dict[int, int],
+        checkpoint_bytes: dict[int, int] | None = None,
+        shard_plan: str | None = None,
+    ) -> None:
+        """The job's shards as planned (again, on a retry): progress is counted against these totals, and
+        `checkpoint_bytes` are what each shard's checkpoint holds already (a resumed job's). `shard_plan`
+        is kept from the first run that records one: every later run of the job plans from it."""
+        checkpoint_bytes = checkpoint_bytes or {}
         with self.engine.begin() as connection:
             connection.execute(job_shards.delete().where(job_shards.c.job_id == job_id))
             connection.execute(
                 job_shards.insert(),
                 [
-                    {"job_id": job_id, "shard_index": index, "requests_total": total, "updated_at": utc_now()}
+                    {
+                        "job_id": job_id,
+                        "shard_index": index,
+                        "requests_total": total,
+                        "checkpoint_bytes": checkpoint_bytes.get(index, 0),
+                        "updated_at": utc_now(),
+                    }
                     for index, total in requests_per_shard.items()
                 ],
+            )
+            if shard_plan is not None:
+                first = sa.and_(jobs.c.job_id == job_id, jobs.c.shard_plan.is_(None))
+                connection.execute(jobs.update().where(first).values(shard_plan=shard_plan))
+            self._total_shards(connection, job_id)
+
+    def record_checkpoint_bytes(self, job_id: str, shard_index: int, checkpoint_bytes: int) -> None:
+        """What a shard's checkpoint holds as one of its attempts ended, and the job's total with it."""
+        with self.engine.begin() as connection:
+            connection.execute(
+                job_shards.update()
+                .where(job_shards.c.job_id == job_id, job_shards.c.shard_index == shard_index)
+                .values(checkpoint_bytes=checkpoint_bytes, updated_at=utc_now())
             )
             self._total_shards(connection, job_id)
 
@@ -728,7 +762,12 @@ class JobStore:
         connection.execute(
             jobs.update()
             .where(jobs.c.job_id == job_id)
-            .values(requests_total=total("requests_total"), **{name: total(name) for name in _SHARD_FIGURES})
+            .values(
+                requests_total=total("requests_total"),
+                # Not once retention deleted the work dir: nothing is stored any more.
+                checkpoint_bytes=sa.case((jobs.c.work_dir_deleted_at.is_(None), total("checkpoint_bytes")), else_=0),
+                **{name: total(name) for name in _SHARD_FIGURES},
+            )
         )
 
     # --- resume ---------------------------------------------------------------------------------------
@@ -891,12 +930,12 @@ class JobStore:
     def submissions_by_day(
         self, since: datetime, until: datetime, owner: str | None, named: Collection[str]
     ) -> builtins.list[tuple[str | None, str, int, int]]:
-        """(owner, UTC day, jobs submitted, bytes of inline content they stored) for jobs submitted in
-        [since, until); owners outside `named` summed as one, None."""
+        """(owner, UTC day, jobs submitted, bytes their work dirs store: inline content and checkpoints) for
+        jobs submitted in [since, until); owners outside `named` summed as one, None."""
         per_job = sa.select(
             owner_bucket(jobs.c.owner, named).label("owner"),
             utc_day(jobs.c.created_at).label("day"),
-            jobs.c.content_bytes,
+            _WORK_DIR_BYTES.label("stored_bytes"),
         ).where(jobs.c.created_at >= since, jobs.c.created_at < until)
         if owner is not None:
             per_job = per_job.where(jobs.c.owner == owner)
@@ -905,19 +944,19 @@ class JobStore:
             grouped.c.owner,
             grouped.c.day,
             sa.func.count(),
-            sa.func.coalesce(sa.func.sum(grouped.c.content_bytes), 0),
+            sa.func.coalesce(sa.func.sum(grouped.c.stored_bytes), 0),
         ).group_by(grouped.c.owner, grouped.c.day)
         with self.engine.connect() as connection:
             return [(row[0], str(row[1]), int(row[2]), int(row[3])) for row in connection.execute(query)]
 
-    def content_bytes_by_owner(self, owner: str | None, named: Collection[str]) -> dict[str | None, int]:
-        """The bytes of inline content stored by each owner's jobs (`content_bytes_of`, by owner of
-        `named`; every other owner's summed as None)."""
-        per_job = sa.select(owner_bucket(jobs.c.owner, named).label("owner"), jobs.c.content_bytes)
+    def work_dir_bytes_by_owner(self, owner: str | None, named: Collection[str]) -> dict[str | None, int]:
+        """The bytes each owner's jobs store in their work dirs (`work_dir_bytes_of`, by owner of `named`;
+        every other owner's summed as None)."""
+        per_job = sa.select(owner_bucket(jobs.c.owner, named).label("owner"), _WORK_DIR_BYTES.label("stored_bytes"))
         if owner is not None:
             per_job = per_job.where(jobs.c.owner == owner)
         grouped = per_job.subquery()
-        query = sa.select(grouped.c.owner, sa.func.coalesce(sa.func.sum(grouped.c.content_bytes), 0)).group_by(
+        query = sa.select(grouped.c.owner, sa.func.coalesce(sa.func.sum(grouped.c.stored_bytes), 0)).group_by(
             grouped.c.owner
         )
         with self.engine.connect() as connection:

@@ -180,6 +180,13 @@ class OpenAIStore:
         with self.engine.connect() as connection:
             return [_file(row) for row in connection.execute(query)]
 
+    def count_expired_files(self, now: datetime) -> int:
+        """How many files are expired at `now`: what a bounded cleanup left."""
+        expired = sa.and_(files.c.expires_at.is_not(None), files.c.expires_at <= now)
+        query = sa.select(sa.func.count()).select_from(files).where(expired)
+        with self.engine.connect() as connection:
+            return int(connection.execute(query).scalar_one())
+
     def forget_expired_file(self, file_id: str, now: datetime) -> bool:
         """Delete the row of a file expired at `now` (its bytes deleted first); False when it is not one."""
         condition = sa.and_(files.c.file_id == file_id, files.c.expires_at.is_not(None), files.c.expires_at <= now)

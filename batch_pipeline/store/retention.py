@@ -4,8 +4,8 @@
 The `cleanup` schedule (`pipeline/cleanup.py`) claims a job's work dir before it deletes it: the claim
 is one conditional update (the job still finished, ended before the cutoff, not yet claimed), so that a
 job resumed meanwhile is never claimed, and a claimed one is never resumed (a resume checks the column in
-its own conditional update). The job's content_bytes are 0 from then on: usage and `max_stored_bytes`
-count what is still stored.
+its own conditional update). The job's content_bytes and checkpoint_bytes are 0 from then on: usage and
+`max_stored_bytes` count what is still stored.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -29,6 +30,7 @@ class DueWorkDir:
     request_json: str
     content_bytes: int | None
     completed_at: datetime
+    checkpoint_bytes: int | None = None
 
 
 def due_work_dirs(
@@ -40,6 +42,34 @@ def due_work_dirs(
 ) -> list[DueWorkDir]:
     """Finished jobs that ended before `ended_before` whose work dir is not yet deleted, the oldest first:
     of `owners` (None: any owner) other than those of `other_than` (teams with a retention of their own)."""
+    query = (
+        sa.select(
+            jobs.c.job_id, jobs.c.owner, jobs.c.request, jobs.c.content_bytes, jobs.c.completed_at,
+            jobs.c.checkpoint_bytes,
+        )
+        .where(_due(ended_before, owners, other_than))
+        .order_by(jobs.c.completed_at, jobs.c.job_id)
+        .limit(limit)
+    )  # fmt: skip
+    with engine.connect() as connection:
+        return [
+            DueWorkDir(
+                row.job_id, row.owner, row.request, row.content_bytes, utc(row.completed_at), row.checkpoint_bytes
+            )
+            for row in connection.execute(query)
+        ]
+
+
+def count_due_work_dirs(
+    engine: sa.Engine, ended_before: datetime, owners: Collection[str] | None = None, other_than: Collection[str] = ()
+) -> int:
+    """How many work dirs `due_work_dirs` would list, without a limit: what a bounded cleanup left."""
+    query = sa.select(sa.func.count()).select_from(jobs).where(_due(ended_before, owners, other_than))
+    with engine.connect() as connection:
+        return int(connection.execute(query).scalar_one())
+
+
+def _due(ended_before: datetime, owners: Collection[str] | None, other_than: Collection[str]) -> Any:
     condition = sa.and_(
         jobs.c.completed_at.is_not(None),
         jobs.c.completed_at < ended_before,
@@ -50,17 +80,7 @@ def due_work_dirs(
         condition = sa.and_(condition, jobs.c.owner.in_(list(owners)))
     if other_than:
         condition = sa.and_(condition, jobs.c.owner.not_in(list(other_than)))
-    query = (
-        sa.select(jobs.c.job_id, jobs.c.owner, jobs.c.request, jobs.c.content_bytes, jobs.c.completed_at)
-        .where(condition)
-        .order_by(jobs.c.completed_at, jobs.c.job_id)
-        .limit(limit)
-    )
-    with engine.connect() as connection:
-        return [
-            DueWorkDir(row.job_id, row.owner, row.request, row.content_bytes, utc(row.completed_at))
-            for row in connection.execute(query)
-        ]
+    return condition
 
 
 def claim_work_dir(engine: sa.Engine, job_id: str, ended_before: datetime, now: datetime) -> bool:
@@ -74,15 +94,24 @@ def claim_work_dir(engine: sa.Engine, job_id: str, ended_before: datetime, now: 
         jobs.c.work_dir_deleted_at.is_(None),
     )
     with engine.begin() as connection:
-        changed = connection.execute(jobs.update().where(condition).values(work_dir_deleted_at=now, content_bytes=0))
+        changed = connection.execute(
+            jobs.update().where(condition).values(work_dir_deleted_at=now, content_bytes=0, checkpoint_bytes=0)
+        )
         return changed.rowcount > 0
 
 
-def release_work_dir(engine: sa.Engine, job_id: str, claimed_at: datetime, content_bytes: int | None) -> None:
+def release_work_dir(
+    engine: sa.Engine,
+    job_id: str,
+    claimed_at: datetime,
+    content_bytes: int | None,
+    checkpoint_bytes: int | None = None,
+) -> None:
     """Undo `claim_work_dir` after the deletion failed (the next cleanup tries again)."""
     condition = sa.and_(jobs.c.job_id == job_id, jobs.c.work_dir_deleted_at == claimed_at)
+    restored = {"content_bytes": content_bytes, "checkpoint_bytes": checkpoint_bytes}
     with engine.begin() as connection:
-        connection.execute(jobs.update().where(condition).values(work_dir_deleted_at=None, content_bytes=content_bytes))
+        connection.execute(jobs.update().where(condition).values(work_dir_deleted_at=None, **restored))
 
 
 def work_dir_deleted_at(engine: sa.Engine, job_id: str) -> datetime | None:

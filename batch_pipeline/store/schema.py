@@ -78,9 +78,15 @@ jobs = sa.Table(
     sa.Column("prompt_tokens_kept", sa.BigInteger, nullable=True),
     sa.Column("completion_tokens_kept", sa.BigInteger, nullable=True),
     # Retention (the `cleanup` schedule, `store/retention.py`): when the finished job's work dir (its inline
-    # content, shard inputs, checkpoints) was deleted; from then on its content_bytes are 0 and it cannot
-    # be resumed. The user's named output is never deleted.
+    # content, shard inputs, checkpoints) was deleted; from then on its content_bytes and checkpoint_bytes
+    # are 0 and it cannot be resumed. The user's named output is never deleted.
     sa.Column("work_dir_deleted_at", sa.DateTime(timezone=True), nullable=True),
+    # The shard plan the job's first run made (JSON, `shards.planning.RecordedPlan`): every later run of it
+    # writes the same shards, since each checkpointed result lies in the shard that plan put its request in.
+    sa.Column("shard_plan", sa.Text, nullable=True),
+    # Its shards' checkpoint bytes (`batch_job_shards.checkpoint_bytes`, summed): counted in the team's stored
+    # bytes with its content_bytes, 0 once retention deleted the work dir.
+    sa.Column("checkpoint_bytes", sa.BigInteger, nullable=True),
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
     sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
     sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
@@ -124,6 +130,9 @@ job_shards = sa.Table(
     sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=True),
+    # The bytes of its checkpoint (results.tsv, and output.tsv once complete), as measured when the shard was
+    # planned and when each of its attempts ended.
+    sa.Column("checkpoint_bytes", sa.BigInteger, nullable=False, server_default="0"),
 )
 
 
