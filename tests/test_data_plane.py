@@ -145,22 +145,31 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
-def test_work_is_ordered_longest_outputs_first_and_shared_prefixes_together_within_each_window():
+def test_work_is_ordered_longest_outputs_first_and_shared_contexts_together_and_else_in_input_order():
+    """Within each window: the longest possible outputs first, requests sharing a context (a few-shot block, a
+    system prompt) side by side where the first of them stood, and nothing else moved, so a batch of unrelated
+    requests reaches the engine in the order raw vLLM would batch it (in bfloat16, greedy texts depend on it)."""
     from batch_pipeline.shards.format import WorkItem
     from batch_pipeline.worker.runner import engine_order
 
     prompts = ["FEW-SHOT A\nq1", "other 1", "FEW-SHOT A\nq2", "other 2", "FEW-SHOT A\nq3", "other 3"]
     items = [WorkItem(index=i, kind="v1", request={"prompt": p, "max_new_tokens": 8}) for i, p in enumerate(prompts)]
     ordered = [item.index for item in engine_order(iter(items), window=4)]
-    assert ordered[:4] == [0, 2, 1, 3]  # the first window, shared prefix first and together
+    assert ordered[:4] == [0, 2, 1, 3]  # the first window, the shared block together where it first stood
     assert sorted(ordered) == list(range(6)) and set(ordered[4:]) == {4, 5}
+
+    def chat(index: int, system: str, question: str, max_tokens: int = 16, n: int = 1) -> WorkItem:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return WorkItem(index=index, kind="chat", request={"messages": messages, "max_tokens": max_tokens, "n": n})
+
     chats = [
-        WorkItem(index=0, kind="chat", request={"messages": [{"role": "system", "content": "B"}], "max_tokens": 16}),
-        WorkItem(index=1, kind="chat", request={"messages": [{"role": "system", "content": "A"}], "max_tokens": 16}),
-        WorkItem(index=2, kind="chat", request={"messages": [{"role": "system", "content": "B"}], "max_tokens": 16}),
-        WorkItem(index=3, kind="chat", request={"messages": [{"role": "system", "content": "C"}], "max_tokens": 512}),
-        WorkItem(
-            index=4, kind="chat", request={"messages": [{"role": "system", "content": "D"}], "max_tokens": 16, "n": 64}
-        ),
+        chat(0, "B", "q0"),
+        chat(1, "A", "q1"),
+        chat(2, "B", "q2"),
+        chat(3, "C", "q3", max_tokens=512),
+        chat(4, "D", "q4", n=64),
+        chat(5, "A", "q5"),
     ]
-    assert [item.index for item in engine_order(iter(chats), window=10)] == [4, 3, 1, 0, 2]
+    assert [item.index for item in engine_order(iter(chats), window=10)] == [4, 3, 0, 2, 1, 5]
+    unrelated = [chat(i, f"system {9 - i}", f"question {9 - i}") for i in range(10)]
+    assert [item.index for item in engine_order(iter(unrelated), window=10)] == list(range(10))
