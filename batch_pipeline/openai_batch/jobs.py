@@ -31,7 +31,7 @@ from batch_pipeline.core import io
 from batch_pipeline.core.settings import settings
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.openai import BatchResults, FileRecord, OpenAIStore
-from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.schema import failed_at_deadline
 
 CUSTOM_IDS_FILE = "custom_ids.jsonl"
 OUTPUT_FILE = "output.json"
@@ -196,11 +196,9 @@ def model_config_for(model: str) -> BatchCompletionsModelConfig:
 
 def expired(job: JobRecord) -> bool:
     """Whether the job failed at its deadline (an OpenAI batch's completion window): stopped by run
-    monitoring, or found past it when its run started."""
-    if job.status != JobStatus.FAILED:
-        return False
-    at_deadline = job.completed_at is not None and job.completed_at >= job.expires_at
-    return at_deadline or (job.failure_reason or "").startswith("max_runtime_sec exceeded")
+    monitoring, or found past it when its run started (`failed_at_deadline`, the rule its webhook event's
+    type follows too)."""
+    return failed_at_deadline(job.status, job.failure_reason, job.completed_at, job.expires_at)
 
 
 def write_result_files(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import datetime
 from enum import StrEnum
 
 import sqlalchemy as sa
+
+from batch_pipeline.store.sql import utc
 
 metadata = sa.MetaData()
 # Not Alembic's default name: the job store may share a database with Dagster's own storage.
@@ -29,6 +32,21 @@ class JobStatus(StrEnum):
 
 
 FINISHED = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+def failed_at_deadline(
+    status: str, failure_reason: str | None, completed_at: datetime | None, expires_at: datetime | None
+) -> bool:
+    """Whether a job failed at its deadline (an OpenAI batch's completion window): it ended at or past it,
+    or its reason says so (stopped by run monitoring, or found past it when its run started). What a batch
+    reads as `expired` (`openai_batch.jobs.expired`) and its end's webhook event announces, from a record
+    or from a row as a transaction reads it (naive datetimes are UTC)."""
+    if status != JobStatus.FAILED:
+        return False
+    if completed_at is not None and expires_at is not None and utc(completed_at) >= utc(expires_at):
+        return True
+    return (failure_reason or "").startswith("max_runtime_sec exceeded")
+
 
 JOB_ID_LENGTH = 64  # the job_id column's bound
 

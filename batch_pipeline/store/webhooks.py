@@ -26,7 +26,7 @@ import sqlalchemy as sa
 
 from batch_pipeline.store.engine import default_store_url, engine_for
 from batch_pipeline.store.openai import batches
-from batch_pipeline.store.schema import JobStatus, jobs, webhook_events
+from batch_pipeline.store.schema import JobStatus, failed_at_deadline, jobs, webhook_events
 from batch_pipeline.store.sql import owner_bucket, utc, utc_now
 
 JOB_EVENTS = ("job.completed", "job.failed", "job.cancelled", "job.expired")
@@ -73,15 +73,6 @@ class WebhookEvent:
         )
 
 
-def _expired(status: str, reason: str | None, completed_at: datetime | None, expires_at: datetime | None) -> bool:
-    """As `openai_batch.jobs.expired` reads a job: failed at its deadline."""
-    if status != JobStatus.FAILED:
-        return False
-    if completed_at is not None and expires_at is not None and utc(completed_at) >= utc(expires_at):
-        return True
-    return (reason or "").startswith("max_runtime_sec exceeded")
-
-
 def add_end_event(connection: sa.Connection, job_id: str, held: bool = False) -> str | None:
     """In the caller's transaction, which has just ended the job: the event its end announces, from the
     job's row as that transaction sees it. None (nothing written) for a job not ended. `held`: the job's
@@ -94,7 +85,8 @@ def add_end_event(connection: sa.Connection, job_id: str, held: bool = False) ->
     ).first()
     if row is None or row.completed_at is None or row.status not in JOB_STATUS_EVENT:
         return None
-    outcome = "expired" if _expired(row.status, row.failure_reason, row.completed_at, row.expires_at) else row.status
+    at_deadline = failed_at_deadline(row.status, row.failure_reason, row.completed_at, row.expires_at)
+    outcome = "expired" if at_deadline else row.status
     outcome = JOB_STATUS_EVENT.get(outcome, outcome)
     is_batch = connection.execute(sa.select(batches.c.batch_id).where(batches.c.batch_id == job_id)).first()
     now = utc_now()
