@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 
 import dagster as dg
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.definitions import batch_completions_job, defs
+from batch_pipeline.pipeline.partial_results import partial_results_run_request
+from batch_pipeline.store.jobs import JobRecord
 
 REQUEST = {
     "output_data_path": "/tmp/out.json",
@@ -43,6 +46,34 @@ def test_a_request_is_a_valid_run_config_and_gets_the_spec_defaults():
     assert config["model_config"]["max_model_len"] == 2048
     assert config["model_config"]["trust_remote_code"] is False
     assert CreateBatchCompletionsV2Request.model_validate(config).gpu_type == "nvidia-ampere-a10"
+
+
+@pytest.mark.parametrize("held_event", [None, "event-1"])
+def test_the_run_that_keeps_partial_results_has_a_valid_run_config(held_event):
+    now = datetime.now(UTC)
+    record = JobRecord(
+        job_id="batch-1",
+        owner="alice",
+        request_json="{}",
+        priority=None,
+        labels={},
+        created_at=now,
+        expires_at=now,
+        run_id="run-1",
+        cancelled_at=None,
+        idempotency_key=None,
+        requests_total=3,
+    )
+    run_request = partial_results_run_request(record, "run-1", "cancelled", "stopped", held_event)
+    assert run_request is not None
+    validated = dg.validate_run_config(defs.get_job_def("keep_partial_results"), run_request.run_config)
+    assert validated["ops"]["merge_finished_results"]["config"] == {
+        "job_id": "batch-1",
+        "run_id": "run-1",
+        "code": "cancelled",
+        "reason": "stopped",
+        "held_event": held_event,
+    }
 
 
 @pytest.mark.parametrize(

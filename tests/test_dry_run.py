@@ -116,13 +116,13 @@ def test_a_dry_run_after_a_completed_job_estimates_from_its_throughput(deploymen
     result = execute_request(request, api.instance)  # the real job, through the same submission path
     assert result.success, step_failure_messages(result)
     (job,) = api.store.list().jobs
-    assert job.status == "completed" and job.results["completion_tokens_per_s"] > 0
+    assert job.status == "completed" and job.results.completion_tokens_per_s > 0
 
     asked = {"prompts": ["Hello"] * 10, "max_new_tokens": 100, "temperature": 0.7}
     answer = _dry_run(api, _body(tmp_path, asked, cpus="2", gpus=1)).json()
     estimate = answer["estimate"]
     assert answer["no_history"] is None and answer["max_output_tokens"] == 1000
-    rate = job.results["completion_tokens_per_s"]  # one shard worker made it
+    rate = job.results.completion_tokens_per_s  # one shard worker made it
     assert estimate["from_jobs"] == 1 and estimate["completion_tokens_per_s"] == pytest.approx(rate, abs=0.01)
     assert estimate["workers"] == 1
     assert estimate["wall_s"] == pytest.approx(1000 / rate, abs=0.1)

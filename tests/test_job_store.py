@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 
 from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.schema import SCHEMA_VERSION_TABLE
 
 MODEL = "smollm2-135m-instruct"
@@ -141,6 +142,34 @@ def test_progress_reports_sum_into_the_job_row(tmp_path):
         1,
     )
     assert row.queue_wait_s is not None and row.queue_wait_s >= 0
+
+
+def test_a_runs_results_are_recorded_with_their_counts_and_an_older_releases_still_read(tmp_path):
+    store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+    job, _ = store.create(_new_job())
+    assert store.mark_started(job.job_id, "run-1")
+    results = JobResults(
+        num_requests=3, num_errors=1, completion_tokens=30, wall_s=2.5, requests_total=3, requests_done=3, errors=1
+    )
+    store.record_results(job.job_id, "run-1", results)
+    row = store.get(job.job_id)
+    assert row.results == results and (row.requests_total, row.requests_done, row.errors) == (3, 3, 1)
+    with store.engine.begin() as connection:
+        raw = connection.execute(sa.text("SELECT results FROM batch_jobs")).scalar_one()
+    assert json.loads(raw) == {
+        "num_requests": 3,
+        "num_errors": 1,
+        "completion_tokens": 30,
+        "wall_s": 2.5,
+        "requests_total": 3,
+        "requests_done": 3,
+        "errors": 1,
+    }
+
+    # A summary with a figure this release no longer knows: ignored; those it did not write read None.
+    with store.engine.begin() as connection:
+        connection.execute(sa.text("UPDATE batch_jobs SET results = :r"), {"r": '{"num_requests": 2, "gone": [1]}'})
+    assert store.get(job.job_id).results == JobResults(num_requests=2)
 
 
 def _head() -> str:

@@ -36,6 +36,7 @@ from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, STOPPED_RUN_TAG
 from batch_pipeline.shards.format import shard_directories
 from batch_pipeline.store.jobs import IdempotencyConflict, JobRecord, JobStore
+from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.retention import checkpoints_deleted
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import Tenants, priority_cap, tenants
@@ -45,17 +46,6 @@ _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # rest follow on the next page: 1,000 jobs with the largest labels allowed made an answer of 518 MB and
 # the API peak at 2.2 GB, for every team it serves.
 LIST_PAGE_BYTES = 8 * 2**20
-# The finished job's summary (as in its metadata file) copied into the API's view of it.
-_RESULT_FIELDS = (
-    "num_requests",
-    "num_errors",
-    "prompt_tokens",
-    "completion_tokens",
-    "completion_tokens_per_s",
-    "wall_s",
-    "num_finished",
-    "num_unfinished",
-)
 
 
 __all__ = ["BatchJobService", "IdempotencyConflict", "JobNotFound", "ResumeConflict", "UnservableRequest"]
@@ -250,9 +240,8 @@ class BatchJobService:
             metadata["waiting_for"] = "a run slot: the jobs sensor gives free ones out by fair share between teams"
             if place_in_queue:
                 metadata |= _place_in_queue(self.store, registry, record)
-        for key in _RESULT_FIELDS:
-            if record.results and record.results.get(key) is not None:
-                metadata[key] = str(record.results[key])
+        if record.results is not None:
+            metadata |= _results_metadata(record.results)
         if record.status == JobStatus.FAILED:
             metadata["failure_reason"] = record.failure_reason or "the job failed"
         if record.priority is not None:
@@ -283,6 +272,22 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
+
+
+def _results_metadata(results: JobResults) -> dict[str, str]:
+    """The finished job's summary (as in its metadata file) as the API's view of it shows it: each figure
+    its run wrote."""
+    shown = {
+        "num_requests": results.num_requests,
+        "num_errors": results.num_errors,
+        "prompt_tokens": results.prompt_tokens,
+        "completion_tokens": results.completion_tokens,
+        "completion_tokens_per_s": results.completion_tokens_per_s,
+        "wall_s": results.wall_s,
+        "num_finished": results.num_finished,
+        "num_unfinished": results.num_unfinished,
+    }
+    return {key: str(figure) for key, figure in shown.items() if figure is not None}
 
 
 def _resume_metadata(record: JobRecord) -> dict[str, str]:

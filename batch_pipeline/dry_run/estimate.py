@@ -15,7 +15,6 @@ The reading, rendering and tokenizing (`dry_run.counting`) run in a child proces
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from batch_pipeline.admission.hardware import kubernetes_quantity
 from batch_pipeline.admission.paths import DataFiles
@@ -25,6 +24,7 @@ from batch_pipeline.core.settings import SlotsBusy, TeamSlots
 from batch_pipeline.dry_run.child import counted_apart
 from batch_pipeline.dry_run.counting import Counts
 from batch_pipeline.shards.planning import PlanningSettings
+from batch_pipeline.store.results import CompletedFigures
 
 # Completed jobs of the model whose throughput the estimate takes the median of.
 HISTORY_JOBS = 20
@@ -46,7 +46,7 @@ _slots = TeamSlots(
 
 
 def estimate(
-    request: CreateBatchCompletionsV2Request, history: list[dict[str, Any]], files: DataFiles, team: str | None
+    request: CreateBatchCompletionsV2Request, history: list[CompletedFigures], files: DataFiles, team: str | None
 ) -> BatchCompletionsEstimate:
     """The dry run of a request whose paths and fields `check_servable` accepted, its input opened as its
     job would open it (`files`: beneath the requester's data roots), in one of the slots `team`
@@ -74,11 +74,12 @@ def estimate(
 # --- time and cost -----------------------------------------------------------------------------------------
 
 
-def _runtime(request: CreateBatchCompletionsV2Request, counts: Counts, history: list[dict[str, Any]]) -> dict:
+def _runtime(request: CreateBatchCompletionsV2Request, counts: Counts, history: list[CompletedFigures]) -> dict:
+    # Each job's throughput per shard worker it ran in.
     rates = [
-        figures["completion_tokens_per_s"] / max(1, figures.get("shards") or 1)
+        rate / max(1, figures.shards)
         for figures in history
-        if (figures.get("completion_tokens_per_s") or 0) > 0
+        if (rate := figures.results.completion_tokens_per_s or 0) > 0
     ]
     if not rates:
         model = request.model_cfg.model

@@ -33,6 +33,7 @@ from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan, Shard
 from batch_pipeline.shards.protocol import ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.results import JobResults
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
@@ -376,18 +377,32 @@ def write_job_metadata(
     shards = [result.metadata_entry() for result in shard_results]
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s.completion_tokens for s in stats)
+    errors = sum(s.errors for s in stats)
+    results = JobResults(
+        num_requests=merged.results,
+        num_errors=errors,
+        prompt_tokens=sum(s.prompt_tokens for s in stats),
+        completion_tokens=completion_tokens,
+        completion_tokens_per_s=round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
+        wall_s=wall_s,
+        merge_s=merged.merge_s,
+        # The row's counts: a run that finished did every request it planned.
+        requests_total=merged.results,
+        requests_done=merged.results,
+        errors=errors,
+    )
     metadata: dict[str, Any] = {
         "job_id": current_job_id(context),
         "dagster_run_id": context.run_id,
         "model": request.model_cfg.model,
         "output_data_path": merged.output_data_path,
-        "num_requests": merged.results,
-        "num_errors": sum(s.errors for s in stats),
-        "prompt_tokens": sum(s.prompt_tokens for s in stats),
-        "completion_tokens": completion_tokens,
-        "wall_s": wall_s,
-        "completion_tokens_per_s": round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
-        "merge_s": merged.merge_s,
+        "num_requests": results.num_requests,
+        "num_errors": results.num_errors,
+        "prompt_tokens": results.prompt_tokens,
+        "completion_tokens": results.completion_tokens,
+        "wall_s": results.wall_s,
+        "completion_tokens_per_s": results.completion_tokens_per_s,
+        "merge_s": results.merge_s,
         "finished_at": datetime.now(UTC).isoformat(),
         # How the job ran where it differed from what it asked: fewer shards, outputs shared by repeats,
         # the dtype chosen for the hardware (each shard's choice and reason are in `shards`).
@@ -417,28 +432,7 @@ def write_job_metadata(
         )
     }
     # The job reads completed when Dagster records the run's success (`record_run_end`), not before.
-    results = {
-        key: metadata[key]
-        for key in (
-            "num_requests",
-            "num_errors",
-            "prompt_tokens",
-            "completion_tokens",
-            "completion_tokens_per_s",
-            "wall_s",
-            "merge_s",
-        )
-    }
-    job_store.get_store().record_results(
-        metadata["job_id"],
-        context.run_id,
-        results
-        | {
-            "requests_total": metadata["num_requests"],
-            "requests_done": metadata["num_requests"],
-            "errors": metadata["num_errors"],
-        },
-    )
+    job_store.get_store().record_results(metadata["job_id"], context.run_id, results)
     context.log_event(
         dg.AssetMaterialization(
             asset_key=OUTPUTS_ASSET,

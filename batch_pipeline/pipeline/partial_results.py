@@ -13,6 +13,7 @@ import json
 
 import dagster as dg
 from dagster import OpExecutionContext
+from pydantic import Field
 
 from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
@@ -21,6 +22,7 @@ from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.tags import STOPPED_RUN_TAG
 from batch_pipeline.shards.merge import partial_outputs, progress, write_output_array
 from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.webhooks import WebhookOutbox
 
 PARTIAL_RESULTS_TAG = "batch_pipeline/partial_results"  # on the stopped run: "finished/planned"
@@ -29,67 +31,69 @@ PARTIAL_RESULTS_PRIORITY = "100"
 MERGE_RETRIES = 2
 
 
+class StoppedRun(dg.Config):
+    """The run `merge_finished_results` keeps the finished results of (`partial_results_run_request`)."""
+
+    job_id: str = Field(description="the job whose run stopped")
+    run_id: str = Field(description="the run that stopped")
+    code: str = Field(description="error code of each unfinished request's entry")
+    reason: str = Field(description="message of each unfinished request's entry")
+    held_event: str | None = Field(
+        default=None, description="the webhook event of the job's end, held until this output is written"
+    )
+
+
 @dg.op(
-    config_schema={
-        "job_id": dg.Field(str, description="the job whose run stopped"),
-        "run_id": dg.Field(str, description="the run that stopped"),
-        "code": dg.Field(str, description="error code of each unfinished request's entry"),
-        "reason": dg.Field(str, description="message of each unfinished request's entry"),
-        "held_event": dg.Field(
-            dg.Noneable(str),
-            default_value=None,
-            is_required=False,
-            description="the webhook event of the job's end, held until this output is written",
-        ),
-    },
     retry_policy=dg.RetryPolicy(max_retries=MERGE_RETRIES, delay=5),
     description="Merge the finished results of a stopped run into its output; mark the rest.",
 )
-def merge_finished_results(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> dict:
-    config = context.op_config
+def merge_finished_results(
+    context: OpExecutionContext, config: StoppedRun, job_store: JobStoreResource, job_storage: JobStorage
+) -> dict:
     store = job_store.get_store()
     try:
-        return _merge(context, store, job_storage)
+        return _merge(context, config, store, job_storage)
     except Exception:
-        if config["held_event"] and context.retry_number >= MERGE_RETRIES:
+        if config.held_event and context.retry_number >= MERGE_RETRIES:
             # Given up: the end is announced without the output it waited for, rather than an hour late.
-            WebhookOutbox(engine=store.engine).release(config["held_event"])
+            WebhookOutbox(engine=store.engine).release(config.held_event)
         raise
 
 
-def _merge(context: OpExecutionContext, store: JobStore, job_storage: JobStorage) -> dict:
-    config = context.op_config
-    record = store.get(config["job_id"])
+def _merge(context: OpExecutionContext, config: StoppedRun, store: JobStore, job_storage: JobStorage) -> dict:
+    record = store.get(config.job_id)
     if record is None:
-        raise dg.Failure(f"no job {config['job_id']} in the job store")
-    if record.run_id != config["run_id"]:
+        raise dg.Failure(f"no job {config.job_id} in the job store")
+    if record.run_id != config.run_id:
         context.log.info(f"{record.job_id}: a newer run ({record.run_id}) has the job; its output is that run's")
-        if config["held_event"]:  # nothing to wait for: the stopped run's end is announced now
-            WebhookOutbox(engine=store.engine).release(config["held_event"])
+        if config.held_event:  # nothing to wait for: the stopped run's end is announced now
+            WebhookOutbox(engine=store.engine).release(config.held_event)
         return {}
     work_dir = job_storage.work_dir(record.job_id)
     done, total = progress(work_dir)
     output_path = record.request["output_data_path"]
-    missing = json.dumps(ErrorOutput(error=ErrorDetail(code=config["code"], message=config["reason"])).model_dump())
+    missing = json.dumps(ErrorOutput(error=ErrorDetail(code=config.code, message=config.reason)).model_dump())
     files = DataFiles.for_owner(record.owner, own_dir=work_dir)
     with files.atomic_write(output_path) as output:
         write_output_array(output, partial_outputs(work_dir, lambda _: missing), total)
-    summary = {
-        "job_id": record.job_id,
-        "dagster_run_id": config["run_id"],
-        "status": config["code"],
-        "num_requests": total,
-        "num_finished": done,
-        "num_unfinished": total - done,
-        "reason": config["reason"],
-    }
+    results = JobResults(
+        job_id=record.job_id,
+        dagster_run_id=config.run_id,
+        status=config.code,
+        num_requests=total,
+        num_finished=done,
+        num_unfinished=total - done,
+        reason=config.reason,
+    )
+    # The metadata file beside the output is the summary the job's row keeps.
+    summary = results.model_dump(exclude_none=True)
     with files.atomic_write(metadata_path(output_path)) as handle:
         json.dump(summary, handle, indent=2)
     finalize_batch(store, record.job_id, output_path, work_dir, job_storage.files_dir(), expired=expired(record))
     # Last, once every file is written (a batch's output and error files too): the output is final, and the
     # end's event is released in the same transaction.
-    store.record_results(record.job_id, config["run_id"], summary, held_event=config["held_event"])
-    context.instance.add_run_tags(config["run_id"], {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
+    store.record_results(record.job_id, config.run_id, results, held_event=config.held_event)
+    context.instance.add_run_tags(config.run_id, {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
     context.log.info(f"{record.job_id}: kept {done} of {total} results in {output_path}")
     context.add_output_metadata({"output_data_path": output_path, "finished": done, "planned": total})
     return summary
@@ -115,9 +119,9 @@ def partial_results_run_request(
     event, once they are written); None when it planned no shards."""
     if record is None or not keeps_partial_results(record):
         return None
-    config = {"job_id": record.job_id, "run_id": run_id, "code": code, "reason": reason, "held_event": held_event}
+    config = StoppedRun(job_id=record.job_id, run_id=run_id, code=code, reason=reason, held_event=held_event)
     return dg.RunRequest(
         run_key=f"partial-results:{run_id}",
-        run_config={"ops": {"merge_finished_results": {"config": config}}},
+        run_config={"ops": {"merge_finished_results": {"config": config.model_dump()}}},
         tags={"dagster/priority": PARTIAL_RESULTS_PRIORITY, STOPPED_RUN_TAG: run_id},
     )

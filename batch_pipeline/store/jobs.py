@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from batch_pipeline.store.engine import default_store_url, engine_for
+from batch_pipeline.store.results import CompletedFigures, JobResults
 from batch_pipeline.store.schema import (
     FINISHED,
     JOB_ID_LENGTH,
@@ -73,7 +74,7 @@ class JobRecord:
     errors: int | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    results: dict[str, Any] | None = None
+    results: JobResults | None = None
     resume_count: int | None = None
     resumed_from: str | None = None
     resumed_from_run_id: str | None = None
@@ -123,7 +124,7 @@ class JobRecord:
             errors=row.errors,
             prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens,
-            results=json.loads(row.results) if row.results else None,
+            results=JobResults.from_column(row.results) if row.results else None,
             resume_count=row.resume_count,
             resumed_from=row.resumed_from,
             resumed_from_run_id=row.resumed_from_run_id,
@@ -551,7 +552,7 @@ class JobStore:
         with self.engine.connect() as connection:
             return [(row.job_id, row.run_id) for row in connection.execute(query)]
 
-    def completed_figures(self, model: str, limit: int = 20) -> builtins.list[dict[str, Any]]:
+    def completed_figures(self, model: str, limit: int = 20) -> builtins.list[CompletedFigures]:
         """The newest `limit` completed jobs of a model, newest first: each one's `results` (its
         completion_tokens, completion_tokens_per_s, wall_s, num_requests, ...) with `shards`, the shard
         workers it ran in. Every owner's jobs: throughput is the deployment's, and no job is named."""
@@ -566,7 +567,10 @@ class JobStore:
             .limit(limit)
         )
         with self.engine.connect() as connection:
-            return [json.loads(row.results) | {"shards": row.shards} for row in connection.execute(query)]
+            return [
+                CompletedFigures(results=JobResults.from_column(row.results), shards=row.shards)
+                for row in connection.execute(query)
+            ]
 
     # --- lifecycle, as the API, the sensors and the pipeline see it --------------------------------------
 
@@ -685,14 +689,11 @@ class JobStore:
             connection.execute(jobs.update().where(condition).values(run_id=run_id, **values))
             return None
 
-    def record_results(self, job_id: str, run_id: str, results: dict[str, Any], held_event: str | None = None) -> None:
+    def record_results(self, job_id: str, run_id: str, results: JobResults, held_event: str | None = None) -> None:
         """The summary of what the job's run wrote (its output's metadata, or the partial results of a
         stopped run), with the counts it gives. `held_event`: the job's end event, held until its output is
         final, released in the same transaction (`release_held_event`)."""
-        values: dict[str, Any] = {"results": json.dumps(results)}
-        for name in ("requests_total", "requests_done", "errors", "prompt_tokens", "completion_tokens"):
-            if results.get(name) is not None:
-                values[name] = results[name]
+        values: dict[str, str | int] = {"results": results.to_column(), **results.row_counts()}
         with self.engine.begin() as connection:
             connection.execute(jobs.update().where(jobs.c.job_id == job_id, jobs.c.run_id == run_id).values(**values))
             if held_event is not None:
