@@ -522,11 +522,11 @@ def test_a_receiver_dripping_its_answer_holds_a_worker_no_longer_than_the_attemp
     for as long as it kept dripping. An attempt now ends at BATCH_PIPELINE_WEBHOOK_ATTEMPT_TIMEOUT_S, its
     connection closed, failed, and is retried with the backoff."""
     monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
-    monkeypatch.setenv("BATCH_PIPELINE_WEBHOOK_ATTEMPT_TIMEOUT_S", "1.5")
     dripping = Receiver(ALPHA_SECRET, mode="drip")
     clock = Clock()
     endpoint = WebhookConfig(url=dripping.url, secret_env="ALPHA_SECRET")
-    deliverer = Deliverer(WebhookOutbox(engine=store.engine), endpoints=lambda owner: [endpoint], clock=clock)
+    outbox = WebhookOutbox(engine=store.engine)
+    deliverer = Deliverer(outbox, endpoints=lambda owner: [endpoint], clock=clock, attempt_timeout_s=1.5)
     try:
         job, _ = store.create(_new_job("team:alpha"))
         store.cancel_before_launch(job.job_id)

@@ -118,11 +118,12 @@ class Deliverer:
         endpoints: Callable[[str], list[WebhookConfig]] | None = None,
         clock: Callable[[], datetime] = utc_now,
         workers: int = WORKERS,
+        attempt_timeout_s: float | None = None,
     ) -> None:
         self.outbox = outbox or WebhookOutbox()
         self.endpoints = endpoints or _team_endpoints
         self.clock = clock
-        self.attempt_timeout_s = settings().webhook_attempt_timeout_s
+        self.attempt_timeout_s = attempt_timeout_s or settings().webhook_attempt_timeout_s
         self.tls = httpx.create_ssl_context(trust_env=False)  # made once: each attempt's client shares it
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
         self.workers = workers
