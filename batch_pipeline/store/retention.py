@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import sqlalchemy as sa
 
 from batch_pipeline.store.schema import FINISHED, JOB_ID_LENGTH, jobs
-from batch_pipeline.store.sql import utc
+from batch_pipeline.store.sql import of_owners, utc
 
 
 @dataclass(frozen=True)
@@ -69,18 +68,14 @@ def count_due_work_dirs(
         return int(connection.execute(query).scalar_one())
 
 
-def _due(ended_before: datetime, owners: Collection[str] | None, other_than: Collection[str]) -> Any:
-    condition = sa.and_(
+def _due(ended_before: datetime, owners: Collection[str] | None, other_than: Collection[str]) -> sa.ColumnElement[bool]:
+    return sa.and_(
         jobs.c.completed_at.is_not(None),
         jobs.c.completed_at < ended_before,
         jobs.c.status.in_([status.value for status in FINISHED]),
         jobs.c.work_dir_deleted_at.is_(None),
+        of_owners(jobs.c.owner, owners, other_than),
     )
-    if owners is not None:
-        condition = sa.and_(condition, jobs.c.owner.in_(list(owners)))
-    if other_than:
-        condition = sa.and_(condition, jobs.c.owner.not_in(list(other_than)))
-    return condition
 
 
 def claim_work_dir(engine: sa.Engine, job_id: str, ended_before: datetime, now: datetime) -> bool:

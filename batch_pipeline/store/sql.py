@@ -32,6 +32,19 @@ def owner_bucket(column: Any, named: Collection[str]) -> Any:
     return sa.case((column.in_(sorted(named)), column), else_=sa.null())
 
 
+def of_owners(
+    column: sa.ColumnElement[str], owners: Collection[str] | None, other_than: Collection[str] = ()
+) -> sa.ColumnElement[bool]:
+    """A retention group's rows: those of `owners` (None: any owner) other than those of `other_than` (the
+    teams with a retention of their own)."""
+    condition: sa.ColumnElement[bool] = sa.true()
+    if owners is not None:
+        condition = sa.and_(condition, column.in_(list(owners)))
+    if other_than:
+        condition = sa.and_(condition, column.not_in(list(other_than)))
+    return condition
+
+
 class utc_day(FunctionElement[str]):
     """A timestamp's UTC day, as text "YYYY-MM-DD"."""
 

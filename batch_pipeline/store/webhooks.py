@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from batch_pipeline.store.engine import default_store_url, engine_for
 from batch_pipeline.store.openai import batches
 from batch_pipeline.store.schema import JobStatus, failed_at_deadline, jobs, webhook_events
-from batch_pipeline.store.sql import owner_bucket, utc, utc_now
+from batch_pipeline.store.sql import of_owners, owner_bucket, utc, utc_now
 
 JOB_EVENTS = ("job.completed", "job.failed", "job.cancelled", "job.expired")
 BATCH_EVENTS = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expired")
@@ -306,11 +306,8 @@ def delete_finished_events(
     condition = sa.and_(
         webhook_events.c.state.in_(("delivered", "failed", "unsubscribed")),
         webhook_events.c.created_at < created_before,
+        of_owners(webhook_events.c.owner, owners, other_than),
     )
-    if owners is not None:
-        condition = sa.and_(condition, webhook_events.c.owner.in_(list(owners)))
-    if other_than:
-        condition = sa.and_(condition, webhook_events.c.owner.not_in(list(other_than)))
     oldest = (
         sa.select(webhook_events.c.event_id)
         .where(condition)
