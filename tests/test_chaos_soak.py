@@ -10,12 +10,12 @@ import dagster as dg
 import pytest
 from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.events.log import EventLogEntry
-from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, ROOT_RUN_ID_TAG
 from dagster._daemon.auto_run_reexecution.auto_run_reexecution import filter_runs_to_should_retry
 
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.resources import JobStoreResource
-from batch_pipeline.pipeline.retries import RETRIES_TAG
+from batch_pipeline.pipeline.retries import MAX_RETRIES, RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, record_run_end
 from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.schema import JobStatus
@@ -94,6 +94,52 @@ def test_a_failed_run_the_retry_daemon_never_retried_is_handed_back_to_it_and_it
         assert _failures(instance, recent.run_id) == 1
         assert RETRIES_TAG not in instance.get_run_by_id(recent.run_id).tags
         assert store.get(job_id).status == JobStatus.RUNNING
+
+
+def _failed_long_ago(instance: dg.DagsterInstance, store: JobStore, tags: dict[str, str] | None = None):
+    """A job whose run failed two minutes ago with dagster/will_retry=true, and no retry since."""
+    run = instance.create_run_for_job(_a_job, tags={"dagster/max_retries": "2", **(tags or {})})
+    _report_failed(instance, run, seconds_ago=120)
+    job = NewJob(NewJob.new_id(), "team:a", "{}", "0" * 64, MODEL, None, {}, 600, run_id=run.run_id)
+    store.create(job)
+    store.mark_started(job.job_id, run.run_id)
+    return job.job_id, instance.get_run_by_id(run.run_id)
+
+
+def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
+    context = dg.build_sensor_context(
+        instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
+    )
+    list(sensors.batch_jobs_sensor(context) or [])
+
+
+def test_a_failed_run_an_operator_re_executed_is_not_handed_back_to_the_retry_daemon(tmp_path):
+    """Found by review: Dagster's retry daemon knows its own retries only (dagster/retry_number), so a run an
+    operator re-executed from the UI, handed back, would have been retried too: two runs of one job side by
+    side, in one work dir."""
+    with _instance_retrying_runs(tmp_path) as instance:
+        store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+        job_id, failed = _failed_long_ago(instance, store)
+        # As the UI's re-execution makes it: its parent and root, as fields and as the tags run groups read.
+        lineage = {PARENT_RUN_ID_TAG: failed.run_id, ROOT_RUN_ID_TAG: failed.run_id}
+        instance.create_run_for_job(_a_job, parent_run_id=failed.run_id, root_run_id=failed.run_id, tags=lineage)
+        _reconcile(instance, store)
+        assert _failures(instance, failed.run_id) == 1
+        assert RETRIES_TAG not in instance.get_run_by_id(failed.run_id).tags
+        assert store.get(job_id).status == JobStatus.RUNNING  # the re-execution carries it
+
+
+def test_a_failed_run_handed_back_as_often_as_allowed_and_never_retried_fails_its_job_saying_why(tmp_path):
+    """Found by review: after its last hand-back such a job read running for ever, holding its team's run
+    slot and never resumable."""
+    with _instance_retrying_runs(tmp_path) as instance:
+        store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
+        job_id, failed = _failed_long_ago(instance, store, tags={RETRIES_TAG: str(MAX_RETRIES)})
+        _reconcile(instance, store)
+        assert _failures(instance, failed.run_id) == 1  # not handed back again
+        job = store.get(job_id)
+        assert job.status == JobStatus.FAILED
+        assert f"never retried the run, handed back {MAX_RETRIES} times" in job.failure_reason
 
 
 def test_a_failed_run_whose_retry_the_daemon_already_launched_leaves_its_job_running(tmp_path):

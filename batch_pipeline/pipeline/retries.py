@@ -17,6 +17,8 @@ each at least the jobs sensor's reconcile delay apart (a new failure moves the r
 
 from __future__ import annotations
 
+from typing import Literal
+
 import dagster as dg
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, MAX_RETRIES_TAG, WILL_RETRY_TAG
 from dagster._utils.error import SerializableErrorInfo
@@ -66,20 +68,31 @@ def retry_after_outage(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str 
     return why
 
 
-def retry_missed_read(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+def retry_missed_read(instance: dg.DagsterInstance, run: dg.DagsterRun) -> Literal["handed back", "given up"] | None:
     """For a run that failed a while ago, reads will_retry=true, and has no retry: the daemon read its failure
-    too early. Hand it back and say True; else False. Only for runs whose end is older than a daemon tick."""
+    too early. Hand it back ("handed back"), or, handed back MAX_RETRIES times already, say "given up": its
+    job fails. None for any other run (a retry launched, a re-execution of it from the UI, retries off). Only
+    for runs whose end is older than a daemon tick."""
     if run.tags.get(WILL_RETRY_TAG) != "true" or run.tags.get(AUTO_RETRY_RUN_ID_TAG):
-        return False
-    if not instance.run_retries_enabled or not _retries_left(run):
-        return False
+        return None
+    if not instance.run_retries_enabled or _re_executed(instance, run):
+        return None  # a re-execution carries the job: another run would run it beside it
+    if not _retries_left(run):
+        return "given up"
     _hand_back(
         instance,
         run,
         "the run retry daemon read this failure before the run's status was written, and did not retry it: the "
         "failure is reported again for it",
     )
-    return True
+    return "handed back"
+
+
+def _re_executed(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """Whether a run re-executes this one: the daemon's retry (its tag may lag) or an operator's, which
+    Dagster's retry daemon does not look for."""
+    group = instance.get_run_group(run.run_id)
+    return group is not None and any(other.parent_run_id == run.run_id for other in group[1])
 
 
 def _retries_left(run: dg.DagsterRun) -> bool:

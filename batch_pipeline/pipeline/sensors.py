@@ -29,7 +29,13 @@ from batch_pipeline.pipeline.partial_results import (
     partial_results_run_request,
 )
 from batch_pipeline.pipeline.resources import JobStoreResource
-from batch_pipeline.pipeline.retries import describe_outage, outage_error, retry_after_outage, retry_missed_read
+from batch_pipeline.pipeline.retries import (
+    MAX_RETRIES,
+    describe_outage,
+    outage_error,
+    retry_after_outage,
+    retry_missed_read,
+)
 from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, RESUME_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
 from batch_pipeline.store.jobs import JobRecord, JobStore
@@ -258,7 +264,12 @@ def record_run_end(
             # the run was failed from outside, reads will_retry=false though the retry is launched): the retry
             # writes the whole output, or keeps these results if it fails too.
             ended_long_ago = (datetime.now(UTC) - ended_at).total_seconds() >= RECONCILE_AFTER_S
-            if ended_long_ago and retry_missed_read(instance, run):
+            missed = retry_missed_read(instance, run) if ended_long_ago else None
+            if missed == "given up":  # the job must not read running for ever, holding its team's slot
+                why = f"{reason}; Dagster's run retry daemon never retried the run, handed back {MAX_RETRIES} times"
+                failed = ("job_failed", f"the job failed before this request finished: {why}")
+                return stopped(store.get(job_id), JobStatus.FAILED, why, failed)
+            if missed == "handed back":
                 reason = f"{reason}; its retry was not launched, so the run is handed to the run retry daemon again"
             store.mark_retrying(job_id, run.run_id, reason)
             return None
