@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule, delete_work_dir
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.store import retention
-from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.openai import files as files_table
 from batch_pipeline.store.schema import JobStatus
 from tests.api_fixtures import OTHER_KEY, USER_KEY
@@ -515,3 +515,40 @@ def test_sent_webhook_events_past_retention_are_deleted_by_the_cleanup_and_pendi
     assert kept == {"b-pending-old", "b-delivered-recent", "a-delivered-recent"}
     assert all(os.path.exists(storage.work_dir(job_id)) for job_id in job_of.values())
     assert _run_cleanup(url, storage, instance) is None  # the old pending one is never due
+
+
+def test_a_team_with_a_retention_of_its_own_and_a_backlog_does_not_starve_the_others_cleanup(tmp_path, monkeypatch):
+    """Found by review: a cleanup run spent its bound group by group, the teams with a retention of their own
+    first, so a team with one and `max_work_dirs` jobs coming due each hour took every run: the other teams'
+    work dirs were never deleted, and stayed counted against their max_stored_bytes. Each group now has its
+    share of the run's bound."""
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        "tenants:\n"
+        f"  team-a:\n    api_keys_sha256: [{'a' * 64}]\n    retention_days: 2\n"
+        f"  team-b:\n    api_keys_sha256: [{'b' * 64}]\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    store = JobStore(url)
+    storage = JobStorage(work_dir_base=str(tmp_path / "work"), retention_days=30)
+    resources = {"job_store": JobStoreResource(url=url), "job_storage": storage}
+    bounds = {"ops": {"delete_expired": {"config": {"max_work_dirs": 3}}}}
+
+    def ended_job(owner: str, days_ago: int) -> str:
+        job_id = NewJob.new_id()
+        request = {"output_data_path": str(tmp_path / f"{job_id}.json"), "model_config": {"model": "m"}}
+        store.create(NewJob(job_id, owner, json.dumps(request), "0" * 64, "m", None, {}, 60, content_bytes=7))
+        _ended(store, job_id, datetime.now(UTC) - days_ago * DAY)
+        os.makedirs(storage.work_dir(job_id))
+        return job_id
+
+    waiting = ended_job("team:team-b", 40)  # due for ten days already
+    with dg.instance_for_test() as instance:
+        for hour in range(2):  # each hour team-a has another run's bound of work dirs coming due
+            backlog = [ended_job("team:team-a", 3) for _ in range(3)]
+            run = cleanup.execute_in_process(instance=instance, resources=resources, run_config=bounds)
+            assert run.output_for_node("delete_expired")["work_dirs_deleted"] == 3
+            assert sum(not os.path.lexists(storage.work_dir(job_id)) for job_id in backlog) >= 2 - hour
+    assert not os.path.lexists(storage.work_dir(waiting))
+    assert store.get(waiting).content_bytes == 0  # no longer counted against team-b's quota

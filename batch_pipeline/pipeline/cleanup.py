@@ -45,7 +45,7 @@ from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.store import retention
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
-from batch_pipeline.store.webhooks import delete_finished_events
+from batch_pipeline.store.webhooks import count_finished_events, delete_finished_events, finished_events_due
 from batch_pipeline.tenancy.tenants import Tenants, tenants
 
 CLEANUP_CRON = "23 * * * *"  # hourly
@@ -127,15 +127,14 @@ class CleanupReport:
 
 
 def anything_due(store: JobStore, storage: JobStorage, now: datetime) -> bool:
-    """Whether a cleanup run would delete anything now (indexed reads of one row each, and a count of the
-    webhook events past retention)."""
+    """Whether a cleanup run would delete anything now (reads of one row each)."""
     if OpenAIStore(engine=store.engine).expired_files(now, limit=1):
         return True
     for group in retention_groups(storage.retention_days, tenants()):
         cutoff = now - timedelta(days=group.days)
         if retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, 1):
             return True
-        if delete_finished_events(store.engine, cutoff, group.owners, group.other_than, limit=0)[1]:
+        if finished_events_due(store.engine, cutoff, group.owners, group.other_than):
             return True
     return False
 
@@ -151,16 +150,27 @@ def clean_up(
     _delete_expired_files(files, storage.files_dir(), now, log, report, limits.max_files)
     report.files_left = files.count_expired_files(now)
     work_dirs, events = limits.max_work_dirs, limits.max_webhook_events
-    for group in retention_groups(storage.retention_days, tenants()):
+    groups = retention_groups(storage.retention_days, tenants())
+    failed: set[str] = set()
+    # Each group its share of the bound first, then what the others left unused: a team with a retention of
+    # its own and a backlog cannot spend every run on itself while the others' work dirs stay (and count in
+    # their quota).
+    for fair in (True, False):
+        for position, group in enumerate(groups):
+            cutoff = now - timedelta(days=group.days)
+            groups_left = len(groups) - position
+            share = -(-work_dirs // groups_left) if fair else work_dirs
+            work_dirs -= _delete_due_work_dirs(store, storage, group, now, log, report, share, failed)
+            share = -(-events // groups_left) if fair else events
+            deleted = delete_finished_events(store.engine, cutoff, group.owners, group.other_than, share)
+            events -= deleted
+            report.webhook_events_deleted += deleted
+            if deleted:
+                log.info(f"{deleted} webhook events written before {cutoff} deleted ({group.days} days kept)")
+    for group in groups:
         cutoff = now - timedelta(days=group.days)
-        work_dirs -= _delete_due_work_dirs(store, storage, group, now, log, report, work_dirs)
         report.work_dirs_left += retention.count_due_work_dirs(store.engine, cutoff, group.owners, group.other_than)
-        deleted, left = delete_finished_events(store.engine, cutoff, group.owners, group.other_than, events)
-        events -= deleted
-        report.webhook_events_deleted += deleted
-        report.webhook_events_left += left
-        if deleted:
-            log.info(f"{deleted} webhook events written before {cutoff} deleted ({group.days} days kept)")
+        report.webhook_events_left += count_finished_events(store.engine, cutoff, group.owners, group.other_than)
     return report
 
 
@@ -203,11 +213,12 @@ def _delete_due_work_dirs(
     log: Any,
     report: CleanupReport,
     limit: int,
+    failed: set[str],
 ) -> int:
-    """Delete the group's due work dirs, at most `limit` of them tried; how many were tried."""
+    """Delete the group's due work dirs, at most `limit` of them tried; how many were tried. `failed`: those
+    this run could not delete (added to here), tried once a run: left to the next one."""
     cutoff = now - timedelta(days=group.days)
     batches = OpenAIStore(engine=store.engine)
-    failed: set[str] = set()  # tried once this run: left to the next one
     tried = 0
     while tried < limit and (
         due := retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, _CHUNK)

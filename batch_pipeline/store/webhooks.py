@@ -292,22 +292,28 @@ class WebhookOutbox:
             return [(utc(done) - utc(made)).total_seconds() for made, done in connection.execute(query)]
 
 
+def _finished_before(
+    created_before: datetime, owners: Collection[str] | None, other_than: Collection[str]
+) -> sa.ColumnElement[bool]:
+    """Events no longer pending (delivered, given up, or for no endpoint) created before `created_before`, of
+    `owners` (None: any owner) other than those of `other_than`. A pending event is still to be sent."""
+    return sa.and_(
+        webhook_events.c.state.in_(("delivered", "failed", "unsubscribed")),
+        webhook_events.c.created_at < created_before,
+        of_owners(webhook_events.c.owner, owners, other_than),
+    )
+
+
 def delete_finished_events(
     engine: sa.Engine,
     created_before: datetime,
     owners: Collection[str] | None = None,
     other_than: Collection[str] = (),
     limit: int = 10_000,
-) -> tuple[int, int]:
-    """Retention (the `cleanup` job): delete up to `limit` events no longer pending (delivered, given up, or
-    for no endpoint) created before `created_before`, the oldest first, of `owners` (None: any owner) other
-    than those of `other_than`. Returns (deleted, still due); a `limit` of 0 deletes nothing and counts them.
-    A pending event is never deleted: it is still to be sent."""
-    condition = sa.and_(
-        webhook_events.c.state.in_(("delivered", "failed", "unsubscribed")),
-        webhook_events.c.created_at < created_before,
-        of_owners(webhook_events.c.owner, owners, other_than),
-    )
+) -> int:
+    """Retention (the `cleanup` job): delete up to `limit` of the `_finished_before` events, the oldest first;
+    how many were deleted. A pending event is never deleted."""
+    condition = _finished_before(created_before, owners, other_than)
     oldest = (
         sa.select(webhook_events.c.event_id)
         .where(condition)
@@ -321,6 +327,26 @@ def delete_finished_events(
         with engine.begin() as connection:
             chunk = webhook_events.c.event_id.in_(event_ids[start : start + 500])
             deleted += connection.execute(webhook_events.delete().where(chunk, condition)).rowcount
+    return deleted
+
+
+def finished_events_due(
+    engine: sa.Engine, created_before: datetime, owners: Collection[str] | None = None, other_than: Collection[str] = ()
+) -> bool:
+    """Whether any event is due for `delete_finished_events`: one row read, for the schedule's every tick."""
+    query = sa.select(webhook_events.c.event_id).where(_finished_before(created_before, owners, other_than)).limit(1)
     with engine.connect() as connection:
-        left = connection.execute(sa.select(sa.func.count()).select_from(webhook_events).where(condition)).scalar_one()
-    return deleted, int(left)
+        return connection.execute(query).first() is not None
+
+
+def count_finished_events(
+    engine: sa.Engine, created_before: datetime, owners: Collection[str] | None = None, other_than: Collection[str] = ()
+) -> int:
+    """How many events `delete_finished_events` would delete without a limit: what a bounded cleanup left."""
+    query = (
+        sa.select(sa.func.count())
+        .select_from(webhook_events)
+        .where(_finished_before(created_before, owners, other_than))
+    )
+    with engine.connect() as connection:
+        return int(connection.execute(query).scalar_one())
