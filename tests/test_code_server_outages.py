@@ -152,3 +152,17 @@ def test_a_run_dequeued_while_its_code_server_is_down_waits_for_it_and_its_job_c
         served.kill()
         for server in servers:
             server.kill()
+
+
+def test_a_run_an_operator_re_executed_is_not_handed_back_after_an_outage(instance, tmp_path):
+    """Found by review: like a missed retry, a run the daemon gave up on in an outage, already re-executed
+    from the UI, was handed back too: the daemon's retry and the operator's run would run the job together."""
+    from dagster._core.storage.tags import PARENT_RUN_ID_TAG, ROOT_RUN_ID_TAG
+
+    store, job_id, run = _job_of_a_failed_run(instance, tmp_path, _unreachable(), "Failed to retry run")
+    lineage = {PARENT_RUN_ID_TAG: run.run_id, ROOT_RUN_ID_TAG: run.run_id}
+    instance.create_run_for_job(_a_job, parent_run_id=run.run_id, root_run_id=run.run_id, tags=lineage)
+    failures_before = len(instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE))
+    record_run_end(instance, store, run, job_id)
+    assert len(instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)) == failures_before
+    assert RETRIES_TAG not in instance.get_run_by_id(run.run_id).tags

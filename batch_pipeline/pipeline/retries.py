@@ -56,9 +56,7 @@ def describe_outage(message: str, error: SerializableErrorInfo) -> str:
 def retry_after_outage(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
     """If the failed run gave up because its code location did not answer, and it may still be retried, hand
     it to the run retry daemon again and say why; else None."""
-    if run.tags.get(AUTO_RETRY_RUN_ID_TAG) or not instance.run_retries_enabled:
-        return None  # retried already, or retries are off
-    if not _retries_left(run):
+    if not _may_hand_back(instance, run) or not _retries_left(run):
         return None
     found = outage_error(instance, run.run_id)
     if found is None:
@@ -73,10 +71,8 @@ def retry_missed_read(instance: dg.DagsterInstance, run: dg.DagsterRun) -> Liter
     too early. Hand it back ("handed back"), or, handed back MAX_RETRIES times already, say "given up": its
     job fails. None for any other run (a retry launched, a re-execution of it from the UI, retries off). Only
     for runs whose end is older than a daemon tick."""
-    if run.tags.get(WILL_RETRY_TAG) != "true" or run.tags.get(AUTO_RETRY_RUN_ID_TAG):
+    if run.tags.get(WILL_RETRY_TAG) != "true" or not _may_hand_back(instance, run):
         return None
-    if not instance.run_retries_enabled or _re_executed(instance, run):
-        return None  # a re-execution carries the job: another run would run it beside it
     if not _retries_left(run):
         return "given up"
     _hand_back(
@@ -88,21 +84,26 @@ def retry_missed_read(instance: dg.DagsterInstance, run: dg.DagsterRun) -> Liter
     return "handed back"
 
 
-def _re_executed(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
-    """Whether a run re-executes this one: the daemon's retry (its tag may lag) or an operator's, which
-    Dagster's retry daemon does not look for."""
+def _may_hand_back(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """Whether a failed run may be handed back at all: retries are on, and nothing re-executes it yet, neither
+    the daemon's retry (its tag, or the run group where the tag lags) nor an operator's, which Dagster's retry
+    daemon does not look for (a run handed back beside one would run the job twice in one work dir)."""
+    if not instance.run_retries_enabled or run.tags.get(AUTO_RETRY_RUN_ID_TAG):
+        return False
     group = instance.get_run_group(run.run_id)
-    return group is not None and any(other.parent_run_id == run.run_id for other in group[1])
+    return group is None or not any(other.parent_run_id == run.run_id for other in group[1])
+
+
+def _handed_back(run: dg.DagsterRun) -> int:
+    return int(run.tags.get(RETRIES_TAG, "0") or 0)
 
 
 def _retries_left(run: dg.DagsterRun) -> bool:
-    handed_back = int(run.tags.get(RETRIES_TAG, "0") or 0)
-    return handed_back < MAX_RETRIES and int(run.tags.get(MAX_RETRIES_TAG, "0") or 0) > 0
+    return _handed_back(run) < MAX_RETRIES and int(run.tags.get(MAX_RETRIES_TAG, "0") or 0) > 0
 
 
 def _hand_back(instance: dg.DagsterInstance, run: dg.DagsterRun, message: str) -> None:
-    handed_back = int(run.tags.get(RETRIES_TAG, "0") or 0)
-    instance.add_run_tags(run.run_id, {RETRIES_TAG: str(handed_back + 1)})
+    instance.add_run_tags(run.run_id, {RETRIES_TAG: str(_handed_back(run) + 1)})
     # A run failure again: the instance sets dagster/will_retry from the run's retries left, and the run
     # retry daemon, which reads each run failure once, retries it.
     instance.report_run_failed(run, message)
