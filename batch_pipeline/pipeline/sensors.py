@@ -254,6 +254,11 @@ def record_run_end(
         held = store.mark_run_ended(job_id, run.run_id, status, ended_at, failure, keeping_partial_results=keeping)
         return partial_results_run_request(record, run.run_id, *entry, held_event=held if keeping else None)
 
+    def failed(record: JobRecord | None, why: str):
+        return stopped(
+            record, JobStatus.FAILED, why, ("job_failed", f"the job failed before this request finished: {why}")
+        )
+
     if run.status == dg.DagsterRunStatus.SUCCESS:
         store.mark_run_ended(job_id, run.run_id, JobStatus.COMPLETED, ended_at)
         return None
@@ -267,8 +272,7 @@ def record_run_end(
             missed = retry_missed_read(instance, run) if ended_long_ago else None
             if missed == "given up":  # the job must not read running for ever, holding its team's slot
                 why = f"{reason}; Dagster's run retry daemon never retried the run, handed back {MAX_RETRIES} times"
-                failed = ("job_failed", f"the job failed before this request finished: {why}")
-                return stopped(store.get(job_id), JobStatus.FAILED, why, failed)
+                return failed(store.get(job_id), why)
             if missed == "handed back":
                 reason = f"{reason}; its retry was not launched, so the run is handed to the run retry daemon again"
             store.mark_retrying(job_id, run.run_id, reason)
@@ -276,14 +280,11 @@ def record_run_end(
         if (outage := retry_after_outage(instance, run)) is not None:
             store.mark_retrying(job_id, run.run_id, outage)
             return None
-        failed = ("job_failed", f"the job failed before this request finished: {reason}")
-        return stopped(store.get(job_id), JobStatus.FAILED, reason, failed)
+        return failed(store.get(job_id), reason)
     record = store.get(job_id)
     if record is not None and record.cancelled_at is None and ended_at >= record.expires_at:
         # Nobody cancelled it: Dagster's run monitoring stopped a run past its max_runtime.
-        why = "max_runtime_sec exceeded: the run was stopped by run monitoring"
-        failed = ("job_failed", f"the job failed before this request finished: {why}")
-        return stopped(record, JobStatus.FAILED, why, failed)
+        return failed(record, "max_runtime_sec exceeded: the run was stopped by run monitoring")
     cancelled = ("cancelled", "the job was cancelled before this request finished")
     return stopped(record, JobStatus.CANCELLED, None, cancelled)
 
