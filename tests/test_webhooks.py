@@ -125,6 +125,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _store_batch(store: JobStore, batch_id: str, total: int) -> None:
+    """Team alpha's OpenAI batch row, as the API stores it when the batch is created."""
+    with store.engine.begin() as connection:
+        connection.execute(
+            batches.insert().values(
+                batch_id=batch_id,
+                owner="team:alpha",
+                endpoint="/v1/chat/completions",
+                input_file_id="file-1",
+                completion_window="24h",
+                created_at=datetime.now(UTC),
+                total=total,
+            )
+        )
+
+
 def _new_job(owner: str, reason: str | None = None, job_id: str | None = None, output: str = "/tmp/o.json") -> NewJob:
     request = {"output_data_path": output, "model_config": {"model": MODEL}, "input_data_path": "/tmp/i.json"}
     return NewJob(
@@ -208,18 +224,7 @@ def test_each_way_a_job_ends_writes_one_event_of_its_owner_with_the_end(store):
 
 def test_an_openai_batch_announces_openais_batch_event_shape(store):
     batch_id = NewJob.new_id()
-    with store.engine.begin() as connection:  # the batch row is stored before its job, as the API does
-        connection.execute(
-            batches.insert().values(
-                batch_id=batch_id,
-                owner="team:alpha",
-                endpoint="/v1/chat/completions",
-                input_file_id="file-1",
-                completion_window="24h",
-                created_at=datetime.now(UTC),
-                total=1,
-            )  # fmt: skip
-        )
+    _store_batch(store, batch_id, total=1)  # the batch row is stored before its job, as the API does
     store.create(_new_job("team:alpha", reason="the input file did not validate", job_id=batch_id))
     [event] = _events(store, batch_id)
     payload = json.loads(event.payload)
@@ -279,18 +284,7 @@ class StoppedJob:
         self.output = tmp_path / "out" / "output.json"
         self.job_id = NewJob.new_id()
         if batch:
-            with store.engine.begin() as connection:
-                connection.execute(
-                    batches.insert().values(
-                        batch_id=self.job_id,
-                        owner="team:alpha",
-                        endpoint="/v1/chat/completions",
-                        input_file_id="file-1",
-                        completion_window="24h",
-                        created_at=datetime.now(UTC),
-                        total=3,
-                    )
-                )
+            _store_batch(store, self.job_id, total=3)
         store.create(_new_job("team:alpha", job_id=self.job_id, output=str(self.output)))
         run = instance.create_run_for_job(_a_batch_run, tags={JOB_ID_TAG: self.job_id})
         store.mark_started(self.job_id, run.run_id)
