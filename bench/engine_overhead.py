@@ -119,8 +119,11 @@ def run_batch(spec: dict, work: Path) -> dict:
     return run_batch_file(batch_in, batch_out, path)
 
 
-def run_batch_file(batch_in: Path, batch_out: Path, model_path: str) -> dict:
-    """vLLM's `run_batch` on a ready OpenAI batch file, a cold process timed from start to exit."""
+def run_batch_file(
+    batch_in: Path, batch_out: Path, model_path: str, dtype: str | None = None, texts: bool = False
+) -> dict:
+    """vLLM's `run_batch` on a ready OpenAI batch file, a cold process timed from start to exit; with `texts`,
+    each line's output text by its custom_id."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"}
     started = time.monotonic()
     subprocess.run(
@@ -135,6 +138,7 @@ def run_batch_file(batch_in: Path, batch_out: Path, model_path: str) -> dict:
             "--model",
             model_path,
             "--enforce-eager",
+            *(["--dtype", dtype] if dtype else []),
         ],
         env=env,
         check=True,
@@ -142,10 +146,13 @@ def run_batch_file(batch_in: Path, batch_out: Path, model_path: str) -> dict:
     )
     wall = time.monotonic() - started
     tokens = 0
+    by_id: dict[str, str] = {}
     for line in filter(None, batch_out.read_text().split("\n")):  # not splitlines: texts may hold U+2028 and kin
-        response = json.loads(line)["response"]
-        tokens += response["body"]["usage"]["completion_tokens"]
-    return {"wall_s": wall, "completion_tokens": tokens}
+        record = json.loads(line)
+        body = record["response"]["body"]
+        tokens += body["usage"]["completion_tokens"]
+        by_id[record["custom_id"]] = body["choices"][0]["message"]["content"]
+    return {"wall_s": wall, "completion_tokens": tokens} | ({"texts": by_id} if texts else {})
 
 
 def run_job(spec: dict, work: Path, data_parallelism: int = 1) -> tuple[float, dict]:

@@ -57,7 +57,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from engine_overhead import MODEL, RESULTS, TOPICS, prompts
+from engine_overhead import MODEL, RESULTS, TOPICS, prompts, run_batch_file
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("default", "sample", "skew", "dedup", "real", "unique", "loop", "lengths", "many")
@@ -196,7 +196,7 @@ def unique_requests(scale: float) -> list[dict]:
     """Prompts that share no prefix: each opens with its own seeded words, so the prefix cache finds nothing."""
     rng = random.Random(SEED + 1)
     words = [*TOPICS, *VERBS, *PLACES]
-    return [chat(f"{' '.join(rng.sample(words, 3))} #{k}: {p}", 32) for k, p in enumerate(prompts(scaled(512, scale)))]
+    return [chat(f"{' '.join(rng.sample(words, 3))} #{k}: {p}", 48) for k, p in enumerate(prompts(scaled(256, scale)))]
 
 
 def loop_requests(scale: float) -> list[dict]:
@@ -211,7 +211,7 @@ def lengths_requests(scale: float) -> list[dict]:
 
 
 def many_requests(scale: float) -> list[dict]:
-    return [chat(p, 4) for p in prompts(scaled(10_000, scale))]
+    return [chat(p, 32) for p in prompts(scaled(10_000, scale))]
 
 
 def sample_request(scale: float) -> dict:
@@ -386,6 +386,29 @@ def run_raw(requests: list[dict], dtype: str | None, code_root: Path, work: Path
     }
 
 
+def run_vllm_batch(requests: list[dict], dtype: str | None, work: Path, texts: bool = False) -> dict:
+    """vLLM's own `run_batch` on the same requests as an OpenAI batch file (a cold process, start to exit)."""
+    from batch_pipeline.models.catalog import resolve_model
+
+    model_path = resolve_model(MODEL)
+    batch_in, batch_out = work / "run_batch-in.jsonl", work / "run_batch-out.jsonl"
+    with open(batch_in, "w") as handle:
+        for index, request in enumerate(requests):
+            body = {"model": model_path, **request}
+            line = {"custom_id": f"r{index}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            handle.write(json.dumps(line) + "\n")
+    result = run_batch_file(batch_in, batch_out, model_path, dtype, texts)
+    by_id = result.pop("texts", None)
+    return {
+        "wall_s": round(result["wall_s"], 2),
+        "completion_tokens": result["completion_tokens"],
+        "requested_dtype": dtype or "auto",
+        "entries": len(requests),
+        "texts_sha256": by_id
+        and [hashlib.sha256(str(by_id.get(f"r{k}")).encode()).hexdigest()[:16] for k in range(len(requests))],
+    }
+
+
 def raw_dtype(state: dict) -> str | None:
     dtype = state.get("job_dtype")
     return dtype if dtype in RAW_DTYPES else None
@@ -434,6 +457,7 @@ def section_systems(section: str, scale: float, code_root: Path, work: Path, sta
         return describe(requests), {
             "job": job(v2(requests, 1)),
             "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work),
+            "run_batch": lambda: run_vllm_batch(requests, raw_dtype(state), work),
         }
     if section in TEXT_CHECKED:
         requests = {"unique": unique_requests, "loop": loop_requests, "lengths": lengths_requests}.get(
@@ -442,6 +466,7 @@ def section_systems(section: str, scale: float, code_root: Path, work: Path, sta
         return describe(requests), {
             "job": job(v2(requests, 1), texts=True),
             "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work, texts=True),
+            "run_batch": lambda: run_vllm_batch(requests, raw_dtype(state), work, texts=True),
         }
     raise ValueError(section)
 
@@ -512,6 +537,8 @@ def summarize(section: str, by_system: dict[str, list[dict]]) -> dict:
                 system: [r["copy_mismatches"] for r in results] for system, results in by_system.items()
             },
         }
+    if "run_batch" in by_system:
+        summary["job_over_run_batch"] = ratio(median.get("job"), median.get("run_batch"))
     if section == "real":
         summary |= {
             "job_over_raw": ratio(median.get("job"), median.get("raw")),
@@ -526,6 +553,7 @@ def summarize(section: str, by_system: dict[str, list[dict]]) -> dict:
             "generate_s": spread([s.get("generate_s") for r in jobs for s in r["shards"]]),
             "raw_dtype": sorted({r.get("dtype") or r["requested_dtype"] for r in raws}),
             "text_mismatches": text_mismatches(jobs, raws),
+            "run_batch_text_mismatches": text_mismatches(by_system.get("run_batch", []), raws),
             "load_avg_1m": spread([r.get("load_avg_1m_before") for r in jobs + raws]),
         }
     return summary
@@ -566,13 +594,16 @@ def comparison(section: str, summary: dict) -> tuple[str, str, str]:
         return "job / job with BATCH_PIPELINE_DEDUPLICATE=0", fmt(summary["job_over_no_dedup"]), details
     if section in TEXT_CHECKED:
         details = (
-            f"shard generate_s {summary['generate_s']['median']} s; texts differing from raw's "
-            f"{summary['text_mismatches']}; job at {dtype}, raw at {','.join(str(d) for d in summary['raw_dtype'])}; "
+            f"job / run_batch {fmt(summary.get('job_over_run_batch'))}; "
+            f"shard generate_s {summary['generate_s']['median']} s; texts differing from raw's: job "
+            f"{summary['text_mismatches']}, run_batch {summary['run_batch_text_mismatches']}; job at {dtype}, "
+            f"raw at {','.join(str(d) for d in summary['raw_dtype'])}; "
             f"load avg {summary['load_avg_1m']['min']}-{summary['load_avg_1m']['max']}"
         )
         return "job / raw", fmt(summary["job_over_raw"]), details
     details = (
-        f"target <= 0.80x; num_deduplicated {summary['num_deduplicated']}; job at {dtype}, "
+        f"job / run_batch {fmt(summary.get('job_over_run_batch'))}; target <= 0.80x; "
+        f"num_deduplicated {summary['num_deduplicated']}; job at {dtype}, "
         f"raw at {','.join(str(d) for d in summary['raw_dtype'])}"
     )
     return "job / raw (per-request params)", fmt(summary["job_over_raw"]), details

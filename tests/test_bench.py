@@ -330,8 +330,11 @@ def test_the_real_batches_lengths_workload_asks_each_prompt_at_three_lengths_onl
     assert len(requests) == 288 and len(by_prompt) == 96
     assert all(sorted(lengths) == [8, 32, 96] for lengths in by_prompt.values())
     assert len({json.dumps(r, sort_keys=True) for r in requests}) == len(requests)
-    assert len(real_batches.many_requests(1.0)) == 10_000 and len(real_batches.loop_requests(1.0)) == 1024
-    assert real_batches.describe(real_batches.unique_requests(0.01))["distinct"] == 5
+    # The workloads of the table: 10,000 unique x 32, 256 unique x 48, 1,024 x 64.
+    many, unique = real_batches.many_requests(1.0), real_batches.unique_requests(1.0)
+    assert (len(many), {r["max_tokens"] for r in many}) == (10_000, {32})
+    assert (real_batches.describe(unique)["distinct"], {r["max_tokens"] for r in unique}) == (256, {48})
+    assert len(real_batches.loop_requests(1.0)) == 1024
 
 
 @pytest.mark.slow
@@ -348,4 +351,6 @@ def test_the_real_batches_text_checked_workloads_match_raw_vllms_greedy_texts(tm
     result = json.loads(out.read_text())
     assert result["workloads"]["lengths"]["requests"] == 9
     summary = result["summary"]["lengths"]
-    assert summary["runs"] == {"job": 1, "raw": 1} and summary["text_mismatches"] == [0]
+    assert summary["runs"] == {"job": 1, "raw": 1, "run_batch": 1} and summary["text_mismatches"] == [0]
+    # vLLM's run_batch on the same requests: its wall beside the job's, its texts compared with raw's too
+    assert summary["job_over_run_batch"] > 0 and len(summary["run_batch_text_mismatches"]) == 1
