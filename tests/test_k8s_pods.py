@@ -217,10 +217,13 @@ def test_hardware_the_request_names_is_kept_as_given():
 def test_a_pod_with_several_gpus_runs_its_engine_over_all_of_them_unless_the_request_chose():
     from batch_pipeline.launch.k8s import engine_spread_over_gpus
 
-    assert engine_spread_over_gpus(_task(), {"gpus": 4}).model_config == {"model": "m", "tensor_parallel_size": 4}
-    assert engine_spread_over_gpus(_task(), {"gpus": 1}).model_config == {"model": "m"}
+    def parallelism(task: ShardTask) -> tuple[int | None, int | None]:
+        return task.model_config.tensor_parallel_size, task.model_config.pipeline_parallel_size
+
+    assert parallelism(engine_spread_over_gpus(_task(), {"gpus": 4})) == (4, None)
+    assert parallelism(engine_spread_over_gpus(_task(), {"gpus": 1})) == (None, None)
     chosen = ShardTask(**{**_task().__dict__, "model_config": {"model": "m", "pipeline_parallel_size": 2}})
-    assert engine_spread_over_gpus(chosen, {"gpus": 4}).model_config == {"model": "m", "pipeline_parallel_size": 2}
+    assert parallelism(engine_spread_over_gpus(chosen, {"gpus": 4})) == (None, 2)
 
 
 # What the sandbox needs to switch model-written code to its per-slot uids and clean up after it; nothing else.

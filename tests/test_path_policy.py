@@ -187,13 +187,14 @@ def test_trust_remote_code_is_refused_unless_the_operator_allows_it(deployment_f
 
 def test_a_shard_worker_gets_trust_remote_code_only_from_the_operators_policy(monkeypatch):
     from batch_pipeline.admission.capabilities import shard_model_config
+    from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 
-    asked = {"model": MODEL, "trust_remote_code": True}
+    asked = BatchCompletionsModelConfig(model=MODEL, trust_remote_code=True)
     monkeypatch.delenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", raising=False)
-    assert shard_model_config(asked)["trust_remote_code"] is False
+    assert shard_model_config(asked).trust_remote_code is False
     monkeypatch.setenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", "1")
-    assert shard_model_config(asked)["trust_remote_code"] is True
-    assert shard_model_config({"model": MODEL})["trust_remote_code"] is False
+    assert shard_model_config(asked).trust_remote_code is True
+    assert shard_model_config(BatchCompletionsModelConfig(model=MODEL)).trust_remote_code is False
 
 
 def test_a_launchpad_run_is_held_to_the_same_policy(run_job, data_root, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from batch_pipeline.admission.hardware import engine_argument_refusals, hardware_refusals
 from batch_pipeline.admission.paths import request_path_refusals
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 from batch_pipeline.contract.requests import CODE_EVALUATOR
 from batch_pipeline.core.settings import settings
 
@@ -22,11 +23,11 @@ def remote_code_allowed() -> bool:
     return settings().allow_remote_code
 
 
-def shard_model_config(model_config: dict) -> dict:
+def shard_model_config(model_config: BatchCompletionsModelConfig) -> BatchCompletionsModelConfig:
     """The model config a shard worker is given: trust_remote_code as this orchestrator's policy decides
     it, since the worker (a pod of its own) has no policy to check and must not take the request's word."""
-    trusted = bool(model_config.get("trust_remote_code")) and remote_code_allowed()
-    return {**model_config, "trust_remote_code": trusted}
+    trusted = bool(model_config.trust_remote_code) and remote_code_allowed()
+    return model_config.model_copy(update={"trust_remote_code": trusted})
 
 
 def refusals(

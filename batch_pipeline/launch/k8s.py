@@ -193,9 +193,8 @@ class K8sShardLauncher(ShardLauncher):
     def hardware_for(self, task: ShardTask) -> tuple[dict[str, Any], str | None]:
         from batch_pipeline.models.catalog import weights_bytes
 
-        config = task.model_config
-        size = weights_bytes(config["model"], config.get("checkpoint_path"))
-        return infer_hardware(task.hardware, size, self.default_gpu_type, self.default_gpus)
+        size = weights_bytes(task.model_config.model, task.model_config.checkpoint_path)
+        return infer_hardware(dict(task.hardware), size, self.default_gpu_type, self.default_gpus)
 
     def pod_overrides(
         self,
@@ -209,7 +208,7 @@ class K8sShardLauncher(ShardLauncher):
         labels and the Pipes bootstrap environment; with `kueue_queue` (the job's team's, `kueue_queue_for`)
         the pod waits in that Kueue LocalQueue. Raises InvalidHardware naming the field, for sizes no pod
         can carry or over the deployment's maxima (what was inferred from the weights too)."""
-        hardware = task.hardware if hardware is None else hardware
+        hardware = dict(task.hardware) if hardware is None else hardware
         gpu_type = hardware.get("gpu_type")
         gpus = hardware.get("gpus")
         gpus = self.default_gpus if gpus is None else gpus
@@ -406,9 +405,9 @@ def engine_spread_over_gpus(task: ShardTask, hardware: dict[str, Any]) -> ShardT
     chose its own parallelism."""
     config = task.model_config
     gpus = hardware.get("gpus") or 0
-    if gpus <= 1 or config.get("tensor_parallel_size") or config.get("pipeline_parallel_size"):
+    if gpus <= 1 or config.tensor_parallel_size or config.pipeline_parallel_size:
         return task
-    return dataclasses.replace(task, model_config={**config, "tensor_parallel_size": gpus})
+    return dataclasses.replace(task, model_config=config.model_copy(update={"tensor_parallel_size": gpus}))
 
 
 def _worker_failure(pod_error: str) -> str | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import dagster as dg
 from dagster import OpExecutionContext
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from batch_pipeline.admission.capabilities import shard_model_config
 from batch_pipeline.admission.paths import DataFiles, metadata_path
@@ -30,7 +30,7 @@ from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runt
 from batch_pipeline.shards.format import checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
 from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan, ShardPlan, plan_shard_count, write_shards
-from batch_pipeline.shards.protocol import ShardTask
+from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.results import JobResults
@@ -40,6 +40,7 @@ OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
 SHARD_STEP_TAG = "batch_pipeline/step"
 # The request's fields a launcher sizes a shard's machine by.
 HARDWARE_FIELDS = ("gpus", "gpu_type", "cpus", "memory", "storage")
+_HARDWARE: TypeAdapter[ShardHardware] = TypeAdapter(ShardHardware)
 # Owner of the jobs registered for runs launched outside the API (launchpad, `batch-pipeline run`):
 # API admins see them.
 DAGSTER_OWNER = "dagster"
@@ -219,11 +220,10 @@ def plan_shards(
         + ("; the shard plan of the job's first run, kept so that its checkpoints line up" if kept else "")
     )
     yield dg.Output(PlanSummary(plan=plan, deduplicated=copies), "plan")
-    # A task carries the request's parts as JSON, as the worker reads them.
-    model_config = shard_model_config(request.model_cfg.model_dump(mode="json", by_alias=True))
-    tool_config = request.tool_config.model_dump(mode="json", by_alias=True) if request.tool_config else None
-    given = request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
-    hardware = {field: given[field] for field in HARDWARE_FIELDS if field in given}
+    model_config = shard_model_config(request.model_cfg)
+    hardware = _HARDWARE.validate_python(
+        request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
+    )
     for shard in shards:
         task = ShardTask(
             shard=shard,
@@ -233,7 +233,7 @@ def plan_shards(
             job_id=job_id,
             hardware=hardware,
             labels=request.labels,
-            tool_config=tool_config,
+            tool_config=request.tool_config,
         )
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
 

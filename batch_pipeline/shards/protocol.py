@@ -8,26 +8,42 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
+from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 from batch_pipeline.contract.records import describe_validation_error
+from batch_pipeline.contract.requests import ToolConfig
 from batch_pipeline.shards.format import ShardSpec
 
 
-@dataclass(frozen=True)
+class ShardHardware(TypedDict, total=False):
+    """The hardware a request named (each field only where named): what a pod of the shard is sized by."""
+
+    gpus: int
+    gpu_type: str
+    cpus: str | int | float
+    memory: str | int | float
+    storage: str | int | float
+
+
+@pydantic_dataclass(frozen=True)  # validated as built too: a task holds its parts as their contract types
 class ShardTask:
-    """Everything a worker needs, as the orchestrator sends it (JSON-serialisable)."""
+    """Everything a worker needs, as the orchestrator sends it: the request's parts in their contract types,
+    sent as JSON (`to_dict`) and checked again as they arrive (`from_dict`)."""
 
     shard: ShardSpec
-    model_config: dict[str, Any]
+    model_config: BatchCompletionsModelConfig
     shard_count: int = 1  # shards of the job, this one included
     deadline: float | None = None  # epoch seconds; the job's max_runtime_sec
     job_id: str = ""
-    hardware: dict[str, Any] = field(default_factory=dict)  # the request's gpus, gpu_type, cpus, memory, storage
+    hardware: ShardHardware = field(default_factory=lambda: ShardHardware())
     labels: dict[str, str] = field(default_factory=dict)
-    tool_config: dict[str, Any] | None = None
+    tool_config: ToolConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        as_json: dict[str, Any] = _SHARD_TASK.dump_python(self, mode="json", by_alias=True)
+        return as_json
 
     @classmethod
     def from_dict(cls, raw: Any) -> ShardTask:

@@ -178,10 +178,11 @@ class ShardRunner:
     def _generate(self, pending: Iterator[WorkItem], results: IO[str], already_done: int) -> None:
         from batch_pipeline.worker.engine import build_llm
 
-        model_config = BatchCompletionsModelConfig.model_validate(self.task.model_config)
+        model_config = self.task.model_config
         tool_config = sandbox = None
-        if self.stats.tool_config == TOOL_APPLIED:  # before the engine: a sandbox that cannot hold fails the shard now
-            tool_config = ToolConfig.model_validate(self.task.tool_config)
+        if self.stats.tool_config == TOOL_APPLIED and self.task.tool_config is not None:
+            # before the engine: a sandbox that cannot hold fails the shard now
+            tool_config = self.task.tool_config
             sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
         t0 = time.monotonic()
         built = build_llm(model_config)
