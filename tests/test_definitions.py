@@ -33,7 +33,7 @@ def test_every_definition_loads():
         "keep_partial_results",
     ]
     job = batch_completions_job()
-    assert {"shard_launcher", "job_storage", "job_store"} <= set(job.resource_defs)
+    assert {"shard_launcher", "job_storage", "job_store", "shard_planning"} <= set(job.resource_defs)
     assert {"job_storage", "job_store"} <= set(defs.get_job_def("keep_partial_results").resource_defs)
 
 
@@ -115,6 +115,8 @@ def test_launchpad_fields_carry_the_spec_descriptions():
         ("shard_launcher", "python_executable", "/bin/sh"),
         ("job_storage", "work_dir_base", "/tmp/elsewhere"),
         ("job_store", "url", "sqlite:////tmp/other.db"),
+        # a job that plans itself into more shards than the deployment runs, each too small for its engine
+        ("shard_planning", "min_shard_tokens", 0),
     ],
 )
 @pytest.mark.parametrize("job_name", ["batch_completions", "keep_partial_results", "cleanup"])
@@ -133,7 +135,7 @@ def test_no_run_config_reconfigures_a_resource(job_name, resource, field, value)
 def test_resources_are_the_deployments():
     """The launchpad shows no resource config to edit, and the job's resources are what the settings built."""
     job = batch_completions_job()
-    for name in ("shard_launcher", "job_storage", "job_store"):
+    for name in ("shard_launcher", "job_storage", "job_store", "shard_planning"):
         assert job.resource_defs[name].config_schema.as_field().config_type.fields == {}, name
 
 

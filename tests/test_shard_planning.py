@@ -51,6 +51,19 @@ def test_a_job_is_split_no_further_than_its_work_fills_or_the_deployment_runs_at
     assert plan.used == 3 and "at most 3 shard workers at once" in plan.reason
 
 
+def test_the_deployments_shard_planning_caps_a_job_at_what_its_launcher_runs_at_once_unless_it_names_a_cap():
+    from batch_pipeline.pipeline.resources import ShardPlanning
+
+    records = [_chat(f"question {i}", max_tokens=1000) for i in range(20)]
+    unset = ShardPlanning(max_shards_per_job=None, min_shard_tokens=0, deduplicate=False)
+    plan, _ = plan_shard_count(_items(records), requested=8, settings=unset.for_launcher(slots=2))
+    assert plan.used == 2 and "at most 2 shard workers at once" in plan.reason
+    named = ShardPlanning(max_shards_per_job=5, min_shard_tokens=0, deduplicate=True)
+    plan, _ = plan_shard_count(_items(records), requested=8, settings=named.for_launcher(slots=2))
+    assert plan.used == 5
+    assert (unset.for_launcher(2).deduplicate, named.for_launcher(None).deduplicate) == (False, True)
+
+
 def test_planning_reads_ahead_only_as_far_as_it_needs():
     read = []
 

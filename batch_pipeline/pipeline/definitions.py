@@ -13,7 +13,7 @@ from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, deployment_resource
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning, deployment_resource
 from batch_pipeline.pipeline.schedules import schedules_from_environment
 from batch_pipeline.pipeline.sensors import (
     batch_jobs_sensor,
@@ -88,3 +88,10 @@ defs = dg.Definitions(
 def batch_completions_job() -> dg.JobDefinition:
     """The job with its resources bound, reconstructable in step processes (see `execute_request`)."""
     return defs.get_job_def("batch_completions")
+        "shard_planning": deployment_resource(
+            ShardPlanning(
+                max_shards_per_job=_loaded_with.max_shards_per_job,
+                min_shard_tokens=_loaded_with.min_shard_tokens,
+                deduplicate=_loaded_with.deduplicate,
+            )
+        ),

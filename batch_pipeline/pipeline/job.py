@@ -24,12 +24,12 @@ from batch_pipeline.core import io
 from batch_pipeline.launch import ShardLauncher, ShardResult
 from batch_pipeline.openai_batch.jobs import finalize_batch
 from batch_pipeline.pipeline.config_schema import config_schema_for
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
 from batch_pipeline.shards.format import checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
-from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan, ShardPlan, plan_shard_count, write_shards
+from batch_pipeline.shards.planning import RecordedPlan, ShardPlan, plan_shard_count, write_shards
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.store.jobs import JobRecord, JobStore
@@ -177,6 +177,7 @@ def plan_shards(
     job_storage: JobStorage,
     job_store: JobStoreResource,
     shard_launcher: ShardLauncher,
+    shard_planning: ShardPlanning,
 ):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
@@ -189,7 +190,7 @@ def plan_shards(
         items = work_items(_records(request, job_data_files(context, job_store, job_storage)))
         recorded = kept
         if recorded is None:
-            settings = PlanningSettings.from_environment(shard_launcher.shard_slots())
+            settings = shard_planning.for_launcher(shard_launcher.shard_slots())
             first_plan, items = plan_shard_count(items, request.data_parallelism or 1, settings)
             # A tool loop runs code whose output may change between runs: its requests are never merged.
             recorded = RecordedPlan(first_plan, settings.deduplicate and request.tool_config is None)

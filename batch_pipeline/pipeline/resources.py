@@ -9,6 +9,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_pipeline.core import io
+from batch_pipeline.shards.planning import PlanningSettings
 from batch_pipeline.store.jobs import JobStore
 
 
@@ -55,3 +56,24 @@ class JobStoreResource(dg.ConfigurableResource):
 
     def get_store(self) -> JobStore:
         return JobStore(self.url or None)
+
+
+class ShardPlanning(dg.ConfigurableResource):
+    """How the deployment splits a job into shards: each shard starts an engine, so no more shards than it
+    runs at once and none too small to pay for its engine."""
+
+    max_shards_per_job: int | None = Field(
+        description="At most this many shards a job (None: what the launcher runs at once)."
+    )
+    min_shard_tokens: int = Field(
+        ge=0, description="Estimated tokens each shard of a split job carries at least (0: any)."
+    )
+    deduplicate: bool = Field(description="Repeats of a deterministic request within a job are generated once.")
+
+    def for_launcher(self, slots: int | None) -> PlanningSettings:
+        """The plan's settings with a launcher that runs `slots` shards at once (None: no limit)."""
+        return PlanningSettings(
+            max_shards=self.max_shards_per_job or slots,
+            min_tokens_per_shard=self.min_shard_tokens,
+            deduplicate=self.deduplicate,
+        )
