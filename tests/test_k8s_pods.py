@@ -146,6 +146,38 @@ def test_a_deployment_chooses_the_kubernetes_launcher_by_its_environment(monkeyp
     assert (launcher.image, launcher.namespace) == ("registry.example/worker:2", "batch")
 
 
+def test_every_shard_pod_of_the_largest_job_waits_at_once_while_local_workers_share_the_cores(monkeypatch):
+    """Found in review (issue 30): the run worker held shard steps to its own core count whatever the
+    launcher, so a run worker on 2 cores ran a data_parallelism 8 job's pods two at a time."""
+    import dagster as dg
+
+    from batch_pipeline.launch import LocalShardLauncher
+    from batch_pipeline.pipeline.definitions import executor_config
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    pods = executor_config(K8sShardLauncher(image="registry.example/worker:2"))
+    assert pods["max_concurrent"] > 64 and "tag_concurrency_limits" not in pods  # data_parallelism <= 64
+    # a deployment's own cap on shards caps the step processes the run worker forks
+    assert executor_config(K8sShardLauncher(image="i"), max_shards_per_job=16)["max_concurrent"] == 17
+
+    local = executor_config(LocalShardLauncher(concurrency=3))
+    assert local["tag_concurrency_limits"] == [{"key": "batch_pipeline/step", "value": "shard", "limit": 3}]
+    assert executor_config(LocalShardLauncher())["tag_concurrency_limits"][0]["limit"] == 2
+
+    @dg.op
+    def noop():
+        pass
+
+    @dg.job(executor_def=dg.multiprocess_executor)
+    def probe():
+        noop()
+
+    for config in (pods, local):  # configs the executor takes
+        dg.validate_run_config(probe, {"execution": {"config": config}})
+    with pytest.raises(dg.DagsterInvalidConfigError):  # and this check would see one it does not
+        dg.validate_run_config(probe, {"execution": {"config": {**pods, "max_concurrent": "all"}}})
+
+
 def test_every_kubernetes_object_in_k8s_is_valid_and_the_helm_values_name_our_settings():
     import yaml
 

@@ -85,6 +85,7 @@ _HARDWARE_DESCRIPTIONS = {
 
 # The spec's default max_runtime_sec: one day.
 DEFAULT_MAX_RUNTIME_SEC = 86400
+MAX_DATA_PARALLELISM = 64  # the spec's bound
 
 InputDataPath = Annotated[
     str | None,
@@ -107,7 +108,7 @@ class _BatchCompletionsRequestBase(WireModel):
     data_parallelism: int | None = Field(
         1,
         ge=1,
-        le=64,
+        le=MAX_DATA_PARALLELISM,
         description="Number of replicas to run the batch inference. More replicas are slower to schedule but "
         "faster to inference.",
     )

@@ -14,7 +14,6 @@ from dagster._core.storage.dagster_run import FINISHED_STATUSES
 from pydantic import Field
 
 from batch_pipeline.core import io
-from batch_pipeline.core.settings import settings
 from batch_pipeline.launch.base import (
     ForwardsProgress,
     ProgressCallback,
@@ -29,12 +28,6 @@ from batch_pipeline.shards.protocol import ShardTask
 # How often a step checks that its run has not ended without it (its run worker killed).
 RUN_STATUS_CHECK_S = 2.0
 WORKER_LOG = "worker.log"
-
-
-def local_shard_concurrency() -> int:
-    """How many shard workers may run at once on this machine: each holds a whole engine (~2.3 GiB for
-    the catalog model on the CPU), and more workers than cores only share the same cores."""
-    return settings().local_shard_concurrency or max(1, os.cpu_count() or 1)
 
 
 def worker_log_path(task: ShardTask) -> str:
@@ -72,6 +65,9 @@ class LocalShardLauncher(ShardLauncher):
         default="", description="Python that runs the worker; empty = the one running Dagster."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
+    concurrency: int | None = Field(
+        default=None, ge=1, description="Shard workers run at once on this machine; None = one per core."
+    )
 
     def run_shard(
         self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
@@ -113,8 +109,10 @@ class LocalShardLauncher(ShardLauncher):
             )
         return ShardResult(task=task, stats=worker_stats(task, reports))
 
-    def shard_slots(self) -> int | None:
-        return local_shard_concurrency()
+    def shard_slots(self) -> int:
+        """Each worker holds a whole engine (~2.3 GiB for the catalog model on the CPU), and more workers
+        than cores only share the same cores."""
+        return self.concurrency or max(1, os.cpu_count() or 1)
 
     @staticmethod
     def _wait(context: dg.OpExecutionContext, process: subprocess.Popen, task: ShardTask) -> int:
@@ -136,14 +134,13 @@ class LocalShardLauncher(ShardLauncher):
                         "checkpoint"
                     ) from None
 
-    @staticmethod
-    def _cpu_share(task: ShardTask) -> dict[str, str]:
+    def _cpu_share(self, task: ShardTask) -> dict[str, str]:
         """Shards running side by side split the cores instead of all computing on the same ones.
 
         vLLM's CPU backend binds its threads to the same cores in every process; two engines so bound ran
         2.5x slower than two with one unbound thread each (measured: 64 prompts over 2 shards, 2 cores).
         """
-        side_by_side = min(task.shard_count, local_shard_concurrency())
+        side_by_side = min(task.shard_count, self.shard_slots())
         if side_by_side <= 1:
             return {}
         threads = max(1, (os.cpu_count() or 1) // side_by_side)

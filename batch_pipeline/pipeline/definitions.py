@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import dagster as dg
 
+from batch_pipeline.contract.requests import MAX_DATA_PARALLELISM
 from batch_pipeline.core.settings import settings
 from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
-from batch_pipeline.launch.local import local_shard_concurrency
 from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
@@ -38,7 +39,7 @@ def shard_launcher_from_environment() -> ShardLauncher:
     outside the cluster BATCH_PIPELINE_KUBECONFIG."""
     configured = settings()
     if configured.shard_launcher != "k8s":
-        return LocalShardLauncher()
+        return LocalShardLauncher(concurrency=configured.local_shard_concurrency)
     from batch_pipeline.launch.k8s import K8sShardLauncher
 
     return K8sShardLauncher(
@@ -52,21 +53,34 @@ def shard_launcher_from_environment() -> ShardLauncher:
 
 # Read before anything is built from them: a mistyped variable stops the code location from loading, naming it.
 _loaded_with = settings()
+_shard_launcher = shard_launcher_from_environment()
 # The same for the tenants file; and the instance's files are made private before a run writes any.
 secure_service_paths()
 
-# Step processes fork from a server that has imported this module and the instance's storage once per run
-# (step_server), instead of each being a fresh Python that imports them again: ~2.3 s -> ~0.2 s per step,
-# five or more steps a job (2 cores). The server starts with a process's first step and keeps that
-# environment: a process running several jobs under different variables (the tests) stops it between them.
+
+def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = None) -> dict[str, Any]:
+    """The multiprocess executor's config for a job whose shards `launcher` runs.
+
+    Step processes fork from a server that has imported this module and the instance's storage once per
+    run (step_server), instead of each being a fresh Python that imports them again: ~2.3 s -> ~0.2 s per
+    step, five or more steps a job (2 cores). The server starts with a process's first step and keeps that
+    environment: a process running several jobs under different variables (the tests) stops it between them.
+
+    A shard step only waits on its worker. Local workers share this machine: as many at once as the
+    launcher runs. Pods do not (the cluster and Kueue decide when they run): every shard of the largest job
+    (`max_shards_per_job`, else the largest data_parallelism) waits at once, where the executor's default
+    would hold them to the run worker's core count.
+    """
+    slots = launcher.shard_slots()
+    config: dict[str, Any] = {"start_method": {"forkserver": {"preload_modules": step_server.PRELOAD_MODULES}}}
+    if slots is None:
+        largest = min(max_shards_per_job or MAX_DATA_PARALLELISM, MAX_DATA_PARALLELISM)
+        return config | {"max_concurrent": largest + 1}  # the shards and one other step
+    return config | {"tag_concurrency_limits": [{"key": SHARD_STEP_TAG, "value": "shard", "limit": slots}]}
+
+
 local_executor = dg.multiprocess_executor.configured(
-    {
-        "tag_concurrency_limits": [
-            {"key": SHARD_STEP_TAG, "value": "shard", "limit": local_shard_concurrency()},
-        ],
-        "start_method": {"forkserver": {"preload_modules": step_server.PRELOAD_MODULES}},
-    },
-    name="local_executor",
+    executor_config(_shard_launcher, _loaded_with.max_shards_per_job), name="local_executor"
 )
 
 defs = dg.Definitions(
@@ -76,9 +90,16 @@ defs = dg.Definitions(
     # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={
         "job_store": deployment_resource(JobStoreResource(url=_loaded_with.jobs_db)),
-        "shard_launcher": deployment_resource(shard_launcher_from_environment()),
+        "shard_launcher": deployment_resource(_shard_launcher),
         "job_storage": deployment_resource(
             JobStorage(work_dir_base=_loaded_with.work_dir, retention_days=_loaded_with.retention_days)
+        ),
+        "shard_planning": deployment_resource(
+            ShardPlanning(
+                max_shards_per_job=_loaded_with.max_shards_per_job,
+                min_shard_tokens=_loaded_with.min_shard_tokens,
+                deduplicate=_loaded_with.deduplicate,
+            )
         ),
     },
     executor=local_executor,
@@ -88,10 +109,3 @@ defs = dg.Definitions(
 def batch_completions_job() -> dg.JobDefinition:
     """The job with its resources bound, reconstructable in step processes (see `execute_request`)."""
     return defs.get_job_def("batch_completions")
-        "shard_planning": deployment_resource(
-            ShardPlanning(
-                max_shards_per_job=_loaded_with.max_shards_per_job,
-                min_shard_tokens=_loaded_with.min_shard_tokens,
-                deduplicate=_loaded_with.deduplicate,
-            )
-        ),
