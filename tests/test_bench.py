@@ -11,35 +11,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _bench(script: str, *args: str) -> None:
+def _bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run bench/<script> on tiny inputs, as `make bench` runs it."""
-    subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args], check=True, capture_output=True, text=True, timeout=300
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     out = tmp_path / "data_plane.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "data_plane.py"),
-            "--sizes",
-            "50",
-            "120",
-            "--formats",
-            "jsonl",
-            "json",
-            "--shards",
-            "3",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    _bench("data_plane.py", "--sizes", "50", "120", "--formats", "jsonl", "json", "--shards", "3", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(row["format"], row["prompts"]) for row in rows] == [
         ("jsonl", 50),
@@ -53,23 +38,7 @@ def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
 @pytest.mark.slow
 def test_the_openai_batch_benchmark_uploads_checks_and_writes_every_line(tmp_path):
     out = tmp_path / "openai_batch.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "openai_batch.py"),
-            "--lines",
-            "200",
-            "--repeat",
-            "1",
-            "--no-e2e",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    _bench("openai_batch.py", "--lines", "200", "--repeat", "1", "--no-e2e", "--out", str(out))
     result = json.loads(out.read_text())["part_one"]
     assert result["lines"] == 200 and result["upload_mb_per_s"] > 0
     assert set(result["ratios"]) == {"upload / copy", "check / vllm_parse", "results / rewrite"}
@@ -79,25 +48,19 @@ def test_the_openai_batch_benchmark_uploads_checks_and_writes_every_line(tmp_pat
 @pytest.mark.slow
 def test_the_sharding_benchmark_runs_the_job_at_each_dp_and_predicts_from_dp_1(tmp_path):
     out = tmp_path / "sharding.json"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "sharding.py"),
-            "--prompts",
-            "4",
-            "--max-tokens",
-            "4",
-            "--dp",
-            "1",
-            "2",
-            "--repeat",
-            "1",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
+    completed = _bench(
+        "sharding.py",
+        "--prompts",
+        "4",
+        "--max-tokens",
+        "4",
+        "--dp",
+        "1",
+        "2",
+        "--repeat",
+        "1",
+        "--out",
+        str(out),
         timeout=600,
     )
     result = json.loads(out.read_text())
@@ -183,37 +146,14 @@ def test_plots_reads_the_newest_results_of_each_benchmark_into_its_series(tmp_pa
 def test_plots_draws_a_png_per_benchmark(tmp_path):
     pytest.importorskip("matplotlib")  # the bench extra; `make bench` installs it
     write_results(tmp_path)
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "plots.py"), "--results", str(tmp_path)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    completed = _bench("plots.py", "--results", str(tmp_path))
     for name in ("engine_overhead", "data_plane", "sharding"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", completed.stdout
 
 
 def test_the_api_memory_benchmark_posts_to_our_api_and_fastapis_default(tmp_path):
     out = tmp_path / "api_memory.json"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "api_memory.py"),
-            "--body-mb",
-            "1",
-            "--concurrency",
-            "2",
-            "--repeat",
-            "1",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    completed = _bench("api_memory.py", "--body-mb", "1", "--concurrency", "2", "--repeat", "1", "--out", str(out))
     result = json.loads(out.read_text())
     assert {system: [run["codes"] for run in runs] for system, runs in result["runs"].items()} == {
         "ours": [[200, 200]],
@@ -227,23 +167,8 @@ def test_the_api_memory_benchmark_posts_to_our_api_and_fastapis_default(tmp_path
 @pytest.mark.slow
 def test_the_real_batches_benchmark_runs_the_job_with_and_without_deduplication(tmp_path):
     out = tmp_path / "real_batches.json"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "real_batches.py"),
-            "--sections",
-            "dedup",
-            "--scale",
-            "0.05",
-            "--repeat",
-            "1",
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    completed = _bench(
+        "real_batches.py", "--sections", "dedup", "--scale", "0.05", "--repeat", "1", "--out", str(out), timeout=600
     )
     result = json.loads(out.read_text())
     assert result["workloads"]["dedup"]["requests"] == 6 and result["workloads"]["dedup"]["distinct"] == 3
@@ -300,14 +225,7 @@ def test_the_api_memory_label_cases_refuse_the_huge_label_and_list_the_largest_a
 @pytest.mark.slow
 def test_the_resume_benchmark_resumes_a_cancelled_job_against_a_fresh_one(tmp_path):
     out = tmp_path / "resume.json"
-    subprocess.run(
-        [sys.executable, str(REPO / "bench" / "resume.py"), "--requests", "600", "--max-tokens", "4", "--rounds", "1"]
-        + ["--out", str(out)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
+    _bench("resume.py", "--requests", "600", "--max-tokens", "4", "--rounds", "1", "--out", str(out), timeout=1500)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["fresh"]["requests_generated"] == 600
     resumed = row["resumed"]
@@ -340,13 +258,8 @@ def test_the_real_batches_lengths_workload_asks_each_prompt_at_three_lengths_onl
 @pytest.mark.slow
 def test_the_real_batches_text_checked_workloads_match_raw_vllms_greedy_texts(tmp_path):
     out = tmp_path / "real_batches.json"
-    subprocess.run(
-        [sys.executable, str(REPO / "bench" / "real_batches.py"), "--sections", "lengths", "--scale", "0.03"]
-        + ["--repeat", "1", "--out", str(out)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    _bench(
+        "real_batches.py", "--sections", "lengths", "--scale", "0.03", "--repeat", "1", "--out", str(out), timeout=900
     )
     result = json.loads(out.read_text())
     assert result["workloads"]["lengths"]["requests"] == 9
