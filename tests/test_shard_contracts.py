@@ -120,3 +120,25 @@ def test_a_failed_pods_reason_is_the_workers_own_from_its_last_pipes_lines():
     pod_error = f"Pod failed.\nlast lines:\n2026-12-01T00:00:00Z {line}\nTraceback (most recent call last): ..."
     assert _worker_failure(pod_error) == "OSError: [Errno 28] No space left on device"
     assert _worker_failure("Pod failed: OOMKilled") is None
+
+
+def test_a_task_an_older_release_pickled_comes_back_in_its_contract_types(task):
+    """Dagster keeps plan_shards' outputs pickled: a run re-executed after an upgrade reads tasks whose
+    parts an older release kept as dicts, and the Kubernetes launcher reads them as models."""
+    from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
+
+    state = task.__dict__ | {
+        "model_config": {"model": "m", "trust_remote_code": False, "tensor_parallel_size": None},
+        "hardware": {"gpus": 2, "memory": "16Gi"},
+        "tool_config": {"name": "code_evaluator", "max_iterations": 3},
+    }
+
+    class OlderTask:  # what such a pickle holds: the class by its name, and the fields as they were
+        def __reduce_ex__(self, protocol):
+            return object.__new__, (ShardTask,), state
+
+    unpickled = pickle.loads(pickle.dumps(OlderTask()))
+    assert isinstance(unpickled.model_config, BatchCompletionsModelConfig) and unpickled.model_config.model == "m"
+    assert isinstance(unpickled.tool_config, ToolConfig) and unpickled.tool_config.max_iterations == 3
+    assert unpickled.hardware == {"gpus": 2, "memory": "16Gi"} and unpickled.shard == task.shard
+    assert pickle.loads(pickle.dumps(unpickled)) == unpickled

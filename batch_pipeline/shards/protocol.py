@@ -45,6 +45,12 @@ class ShardTask:
         as_json: dict[str, Any] = _SHARD_TASK.dump_python(self, mode="json", by_alias=True)
         return as_json
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Dagster keeps plan_shards' outputs pickled, and unpickling builds no dataclass: a task an older
+        # release pickled (its parts as dicts) comes back in its contract types for a re-execution.
+        checked = _SHARD_TASK.validate_python(state)
+        object.__setattr__(self, "__dict__", {name: getattr(checked, name) for name in state})
+
     @classmethod
     def from_dict(cls, raw: Any) -> ShardTask:
         """The task as the worker receives it, checked field by field: a task of another release (a renamed
