@@ -160,8 +160,9 @@ def test_every_shard_pod_of_the_largest_job_waits_at_once_while_local_workers_sh
     # a deployment's own cap on shards caps the step processes the run worker forks
     assert executor_config(K8sShardLauncher(image="i"), max_shards_per_job=16)["max_concurrent"] == 17
 
-    local = executor_config(LocalShardLauncher(concurrency=3))
+    local = executor_config(LocalShardLauncher(concurrency=3))  # an operator's choice above the cores
     assert local["tag_concurrency_limits"] == [{"key": "batch_pipeline/step", "value": "shard", "limit": 3}]
+    assert local["max_concurrent"] == 4
     assert executor_config(LocalShardLauncher())["tag_concurrency_limits"][0]["limit"] == 2
 
     @dg.op

@@ -76,7 +76,11 @@ def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = No
     if slots is None:
         largest = min(max_shards_per_job or MAX_DATA_PARALLELISM, MAX_DATA_PARALLELISM)
         return config | {"max_concurrent": largest + 1}  # the shards and one other step
-    return config | {"tag_concurrency_limits": [{"key": SHARD_STEP_TAG, "value": "shard", "limit": slots}]}
+    # max_concurrent too: the executor's default, the core count, would cap a concurrency set above it
+    return config | {
+        "max_concurrent": slots + 1,
+        "tag_concurrency_limits": [{"key": SHARD_STEP_TAG, "value": "shard", "limit": slots}],
+    }
 
 
 local_executor = dg.multiprocess_executor.configured(
