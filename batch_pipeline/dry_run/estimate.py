@@ -108,6 +108,6 @@ def _runtime(request: CreateBatchCompletionsV2Request, counts: Counts, history: 
 
 
 def _workers(request: CreateBatchCompletionsV2Request, tokens: int) -> int:
-    """Shard workers the job would run in, as plan_shards decides it, with the settings it reads (the
-    launcher's own limit on workers at once is not known here)."""
+    """Shard workers the job would run in, as plan_shards decides it, from the settings definitions.py
+    builds its ShardPlanning resource from (the launcher's own limit on workers at once is not known here)."""
     return PlanningSettings.from_environment(slots=None).shards_for(request.data_parallelism or 1, tokens)[0]
