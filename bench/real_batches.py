@@ -414,7 +414,7 @@ def raw_dtype(state: dict) -> str | None:
     return dtype if dtype in RAW_DTYPES else None
 
 
-def section_systems(section: str, scale: float, code_root: Path, work: Path, state: dict):
+def section_systems(section: str, scale: float, code_root: Path, work: Path, state: dict, dtype: str | None = None):
     """The workload's description and, in order (the job first), each system's name and how to run it once."""
 
     def job(request: dict, env: dict | None = None, requests: list[dict] | None = None, texts: bool = False):
@@ -426,7 +426,8 @@ def section_systems(section: str, scale: float, code_root: Path, work: Path, sta
         return run
 
     def v2(requests: list[dict], data_parallelism: int) -> dict:
-        return {"model_config": {"model": MODEL}, "data_parallelism": data_parallelism, "content": requests}
+        model_config = {"model": MODEL} | ({"dtype": dtype} if dtype else {})  # raw follows the job's dtype
+        return {"model_config": model_config, "data_parallelism": data_parallelism, "content": requests}
 
     if section == "default":
         requests = default_requests(scale)
@@ -649,6 +650,9 @@ def main() -> None:
         help="the checkout whose batch_pipeline every process runs (default: this one)",
     )
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--dtype", choices=sorted(RAW_DTYPES), help="the jobs' model_config.dtype (default: none, the model's own)"
+    )
     options = parser.parse_args()
     code_root = options.code_root.resolve()
     if not (code_root / "batch_pipeline").is_dir():
@@ -666,6 +670,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "repeat": options.repeat,
         "scale": options.scale,
+        "dtype": options.dtype,
         "workloads": {},
         "runs": {},
         "summary": {},
@@ -673,7 +678,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="real_batches-") as scratch:
         for section in options.sections:
             state: dict = {}
-            workload, systems = section_systems(section, options.scale, code_root, Path(scratch), state)
+            workload, systems = section_systems(section, options.scale, code_root, Path(scratch), state, options.dtype)
             result["workloads"][section] = workload
             names = list(systems)
             for round_index in range(options.repeat):
