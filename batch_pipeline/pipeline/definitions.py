@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import dagster as dg
 
@@ -58,7 +57,7 @@ _shard_launcher = shard_launcher_from_environment()
 secure_service_paths()
 
 
-def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = None) -> dict[str, Any]:
+def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = None) -> dict[str, object]:
     """The multiprocess executor's config for a job whose shards `launcher` runs.
 
     Step processes fork from a server that has imported this module and the instance's storage once per
@@ -72,7 +71,7 @@ def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = No
     would hold them to the run worker's core count.
     """
     slots = launcher.shard_slots()
-    config: dict[str, Any] = {"start_method": {"forkserver": {"preload_modules": step_server.PRELOAD_MODULES}}}
+    config: dict[str, object] = {"start_method": {"forkserver": {"preload_modules": step_server.PRELOAD_MODULES}}}
     if slots is None:
         largest = min(max_shards_per_job or MAX_DATA_PARALLELISM, MAX_DATA_PARALLELISM)
         return config | {"max_concurrent": largest + 1}  # the shards and one other step

@@ -4,8 +4,9 @@ release's fields."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -42,10 +43,9 @@ class ShardTask:
     tool_config: ToolConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        as_json: dict[str, Any] = _SHARD_TASK.dump_python(self, mode="json", by_alias=True)
-        return as_json
+        return cast(dict[str, Any], _SHARD_TASK.dump_python(self, mode="json", by_alias=True))
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: Mapping[str, object]) -> None:
         # Dagster keeps plan_shards' outputs pickled, and unpickling builds no dataclass: a task an older
         # release pickled (its parts as dicts) comes back in its contract types for a re-execution.
         checked = _SHARD_TASK.validate_python(state)
