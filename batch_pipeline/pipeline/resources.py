@@ -72,8 +72,4 @@ class ShardPlanning(dg.ConfigurableResource):
 
     def for_launcher(self, slots: int | None) -> PlanningSettings:
         """The plan's settings with a launcher that runs `slots` shards at once (None: no limit)."""
-        return PlanningSettings(
-            max_shards=self.max_shards_per_job or slots,
-            min_tokens_per_shard=self.min_shard_tokens,
-            deduplicate=self.deduplicate,
-        )
+        return PlanningSettings.of_deployment(self.max_shards_per_job, self.min_shard_tokens, self.deduplicate, slots)

@@ -32,14 +32,21 @@ class PlanningSettings:
     deduplicate: bool = True
 
     @classmethod
-    def from_environment(cls, slots: int | None) -> PlanningSettings:
-        """The deployment's settings (BATCH_PIPELINE_MAX_SHARDS_PER_JOB, unset: `slots`, what the launcher
-        runs at once; _MIN_SHARD_TOKENS; _DEDUPLICATE)."""
-        configured = settings()
+    def of_deployment(
+        cls, max_shards_per_job: int | None, min_shard_tokens: int, deduplicate: bool, slots: int | None
+    ) -> PlanningSettings:
+        """A deployment's settings with a launcher that runs `slots` shards at once (None: no limit): its
+        own cap on shards a job, unset, is the launcher's."""
         return cls(
-            max_shards=configured.max_shards_per_job or slots,
-            min_tokens_per_shard=configured.min_shard_tokens,
-            deduplicate=configured.deduplicate,
+            max_shards=max_shards_per_job or slots, min_tokens_per_shard=min_shard_tokens, deduplicate=deduplicate
+        )
+
+    @classmethod
+    def from_environment(cls, slots: int | None) -> PlanningSettings:
+        """The deployment's settings (BATCH_PIPELINE_MAX_SHARDS_PER_JOB, _MIN_SHARD_TOKENS, _DEDUPLICATE)."""
+        configured = settings()
+        return cls.of_deployment(
+            configured.max_shards_per_job, configured.min_shard_tokens, configured.deduplicate, slots
         )
 
     def shards_for(self, requested: int, tokens: int) -> tuple[int, str | None]:
