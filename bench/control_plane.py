@@ -443,7 +443,8 @@ def measure_tick(home: str, store_url: str, repeat: int, expected: int) -> dict:
     import dagster as dg
     from dagster._serdes import serialize_value
 
-    from batch_pipeline.pipeline.resources import JobStoreResource
+    from batch_pipeline.core.settings import settings
+    from batch_pipeline.pipeline.resources import JobStoreResource, Tenancy
     from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 
     instance = dg.DagsterInstance.from_config(home)
@@ -451,7 +452,8 @@ def measure_tick(home: str, store_url: str, repeat: int, expected: int) -> dict:
     try:
         for _ in range(repeat):
             context = dg.build_sensor_context(
-                instance=instance, resources={"job_store": JobStoreResource(url=store_url)}
+                instance=instance,
+                resources={"job_store": JobStoreResource(url=store_url), "tenancy": Tenancy.of_deployment(settings())},
             )
             started = time.perf_counter()
             requests = list(batch_jobs_sensor(context) or [])

@@ -72,6 +72,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
 
     from batch_pipeline.api.auth import Caller
     from batch_pipeline.api.service import BatchJobService
+    from batch_pipeline.core.settings import settings
     from batch_pipeline.pipeline.admission import admissions, waiting_queues
     from batch_pipeline.pipeline.resources import JobStorage
     from batch_pipeline.store.jobs import JobStore, NewJob
@@ -107,7 +108,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
             now = datetime.now(UTC)
             store.expired_waiting(now)
             queues = waiting_queues(store, registry, skip_owners="schedule:")
-            chosen = admissions(queues, store, registry, slots, now)
+            chosen = admissions(queues, store, registry, slots, now, settings().fair_share_half_life_s)
             return store.waiting_records(admission.job.job_id for admission in chosen)
 
         def before() -> list:

@@ -9,10 +9,9 @@ import dagster as dg
 import httpx
 import pytest
 
-from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
-from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
+from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY, sensor_resources
 from tests.conftest import MODEL
 
 ALICE = {"x-api-key": USER_KEY}
@@ -30,7 +29,7 @@ def _body(tmp_path, name="out", **fields):
 
 def _sensor_run_requests(deployment):
     context = dg.build_sensor_context(
-        instance=deployment.instance, resources={"job_store": JobStoreResource(url=str(deployment.store.engine.url))}
+        instance=deployment.instance, resources=sensor_resources(str(deployment.store.engine.url))
     )
     return list(batch_jobs_sensor(context) or [])
 

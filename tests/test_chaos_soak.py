@@ -14,11 +14,11 @@ from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG,
 from dagster._daemon.auto_run_reexecution.auto_run_reexecution import filter_runs_to_should_retry
 
 from batch_pipeline.pipeline import sensors
-from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.retries import MAX_RETRIES, RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, record_run_end
 from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.schema import JobStatus
+from tests.api_fixtures import sensor_resources
 from tests.conftest import MODEL
 from tests.test_run_workers import _a_job
 
@@ -76,9 +76,7 @@ def test_a_failed_run_the_retry_daemon_never_retried_is_handed_back_to_it_and_it
         for _, run in runs.values():
             assert run.tags[WILL_RETRY_TAG] == "true" and AUTO_RETRY_RUN_ID_TAG not in run.tags
 
-        context = dg.build_sensor_context(
-            instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
-        )
+        context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
         list(sensors.batch_jobs_sensor(context) or [])
 
         job_id, missed = runs["missed"]
@@ -107,9 +105,7 @@ def _failed_long_ago(instance: dg.DagsterInstance, store: JobStore, tags: dict[s
 
 
 def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
-    context = dg.build_sensor_context(
-        instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
-    )
+    context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
     list(sensors.batch_jobs_sensor(context) or [])
 
 

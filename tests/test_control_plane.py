@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store.jobs import NewJob
-from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
+from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY, sensor_resources
 from tests.conftest import MODEL
 
 ALICE = {"x-api-key": USER_KEY}
@@ -136,7 +136,7 @@ def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deploymen
             }
         },
         instance=api.instance,
-        resources={"job_store": JobStoreResource(url=str(api.store.engine.url)), "job_storage": JobStorage()},
+        resources=sensor_resources(str(api.store.engine.url), job_storage=JobStorage()),
     )
     assert result.success
     assert json.loads(output.read_text()) == [
@@ -191,9 +191,7 @@ def test_rows_an_older_release_left_running_are_set_from_their_finished_runs_by_
             )
         )
         api.store.mark_started(job_id, run_id)
-    context = dg.build_sensor_context(
-        instance=api.instance, resources={"job_store": JobStoreResource(url=str(api.store.engine.url))}
-    )
+    context = dg.build_sensor_context(instance=api.instance, resources=sensor_resources(str(api.store.engine.url)))
     assert list(sensors.batch_jobs_sensor(context) or []) == []
 
     assert api.job("batch-legacy-finished", ADMIN_KEY)["status"] == "completed"

@@ -117,6 +117,8 @@ def test_launchpad_fields_carry_the_spec_descriptions():
         ("job_store", "url", "sqlite:////tmp/other.db"),
         # a job that plans itself into more shards than the deployment runs, each too small for its engine
         ("shard_planning", "min_shard_tokens", 0),
+        # a cleanup reading teams of the launcher's own making: a retention of a day for another team's jobs
+        ("tenancy", "tenants_file", "/tmp/my-own-teams.yaml"),
     ],
 )
 @pytest.mark.parametrize("job_name", ["batch_completions", "keep_partial_results", "cleanup"])
@@ -135,7 +137,7 @@ def test_no_run_config_reconfigures_a_resource(job_name, resource, field, value)
 def test_resources_are_the_deployments():
     """The launchpad shows no resource config to edit, and the job's resources are what the settings built."""
     job = batch_completions_job()
-    for name in ("shard_launcher", "job_storage", "job_store", "shard_planning"):
+    for name in ("shard_launcher", "job_storage", "job_store", "shard_planning", "tenancy"):
         assert job.resource_defs[name].config_schema.as_field().config_type.fields == {}, name
 
 

@@ -13,9 +13,7 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 import pytest
 
-from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_queues
-from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import run_tags
 from batch_pipeline.store.jobs import JobStore, NewJob
@@ -28,10 +26,12 @@ from batch_pipeline.tenancy.fair_share import (
     queue_position,
 )
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants
-from tests.api_fixtures import write_instance_config
+from tests.api_fixtures import sensor_resources, write_instance_config
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 from tests.test_quotas import _ran
+
+HALF_LIFE_S = 3600.0  # the deployment's default, which the API's queue_position decays by in these tests
 
 BOUNDED, FREE = "key-of-the-bounded-team", "key-of-the-free-team"
 
@@ -377,7 +377,7 @@ def _store_job(store: JobStore, job_id: str, owner: str, priority: str | None = 
 
 def _old_usage(store: JobStore, now: datetime) -> dict[str, float]:
     """Usage as the first release read it: every job that used slots in the last 10 half-lives."""
-    half_life_s = settings().fair_share_half_life_s
+    half_life_s = HALF_LIFE_S
     usage: dict[str, float] = {}
     for use in store.slot_usage_since(now - timedelta(seconds=half_life_s * 10)):
         units = max(use.shards, 1) * json.loads(use.request_json)["gpus"]
@@ -402,8 +402,8 @@ def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_p
                 ended = started + timedelta(seconds=rng.randint(1, 600))
                 store.mark_run_ended(f"job-{n:02d}", f"run-{n}", "completed", ended)
     store.record_shards("job-01", {0: 1, 1: 1, 2: 1})  # three shards of two GPUs
-    first = team_shares(store, registry, now, count=True)  # the sensor's tick: the ended jobs counted
-    again = team_shares(store, registry, now)  # read from the counts now
+    first = team_shares(store, registry, now, HALF_LIFE_S, count=True)  # the sensor's tick: the ended jobs counted
+    again = team_shares(store, registry, now, HALF_LIFE_S)  # read from the counts now
     old = _old_usage(store, now)
     for owner in old:
         assert first[owner].usage == pytest.approx(old[owner], rel=1e-6)
@@ -413,14 +413,14 @@ def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_p
     finished = next(f"job-{n:02d}" for n in range(60) if n % 4 and n % 3)
     store.mark_started(finished, "run-again", now - timedelta(seconds=30))
     later = now + timedelta(seconds=10)
-    assert team_shares(store, registry, later, count=True)[store.get(finished).owner].usage == pytest.approx(
-        _old_usage(store, later)[store.get(finished).owner], rel=1e-6
-    )
+    assert team_shares(store, registry, later, HALF_LIFE_S, count=True)[
+        store.get(finished).owner
+    ].usage == pytest.approx(_old_usage(store, later)[store.get(finished).owner], rel=1e-6)
     store.mark_run_ended(finished, "run-again", "completed", later)
     latest = later + timedelta(seconds=100)
-    team_shares(store, registry, latest, count=True)
+    team_shares(store, registry, latest, HALF_LIFE_S, count=True)
     for owner, value in _old_usage(store, latest).items():
-        assert team_shares(store, registry, latest)[owner].usage == pytest.approx(value, rel=1e-6)
+        assert team_shares(store, registry, latest, HALF_LIFE_S)[owner].usage == pytest.approx(value, rel=1e-6)
 
 
 def test_the_store_read_admits_what_the_reference_admits_from_whole_records(teams, tmp_path):
@@ -431,7 +431,7 @@ def test_the_store_read_admits_what_the_reference_admits_from_whole_records(team
         priority = rng.choice([None, "low", "high", "highest", "15", "-5"])
         _store_job(store, f"job-{n:02d}", rng.choice(["team:bounded", "team:free", "someone", "schedule:s"]), priority)
     now = datetime.now(UTC)
-    shares = team_shares(store, registry, now)
+    shares = team_shares(store, registry, now, HALF_LIFE_S)
     records = [record for chunk in store.awaiting_launch() for record in chunk if record.owner != "schedule:s"]
     cap = {"team:bounded": 10}  # the bounded team's max_priority: high
     from batch_pipeline.contract.priority import run_priority
@@ -442,7 +442,7 @@ def test_the_store_read_admits_what_the_reference_admits_from_whole_records(team
     queues = waiting_queues(store, registry, skip_owners="schedule:")
     assert len(queues) == len(records)
     for slots in (None, 1, 5, 30):
-        assert [a.job.job_id for a in admissions(queues, store, registry, slots, now, count=False)] == (
+        assert [a.job.job_id for a in admissions(queues, store, registry, slots, now, HALF_LIFE_S, count=False)] == (
             _reference_admit(reference, shares, slots)
         )
 
@@ -487,9 +487,7 @@ def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_adm
 
     # The sensor gives runs out in that order, and says why in one line per job.
     instance = dg.DagsterInstance.get()
-    context = dg.build_sensor_context(
-        instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
-    )
+    context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
     capfd.readouterr()
     requests = list(batch_jobs_sensor(context) or [])
     assert [request.run_key for request in requests] == [bounded[0], bounded[1], free[1], free[2]]
@@ -503,7 +501,7 @@ def test_the_sensor_fails_a_job_whose_deadline_passed_while_it_waited_and_admits
     _store_job(store, "batch-late", "team:free", runtime=0)
     on_time = _submit(api, FREE, teams["free"] / "1.json").json()["job_id"]
     context = dg.build_sensor_context(
-        instance=dg.DagsterInstance.get(), resources={"job_store": JobStoreResource(url=str(store.engine.url))}
+        instance=dg.DagsterInstance.get(), resources=sensor_resources(str(store.engine.url))
     )
     assert [request.run_key for request in batch_jobs_sensor(context) or []] == [on_time]
     late = store.get("batch-late")
@@ -604,9 +602,7 @@ def _one_slot_sensor(tmp_path, store: JobStore):
     home = tmp_path / "dagster_home"
     write_instance_config(home, max_concurrent_runs=1)
     instance = dg.DagsterInstance.from_config(str(home))
-    context = dg.build_sensor_context(
-        instance=instance, resources={"job_store": JobStoreResource(url=str(store.engine.url))}
-    )
+    context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
     return lambda: [request.run_key for request in batch_jobs_sensor(context) or []]
 
 
@@ -659,7 +655,9 @@ def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_tak
     # The sensor gives the one free slot to the free team; the held team's late job still fails.
     registry = tenants()
     queues = waiting_queues(store, registry, skip_owners="schedule:")
-    held = admissions(queues, store, registry, 1, now, count=False).held  # for the sensor's log: one a team
+    held = admissions(
+        queues, store, registry, 1, now, HALF_LIFE_S, count=False
+    ).held  # for the sensor's log: one a team
     assert held == {
         "team:capped": f"3 waiting jobs are held by its max_tokens_per_day: it has used {TOKENS_PER_DAY}/"
         f"{TOKENS_PER_DAY} tokens today (UTC); they wait until 00:00 UTC"

@@ -12,12 +12,11 @@ import dagster as dg
 import httpx
 import pytest
 
-from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, run_tags
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.schema import jobs
-from tests.api_fixtures import USER_KEY
+from tests.api_fixtures import USER_KEY, sensor_resources
 from tests.conftest import MODEL
 
 ALICE = {"x-api-key": USER_KEY}
@@ -403,9 +402,7 @@ def _alice_owner() -> str:
 
 
 def _sensor_run_requests(api) -> list[dg.RunRequest]:
-    context = dg.build_sensor_context(
-        instance=api.instance, resources={"job_store": JobStoreResource(url=str(api.store.engine.url))}
-    )
+    context = dg.build_sensor_context(instance=api.instance, resources=sensor_resources(str(api.store.engine.url)))
     return list(batch_jobs_sensor(context) or [])
 
 

@@ -13,12 +13,12 @@ import pytest
 import sqlalchemy as sa
 
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule, delete_work_dir
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store import retention
 from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.openai import files as files_table
 from batch_pipeline.store.schema import JobStatus
-from tests.api_fixtures import OTHER_KEY, USER_KEY
+from tests.api_fixtures import OTHER_KEY, USER_KEY, sensor_resources
 from tests.test_openai_batch import _bearer, _create, _jsonl, _line, _upload
 from tests.test_usage import A_KEY, B_KEY, _body, _digest, _usage
 
@@ -28,7 +28,7 @@ DAY = timedelta(days=1)
 def _run_cleanup(store_url: str, storage: JobStorage, instance: dg.DagsterInstance) -> dict | None:
     """One tick of the real schedule, and the real job it asks for, run in this process: the run's
     summary, or None when the tick was skipped (nothing due)."""
-    resources = {"job_store": JobStoreResource(url=store_url), "job_storage": storage}
+    resources = sensor_resources(store_url, job_storage=storage)
     context = dg.build_schedule_context(
         instance=instance, resources=resources, scheduled_execution_time=datetime.now(UTC)
     )
@@ -152,9 +152,7 @@ def test_cleanup_frees_work_dirs_past_retention_and_leaves_user_outputs(teams, t
 
     # Idempotent: the next tick finds nothing due; a run anyway deletes nothing more.
     assert _run_cleanup(url, storage, instance) is None
-    again = cleanup.execute_in_process(
-        instance=instance, resources={"job_store": JobStoreResource(url=url), "job_storage": storage}
-    )
+    again = cleanup.execute_in_process(instance=instance, resources=sensor_resources(url, job_storage=storage))
     assert again.success and again.output_for_node("delete_expired")["work_dirs_deleted"] == 0
     # 0 days keeps work dirs forever.
     assert _run_cleanup(url, JobStorage(retention_days=0), instance) is None
@@ -405,7 +403,7 @@ def test_a_deletion_that_fails_fails_the_run_keeps_the_row_and_the_next_run_comp
     memory = Refusing()
     memory.pipe(f"/bucket/work/{job}/content.json", b"content")
     memory.pipe("/bucket/user/out.json", b"[]")
-    resources = {"job_store": JobStoreResource(url=url), "job_storage": storage}
+    resources = sensor_resources(url, job_storage=storage)
 
     with dg.instance_for_test() as instance:
         failed = cleanup.execute_in_process(instance=instance, resources=resources, raise_on_error=False)
@@ -426,7 +424,7 @@ def test_a_cleanup_still_running_is_not_joined_by_the_next_hours(tmp_path):
     (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
         running = instance.create_run_for_job(job_def=cleanup, status=dg.DagsterRunStatus.STARTED)
-        resources = {"job_store": JobStoreResource(url=f"sqlite:///{tmp_path}/jobs.db"), "job_storage": JobStorage()}
+        resources = sensor_resources(f"sqlite:///{tmp_path}/jobs.db", job_storage=JobStorage())
         context = dg.build_schedule_context(
             instance=instance, resources=resources, scheduled_execution_time=datetime.now(UTC)
         )
@@ -451,7 +449,7 @@ def test_one_cleanup_run_deletes_at_most_its_bounds_and_says_what_it_left_to_the
     for file_id in files:
         _expire(deployment, file_id)
 
-    resources = {"job_store": JobStoreResource(url=url), "job_storage": storage}
+    resources = sensor_resources(url, job_storage=storage)
     bounds = {"ops": {"delete_expired": {"config": {"max_work_dirs": 2, "max_files": 2}}}}
     run = cleanup.execute_in_process(instance=deployment.instance, resources=resources, run_config=bounds)
     left = {"work_dirs_left": 1, "files_left": 1}
@@ -532,7 +530,7 @@ def test_a_team_with_a_retention_of_its_own_and_a_backlog_does_not_starve_the_ot
     url = f"sqlite:///{tmp_path}/jobs.db"
     store = JobStore(url)
     storage = JobStorage(work_dir_base=str(tmp_path / "work"), retention_days=30)
-    resources = {"job_store": JobStoreResource(url=url), "job_storage": storage}
+    resources = sensor_resources(url, job_storage=storage)
     bounds = {"ops": {"delete_expired": {"config": {"max_work_dirs": 3}}}}
 
     def ended_job(owner: str, days_ago: int) -> str:

@@ -14,7 +14,7 @@ from batch_pipeline.pipeline.schedules import ScheduleFileError, load_schedule_s
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX
 from batch_pipeline.store.jobs import JobStore
-from tests.api_fixtures import ADMIN_KEY
+from tests.api_fixtures import ADMIN_KEY, sensor_resources
 from tests.conftest import MODEL
 
 VALID = (
@@ -86,7 +86,7 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
 
         first, again = evaluate(tick), evaluate(tick)
         next_night = evaluate(datetime(2026, 11, 29, 1, 0, tzinfo=UTC))
-        sensor_context = dg.build_sensor_context(instance=instance, resources={"job_store": JobStoreResource(url=url)})
+        sensor_context = dg.build_sensor_context(instance=instance, resources=sensor_resources(url))
         sensor_requests = batch_jobs_sensor.evaluate_tick(sensor_context).run_requests
 
     assert first.run_key == again.run_key != next_night.run_key

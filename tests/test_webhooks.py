@@ -26,7 +26,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from batch_pipeline.openai_batch.jobs import CUSTOM_IDS_FILE
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import keep_partial_results
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.store.openai import OpenAIStore, batches
@@ -35,6 +35,7 @@ from batch_pipeline.store.webhooks import PARTIAL_RESULTS_WAIT, WebhookOutbox
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, WebhookConfig
 from batch_pipeline.webhooks import delivery
 from batch_pipeline.webhooks.delivery import Deliverer, WebhookSecretError, check_webhook_secrets
+from tests.api_fixtures import sensor_resources
 from tests.conftest import MODEL
 
 ALPHA, BETA = "key-of-team-alpha", "key-of-team-beta"
@@ -308,7 +309,7 @@ class StoppedJob:
             dagster_event=cancelled,
             dagster_instance=instance,
             dagster_run=run,
-            resources={"job_store": JobStoreResource(url=str(store.engine.url))},
+            resources=sensor_resources(str(store.engine.url)),
         )
         self.request = sensors.record_stopped_runs(context)
         assert isinstance(self.request, dg.RunRequest)
@@ -319,7 +320,7 @@ class StoppedJob:
             run_config=self.request.run_config,
             tags=self.request.tags,
             instance=self.instance,
-            resources={"job_store": JobStoreResource(url=str(self.store.engine.url)), "job_storage": self.storage},
+            resources=sensor_resources(str(self.store.engine.url), job_storage=self.storage),
             raise_on_error=False,
         )
 

@@ -28,6 +28,7 @@ from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings
 from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.openai_batch.jobs import expired
 from batch_pipeline.pipeline.admission import place_in_queue
@@ -324,7 +325,7 @@ def _stored_max_runtime(record: JobRecord) -> int:
 def _place_in_queue(store: JobStore, registry: Tenants, record: JobRecord) -> dict[str, str]:
     """`queue_position` (1-based) and why, as the jobs sensor's order has it now; only the caller's own team
     is named, other teams only counted."""
-    place = place_in_queue(store, registry, record, datetime.now(UTC))
+    place = place_in_queue(store, registry, record, datetime.now(UTC), settings().fair_share_half_life_s)
     if place is None:
         return {}
     ahead = place.position - 1

@@ -20,7 +20,6 @@ from dagster._core.run_coordinator import QueuedRunCoordinator
 from dagster._core.storage.dagster_run import IN_PROGRESS_RUN_STATUSES
 
 from batch_pipeline.contract.priority import InvalidPriority, run_priority
-from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
 from batch_pipeline.store.jobs import JobRecord, JobStore, SlotUse
 from batch_pipeline.tenancy.fair_share import (
@@ -67,7 +66,9 @@ def utc_midnight(now: datetime) -> datetime:
     return now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
 
 
-def team_shares(store: JobStore, registry: Tenants, now: datetime, count: bool = False) -> dict[str, TeamShare]:
+def team_shares(
+    store: JobStore, registry: Tenants, now: datetime, half_life_s: float, count: bool = False
+) -> dict[str, TeamShare]:
     """Each owner's weight, bound, decayed usage and slots held now (owners no team names: weight 1); and
     each team's tokens of the UTC day where it sets a `max_tokens_per_day` (one grouped read of those
     teams, none where no team sets one).
@@ -75,7 +76,6 @@ def team_shares(store: JobStore, registry: Tenants, now: datetime, count: bool =
     A team's usage is its row of ended jobs (decayed from when it was written), the jobs that ended since
     (not yet counted) and its running jobs up to now. With `count` (the jobs sensor, once a tick), the
     ended ones are written into the rows, so that the next tick reads them no more."""
-    half_life_s = settings().fair_share_half_life_s
     since = now - timedelta(seconds=half_life_s * _HALF_LIVES_READ)
     usage = {owner: decay(value, as_of, now, half_life_s) for owner, (value, as_of) in store.team_usage().items()}
     changed: set[str] = set()
@@ -170,11 +170,17 @@ def waiting_queues(store: JobStore, registry: Tenants, skip_owners: str | None =
 
 
 def admissions(
-    queues: Queues, store: JobStore, registry: Tenants, slots: int | None, now: datetime, count: bool = True
+    queues: Queues,
+    store: JobStore,
+    registry: Tenants,
+    slots: int | None,
+    now: datetime,
+    half_life_s: float,
+    count: bool = True,
 ) -> Admissions:
     """The waiting jobs to give runs now, in order, each with why it won its slot; and the teams their
     tokens of the day hold (`Admissions.held`)."""
-    shares = team_shares(store, registry, now, count=count)
+    shares = team_shares(store, registry, now, half_life_s, count=count)
     held = {
         owner: tokens_hold(share, queues.count(owner))
         for owner in queues.owners()
@@ -192,11 +198,13 @@ def tokens_hold(share: TeamShare, waiting: int) -> str:
     )
 
 
-def place_in_queue(store: JobStore, registry: Tenants, record: JobRecord, now: datetime) -> QueuePlace | None:
+def place_in_queue(
+    store: JobStore, registry: Tenants, record: JobRecord, now: datetime, half_life_s: float
+) -> QueuePlace | None:
     """Where a waiting job stands now in the order the jobs sensor gives out run slots, by the same reads
     and the same order (`fair_share.queue_position` over what `admit` reads); nothing is written."""
     queues = waiting_queues(store, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
-    return queue_position(queues, team_shares(store, registry, now), record.job_id, record.owner)
+    return queue_position(queues, team_shares(store, registry, now, half_life_s), record.job_id, record.owner)
 
 
 def _capped_priority(registry: Tenants, owner: str, priority: str | None) -> int:

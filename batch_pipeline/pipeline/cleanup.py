@@ -41,12 +41,12 @@ from pydantic import Field
 
 from batch_pipeline.admission.paths import metadata_path
 from batch_pipeline.core import io
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, Tenancy
 from batch_pipeline.store import retention
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
 from batch_pipeline.store.webhooks import count_finished_events, delete_finished_events, finished_events_due
-from batch_pipeline.tenancy.tenants import Tenants, tenants
+from batch_pipeline.tenancy.tenants import Tenants
 
 CLEANUP_CRON = "23 * * * *"  # hourly
 # One run's bounds (its config's defaults): the rest is left to the next hour's run.
@@ -126,11 +126,11 @@ class CleanupReport:
         return f"left to the next cleanup, still due: {', '.join(parts)}" if parts else None
 
 
-def anything_due(store: JobStore, storage: JobStorage, now: datetime) -> bool:
+def anything_due(store: JobStore, storage: JobStorage, registry: Tenants | None, now: datetime) -> bool:
     """Whether a cleanup run would delete anything now (reads of one row each)."""
     if OpenAIStore(engine=store.engine).expired_files(now, limit=1):
         return True
-    for group in retention_groups(storage.retention_days, tenants()):
+    for group in retention_groups(storage.retention_days, registry):
         cutoff = now - timedelta(days=group.days)
         if retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, 1):
             return True
@@ -140,17 +140,23 @@ def anything_due(store: JobStore, storage: JobStorage, now: datetime) -> bool:
 
 
 def clean_up(
-    store: JobStore, storage: JobStorage, now: datetime, log: Any, limits: CleanupLimits | None = None
+    store: JobStore,
+    storage: JobStorage,
+    registry: Tenants | None,
+    now: datetime,
+    log: Any,
+    limits: CleanupLimits | None = None,
 ) -> CleanupReport:
-    """Delete the expired OpenAI files, the work dirs past their retention and the webhook events past it, as
-    of `now`, at most `limits` of each; the report says what is left."""
+    """Delete the expired OpenAI files, the work dirs past their retention (the deployment's, or a team's
+    of `registry`) and the webhook events past it, as of `now`, at most `limits` of each; the report says
+    what is left."""
     limits = limits or CleanupLimits()
     report = CleanupReport()
     files = OpenAIStore(engine=store.engine)
     _delete_expired_files(files, storage.files_dir(), now, log, report, limits.max_files)
     report.files_left = files.count_expired_files(now)
     work_dirs, events = limits.max_work_dirs, limits.max_webhook_events
-    groups = retention_groups(storage.retention_days, tenants())
+    groups = retention_groups(storage.retention_days, registry)
     failed: set[str] = set()
     # Each group its share of the bound first, then what the others left unused: a team with a retention of
     # its own and a backlog cannot spend every run on itself while the others' work dirs stay (and count in
@@ -355,9 +361,13 @@ def _prune_beneath(base: str, name: str, kept: set[str]) -> None:
     "past it, at most the config's bounds of each a run."
 )
 def delete_expired(
-    context: OpExecutionContext, config: CleanupLimits, job_store: JobStoreResource, job_storage: JobStorage
+    context: OpExecutionContext,
+    config: CleanupLimits,
+    job_store: JobStoreResource,
+    job_storage: JobStorage,
+    tenancy: Tenancy,
 ) -> dict:
-    report = clean_up(job_store.get_store(), job_storage, datetime.now(UTC), context.log, config)
+    report = clean_up(job_store.get_store(), job_storage, tenancy.registry(), datetime.now(UTC), context.log, config)
     if (left := report.left()) is not None:
         context.log.info(left)
     context.add_output_metadata(
@@ -391,7 +401,9 @@ def cleanup():
     "webhook event is past its retention (BATCH_PIPELINE_RETENTION_DAYS, or the team's retention_days); else the "
     "tick is skipped.",
 )
-def cleanup_schedule(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage):
+def cleanup_schedule(
+    context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage, tenancy: Tenancy
+):
     tick = context.scheduled_execution_time or datetime.now(UTC)
     # One cleanup at a time: each holds a run slot the teams' jobs share, and a long one (many files) must not
     # be joined by the next hour's.
@@ -404,6 +416,6 @@ def cleanup_schedule(context: dg.ScheduleEvaluationContext, job_store: JobStoreR
     )
     if unfinished:
         return dg.SkipReason(f"the cleanup run {unfinished[0]} has not finished: it deletes the rest")
-    if not anything_due(job_store.get_store(), job_storage, datetime.now(UTC)):
+    if not anything_due(job_store.get_store(), job_storage, tenancy.registry(), datetime.now(UTC)):
         return dg.SkipReason("no OpenAI file has expired and no work dir or webhook event is past its retention")
     return dg.RunRequest(run_key=f"cleanup@{tick.astimezone(UTC).isoformat()}")

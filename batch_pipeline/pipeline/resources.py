@@ -1,5 +1,5 @@
-"""The resources every op of a job shares: the job store, where a job's work files live, the shard launcher;
-each fixed by the deployment (`deployment_resource`), never by a run's config."""
+"""The resources every op of a job shares: the job store, where a job's work files live, the shard launcher,
+the teams; each fixed by the deployment (`deployment_resource`), never by a run's config."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import dagster as dg
 from pydantic import Field
 
 from batch_pipeline.core import io
+from batch_pipeline.core.settings import Settings
 from batch_pipeline.shards.planning import PlanningSettings
 from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.tenancy.tenants import Tenants, tenants_at
 
 
 def deployment_resource(resource: dg.ConfigurableResource) -> dg.ResourceDefinition:
@@ -73,3 +75,21 @@ class ShardPlanning(dg.ConfigurableResource):
     def for_launcher(self, slots: int | None) -> PlanningSettings:
         """The plan's settings with a launcher that runs `slots` shards at once (None: no limit)."""
         return PlanningSettings.of_deployment(self.max_shards_per_job, self.min_shard_tokens, self.deduplicate, slots)
+
+
+class Tenancy(dg.ConfigurableResource):
+    """The teams sharing the deployment, as the jobs sensor and the cleanup see them: the tenants file, read
+    at use and again as it changes (an edit counts from the next tick), and how fast fair share forgets
+    what a team used."""
+
+    tenants_file: str = Field(description="The tenants file (BATCH_PIPELINE_TENANTS); empty = no teams.")
+    fair_share_half_life_s: float = Field(
+        gt=0, description="Seconds after which a team's use of run slots counts half (fair share)."
+    )
+
+    @classmethod
+    def of_deployment(cls, configured: Settings) -> Tenancy:
+        return cls(tenants_file=configured.tenants, fair_share_half_life_s=configured.fair_share_half_life_s)
+
+    def registry(self) -> Tenants | None:
+        return tenants_at(self.tenants_file)

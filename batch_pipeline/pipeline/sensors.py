@@ -28,7 +28,7 @@ from batch_pipeline.pipeline.partial_results import (
     keeps_partial_results,
     partial_results_run_request,
 )
-from batch_pipeline.pipeline.resources import JobStoreResource
+from batch_pipeline.pipeline.resources import JobStoreResource, Tenancy
 from batch_pipeline.pipeline.retries import (
     MAX_RETRIES,
     describe_outage,
@@ -40,7 +40,6 @@ from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, RESUME_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.schema import JobStatus
-from batch_pipeline.tenancy.tenants import tenants
 
 # The sensors below are declared with it, so it is read when the definitions load (a code server starts).
 SENSOR_INTERVAL_S = settings().sensor_interval_s
@@ -64,17 +63,17 @@ def _max_tick_bytes() -> int:
     description="Turns each job the API stored into exactly one run (run_key = job id). A job that cannot "
     "become a run is marked failed with the reason; the others go on.",
 )
-def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResource):
+def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResource, tenancy: Tenancy):
     store = job_store.get_store()
-    yield from _run_requests(context, store)
+    yield from _run_requests(context, store, tenancy)
     try:
         _reconcile(context.instance, store)
     except Exception as exc:  # a safety net for stale rows: it never costs the jobs above their runs
         context.log.warning(f"could not reconcile finished runs with their jobs: {_shortened(exc)}")
 
 
-def _run_requests(context: SensorEvaluationContext, store: JobStore):
-    registry = tenants()
+def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Tenancy):
+    registry = tenancy.registry()
     if registry is None:
         yield from _launchable(context, store, _waiting(context, store))
         return
@@ -87,7 +86,7 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore):
     if not len(queues):
         return
     slots = free_run_slots(context.instance)
-    chosen = admissions(queues, store, registry, slots, now)
+    chosen = admissions(queues, store, registry, slots, now, tenancy.fair_share_half_life_s)
     records = store.waiting_records(admission.job.job_id for admission in chosen)
     runs = _tagged_runs(context.instance, records)
     for job_id, run_id in runs.items():  # a run the daemon made, already finished: the status sensors record it

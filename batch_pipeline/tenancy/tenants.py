@@ -328,10 +328,15 @@ _loaded: dict[tuple[str, int, int], Tenants] = {}
 
 
 def tenants() -> Tenants | None:
-    """The tenants file BATCH_PIPELINE_TENANTS names, read again when it changes; None without one. A file
+    """The tenants file BATCH_PIPELINE_TENANTS names (`tenants_at`): what the API reads; the pipeline's sensor
+    and cleanup read theirs through their `Tenancy` resource."""
+    return tenants_at(settings().tenants)
+
+
+def tenants_at(path: str) -> Tenants | None:
+    """The tenants file at `path`, read again when it changes; None without one (an empty path). A file
     changed into one with a mistake keeps the last good one in force (and says so), so that an edit in
     progress never stops every request; a process starting on a wrong file fails, naming the mistake."""
-    path = settings().tenants
     if not path:
         return None
     try:
