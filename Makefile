@@ -45,6 +45,7 @@ bench: model
 	$(PY) bench/sharding.py
 	$(PY) bench/fair_share.py
 	$(PY) bench/real_batches.py
+	$(PY) bench/worker_loop.py
 	$(PY) bench/openai_batch.py
 	$(PY) bench/resume.py
 	$(PY) bench/webhooks.py

@@ -267,3 +267,17 @@ def test_the_real_batches_text_checked_workloads_match_raw_vllms_greedy_texts(tm
     assert summary["runs"] == {"job": 1, "raw": 1, "run_batch": 1} and summary["text_mismatches"] == [0]
     # vLLM's run_batch on the same requests: its wall beside the job's, its texts compared with raw's too
     assert summary["job_over_run_batch"] > 0 and len(summary["run_batch_text_mismatches"]) == 1
+
+
+@pytest.mark.slow
+def test_the_worker_loop_benchmark_runs_the_worker_alone_and_raw_on_the_same_requests(tmp_path):
+    out = tmp_path / "worker_loop.json"
+    _bench("worker_loop.py", "--requests", "6", "--max-tokens", "4", "--out", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    worker, raw = result["runs"]["worker"], result["runs"]["raw"]
+    assert len(worker) == len(raw) == 1
+    # every request answered by both, at the same dtype, and the worker's greedy texts are raw's
+    assert worker[0]["completion_tokens"] == raw[0]["completion_tokens"] > 0
+    assert worker[0]["dtype"] == raw[0]["dtype"]
+    assert result["summary"]["text_mismatches"] == [0]
+    assert 0 < worker[0]["generate_s"] < worker[0]["wall_s"]
