@@ -15,7 +15,6 @@ time>.json.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -26,9 +25,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from engine_overhead import MODEL, RESULTS, prompts
-from real_batches import REPO, chat, environment, run_raw, timed
+from real_batches import REPO, chat, environment, run_raw, text_hashes, timed
 
-from batch_pipeline.shards.format import ShardSpec, WorkItem
+from batch_pipeline.shards.format import ShardSpec, WorkItem, iter_result_lines
 from batch_pipeline.shards.protocol import ShardTask
 
 
@@ -56,16 +55,13 @@ def run_worker(requests: list[dict], work: Path, profile: Path | None) -> dict:
     wall, completed = timed(command, environment(REPO), REPO)
     # the worker prints its stats as its last JSON line (py-spy prints its own lines after it)
     stats = json.loads(next(line for line in reversed(completed.stdout.splitlines()) if line.startswith("{")))
-    texts = []
     with open(shard / "output.tsv", encoding="utf-8") as handle:
-        for line in handle:
-            output = json.loads(line.partition("\t")[2])
-            texts.append(hashlib.sha256(output["choices"][0]["message"]["content"].encode()).hexdigest()[:16])
+        outputs = [json.loads(payload) for _, payload in iter_result_lines(handle)]
     return {
         "wall_s": round(wall, 2),  # the process, from its start to its exit
         "shard_wall_s": stats["wall_s"],  # the worker's own: engine start and generation
         **{key: stats[key] for key in ("engine_start_s", "generate_s", "completion_tokens", "dtype")},
-        "texts_sha256": texts,
+        "texts_sha256": text_hashes(outputs),
     }
 
 
