@@ -94,6 +94,39 @@ def test_a_cancelled_job_whose_run_is_still_stopping_is_a_409(deployment_factory
     assert response.status_code == 409 and "still stopping" in response.json()["detail"]
 
 
+def test_a_stopped_jobs_resume_waits_for_its_partial_results_output_and_not_for_the_merge_runs_end(
+    deployment_factory, tmp_path
+):
+    """GET shows `num_finished` once keep_partial_results has recorded the output, a moment before its run
+    ends: a resume then was a 409 (the resume e2e failed on it in CI). The output being final is what counts."""
+    from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
+    from batch_pipeline.store.results import JobResults
+
+    api = deployment_factory()
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    assert api.store.mark_started(job_id, "run-1")
+    api.store.mark_cancelled(job_id)
+    api.store.mark_run_ended(job_id, "run-1", JobStatus.CANCELLED, datetime.now(UTC), keeping_partial_results=True)
+    merge = partial_results_run_request(api.store.get(job_id), "run-1", "cancelled", "the job was cancelled")
+    assert merge is None  # no shards planned: nothing to merge, nothing to wait for
+    api.store.record_shards(job_id, {0: 2})
+    (api.home / "work" / job_id / "shards" / "0").mkdir(parents=True, exist_ok=True)
+    merge = partial_results_run_request(api.store.get(job_id), "run-1", "cancelled", "the job was cancelled")
+    api.instance.create_run_for_job(
+        keep_partial_results, run_config=merge.run_config, tags=merge.tags, status=dg.DagsterRunStatus.STARTED
+    )
+
+    response = _resume(api, job_id)
+    assert response.status_code == 409 and "still being merged" in response.json()["detail"]
+
+    results = JobResults(job_id=job_id, dagster_run_id="run-1", status="cancelled", num_requests=2, num_finished=1)
+    api.store.record_results(job_id, "run-1", results)
+    assert api.job(job_id)["metadata"]["num_finished"] == "1"  # what the user waits for
+    response = _resume(api, job_id)
+    assert response.status_code == 200, response.text
+    assert response.json()["job"]["status"] == "queued"
+
+
 def test_a_job_whose_checkpoints_are_gone_is_a_409_saying_so(deployment_factory, tmp_path):
     api = deployment_factory()
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]

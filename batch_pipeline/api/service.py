@@ -196,7 +196,7 @@ class BatchJobService:
             raise ResumeConflict(
                 f"the job is {record.status.value} but its run is still stopping: resume it once it has stopped"
             )
-        if record.run_id is not None and self._keeping_partial_results(record.run_id):
+        if record.run_id is not None and not _output_final(record) and self._keeping_partial_results(record.run_id):
             raise ResumeConflict(
                 f"the job is {record.status.value} and its finished results are still being merged into its "
                 "output: resume it once that is done"
@@ -311,6 +311,12 @@ def _resume_metadata(record: JobRecord) -> dict[str, str]:
         generated = record.completion_tokens - (record.completion_tokens_kept or 0)
         metadata["resume_completion_tokens_generated"] = str(max(0, generated))
     return metadata
+
+
+def _output_final(record: JobRecord) -> bool:
+    """Whether the row holds the summary of what its run wrote: for a stopped run, `keep_partial_results`
+    has written the output (its run may still be finishing around that)."""
+    return record.results is not None and record.results.dagster_run_id == record.run_id
 
 
 def _stored_max_runtime(record: JobRecord) -> int:
