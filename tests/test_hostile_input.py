@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import time
+import warnings
 from datetime import UTC
 
 import dagster as dg
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, run_tags
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, label_tag_key, run_tags
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.schema import jobs
 from tests.api_fixtures import USER_KEY, sensor_resources
@@ -320,8 +321,30 @@ def test_labels_past_their_bounds_get_422_naming_the_label_and_the_largest_allow
     assert len(tick) == 3
     for request in tick:
         assert {key: value for key, value in request.tags.items() if key.startswith(LABEL_TAG_PREFIX)} == {
-            LABEL_TAG_PREFIX + key: value for key, value in LARGEST_LABELS.items()
+            label_tag_key(key): value for key, value in LARGEST_LABELS.items()
         }
+
+
+# Keys a label may have that Dagster refuses in a tag key (it warns now, and says it will refuse them).
+ODD_LABEL_KEYS = ["cost center", "team/search", "équipe", "", "a" * 64, "a b", "a_b", "a_b-" + "0" * 12, "x" * 63]
+
+
+def test_every_label_is_a_run_tag_dagster_allows_and_no_two_labels_share_one(served, tmp_path):
+    """Every label tag (`batch_pipeline/label/<key>`, two namespace sections) was one Dagster deprecates,
+    whatever the key; a future Dagster that refuses them would fail every labelled job's run."""
+    from dagster._utils.tags import is_valid_tag_key
+
+    api, client = served
+    labels = {key: f"value {i}" for i, key in enumerate(ODD_LABEL_KEYS)}
+    response = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels=labels))
+    assert response.status_code == 200, response.text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # Dagster's warning for a non-compliant tag key
+        (request,) = _sensor_run_requests(api)
+    assert all(is_valid_tag_key(key) for key in request.tags), [k for k in request.tags if not is_valid_tag_key(k)]
+    label_tags = {key: value for key, value in request.tags.items() if key.startswith(LABEL_TAG_PREFIX)}
+    assert sorted(label_tags.values()) == sorted(labels.values())  # one tag a label
+    assert label_tags[LABEL_TAG_PREFIX + "x" * 63] == labels["x" * 63]  # an allowed key is itself
 
 
 def test_a_model_name_longer_than_the_store_keeps_gets_422(served, tmp_path):

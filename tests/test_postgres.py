@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from batch_pipeline.contract.labels import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, label_tag_key
 from tests.api_fixtures import REPO, USER_KEY, Deployment
 from tests.conftest import MODEL
 
@@ -229,7 +229,7 @@ def test_labels_past_the_bounds_get_422_and_the_largest_allowed_make_one_run_on_
         assert [run.run_id for run in runs] == [api.store.get(job_id).run_id]
         assert runs[0].tags[JOB_ID_TAG] == job_id
         assert {key: value for key, value in runs[0].tags.items() if key.startswith(LABEL_TAG_PREFIX)} == {
-            LABEL_TAG_PREFIX + key: value for key, value in labels.items()
+            label_tag_key(key): value for key, value in labels.items()
         }
         listed = api.client.get(
             "/v2/batch-completions",

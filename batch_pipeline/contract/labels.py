@@ -1,12 +1,13 @@
 """Labels: the key/value pairs a job carries (v2 `labels`, v1 `model_config.labels`, an OpenAI batch's
 `metadata`), and the bounds every one of them obeys.
 
-A label becomes a Dagster run tag (`batch_pipeline/label/<key>`), a row of the job store's label index, and
-part of every GET and LIST that shows its job. Postgres' btree indexes, Dagster's tag index among them, hold
-at most 2704 bytes an entry; a tag past it makes the run's row fail, and the jobs sensor, which finds a
-job's run by its tags, launches another every tick. So labels are bounded as OpenAI bounds batch metadata,
-with more pairs: at most 64 pairs, keys of at most 64 characters, values of at most 512. The largest tag
-is then 21 + 4 x 64 bytes of key and 4 x 512 of value in UTF-8 (2,325 bytes), which fits.
+A label becomes a Dagster run tag (`batch_pipeline.label/<key>`, its key made one Dagster allows by
+`pipeline.tags.label_tag_key`), a row of the job store's label index, and part of every GET and LIST that
+shows its job. Postgres' btree indexes, Dagster's tag index among them, hold at most 2704 bytes an entry; a
+tag past it makes the run's row fail, and the jobs sensor, which finds a job's run by its tags, launches
+another every tick. So labels are bounded as OpenAI bounds batch metadata, with more pairs: at most 64
+pairs, keys of at most 64 characters, values of at most 512. The largest tag is then 84 bytes of key
+(ASCII) and 4 x 512 of value in UTF-8 (2,132 bytes), which fits.
 """
 
 from __future__ import annotations

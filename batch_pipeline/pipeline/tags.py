@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.store.jobs import JobRecord
 from batch_pipeline.tenancy.tenants import priority_cap
 
 JOB_ID_TAG = "batch_pipeline/job_id"
-LABEL_TAG_PREFIX = "batch_pipeline/label/"
+# One namespace section, as Dagster allows a tag key (it deprecates others, to refuse them later).
+LABEL_TAG_PREFIX = "batch_pipeline.label/"
+# What Dagster allows of a tag key's section (dagster._utils.tags.VALID_TAG_KEY_REGEX).
+_TAG_KEY_SECTION = re.compile(r"[A-Za-z0-9_.-]{1,63}")
 MODEL_TAG = "batch_pipeline/model"
 # The job's deadline in epoch seconds: its expires_at (submission + max_runtime_sec). Every run of the job,
 # retries included, stops at this instant, however long it waited in the queue.
@@ -55,8 +61,18 @@ def run_tags(record: JobRecord) -> dict[str, str]:
         since = record.resumed_at or record.created_at
         tags[MAX_RUNTIME_TAG] = str(int((record.expires_at - since).total_seconds()) + RUN_MONITORING_GRACE_S)
     for key, value in record.labels.items():
-        tags[LABEL_TAG_PREFIX + key] = value
+        tags[label_tag_key(key)] = value
     return tags
+
+
+def label_tag_key(key: str) -> str:
+    """The run tag of label `key`: the key itself where Dagster allows it in a tag key (letters, digits,
+    `_`, `-`, `.`, at most 63), else what it allows of the key and a digest of the whole key, so that two
+    labels of a job keep two tags (a label may have any key of up to 64 characters)."""
+    if _TAG_KEY_SECTION.fullmatch(key):
+        return LABEL_TAG_PREFIX + key
+    kept = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)[:50]
+    return f"{LABEL_TAG_PREFIX}{kept}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
 def run_key(record: JobRecord) -> str:
