@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
-
 from batch_pipeline.core.settings import KUBERNETES_QUANTITY, settings
 
 # A number means this unit, as the pod's requests have always read it.
@@ -41,6 +39,10 @@ def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
     InvalidHardware naming the field unless it is a positive quantity."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise InvalidHardware(f"{field}: {value!r} is not a Kubernetes quantity ({EXAMPLES})")
+    # Imported here: the kubernetes package takes ~0.5-0.8 s to import, on the path of every process that
+    # checks requests (`batch-pipeline run` before its run starts), and only a request naming hardware uses it.
+    from kubernetes.utils.quantity import parse_quantity
+
     text = f"{value}{BARE_UNITS[field]}" if isinstance(value, (int, float)) else value
     if not KUBERNETES_QUANTITY.fullmatch(text):
         raise InvalidHardware(f"{field}: {value!r} is not a Kubernetes quantity ({EXAMPLES})")
