@@ -127,6 +127,49 @@ def test_a_stopped_jobs_resume_waits_for_its_partial_results_output_and_not_for_
     assert response.json()["job"]["status"] == "queued"
 
 
+def test_the_merge_of_a_stopped_runs_results_run_again_writes_nothing_once_they_are_kept(deployment_factory, tmp_path):
+    """Resume waits only until the kept results are recorded; a retry of the merge step after that (a call
+    after `record_results` failed) rewrote the output and the batch files under a job resumed meanwhile."""
+    from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
+    from batch_pipeline.pipeline.resources import JobStorage
+    from tests.api_fixtures import sensor_resources
+
+    api = deployment_factory()
+    output = tmp_path / "out" / "output.json"
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    stopped = api.instance.add_run(dg.DagsterRun(job_name="batch_completions", status=dg.DagsterRunStatus.CANCELED))
+    assert api.store.mark_started(job_id, stopped.run_id)
+    shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
+    shard.mkdir(parents=True)
+    (shard / "input.jsonl").write_text(
+        "".join(json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in (0, 1))
+    )
+    (shard / "results.tsv").write_text(f"0\t{json.dumps({'text': 'kept'})}\n")
+    api.store.record_shards(job_id, {0: 2})
+    api.store.mark_cancelled(job_id)
+    held = api.store.mark_run_ended(
+        job_id, stopped.run_id, JobStatus.CANCELLED, datetime.now(UTC), keeping_partial_results=True
+    )
+    merge = partial_results_run_request(api.store.get(job_id), stopped.run_id, "cancelled", "cancelled", held)
+
+    def run_merge() -> dg.ExecuteInProcessResult:
+        return keep_partial_results.execute_in_process(
+            run_config=merge.run_config,
+            tags=merge.tags,
+            instance=api.instance,
+            resources=sensor_resources(str(api.store.engine.url), job_storage=JobStorage()),
+        )
+
+    assert run_merge().success
+    kept = json.loads(output.read_text())
+    assert kept[0] == {"text": "kept"} and kept[1]["error"]["code"] == "cancelled"
+    assert api.job(job_id)["metadata"]["num_finished"] == "1"
+    output.write_text("what a resumed run wrote")  # the output is the resumed run's now
+    assert run_merge().success  # the step run again, as its retry would be
+    assert output.read_text() == "what a resumed run wrote"
+    assert _resume(api, job_id).status_code == 200
+
+
 def test_a_job_whose_checkpoints_are_gone_is_a_409_saying_so(deployment_factory, tmp_path):
     api = deployment_factory()
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]

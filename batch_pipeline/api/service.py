@@ -314,9 +314,9 @@ def _resume_metadata(record: JobRecord) -> dict[str, str]:
 
 
 def _output_final(record: JobRecord) -> bool:
-    """Whether the row holds the summary of what its run wrote: for a stopped run, `keep_partial_results`
-    has written the output (its run may still be finishing around that)."""
-    return record.results is not None and record.results.dagster_run_id == record.run_id
+    """Whether `keep_partial_results` has written the stopped run's output whole (its run may still be
+    finishing: a retry of its step then writes nothing, see `partial_results._merge`)."""
+    return record.results is not None and record.results.kept_of(record.run_id)
 
 
 def _stored_max_runtime(record: JobRecord) -> int:

@@ -69,6 +69,13 @@ def _merge(context: OpExecutionContext, config: StoppedRun, store: JobStore, job
         if config.held_event:  # nothing to wait for: the stopped run's end is announced now
             WebhookOutbox(engine=store.engine).release(config.held_event)
         return {}
+    if record.results is not None and record.results.kept_of(config.run_id):
+        # A retry after the output was recorded whole (a later call failed): the API may have resumed the
+        # job since, and a rewrite would land on the resumed run's output.
+        context.log.info(f"{record.job_id}: the finished results of {config.run_id} are already kept")
+        if config.held_event:
+            WebhookOutbox(engine=store.engine).release(config.held_event)
+        return record.results.model_dump(exclude_none=True)
     work_dir = job_storage.work_dir(record.job_id)
     done, total = progress(work_dir)
     output_path = record.request["output_data_path"]

@@ -50,6 +50,11 @@ class JobResults(BaseModel):
         """The column's JSON: the figures known, as `json.dumps` has always written them."""
         return json.dumps(self.model_dump(exclude_none=True))
 
+    def kept_of(self, run_id: str | None) -> bool:
+        """Whether these are what keep_partial_results kept of the stopped run `run_id`: the output it
+        wrote whole, its last file written."""
+        return run_id is not None and self.dagster_run_id == run_id and self.num_finished is not None
+
     def row_counts(self) -> dict[str, int]:
         """The figures known of those the job's row also keeps in columns of their own (progress, usage and
         /metrics read those), by column."""
