@@ -326,7 +326,7 @@ def test_labels_past_their_bounds_get_422_naming_the_label_and_the_largest_allow
 
 
 # Keys a label may have that Dagster refuses in a tag key (it warns now, and says it will refuse them).
-ODD_LABEL_KEYS = ["cost center", "team/search", "équipe", "", "a" * 64, "a b", "a_b", "a_b-" + "0" * 12, "x" * 63]
+ODD_LABEL_KEYS = ["cost center", "team/search", "équipe", "", "a" * 64, "a b", "a_b", "x" * 63]
 
 
 def test_every_label_is_a_run_tag_dagster_allows_and_no_two_labels_share_one(served, tmp_path):
@@ -336,6 +336,8 @@ def test_every_label_is_a_run_tag_dagster_allows_and_no_two_labels_share_one(ser
 
     api, client = served
     labels = {key: f"value {i}" for i, key in enumerate(ODD_LABEL_KEYS)}
+    # A key Dagster allows, spelling the tag another key is written as.
+    labels[label_tag_key("cost center").removeprefix(LABEL_TAG_PREFIX)] = "spelled like cost center's tag"
     response = _post(client, "/v2/batch-completions", _v1_body(tmp_path, labels=labels))
     assert response.status_code == 200, response.text
     with warnings.catch_warnings():

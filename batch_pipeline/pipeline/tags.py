@@ -15,6 +15,8 @@ JOB_ID_TAG = "batch_pipeline/job_id"
 LABEL_TAG_PREFIX = "batch_pipeline.label/"
 # What Dagster allows of a tag key's section (dagster._utils.tags.VALID_TAG_KEY_REGEX).
 _TAG_KEY_SECTION = re.compile(r"[A-Za-z0-9_.-]{1,63}")
+# How `label_tag_key` ends a key it wrote: a key that ends so is written too, or it could be another's.
+_DIGEST_END = re.compile(r".*-[0-9a-f]{16}")
 MODEL_TAG = "batch_pipeline/model"
 # The job's deadline in epoch seconds: its expires_at (submission + max_runtime_sec). Every run of the job,
 # retries included, stops at this instant, however long it waited in the queue.
@@ -69,10 +71,12 @@ def label_tag_key(key: str) -> str:
     """The run tag of label `key`: the key itself where Dagster allows it in a tag key (letters, digits,
     `_`, `-`, `.`, at most 63), else what it allows of the key and a digest of the whole key, so that two
     labels of a job keep two tags (a label may have any key of up to 64 characters)."""
-    if _TAG_KEY_SECTION.fullmatch(key):
+    if _TAG_KEY_SECTION.fullmatch(key) and not _DIGEST_END.fullmatch(key):
         return LABEL_TAG_PREFIX + key
-    kept = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)[:50]
-    return f"{LABEL_TAG_PREFIX}{kept}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
+    kept = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)[:46]
+    # surrogatepass: a row an older release stored may hold a lone surrogate, which the API now refuses.
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return f"{LABEL_TAG_PREFIX}{kept}-{digest}"
 
 
 def run_key(record: JobRecord) -> str:
