@@ -12,8 +12,9 @@ MODEL := smollm2-135m-instruct
 run: model
 	$(VENV)/bin/batch-pipeline run examples/sample_request.json
 
+# The 30 slowest tests are listed at the end: where CI's time goes, run after run.
 test: model
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 # What to run before pushing: every test that starts no vLLM engine, no Dagster daemon and no whole
 # deployment (those are marked slow; `make test` runs them too).
