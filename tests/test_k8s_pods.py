@@ -165,6 +165,13 @@ def test_every_shard_pod_of_the_largest_job_waits_at_once_while_local_workers_sh
     assert local["max_concurrent"] == 4
     assert executor_config(LocalShardLauncher())["tag_concurrency_limits"][0]["limit"] == 2
 
+    # Each shard step of pods imports the Kubernetes client and dagster-k8s: the step server does so once.
+    def preloaded(config):
+        return config["start_method"]["forkserver"]["preload_modules"]
+
+    assert {"kubernetes", "dagster_k8s"} <= set(preloaded(pods))
+    assert not {"kubernetes", "dagster_k8s"} & set(preloaded(local))
+
     @dg.op
     def noop():
         pass

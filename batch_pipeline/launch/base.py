@@ -146,3 +146,8 @@ class ShardLauncher(dg.ConfigurableResource):
         """How many shard workers of one job can compute at once; None where the cluster decides (pods
         wait for nodes). A job is not split into more shards than this."""
         return None
+
+    def step_modules(self) -> list[str]:
+        """What this launcher's steps import beyond the job's definitions, for the step server to import
+        once a run instead of each step (`pipeline.step_server`)."""
+        return []

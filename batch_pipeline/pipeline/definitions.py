@@ -71,7 +71,8 @@ def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = No
     would hold them to the run worker's core count.
     """
     slots = launcher.shard_slots()
-    config: dict[str, object] = {"start_method": {"forkserver": {"preload_modules": step_server.PRELOAD_MODULES}}}
+    preload = [*step_server.PRELOAD_MODULES, *launcher.step_modules()]
+    config: dict[str, object] = {"start_method": {"forkserver": {"preload_modules": preload}}}
     if slots is None:
         largest = min(max_shards_per_job or MAX_DATA_PARALLELISM, MAX_DATA_PARALLELISM)
         return config | {"max_concurrent": largest + 1}  # the shards and one other step

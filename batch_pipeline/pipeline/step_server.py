@@ -5,15 +5,13 @@ from __future__ import annotations
 import multiprocessing
 from multiprocessing import forkserver
 
-# What every step would import again: the executor's child side, this package's job and resources, the
-# instance's storage (SQLite locally, PostgreSQL in production), and the hardware checks' quantity parser
-# (validate_input uses it wherever the operator bounds cpus, memory or storage, as the shipped k8s config does).
+# What every step would import again: the executor's child side, this package's job and resources, and the
+# instance's storage (SQLite locally, PostgreSQL in production). A launcher adds its own (`step_modules`).
 PRELOAD_MODULES = [
     "dagster._core.executor.multiprocess",
     "batch_pipeline.pipeline.definitions",
     "dagster._core.storage.sqlite_storage",
     "dagster_postgres",
-    "kubernetes.utils.quantity",
 ]
 
 
