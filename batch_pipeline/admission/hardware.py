@@ -40,7 +40,8 @@ def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise InvalidHardware(f"{field}: {value!r} is not a Kubernetes quantity ({EXAMPLES})")
     # Imported here: the kubernetes package takes ~0.5-0.8 s to import, on the path of every process that
-    # checks requests (`batch-pipeline run` before its run starts), and only a request naming hardware uses it.
+    # checks requests (`batch-pipeline run` before its run starts), and only a request naming hardware or a
+    # deployment bounding it uses it (a Kubernetes launcher's step server imports it once a run).
     from kubernetes.utils.quantity import parse_quantity
 
     text = f"{value}{BARE_UNITS[field]}" if isinstance(value, (int, float)) else value
