@@ -46,7 +46,7 @@ class CharTokenizer:  # test double: stands for the model's tokenizer; one token
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(char) for char in text]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(map(chr, token_ids))
 
 
@@ -62,6 +62,8 @@ class Completion:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     stop_reason: str | None
+    finish_reason: str
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -96,7 +98,7 @@ class ScriptedEngine:  # test double: stands for vLLM's LLMEngine, which cannot 
     Like vLLM, a round stops at the first stop string (cut from the text, its tokens counted, named as the
     `stop_reason`) or after `max_tokens` tokens; the end of a reply stands for an end-of-sequence token
     (not counted). Each `step` finishes the oldest request; a prompt longer than `max_model_len` tokens is
-    refused as vLLM refuses it. A round the script does not have, or a request id used twice, is a fault:
+    refused as vLLM refuses it. A round the script does not have, or a request id used twice at once, is a fault:
     recorded in `faults` (run_shard fails on any) as well as raised, since the loop may catch it."""
 
     def __init__(self, replies: dict[str, list[str]], max_model_len: int = 100_000) -> None:
@@ -113,8 +115,8 @@ class ScriptedEngine:  # test double: stands for vLLM's LLMEngine, which cannot 
         self.faults: list[str] = []
 
     def add_request(self, request_id: str, prompt: str, params: Any) -> None:
-        if request_id in {request.request_id for request in self.requests}:
-            self._fault(f"request id {request_id} used twice")
+        if request_id in self.pending:  # vLLM refuses an id in use; a finished one may come again
+            self._fault(f"request id {request_id} used twice at once")
         if len(prompt) > self.max_model_len:
             raise ValueError(
                 f"The decoder prompt (length {len(prompt)}) is longer than the maximum model length of "
@@ -129,7 +131,8 @@ class ScriptedEngine:  # test double: stands for vLLM's LLMEngine, which cannot 
         logprobs = None
         if params.logprobs is not None:
             logprobs = [{token: Logprob(-1.0, chr(token))} for token in token_ids]
-        completion = Completion(text=text, token_ids=token_ids, logprobs=logprobs, stop_reason=stop_reason)
+        finish_reason = "length" if stop_reason is None and len(token_ids) == params.max_tokens else "stop"
+        completion = Completion(text, token_ids, logprobs, stop_reason, finish_reason)
         output = RequestOutput(request_id, [ord(char) for char in prompt], [completion])
         last = not self.replies[original]
         request = Request(request_id, prompt, params.max_tokens, stop, output, original, last)
@@ -202,8 +205,13 @@ class Clock:  # test double: the runner's clock, moved on at will instead of wai
 
 
 def make_shard(tmp_path: Path, prompts: list[str], max_new_tokens: int = 200, **content: Any) -> ShardSpec:
-    records = [("content", {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": 0.0, **content})]
-    (shard,) = write_shards(work_items(records), 1, str(tmp_path / "job"))
+    content = {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": 0.0, **content}
+    return make_shard_of(tmp_path, [content])
+
+
+def make_shard_of(tmp_path: Path, contents: list[dict[str, Any]]) -> ShardSpec:
+    """One shard of v1 contents, each its own record."""
+    (shard,) = write_shards(work_items(("content", content) for content in contents), 1, str(tmp_path / "job"))
     return shard
 
 
@@ -214,6 +222,7 @@ def run_shard(
     tool_config: dict[str, Any] | None = None,
     deadline: float | None = None,
     max_in_flight: int = 1024,
+    share_generations: bool = True,
 ) -> ShardStats:
     """The real ShardRunner on the shard, its engine the scripted one (None: no engine may be built)."""
 
@@ -222,7 +231,13 @@ def run_shard(
         return Engine(ScriptedLLM(engine), engine, unsupported=[], dtype="float32", dtype_reason="a scripted engine")
 
     monkeypatch.setattr(engine_module, "build_llm", build_llm)
-    task = ShardTask(shard=shard, model_config={"model": "scripted"}, tool_config=tool_config, deadline=deadline)
+    task = ShardTask(
+        shard=shard,
+        model_config={"model": "scripted"},
+        tool_config=tool_config,
+        deadline=deadline,
+        share_generations=share_generations,
+    )
     try:
         return ShardRunner(task, max_in_flight=max_in_flight).run()
     finally:
@@ -541,3 +556,73 @@ def test_a_resumed_shard_skips_finished_items_and_redoes_a_torn_one(monkeypatch,
     ]
     assert sorted(request.prompt for request in engine.requests) == ["Q1\n", "Q2\n"]
     assert (stats.resumed, stats.generated, stats.completion_tokens) == (1, 2, 11)
+
+
+# --- Shared generation: greedy requests that differ only in their limit -----------------------------------
+
+
+def greedy(prompt: str, limit: int, **content: Any) -> dict[str, Any]:
+    return {"prompts": [prompt], "max_new_tokens": limit, "temperature": 0.0, "return_token_log_probs": True, **content}
+
+
+def test_greedy_requests_differing_only_in_their_limit_share_one_generation_cut_to_each(monkeypatch, tmp_path):
+    """The engine runs the largest limit once; each request gets that generation's first tokens, with its own
+    counts and log-probabilities. A sampled request at the same prompt, or a greedy one asking for something
+    else (a stop string), is generated on its own."""
+    reply = "abcdefghijkl"
+    contents = [
+        greedy("Q", 3),
+        greedy("Q", 10),
+        {**greedy("Q", 4), "temperature": 0.5},
+        greedy("Q", 6),
+        greedy("Q", 30),  # past the reply's end: the whole reply, as its own generation would stop
+        greedy("Q", 5, stop_sequences=["x"]),
+    ]
+    shard = make_shard_of(tmp_path, contents)
+    engine = ScriptedEngine({"Q": [reply] * 3})  # a fourth request for Q is a fault
+
+    stats = run_shard(monkeypatch, shard, engine)
+
+    assert sorted(request.max_tokens for request in engine.requests) == [4, 5, 30]
+    texts = [reply[:3], reply[:10], reply[:4], reply[:6], reply, reply[:5]]
+    assert [output["text"] for output in outputs(shard)] == texts
+    assert [output["num_completion_tokens"] for output in outputs(shard)] == [len(text) for text in texts]
+    assert [[token["token"] for token in output["tokens"]] for output in outputs(shard)] == [list(t) for t in texts]
+    assert (stats.generated, stats.cut_from_longer) == (6, 3)
+
+
+def test_with_sharing_off_each_limit_is_generated_on_its_own(monkeypatch, tmp_path):
+    shard = make_shard_of(tmp_path, [greedy("Q", 3), greedy("Q", 6)])
+    engine = ScriptedEngine({"Q": ["abcdefgh"] * 2})
+
+    stats = run_shard(monkeypatch, shard, engine, share_generations=False)
+
+    assert sorted(request.max_tokens for request in engine.requests) == [3, 6]
+    assert [output["text"] for output in outputs(shard)] == ["abc", "abcdef"]
+    assert stats.cut_from_longer == 0
+
+
+def test_a_cut_inside_a_character_is_generated_on_its_own(monkeypatch, tmp_path):
+    """Where the first tokens end inside a character (the detokenizer writes U+FFFD for it), the engine's
+    own text at that limit could differ from the cut: that request is generated again, alone."""
+    reply = "ab\ufffdcdef"
+    shard = make_shard_of(tmp_path, [greedy("Q", 3), greedy("Q", 6)])
+    engine = ScriptedEngine({"Q": [reply, reply]})
+
+    stats = run_shard(monkeypatch, shard, engine)
+
+    assert [request.max_tokens for request in engine.requests] == [6, 3]
+    assert [output["text"] for output in outputs(shard)] == [reply[:3], reply[:6]]
+    assert stats.cut_from_longer == 0
+
+
+def test_a_shared_generation_the_engine_refuses_leaves_each_request_its_own_error(monkeypatch, tmp_path):
+    """Every request of a group the engine refuses gets its error entry, not only the one that led it."""
+    long_prompt = "Q" * 50
+    shard = make_shard_of(tmp_path, [greedy(long_prompt, 3), greedy(long_prompt, 6), greedy(long_prompt, 9)])
+    engine = ScriptedEngine({long_prompt: []}, max_model_len=20)
+
+    run_shard(monkeypatch, shard, engine)
+
+    errors = [output["error"]["code"] for output in outputs(shard)]
+    assert errors == ["prompt_too_long"] * 3

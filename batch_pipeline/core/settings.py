@@ -232,7 +232,9 @@ class Settings(_EnvironmentSettings):
         8192, ge=0, description="Estimated tokens a shard must have to be worth its engine start (0: any)"
     )
     deduplicate: bool = Field(
-        True, description="`0` generates repeats of a deterministic request again instead of copying the first's output"
+        True,
+        description="`0` generates repeats of a deterministic request again instead of copying the first's "
+        "output, and greedy requests differing only in their output limit each on its own",
     )
     local_shard_concurrency: int | None = Field(
         None, ge=1, description="Shard workers the local launcher runs at once (unset: the core count)"

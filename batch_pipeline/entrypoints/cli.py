@@ -289,6 +289,11 @@ def _run(path: Path, show: int) -> int:
         print(f"{plan['used']} of the {plan['requested']} shards asked: {plan['reason']}")
     if metadata["num_deduplicated"]:
         print(f"{metadata['num_deduplicated']} requests repeated an earlier deterministic one and share its output")
+    if metadata["num_cut_from_longer"]:
+        print(
+            f"{metadata['num_cut_from_longer']} greedy requests were answered by the same request's generation "
+            "at a larger output limit"
+        )
     for reason in sorted({shard["dtype_reason"] for shard in metadata["shards"] if shard.get("dtype_reason")}):
         print(f"computed in {metadata['dtype']}: {reason}")
     for index, output in enumerate(outputs[:show]):

@@ -235,6 +235,7 @@ def plan_shards(
             hardware=hardware,
             labels=request.labels,
             tool_config=request.tool_config,
+            share_generations=recorded.deduplicate,
         )
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
 
@@ -409,6 +410,7 @@ def write_job_metadata(
         # the dtype chosen for the hardware (each shard's choice and reason are in `shards`).
         "data_parallelism": plan.plan.to_dict(),
         "num_deduplicated": plan.deduplicated,
+        "num_cut_from_longer": sum(s.cut_from_longer for s in stats),
         "dtype": ", ".join(sorted({s.dtype for s in stats if s.dtype})) or None,
         # Whether the job's tool_config was applied (the code_evaluator loop serves v1 prompts only).
         "tool_config": next((s.tool_config for s in stats if s.tool_config), None),

@@ -1,12 +1,13 @@
 """Input records as work items: v1 content fanned out per prompt, each item's size estimated without a
-tokenizer, and the digest by which repeats of a deterministic request are found."""
+tokenizer, and the digests by which repeats of a deterministic request, and greedy requests that differ only
+in their output limit, are found."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request
@@ -96,4 +97,42 @@ def repeat_key(item: WorkItem) -> int | None:
     if request.get("temperature") != 0 and request.get("seed") is None:
         return None
     text = json.dumps([item.kind, request], sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
+
+
+# The fields that cap a request's output, by kind; a chat request's newer name wins where both are set.
+_OUTPUT_LIMIT_FIELDS: dict[RecordKind, tuple[str, ...]] = {
+    "v1": ("max_new_tokens",),
+    "completion": ("max_tokens",),
+    "chat": ("max_completion_tokens", "max_tokens"),
+}
+
+
+def output_limit(item: WorkItem) -> int | None:
+    """The most tokens the request asks for a prompt; None where it sets no limit."""
+    for name in _OUTPUT_LIMIT_FIELDS[item.kind]:
+        if item.request.get(name) is not None:
+            return int(item.request[name])
+    return None
+
+
+def with_output_limit(item: WorkItem, limit: int) -> WorkItem:
+    """The same request asking for at most `limit` tokens a prompt."""
+    names = _OUTPUT_LIMIT_FIELDS[item.kind]
+    name = next((name for name in names if item.request.get(name) is not None), names[-1])
+    return replace(item, request={**item.request, name: limit})
+
+
+def shared_generation_key(item: WorkItem) -> int | None:
+    """A 128-bit digest that greedy requests share when they differ at most in their output limit: one
+    generation at the largest limit answers each, cut to its own (greedy decoding never looks ahead, so a
+    shorter limit's tokens are the longer's first). None for any other request: sampled ones (a seed fixes
+    a sample, not its prefix across limits), several candidates, a `min_tokens`, or no limit at all."""
+    request = item.request
+    if request.get("temperature") != 0 or (request.get("n") or 1) != 1 or request.get("min_tokens"):
+        return None
+    if output_limit(item) is None:
+        return None
+    rest = {name: value for name, value in request.items() if name not in _OUTPUT_LIMIT_FIELDS[item.kind]}
+    text = json.dumps([item.kind, rest], sort_keys=True, ensure_ascii=False)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())

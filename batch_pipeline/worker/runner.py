@@ -29,6 +29,7 @@ from batch_pipeline.worker.handlers import (
     refused_output,
 )
 from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
+from batch_pipeline.worker.shared_generation import SharedGenerations
 from batch_pipeline.worker.v1_requests import V1Requests
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,13 @@ class InFlight:
         return list(self._owner)
 
 
-def engine_order(items: Iterator[WorkItem], window: int) -> Iterator[WorkItem]:
-    """Each window of items, the longest possible outputs first; among equals, those sharing a context (the
-    conversation before its last message, the prompt before its last line) side by side where the first of
-    them stood, and the rest in input order. Outputs go back to their index, so the order of work is free.
+def engine_order(
+    items: Iterator[WorkItem], window: int, combine: Callable[[list[WorkItem]], list[WorkItem]] = list
+) -> Iterator[WorkItem]:
+    """Each window of items (`combine`d: requests one generation answers, as one), the longest possible
+    outputs first; among equals, those sharing a context (the conversation before its last message, the
+    prompt before its last line) side by side where the first of them stood, and the rest in input order.
+    Outputs go back to their index, so the order of work is free.
 
     A long generation started last finishes alone, long after the rest (the engine runs at most
     `max_num_seqs` at once): started first, it runs beside the short ones. Batch inputs often repeat a long
@@ -89,7 +93,7 @@ def engine_order(items: Iterator[WorkItem], window: int) -> Iterator[WorkItem]:
     depends on which requests share its batches, and raw vLLM, given the same list, batches it in input
     order (sorted by prompt text, 70 of 256 unique greedy texts differed from raw's; in input order, none).
     """
-    while chunk := list(itertools.islice(items, window)):
+    while chunk := combine(list(itertools.islice(items, window))):
         group_at: dict[str, int] = {}
         groups = [group_at.setdefault(_shared_context(item), position) for position, item in enumerate(chunk)]
         order = sorted(
@@ -136,6 +140,7 @@ class ShardRunner:
         self.stats = ShardStats(shard_index=self.shard.shard_index, items=self.shard.item_count)
         self.copies: dict[int, list[int]] = {}  # source index -> indices answered by its output
         self._copies_written = 0
+        self.shared: SharedGenerations | None = None  # built with the engine, whose tokenizer cuts outputs
 
     def run(self) -> ShardStats:
         started = time.monotonic()
@@ -166,7 +171,7 @@ class ShardRunner:
                         self._fill_copies(unfilled, results)
                     if first is not None:
                         self._check_deadline()  # a retry past the deadline must not start an engine
-                        work = engine_order(itertools.chain([first], pending), self.max_in_flight)
+                        work = engine_order(itertools.chain([first], pending), self.max_in_flight, self._combine)
                         self._generate(work, results, already_done=len(done))
         finally:
             self.checkpoint.upload()  # whatever happened, what finished is kept where the next attempt looks
@@ -197,6 +202,13 @@ class ShardRunner:
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
         multi_round = [handler for handler in self.handlers.values() if isinstance(handler, MultiRoundHandler)]
+        if self.task.share_generations:
+            tokenizer = llm.get_tokenizer()
+            self.shared = SharedGenerations(
+                # a tool loop's rounds run code between generations: each request keeps its own
+                shareable=lambda item: not isinstance(self.handlers[item.kind], MultiRoundHandler),
+                decode=lambda token_ids, skip: tokenizer.decode(token_ids, skip_special_tokens=skip),
+            )
         in_flight = InFlight()
 
         def unfinished() -> int:  # items begun and not written: in the engine, or held outside it
@@ -219,10 +231,7 @@ class ShardRunner:
                 if in_flight:
                     for result in engine.step():
                         if result.finished and (done := in_flight.finish(result)) is not None:
-                            item, item_results = done
-                            output = self.handlers[item.kind].output(item, item_results)
-                            if output is not None:  # None: the handler holds the item for another round
-                                self._write(results, item.index, output)
+                            self._finished(engine, *done, in_flight, results)
                 self.checkpoint.upload_if_due()
                 now = time.monotonic()
                 if now - last_report >= PROGRESS_INTERVAL_S:
@@ -234,13 +243,42 @@ class ShardRunner:
         self.stats.generate_s = round(time.monotonic() - t0, 3)
         self._report_progress(already_done, self.stats.generate_s)
 
+    def _combine(self, window: list[WorkItem]) -> list[WorkItem]:
+        return self.shared.combine(window) if self.shared is not None else window
+
     def _submit(self, engine: Any, item: WorkItem, in_flight: InFlight, results: IO[str]) -> None:
         try:
             in_flight.add(item, self.handlers[item.kind].submit(engine, item))
-        except RequestRefused as exc:
-            self._write(results, item.index, refused_output(exc))
-        except Exception as exc:  # vLLM refuses the single request (e.g. prompt too long)
-            self._write(results, item.index, engine_error_output(exc, item.kind))
+        except Exception as exc:
+            if self.shared is not None and (members := self.shared.members(item.index)) is not None:
+                # a refused shared generation: each of its requests asks on its own, for an entry of its own
+                for member in members:
+                    self._submit(engine, member, in_flight, results)
+            elif isinstance(exc, RequestRefused):
+                self._write(results, item.index, refused_output(exc))
+            else:  # vLLM refuses the single request (e.g. prompt too long)
+                self._write(results, item.index, engine_error_output(exc, item.kind))
+
+    def _finished(
+        self, engine: Any, item: WorkItem, item_results: list[Any], in_flight: InFlight, results: IO[str]
+    ) -> None:
+        handler = self.handlers[item.kind]
+        shared = self.shared
+        members = shared.members(item.index) if shared is not None else None
+        if shared is None or members is None:
+            answers: Iterator[tuple[WorkItem, list[Any] | None]] = iter([(item, item_results)])
+        else:
+            answers = shared.answers(members, item_results)
+        answered = 0
+        for member, member_results in answers:
+            if member_results is None:  # the cut could differ from the engine's own answer
+                self._submit(engine, member, in_flight, results)
+                continue
+            output = handler.output(member, member_results)
+            if output is not None:  # None: the handler holds the item for another round
+                self._write(results, member.index, output)
+                answered += 1
+        self.stats.cut_from_longer += max(answered - 1, 0)  # one of them is the generation's own request
 
     def _write(self, results: IO[str], index: int, output: dict[str, Any]) -> None:
         # One write and a flush per result and its copies: a killed worker leaves whole lines, plus at most

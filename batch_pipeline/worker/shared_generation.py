@@ -1,0 +1,98 @@
+"""One generation for greedy requests that differ only in their output limit.
+
+A batch often asks the same greedy question at several lengths (a summary at 32, 128 and 512 tokens, an
+evaluation sweeping `max_tokens`). Greedy decoding never looks ahead, so the answer at a shorter limit is
+the longer answer's first tokens: the engine runs the request with the largest limit once, and each of the
+others is answered by that generation cut where the engine would have stopped it. Outputs are built from
+the cut result by the request's own handler, so usage, `finish_reason`, logprobs and ids are its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from batch_pipeline.shards.format import WorkItem
+from batch_pipeline.shards.records import output_limit, shared_generation_key, with_output_limit
+
+# vLLM's text of an incomplete UTF-8 sequence: a cut there would not read as the engine writes it.
+_REPLACEMENT_CHARACTER = "\ufffd"
+
+
+class SharedGenerations:
+    """Which requests an in-flight generation answers: `combine` replaces each group of a window by its
+    leader, the group's first request at the group's largest limit; `answers` cuts the leader's results
+    for every member, itself included."""
+
+    def __init__(self, shareable: Callable[[WorkItem], bool], decode: Callable[[list[int], bool], str]) -> None:
+        self.shareable = shareable
+        self.decode = decode  # token ids, skip_special_tokens -> text, as the engine's detokenizer writes it
+        self._members: dict[int, list[WorkItem]] = {}  # leader index -> the requests it answers
+
+    def combine(self, window: list[WorkItem]) -> list[WorkItem]:
+        groups: dict[int, list[WorkItem]] = {}
+        for item in window:
+            key = shared_generation_key(item) if self.shareable(item) else None
+            if key is not None:
+                groups.setdefault(key, []).append(item)
+        leaders: dict[int, WorkItem] = {}
+        for members in groups.values():
+            if len(members) > 1:
+                limit = max(output_limit(member) or 0 for member in members)
+                leaders[members[0].index] = with_output_limit(members[0], limit)
+                self._members[members[0].index] = members
+        followers = {member.index for members in self._members.values() for member in members[1:]}
+        return [leaders.get(item.index, item) for item in window if item.index not in followers]
+
+    def members(self, leader_index: int) -> list[WorkItem] | None:
+        """The requests a leader answers, given up by it: None for a request that leads none."""
+        return self._members.pop(leader_index, None)
+
+    def answers(self, members: list[WorkItem], results: list[Any]) -> Iterator[tuple[WorkItem, list[Any] | None]]:
+        """Each member with the leader's results as the engine would have given them at its own limit; None
+        where the cut could differ from the engine's own text (the member is then generated on its own)."""
+        for member in members:
+            limit = output_limit(member)
+            assert limit is not None  # a member of a group has a limit (shared_generation_key)
+            skip_special_tokens = member.request.get("skip_special_tokens") is not False
+            cut = [_cut(result, limit, skip_special_tokens, self.decode) for result in results]
+            yield member, None if any(result is None for result in cut) else cut
+
+
+def _cut(result: Any, limit: int, skip_special_tokens: bool, decode: Callable[[list[int], bool], str]) -> Any | None:
+    """A vLLM RequestOutput at `limit` tokens a prompt. A completion no longer than the limit stopped on its
+    own before it (end of sequence, a stop string or token, the context), and so does the shorter request:
+    the engine checks those stops before the limit. A longer one is cut: the first `limit` tokens, finished
+    by length."""
+    outputs = []
+    for completion in result.outputs:
+        if len(completion.token_ids) <= limit:
+            outputs.append(completion)
+            continue
+        token_ids = list(completion.token_ids[:limit])
+        whole, text = decode(list(completion.token_ids), skip_special_tokens), decode(token_ids, skip_special_tokens)
+        # The engine's text is a prefix of its tokens' text (cut at a stop string); where this decoding
+        # disagrees, or ends inside a character, the cut is not trusted.
+        if not (whole.startswith(completion.text) and whole.startswith(text)) or text.endswith(_REPLACEMENT_CHARACTER):
+            return None
+        logprobs = completion.logprobs[:limit] if completion.logprobs is not None else None
+        outputs.append(
+            dataclasses.replace(
+                completion,
+                token_ids=token_ids,
+                text=text,
+                logprobs=logprobs,
+                cumulative_logprob=(
+                    sum(position[token].logprob for token, position in zip(token_ids, logprobs, strict=True))
+                    if logprobs is not None and completion.cumulative_logprob is not None
+                    else None
+                ),
+                finish_reason="length",
+                stop_reason=None,
+            )
+        )
+    cut = copy.copy(result)
+    cut.outputs = outputs
+    return cut
