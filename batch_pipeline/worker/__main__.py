@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
+from batch_pipeline.core.process import exit_without_teardown
 from batch_pipeline.core.settings import settings
 from batch_pipeline.worker.engine import set_engine_environment
 
@@ -70,10 +70,7 @@ def exit_now(code: int) -> None:
     gets vLLM's orderly shutdown instead, so none of them outlives the worker."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         sys.exit(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 if __name__ == "__main__":
