@@ -25,8 +25,9 @@ Sections, each its own comparison, reported as ratios of medians:
 - loop: 1,024 distinct greedy chat requests × 64 new tokens as a default request (issue 29's size): the job
   vs. raw `LLM.chat`, with the shard's own generate_s beside raw's; every text compared with raw's.
 - lengths: 96 shared prompts, each asked three times, greedy, differing only in max_tokens (8/32/96), in a
-  mixed order: not copies (dedup leaves them), so the job runs all 288 vs. raw with a SamplingParams per
-  request; every text compared with raw's.
+  mixed order: not copies (dedup leaves them); the job generates each prompt once at 96 and cuts the
+  shorter two from it (`num_cut_from_longer`), vs. raw with a SamplingParams per request; every text
+  compared with raw's.
 - many: 10,000 distinct greedy chat requests × 4 new tokens: the job (its in-flight window, ordering,
   checkpoint and progress at scale) vs. raw `LLM.chat`; every text compared with raw's.
 
@@ -362,6 +363,7 @@ def run_job(
         "completion_tokens": metadata.get("completion_tokens"),
         "dtype": job_dtype(metadata),
         "num_deduplicated": metadata.get("num_deduplicated"),
+        "num_cut_from_longer": metadata.get("num_cut_from_longer"),
         "data_parallelism": metadata.get("data_parallelism"),
         "shard_count": len(shards),
         "shards": shards,
@@ -552,6 +554,7 @@ def summarize(section: str, by_system: dict[str, list[dict]]) -> dict:
         summary |= {
             "job_over_raw": ratio(median.get("job"), median.get("raw")),
             "generate_s": spread([s.get("generate_s") for r in jobs for s in r["shards"]]),
+            "num_cut_from_longer": sorted({r.get("num_cut_from_longer") for r in jobs}, key=str),
             "raw_dtype": sorted({r.get("dtype") or r["requested_dtype"] for r in raws}),
             "text_mismatches": text_mismatches(jobs, raws),
             "run_batch_text_mismatches": text_mismatches(by_system.get("run_batch", []), raws),
@@ -596,7 +599,8 @@ def comparison(section: str, summary: dict) -> tuple[str, str, str]:
     if section in TEXT_CHECKED:
         details = (
             f"job / run_batch {fmt(summary.get('job_over_run_batch'))}; "
-            f"shard generate_s {summary['generate_s']['median']} s; texts differing from raw's: job "
+            f"shard generate_s {summary['generate_s']['median']} s; num_cut_from_longer "
+            f"{summary['num_cut_from_longer']}; texts differing from raw's: job "
             f"{summary['text_mismatches']}, run_batch {summary['run_batch_text_mismatches']}; job at {dtype}, "
             f"raw at {','.join(str(d) for d in summary['raw_dtype'])}; "
             f"load avg {summary['load_avg_1m']['min']}-{summary['load_avg_1m']['max']}"
