@@ -110,7 +110,7 @@ def test_a_stopped_jobs_resume_waits_for_its_partial_results_output_and_not_for_
     merge = partial_results_run_request(api.store.get(job_id), "run-1", "cancelled", "the job was cancelled")
     assert merge is None  # no shards planned: nothing to merge, nothing to wait for
     api.store.record_shards(job_id, {0: 2})
-    (api.home / "work" / job_id / "shards" / "0").mkdir(parents=True, exist_ok=True)
+    (Path(api.service.job_storage.work_dir(job_id)) / "shards" / "000").mkdir(parents=True)
     merge = partial_results_run_request(api.store.get(job_id), "run-1", "cancelled", "the job was cancelled")
     api.instance.create_run_for_job(
         keep_partial_results, run_config=merge.run_config, tags=merge.tags, status=dg.DagsterRunStatus.STARTED
@@ -470,3 +470,38 @@ def test_a_resume_past_the_teams_max_queued_jobs_is_a_429_naming_it_and_resumes_
     resumed = api.post(f"/v2/batch-completions/{stopped}/actions/resume", headers=team)
     assert resumed.status_code == 200, resumed.text
     assert resumed.json()["job"]["status"] == "queued"
+
+
+def test_a_job_planned_before_plans_were_kept_resumes_in_the_shards_it_was_planned_in(
+    deployment_factory, tmp_path, monkeypatch
+):
+    """A release that kept no shard plan (before migration 0010) grouped no greedy requests sharing a
+    generation: planned again on resume, such a job must not group them now, or its checkpoints would no
+    longer line up with its shards."""
+    from sqlalchemy import text
+
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "2")
+    monkeypatch.setenv("BATCH_PIPELINE_MIN_SHARD_TOKENS", "0")
+    monkeypatch.setenv("BATCH_PIPELINE_DEDUPLICATE", "0")  # planned as that release did: nothing grouped
+    api = deployment_factory()
+
+    def chat(text: str, limit: int) -> dict:
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": limit, "temperature": 0}
+
+    content = [chat("Summarise Rome.", limit) for limit in (8, 16, 32, 64)] + [chat(f"Q{i}?", 8) for i in range(4)]
+    body = _body(tmp_path, data_parallelism=2, content=content)
+    job_id = api.client.post("/v2/batch-completions", json=body, headers=ALICE).json()["job_id"]
+    first = _run(api, job_id)
+    assert first.success
+    work_dir = Path(api.service.job_storage.work_dir(job_id))
+    planned = _shard_items(work_dir)
+    assert all(set(items) & {0, 1, 2, 3} for items in planned.values())  # the summaries lie in both shards
+    with api.store.engine.begin() as connection:  # as that release left the job: no plan kept
+        connection.execute(text("UPDATE batch_jobs SET shard_plan = NULL WHERE job_id = :job"), {"job": job_id})
+    api.store.mark_run_ended(job_id, first.run_id, JobStatus.FAILED, datetime.now(UTC), "a shard failed")
+    assert _resume(api, job_id).status_code == 200
+
+    monkeypatch.setenv("BATCH_PIPELINE_DEDUPLICATE", "1")
+    step_server.stop()  # the resume's run's steps start with it
+    assert _run(api, job_id).success
+    assert _shard_items(work_dir) == planned

@@ -9,7 +9,7 @@ import pytest
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.shards.format import format_result, read_copies, read_work_items
 from batch_pipeline.shards.merge import partial_outputs
-from batch_pipeline.shards.planning import PlanningSettings, plan_shard_count, write_shards
+from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan, ShardPlan, plan_shard_count, write_shards
 from batch_pipeline.shards.protocol import ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.worker.engine import choose_dtype, cpu_flags
@@ -114,6 +114,31 @@ def test_a_repeated_deterministic_request_is_planned_once_and_its_copies_point_a
 
     plain = write_shards(_items(records), 1, str(tmp_path / "plain"))
     assert plain[0].copy_count == 0 and not Path(plain[0].copies_path).exists()
+
+
+def test_greedy_requests_differing_only_in_their_limit_are_planned_into_one_shard(tmp_path):
+    """So that one engine answers them with one generation; the rest is still balanced. A job planned
+    before this grouping existed is written as it was planned, so its checkpoints still line up."""
+    summary = [_chat("Summarise the history of Rome.", max_tokens=limit, temperature=0) for limit in (8, 32, 96)]
+    others = [_chat(f"Question {i}?", temperature=0) for i in range(30)]
+    records = [summary[0], *others[:10], summary[1], *others[10:20], summary[2], *others[20:]]
+
+    def shards_holding_the_summaries(group_generations: bool, directory: str) -> list[int]:
+        shards = write_shards(_items(records), 3, str(tmp_path / directory), True, group_generations)
+        return [
+            shard.shard_index
+            for shard in shards
+            for item in read_work_items(shard.input_path)
+            if "Rome" in json.dumps(item.request)
+        ]
+
+    assert len(set(shards_holding_the_summaries(True, "grouped"))) == 1
+    assert len(set(shards_holding_the_summaries(False, "balanced"))) > 1  # balanced by load alone
+
+    earlier = '{"requested": 3, "used": 3, "reason": null, "deduplicate": true}'
+    assert RecordedPlan.from_json(earlier).group_generations is False
+    now = RecordedPlan(ShardPlan(requested=3, used=3), deduplicate=True, group_generations=True)
+    assert RecordedPlan.from_json(now.to_json()) == now
 
 
 def test_a_worker_restarted_after_writing_a_source_fills_its_copies_without_an_engine(tmp_path):

@@ -27,7 +27,7 @@ from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
 from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
-from batch_pipeline.shards.format import checkpoint_bytes
+from batch_pipeline.shards.format import checkpoint_bytes, shard_directories
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
 from batch_pipeline.shards.planning import RecordedPlan, ShardPlan, plan_shard_count, write_shards
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
@@ -193,8 +193,17 @@ def plan_shards(
             settings = shard_planning.for_launcher(shard_launcher.shard_slots())
             first_plan, items = plan_shard_count(items, request.data_parallelism or 1, settings)
             # A tool loop runs code whose output may change between runs: its requests are never merged.
-            recorded = RecordedPlan(first_plan, settings.deduplicate and request.tool_config is None)
-        shards = write_shards(items, recorded.plan.used, work_dir, deduplicate=recorded.deduplicate)
+            deduplicate = settings.deduplicate and request.tool_config is None
+            # Shards without a kept plan were written by a release that kept none, and grouped nothing.
+            planned_before = bool(shard_directories(work_dir))
+            recorded = RecordedPlan(first_plan, deduplicate, group_generations=deduplicate and not planned_before)
+        shards = write_shards(
+            items,
+            recorded.plan.used,
+            work_dir,
+            deduplicate=recorded.deduplicate,
+            group_generations=recorded.group_generations,
+        )
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     except io.SymlinkRefused as exc:

@@ -15,10 +15,11 @@ from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.core.settings import settings
 from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, ShardSpec, WorkItem
-from batch_pipeline.shards.records import ItemSize, repeat_key
+from batch_pipeline.shards.records import ItemSize, repeat_key, shared_generation_key
 
-# Distinct deterministic requests remembered to find repeats (~120 MB of the planner's memory when full);
-# past it, repeats of requests first seen later are generated again.
+# Distinct deterministic requests and greedy generations remembered to find repeats and requests sharing a
+# generation (~120 MB of the planner's memory when full); past it, repeats of requests first seen later are
+# generated again, and shorter requests are planned wherever the load puts them.
 DEDUP_TABLE_LIMIT = 1_000_000
 
 
@@ -81,21 +82,30 @@ class ShardPlan:
 @dataclass(frozen=True)
 class RecordedPlan:
     """The shard plan a job's first run made, as the job store keeps it (`batch_jobs.shard_plan`): its shard
-    count and whether repeats were copies. Every later run of the job (a retry, a resume) writes its shards
-    from it, whatever the settings say by then: `write_shards` puts the same items in the same shards for
-    the same count, so each checkpointed result still lies in its request's shard."""
+    count, whether repeats were copies and whether requests sharing a generation were kept together. Every
+    later run of the job (a retry, a resume) writes its shards from it, whatever the settings and this
+    release's defaults say by then: `write_shards` puts the same items in the same shards for the same
+    plan, so each checkpointed result still lies in its request's shard."""
 
     plan: ShardPlan
     deduplicate: bool
+    # Plans recorded before this release kept no such groups together: their jobs resume as planned.
+    group_generations: bool = False
 
     def to_json(self) -> str:
-        return json.dumps({**self.plan.to_dict(), "deduplicate": self.deduplicate})
+        return json.dumps(
+            {**self.plan.to_dict(), "deduplicate": self.deduplicate, "group_generations": self.group_generations}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> RecordedPlan:
         fields = json.loads(text)
         plan = ShardPlan(requested=int(fields["requested"]), used=int(fields["used"]), reason=fields.get("reason"))
-        return cls(plan=plan, deduplicate=bool(fields["deduplicate"]))
+        return cls(
+            plan=plan,
+            deduplicate=bool(fields["deduplicate"]),
+            group_generations=bool(fields.get("group_generations", False)),
+        )
 
 
 def plan_shard_count(
@@ -123,13 +133,19 @@ def plan_shard_count(
 
 
 def write_shards(
-    items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, work_dir: str, deduplicate: bool = False
+    items: Iterable[tuple[WorkItem, ItemSize]],
+    num_shards: int,
+    work_dir: str,
+    deduplicate: bool = False,
+    group_generations: bool = False,
 ) -> list[ShardSpec]:
     """Stream items into `num_shards` shard inputs, each item to the least-loaded shard by estimated tokens.
 
     With `deduplicate`, a request that repeats an earlier deterministic one goes to its source's shard as a
-    copy (copies.tsv), weighing nothing. One pass; memory bounded by DEDUP_TABLE_LIMIT. Shards with
-    nothing to do are not returned.
+    copy (copies.tsv), weighing nothing. With `group_generations`, a greedy request that differs from an
+    earlier one only in its output limit goes to that one's shard, where the worker answers both with one
+    generation (worker/shared_generation.py), weighing no more than it. One pass; memory bounded by
+    DEDUP_TABLE_LIMIT. Shards with nothing to do are not returned.
     """
     directories = [io.join(work_dir, "shards", f"{k:03d}") for k in range(num_shards)]
     loads = [(0, k) for k in range(num_shards)]  # heap of (estimated tokens assigned, shard)
@@ -138,6 +154,7 @@ def write_shards(
     token_counts = [0] * num_shards
     copy_counts = [0] * num_shards
     sources: dict[int, int] = {}  # repeat key -> index * num_shards + shard of its first request
+    generations: dict[int, int] = {}  # shared generation key -> shard of its first request
     if io.is_local(work_dir):  # the job's prompts and outputs: for the worker's user alone
         for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
             make_private_directory(directory)
@@ -156,11 +173,18 @@ def write_shards(
                 copy_writers[k].write(f"{item.index}\t{source}\n")
                 copy_counts[k] += 1
             else:
-                load, k = heapq.heappop(loads)
+                generation = shared_generation_key(item) if group_generations else None
+                if generation is not None and generation in generations:
+                    # Its prompt is in that engine's cache and its tokens come from the group's generation.
+                    k = generations[generation]
+                else:
+                    load, k = heapq.heappop(loads)
+                    token_counts[k] += size.tokens
+                    heapq.heappush(loads, (load + size.tokens, k))
+                    if generation is not None and len(sources) + len(generations) < DEDUP_TABLE_LIMIT:
+                        generations[generation] = k
                 writers[k].write(item.to_line() + "\n")
-                token_counts[k] += size.tokens
-                heapq.heappush(loads, (load + size.tokens, k))
-                if key is not None and len(sources) < DEDUP_TABLE_LIMIT:
+                if key is not None and len(sources) + len(generations) < DEDUP_TABLE_LIMIT:
                     sources[key] = item.index * num_shards + k
             item_counts[k] += 1
             prompt_counts[k] += size.prompts
