@@ -444,17 +444,20 @@ def measure_tick(home: str, store_url: str, repeat: int, expected: int) -> dict:
     from dagster._serdes import serialize_value
 
     from batch_pipeline.core.settings import settings
-    from batch_pipeline.pipeline.resources import JobStoreResource, Tenancy
+    from batch_pipeline.pipeline.resources import JobStoreResource, RunLaunching, Tenancy
     from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 
     instance = dg.DagsterInstance.from_config(home)
+    configured = settings()
+    resources = {
+        "job_store": JobStoreResource(url=store_url),
+        "tenancy": Tenancy.of_deployment(configured),
+        "run_launching": RunLaunching.of_deployment(configured),
+    }
     ticks = []
     try:
         for _ in range(repeat):
-            context = dg.build_sensor_context(
-                instance=instance,
-                resources={"job_store": JobStoreResource(url=store_url), "tenancy": Tenancy.of_deployment(settings())},
-            )
+            context = dg.build_sensor_context(instance=instance, resources=resources)
             started = time.perf_counter()
             requests = list(batch_jobs_sensor(context) or [])
             wall = time.perf_counter() - started

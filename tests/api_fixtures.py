@@ -18,7 +18,7 @@ from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.settings import settings
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, Tenancy
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, RunLaunching, Tenancy
 from batch_pipeline.store.jobs import JobStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,9 +38,16 @@ def write_instance_config(home: Path, max_concurrent_runs: int) -> None:
 
 
 def sensor_resources(store_url: str, **others: object) -> dict[str, object]:
-    """The resources the jobs sensor and the cleanup take, as the deployment binds them: this job store, and
-    the teams of the tenants file the test's API reads (BATCH_PIPELINE_TENANTS; none where unset)."""
-    return {"job_store": JobStoreResource(url=store_url), "tenancy": Tenancy.of_deployment(settings()), **others}
+    """The resources the jobs sensor and the cleanup take, as the deployment binds them: this job store, the
+    teams of the tenants file the test's API reads (BATCH_PIPELINE_TENANTS; none where unset), the
+    deployment's launching bounds; `others` replace any of them."""
+    configured = settings()
+    return {
+        "job_store": JobStoreResource(url=store_url),
+        "tenancy": Tenancy.of_deployment(configured),
+        "run_launching": RunLaunching.of_deployment(configured),
+        **others,
+    }
 
 
 class Deployment:

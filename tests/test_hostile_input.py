@@ -13,6 +13,7 @@ import dagster as dg
 import httpx
 import pytest
 
+from batch_pipeline.pipeline.resources import RunLaunching
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, label_tag_key, run_tags
 from batch_pipeline.store.jobs import JobStore
@@ -426,8 +427,10 @@ def _alice_owner() -> str:
     return hashlib.sha256(USER_KEY.encode()).hexdigest()[:24]
 
 
-def _sensor_run_requests(api) -> list[dg.RunRequest]:
-    context = dg.build_sensor_context(instance=api.instance, resources=sensor_resources(str(api.store.engine.url)))
+def _sensor_run_requests(api, **resources: object) -> list[dg.RunRequest]:
+    context = dg.build_sensor_context(
+        instance=api.instance, resources=sensor_resources(str(api.store.engine.url), **resources)
+    )
     return list(batch_jobs_sensor(context) or [])
 
 
@@ -491,17 +494,17 @@ def test_a_sensor_tick_stays_small_whatever_the_jobs_sizes_their_content_is_by_r
     assert len(api.store.get(job_ids[0]).request_json) < 4096
 
 
-def test_rows_an_older_release_stored_with_inline_content_are_bounded_per_tick(served, tmp_path, monkeypatch):
+def test_rows_an_older_release_stored_with_inline_content_are_bounded_per_tick(served, tmp_path):
     api, client = served
-    monkeypatch.setenv("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", str(300_000))
     big = {"prompts": ["y" * 100_000], "max_new_tokens": 1, "temperature": 0.0}
     job_ids = [f"batch-legacy-{i}" for i in range(5)]
     for job_id in job_ids:
         _insert_poisoned(api.store, job_id, json.dumps(_v1_body(tmp_path, content=big)))
-    first_tick = [request.run_key for request in _sensor_run_requests(api)]
+    first_tick = [
+        request.run_key for request in _sensor_run_requests(api, run_launching=RunLaunching(max_tick_bytes=300_000))
+    ]
     assert len(first_tick) == 2, first_tick  # while the next would pass the bound
-    monkeypatch.setenv("BATCH_PIPELINE_SENSOR_MAX_TICK_BYTES", "1")
-    assert len(_sensor_run_requests(api)) == 1  # a tick takes one at least
+    assert len(_sensor_run_requests(api, run_launching=RunLaunching(max_tick_bytes=1))) == 1  # one at least
 
 
 @pytest.mark.slow

@@ -13,7 +13,14 @@ from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning, Tenancy, deployment_resource
+from batch_pipeline.pipeline.resources import (
+    JobStorage,
+    JobStoreResource,
+    RunLaunching,
+    ShardPlanning,
+    Tenancy,
+    deployment_resource,
+)
 from batch_pipeline.pipeline.schedules import schedules_from_environment
 from batch_pipeline.pipeline.sensors import (
     batch_jobs_sensor,
@@ -99,6 +106,7 @@ defs = dg.Definitions(
             JobStorage(work_dir_base=_loaded_with.work_dir, retention_days=_loaded_with.retention_days)
         ),
         "tenancy": deployment_resource(Tenancy.of_deployment(_loaded_with)),
+        "run_launching": deployment_resource(RunLaunching.of_deployment(_loaded_with)),
         "shard_planning": deployment_resource(
             ShardPlanning(
                 max_shards_per_job=_loaded_with.max_shards_per_job,

@@ -1,5 +1,6 @@
 """The resources every op of a job shares: the job store, where a job's work files live, the shard launcher,
-the teams; each fixed by the deployment (`deployment_resource`), never by a run's config."""
+the teams, how the jobs sensor launches; each fixed by the deployment (`deployment_resource`), never by a
+run's config."""
 
 from __future__ import annotations
 
@@ -93,3 +94,15 @@ class Tenancy(dg.ConfigurableResource):
 
     def registry(self) -> Tenants | None:
         return tenants_at(self.tenants_file)
+
+
+class RunLaunching(dg.ConfigurableResource):
+    """How the jobs sensor turns stored jobs into runs. One tick's run requests travel to the daemon as one
+    gRPC message, capped by Dagster at 100 MB; requests name their content by reference, so the bound holds
+    back only rows an older release stored inline."""
+
+    max_tick_bytes: int = Field(gt=0, description="Bytes of requests one tick launches at most (one job at least).")
+
+    @classmethod
+    def of_deployment(cls, configured: Settings) -> RunLaunching:
+        return cls(max_tick_bytes=configured.sensor_max_tick_bytes)

@@ -28,7 +28,7 @@ from batch_pipeline.pipeline.partial_results import (
     keeps_partial_results,
     partial_results_run_request,
 )
-from batch_pipeline.pipeline.resources import JobStoreResource, Tenancy
+from batch_pipeline.pipeline.resources import JobStoreResource, RunLaunching, Tenancy
 from batch_pipeline.pipeline.retries import (
     MAX_RETRIES,
     describe_outage,
@@ -50,12 +50,6 @@ RECONCILE_AFTER_S = 60
 _FINISHED_RUNS = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
 
-def _max_tick_bytes() -> int:
-    """One tick's run requests travel to the daemon as one gRPC message, capped by Dagster at 100 MB.
-    Requests name their content by reference, so this bounds only rows an older release stored inline."""
-    return settings().sensor_max_tick_bytes
-
-
 @dg.sensor(
     job=batch_completions,
     minimum_interval_seconds=SENSOR_INTERVAL_S,
@@ -63,19 +57,21 @@ def _max_tick_bytes() -> int:
     description="Turns each job the API stored into exactly one run (run_key = job id). A job that cannot "
     "become a run is marked failed with the reason; the others go on.",
 )
-def batch_jobs_sensor(context: SensorEvaluationContext, job_store: JobStoreResource, tenancy: Tenancy):
+def batch_jobs_sensor(
+    context: SensorEvaluationContext, job_store: JobStoreResource, tenancy: Tenancy, run_launching: RunLaunching
+):
     store = job_store.get_store()
-    yield from _run_requests(context, store, tenancy)
+    yield from _run_requests(context, store, tenancy, run_launching.max_tick_bytes)
     try:
         _reconcile(context.instance, store)
     except Exception as exc:  # a safety net for stale rows: it never costs the jobs above their runs
         context.log.warning(f"could not reconcile finished runs with their jobs: {_shortened(exc)}")
 
 
-def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Tenancy):
+def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Tenancy, tick_bytes: int):
     registry = tenancy.registry()
     if registry is None:
-        yield from _launchable(context, store, _waiting(context, store))
+        yield from _launchable(context, store, _waiting(context, store), tick_bytes)
         return
     # Teams share the run slots: only the jobs fair share picks for the free slots get runs now. The waiting
     # jobs are read light (id, owner, priority, age), and only the chosen ones whole.
@@ -100,7 +96,7 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Te
         context.log.info(f"fair share: {owner}'s {why}")
     if len(chosen) < len(queues):
         context.log.info(f"{len(queues) - len(chosen)} jobs wait for a run slot ({slots} free)")
-    yield from _launchable(context, store, (record for record in records if record.job_id in given))
+    yield from _launchable(context, store, (record for record in records if record.job_id in given), tick_bytes)
 
 
 _UNFINISHED = [status for status in dg.DagsterRunStatus if status not in _FINISHED_RUNS]
@@ -141,9 +137,10 @@ def _waiting(context: SensorEvaluationContext, store: JobStore) -> Iterator[JobR
             yield record
 
 
-def _launchable(context: SensorEvaluationContext, store: JobStore, records: Iterable[JobRecord]):
-    """Each job's run request, as many as one tick carries; a job whose request cannot be made fails alone."""
-    budget, taken = _max_tick_bytes(), 0
+def _launchable(context: SensorEvaluationContext, store: JobStore, records: Iterable[JobRecord], budget: int):
+    """Each job's run request, as many as `budget` bytes of requests (one at least); a job whose request
+    cannot be made fails alone."""
+    taken = 0
     for record in records:
         size = len(record.request_json)
         if taken and taken + size > budget:
