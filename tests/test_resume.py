@@ -379,6 +379,16 @@ def _shard_items(work_dir: Path) -> dict[str, list[int]]:
     }
 
 
+def _planned_job(api, body: dict) -> tuple[str, dg.JobExecutionResult, Path, dict[str, list[int]]]:
+    """A job of `body` submitted and its first run's planning done: its id, that run, its work dir and what
+    each shard holds."""
+    job_id = api.client.post("/v2/batch-completions", json=body, headers=ALICE).json()["job_id"]
+    first = _run(api, job_id)
+    assert first.success
+    work_dir = Path(api.service.job_storage.work_dir(job_id))
+    return job_id, first, work_dir, _shard_items(work_dir)
+
+
 def test_a_resumed_job_keeps_the_shard_plan_of_its_first_run_whatever_the_settings_say_now(
     deployment_factory, tmp_path, monkeypatch
 ):
@@ -390,11 +400,7 @@ def test_a_resumed_job_keeps_the_shard_plan_of_its_first_run_whatever_the_settin
     api = deployment_factory()
     content = {"prompts": [f"Prompt {i}" for i in range(6)], "max_new_tokens": 4, "temperature": 0.0}
     body = _body(tmp_path, data_parallelism=2, content=content)
-    job_id = api.client.post("/v2/batch-completions", json=body, headers=ALICE).json()["job_id"]
-    first = _run(api, job_id)
-    assert first.success
-    work_dir = Path(api.service.job_storage.work_dir(job_id))
-    planned = _shard_items(work_dir)
+    job_id, first, work_dir, planned = _planned_job(api, body)
     assert len(planned) == 2 and sorted(index for items in planned.values() for index in items) == list(range(6))
     # What its shard workers left before the run failed: every result in the checkpoint of its shard.
     for shard, indices in planned.items():
@@ -490,11 +496,7 @@ def test_a_job_planned_before_plans_were_kept_resumes_in_the_shards_it_was_plann
 
     content = [chat("Summarise Rome.", limit) for limit in (8, 16, 32, 64)] + [chat(f"Q{i}?", 8) for i in range(4)]
     body = _body(tmp_path, data_parallelism=2, content=content)
-    job_id = api.client.post("/v2/batch-completions", json=body, headers=ALICE).json()["job_id"]
-    first = _run(api, job_id)
-    assert first.success
-    work_dir = Path(api.service.job_storage.work_dir(job_id))
-    planned = _shard_items(work_dir)
+    job_id, first, work_dir, planned = _planned_job(api, body)
     assert all(set(items) & {0, 1, 2, 3} for items in planned.values())  # the summaries lie in both shards
     with api.store.engine.begin() as connection:  # as that release left the job: no plan kept
         connection.execute(text("UPDATE batch_jobs SET shard_plan = NULL WHERE job_id = :job"), {"job": job_id})
