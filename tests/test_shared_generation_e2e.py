@@ -1,6 +1,7 @@
-"""Greedy requests that differ only in their output limit share one generation, and each gets exactly what
-its own generation gives: the same job run twice with real vLLM, once generating every request on its own
-(BATCH_PIPELINE_DEDUPLICATE=0) and once sharing, compared field by field.
+"""Deterministic requests (greedy, or sampled with a seed) that differ only in their output limit share one
+generation, and each gets exactly what its own generation gives: the same job run twice with real vLLM,
+once generating every request on its own (BATCH_PIPELINE_DEDUPLICATE=0) and once sharing, compared field
+by field.
 
 float32, so that the engine's numbers do not depend on which requests share its batches (in bfloat16 they
 may, shared or not)."""
@@ -51,8 +52,12 @@ REQUESTS = [
     chat(ONE_WORD, 30),
     v1(["Once upon a time", "The sky is"], 24),
     v1(["Once upon a time"], 6),
-    # A sampled request is never cut from another's generation.
+    # Sampled with a seed: the same sample, whatever the limit. With another seed it shares nothing.
     completion("The capital of France is", 5, temperature=0.8, seed=3),
+    completion("Once upon a time", 30, temperature=0.9, seed=5),
+    completion("Once upon a time", 12, temperature=0.9, seed=5),
+    {**chat(STORY, 40), "temperature": 1.0, "top_p": 0.9, "seed": 8},
+    {**chat(STORY, 10), "temperature": 1.0, "top_p": 0.9, "seed": 8},
 ]
 
 
@@ -106,7 +111,7 @@ def test_every_request_gets_what_its_own_generation_gives(runs):
     # v1 content fans out per prompt: its three prompts take three entries.
     assert (len(separate), len(shared)) == (len(REQUESTS) + 1, len(REQUESTS) + 2)
     assert [comparable(output) for output in shared[:-1]] == [comparable(output) for output in separate]
-    assert (separate_metadata["num_cut_from_longer"], shared_metadata["num_cut_from_longer"]) == (0, 9)
+    assert (separate_metadata["num_cut_from_longer"], shared_metadata["num_cut_from_longer"]) == (0, 11)
 
 
 def test_a_cut_answer_ends_by_length_with_its_own_usage_and_logprobs(runs):

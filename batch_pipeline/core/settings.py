@@ -234,7 +234,7 @@ class Settings(_EnvironmentSettings):
     deduplicate: bool = Field(
         True,
         description="`0` generates repeats of a deterministic request again instead of copying the first's "
-        "output, and greedy requests differing only in their output limit each on its own",
+        "output, and deterministic requests differing only in their output limit each on its own",
     )
     local_shard_concurrency: int | None = Field(
         None, ge=1, description="Shard workers the local launcher runs at once (unset: the core count)"

@@ -293,7 +293,7 @@ def _run(path: Path, show: int) -> int:
         print(f"{metadata['num_deduplicated']} requests repeated an earlier deterministic one and share its output")
     if metadata["num_cut_from_longer"]:
         print(
-            f"{metadata['num_cut_from_longer']} greedy requests were answered by the same request's generation "
+            f"{metadata['num_cut_from_longer']} deterministic requests were answered by the same request's generation "
             "at a larger output limit"
         )
     for reason in sorted({shard["dtype_reason"] for shard in metadata["shards"] if shard.get("dtype_reason")}):

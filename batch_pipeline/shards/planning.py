@@ -17,7 +17,7 @@ from batch_pipeline.core.settings import settings
 from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, ShardSpec, WorkItem
 from batch_pipeline.shards.records import ItemSize, repeat_key, shared_generation_key
 
-# Distinct deterministic requests and greedy generations remembered to find repeats and requests sharing a
+# Distinct deterministic requests and shared generations remembered to find repeats and requests sharing a
 # generation (~120 MB of the planner's memory when full); past it, repeats of requests first seen later are
 # generated again, and shorter requests are planned wherever the load puts them.
 DEDUP_TABLE_LIMIT = 1_000_000
@@ -142,7 +142,7 @@ def write_shards(
     """Stream items into `num_shards` shard inputs, each item to the least-loaded shard by estimated tokens.
 
     With `deduplicate`, a request that repeats an earlier deterministic one goes to its source's shard as a
-    copy (copies.tsv), weighing nothing. With `group_generations`, a greedy request that differs from an
+    copy (copies.tsv), weighing nothing. With `group_generations`, a deterministic request that differs from an
     earlier one only in its output limit goes to that one's shard, where the worker answers both with one
     generation (worker/shared_generation.py), weighing no more than it. One pass; memory bounded by
     DEDUP_TABLE_LIMIT. Shards with nothing to do are not returned.

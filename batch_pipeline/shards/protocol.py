@@ -41,7 +41,7 @@ class ShardTask:
     hardware: ShardHardware = field(default_factory=lambda: ShardHardware())
     labels: dict[str, str] = field(default_factory=dict)
     tool_config: ToolConfig | None = None
-    # Greedy requests that differ only in their output limit share one generation (see the worker's
+    # Deterministic requests that differ only in their output limit share one generation (see the worker's
     # shared_generation); off with the deployment's deduplication.
     share_generations: bool = True
 
@@ -74,7 +74,7 @@ class ShardStats:
     resumed: int = 0
     generated: int = 0
     deduplicated: int = 0  # requests answered by an identical deterministic request's output
-    cut_from_longer: int = 0  # greedy requests answered by another's generation: the same request at a larger limit
+    cut_from_longer: int = 0  # requests answered by another's generation: the same request at a larger limit
     errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -1,6 +1,6 @@
 """Input records as work items: v1 content fanned out per prompt, each item's size estimated without a
-tokenizer, and the digests by which repeats of a deterministic request, and greedy requests that differ only
-in their output limit, are found."""
+tokenizer, and the digests by which repeats of a deterministic request, and deterministic requests that
+differ only in their output limit, are found."""
 
 from __future__ import annotations
 
@@ -124,12 +124,14 @@ def with_output_limit(item: WorkItem, limit: int) -> WorkItem:
 
 
 def shared_generation_key(item: WorkItem) -> int | None:
-    """A 128-bit digest that greedy requests share when they differ at most in their output limit: one
-    generation at the largest limit answers each, cut to its own (greedy decoding never looks ahead, so a
-    shorter limit's tokens are the longer's first). None for any other request: sampled ones (a seed fixes
-    a sample, not its prefix across limits), several candidates, a `min_tokens`, or no limit at all."""
+    """A 128-bit digest that deterministic requests (greedy, or a fixed seed) share when they differ at
+    most in their output limit: one generation at the largest limit answers each, cut to its own (decoding
+    never looks ahead, and a seed's random stream is drawn token by token, so a shorter limit's tokens are
+    the longer's first). None for any other request: unseeded samples, several candidates, a `min_tokens`,
+    or no limit at all."""
     request = item.request
-    if request.get("temperature") != 0 or (request.get("n") or 1) != 1 or request.get("min_tokens"):
+    deterministic = request.get("temperature") == 0 or request.get("seed") is not None
+    if not deterministic or (request.get("n") or 1) != 1 or request.get("min_tokens"):
         return None
     if output_limit(item) is None:
         return None

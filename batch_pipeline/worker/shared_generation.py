@@ -1,7 +1,9 @@
-"""One generation for greedy requests that differ only in their output limit.
+"""One generation for deterministic requests (greedy, or sampled with a seed) that differ only in their
+output limit.
 
-A batch often asks the same greedy question at several lengths (a summary at 32, 128 and 512 tokens, an
-evaluation sweeping `max_tokens`). Greedy decoding never looks ahead, so the answer at a shorter limit is
+A batch often asks the same question at several lengths (a summary at 32, 128 and 512 tokens, an
+evaluation sweeping `max_tokens`). Decoding never looks ahead: each token depends on the tokens before it
+(and a seeded sample on its own random stream, drawn token by token), so the answer at a shorter limit is
 the longer answer's first tokens: the engine runs the request with the largest limit once, and each of the
 others is answered by that generation cut where the engine would have stopped it. Outputs are built from
 the cut result by the request's own handler, so usage, `finish_reason`, logprobs and ids are its own.
