@@ -141,6 +141,43 @@ def test_greedy_requests_differing_only_in_their_limit_are_planned_into_one_shar
     assert RecordedPlan.from_json(now.to_json()) == now
 
 
+def test_a_group_weighs_what_its_largest_limit_generates_so_shards_stay_balanced(tmp_path):
+    """Found by review: a group weighed only its first request. A sweep asking every prompt short first and
+    long later put all the long generations in one shard while the planner saw two equal ones."""
+    prompts = [f"Prompt {i}" for i in range(300)]
+    records = [_chat(p, max_tokens=8, temperature=0) for p in prompts]
+    records += [_chat(p, max_tokens=4096, temperature=0) for p in prompts]
+    shards = write_shards(_items(records), 2, str(tmp_path), True, True)
+
+    generated = []  # what each shard's engine generates: each group once, at its largest limit
+    for shard in shards:
+        largest: dict[str, int] = {}
+        for item in read_work_items(shard.input_path):
+            text = item.request["messages"][0]["content"]
+            largest[text] = max(largest.get(text, 0), item.request["max_tokens"])
+        generated.append(sum(largest.values()))
+    assert max(generated) / min(generated) < 1.1, generated
+    assert {len(list(read_work_items(shard.input_path))) % 2 for shard in shards} == {0}  # each pair together
+
+
+def test_requests_further_apart_than_the_workers_window_are_planned_as_the_load_says(tmp_path, monkeypatch):
+    """The worker shares a generation only within its window of a shard's items: a request farther from its
+    group than that is generated on its own, and weighs so."""
+    from batch_pipeline.shards import planning
+
+    monkeypatch.setattr(planning, "WORKER_WINDOW", 4)
+    summary = [_chat("Summarise Rome.", max_tokens=limit, temperature=0) for limit in (8, 16)]
+
+    def total_tokens(between: int) -> int:
+        records = [summary[0], *(_chat(f"Q{i}?") for i in range(between)), summary[1]]
+        (shard,) = write_shards(_items(records), 1, str(tmp_path / str(between)), True, True)
+        return shard.estimated_tokens
+
+    one_apart, far_apart = total_tokens(2), total_tokens(6)
+    sizes = [size.tokens for _, size in _items([summary[1], *(_chat(f"Q{i}?") for i in range(4))])]
+    assert far_apart - one_apart == sum(sizes[1:]) + sizes[0] - 8  # the 4 more requests, and the whole second
+
+
 def test_a_worker_restarted_after_writing_a_source_fills_its_copies_without_an_engine(tmp_path):
     """The worker was stopped between a source's output and its copies' (or the source finished and only
     the copies are owed): the restarted worker answers them from the checkpoint and starts no engine."""

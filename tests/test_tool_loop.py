@@ -42,6 +42,11 @@ def block(code: str) -> str:
 # --- Test doubles -------------------------------------------------------------------------------------
 
 
+def char_pieces(prompt_token_ids: list[int], token_ids: list[int], skip_special_tokens: bool) -> list[str]:
+    """Test double: the text the char tokenizer's stream writes for each token (see text_pieces)."""
+    return [chr(token) for token in token_ids]
+
+
 class CharTokenizer:  # test double: stands for the model's tokenizer; one token per character
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(char) for char in text]
@@ -111,10 +116,11 @@ class ScriptedEngine:  # test double: stands for vLLM's LLMEngine, which cannot 
         self.steps = 0
         self.begun: set[str] = set()  # prompts begun and not ended: in the engine, or with their code running
         self.most_begun = 0
+        self.most_pending = 0  # requests in the engine at once
         self.finished_at: dict[str, float] = {}  # request id -> time.monotonic() when its step returned it
         self.faults: list[str] = []
 
-    def add_request(self, request_id: str, prompt: str, params: Any) -> None:
+    def add_request(self, request_id: str, prompt: str, params: Any, tokenization_kwargs: Any = None) -> None:
         if request_id in self.pending:  # vLLM refuses an id in use; a finished one may come again
             self._fault(f"request id {request_id} used twice at once")
         if len(prompt) > self.max_model_len:
@@ -138,6 +144,7 @@ class ScriptedEngine:  # test double: stands for vLLM's LLMEngine, which cannot 
         request = Request(request_id, prompt, params.max_tokens, stop, output, original, last)
         self.requests.append(request)
         self.pending[request_id] = request
+        self.most_pending = max(self.most_pending, len(self.pending))
         self.begun.add(original)
         self.most_begun = max(self.most_begun, len(self.begun))
 
@@ -223,14 +230,17 @@ def run_shard(
     deadline: float | None = None,
     max_in_flight: int = 1024,
     share_generations: bool = True,
+    pieces: Any = char_pieces,
 ) -> ShardStats:
-    """The real ShardRunner on the shard, its engine the scripted one (None: no engine may be built)."""
+    """The real ShardRunner on the shard, its engine the scripted one (None: no engine may be built), the
+    text its tokenizer's stream writes `pieces`."""
 
     def build_llm(model_config: Any) -> Engine:
         assert engine is not None, "an engine was built"
         return Engine(ScriptedLLM(engine), engine, unsupported=[], dtype="float32", dtype_reason="a scripted engine")
 
     monkeypatch.setattr(engine_module, "build_llm", build_llm)
+    monkeypatch.setattr(runner_module, "text_pieces", lambda tokenizer: pieces)
     task = ShardTask(
         shard=shard,
         model_config={"model": "scripted"},
@@ -454,7 +464,7 @@ def test_a_prompt_the_engine_refuses_is_an_error_entry_and_a_transcript_it_refus
 
 
 class FailingEngine(ScriptedEngine):  # test double: an engine that fails (not refuses) a prompt's second round
-    def add_request(self, request_id: str, prompt: str, params: Any) -> None:
+    def add_request(self, request_id: str, prompt: str, params: Any, tokenization_kwargs: Any = None) -> None:
         if "." in request_id:  # a round after the first
             raise RuntimeError("the engine's worker died")
         super().add_request(request_id, prompt, params)
@@ -602,17 +612,19 @@ def test_with_sharing_off_each_limit_is_generated_on_its_own(monkeypatch, tmp_pa
     assert stats.cut_from_longer == 0
 
 
-def test_a_cut_inside_a_character_is_generated_on_its_own(monkeypatch, tmp_path):
-    """Where the first tokens end inside a character (the detokenizer writes U+FFFD for it), the engine's
-    own text at that limit could differ from the cut: that request is generated again, alone."""
-    reply = "ab\ufffdcdef"
+def test_a_cut_whose_text_the_detokenizer_would_write_otherwise_is_generated_on_its_own(monkeypatch, tmp_path):
+    """Where the tokenizer's stream does not write the engine's own text for the longer generation (vLLM
+    wrote it another way), a cut of it is not trusted: the shorter request is generated again, alone."""
     shard = make_shard_of(tmp_path, [greedy("Q", 3), greedy("Q", 6)])
-    engine = ScriptedEngine({"Q": [reply, reply]})
+    engine = ScriptedEngine({"Q": ["abcdefgh", "abcdefgh"]})
 
-    stats = run_shard(monkeypatch, shard, engine)
+    def disagreeing(prompt_token_ids: list[int], token_ids: list[int], skip_special_tokens: bool) -> list[str]:
+        return [chr(token).upper() for token in token_ids]
+
+    stats = run_shard(monkeypatch, shard, engine, pieces=disagreeing)
 
     assert [request.max_tokens for request in engine.requests] == [6, 3]
-    assert [output["text"] for output in outputs(shard)] == [reply[:3], reply[:6]]
+    assert [output["text"] for output in outputs(shard)] == ["abc", "abcdef"]
     assert stats.cut_from_longer == 0
 
 
@@ -626,3 +638,31 @@ def test_a_shared_generation_the_engine_refuses_leaves_each_request_its_own_erro
 
     errors = [output["error"]["code"] for output in outputs(shard)]
     assert errors == ["prompt_too_long"] * 3
+
+
+def test_a_limit_of_zero_is_refused_on_its_own_not_answered_from_another_generation(monkeypatch, tmp_path):
+    """Found by review: the engine refuses `max_tokens: 0`; grouped, such a request got an empty answer."""
+    records = [("content", {"prompt": "Q", "max_tokens": limit, "temperature": 0}) for limit in (0, 4)]
+    (shard,) = write_shards(work_items(records), 1, str(tmp_path / "job"))
+    engine = ScriptedEngine({"Q": ["abcdefgh"]})
+
+    run_shard(monkeypatch, shard, engine)
+
+    first, second = outputs(shard)
+    assert first["error"]["code"] == "invalid_request" and second["choices"][0]["text"] == "abcd"
+
+
+def test_requests_owed_again_wait_for_room_in_flight(monkeypatch, tmp_path):
+    """Found by review: the requests of a refused or untrusted shared generation went into the engine at
+    once, past max_in_flight."""
+    prompts = [f"Q{i}" for i in range(3)]
+    shard = make_shard_of(tmp_path, [greedy(prompt, limit) for prompt in prompts for limit in (2, 4, 6)])
+    engine = ScriptedEngine({prompt: ["abcdefgh"] * 3 for prompt in prompts})
+
+    def disagreeing(prompt_token_ids: list[int], token_ids: list[int], skip_special_tokens: bool) -> list[str]:
+        return [chr(token).upper() for token in token_ids]
+
+    run_shard(monkeypatch, shard, engine, max_in_flight=2, pieces=disagreeing)
+
+    assert engine.most_pending <= 2
+    assert [output["text"] for output in outputs(shard)] == ["ab", "abcd", "abcdef"] * 3

@@ -7,6 +7,7 @@ import contextlib
 import heapq
 import itertools
 import json
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, Any
@@ -15,12 +16,22 @@ from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.core.settings import settings
 from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, ShardSpec, WorkItem
-from batch_pipeline.shards.records import ItemSize, repeat_key, shared_generation_key
+from batch_pipeline.shards.protocol import WORKER_WINDOW
+from batch_pipeline.shards.records import ItemSize, output_limit, repeat_key, shared_generation_key
 
-# Distinct deterministic requests and shared generations remembered to find repeats and requests sharing a
-# generation (~120 MB of the planner's memory when full); past it, repeats of requests first seen later are
-# generated again, and shorter requests are planned wherever the load puts them.
+# Distinct deterministic requests remembered to find repeats (~120 MB of the planner's memory when full);
+# past it, repeats of requests first seen later are generated again.
 DEDUP_TABLE_LIMIT = 1_000_000
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Requests one generation may answer, as planned so far: their shard, the input line of the last one
+    there, and their largest output limit."""
+
+    shard: int
+    last_line: int
+    limit: int
 
 
 @dataclass(frozen=True)
@@ -142,19 +153,33 @@ def write_shards(
     """Stream items into `num_shards` shard inputs, each item to the least-loaded shard by estimated tokens.
 
     With `deduplicate`, a request that repeats an earlier deterministic one goes to its source's shard as a
-    copy (copies.tsv), weighing nothing. With `group_generations`, a deterministic request that differs from an
-    earlier one only in its output limit goes to that one's shard, where the worker answers both with one
-    generation (worker/shared_generation.py), weighing no more than it. One pass; memory bounded by
-    DEDUP_TABLE_LIMIT. Shards with nothing to do are not returned.
+    copy (copies.tsv), weighing nothing. With `group_generations`, a deterministic request that differs from
+    one of the last WORKER_WINDOW items of a shard only in its output limit goes to that shard, where the
+    worker answers both with one generation (worker/shared_generation.py): it weighs what it adds to the
+    group's largest limit. One pass; memory bounded by DEDUP_TABLE_LIMIT and the shards' windows. Shards
+    with nothing to do are not returned.
     """
     directories = [io.join(work_dir, "shards", f"{k:03d}") for k in range(num_shards)]
-    loads = [(0, k) for k in range(num_shards)]  # heap of (estimated tokens assigned, shard)
+    loads = [(0, k) for k in range(num_shards)]  # heap of (estimated tokens assigned, shard); stale entries skipped
     item_counts = [0] * num_shards
+    line_counts = [0] * num_shards  # of item_counts: those in the input, the worker's windows
     prompt_counts = [0] * num_shards
     token_counts = [0] * num_shards
     copy_counts = [0] * num_shards
     sources: dict[int, int] = {}  # repeat key -> index * num_shards + shard of its first request
-    generations: dict[int, int] = {}  # shared generation key -> shard of its first request
+    groups: OrderedDict[int, _Group] = OrderedDict()  # shared generation key -> its group, least recent first
+
+    def least_loaded() -> int:
+        while True:
+            load, k = heapq.heappop(loads)
+            if load == token_counts[k]:
+                return k
+
+    def add_load(k: int, tokens: int) -> None:
+        if tokens:
+            token_counts[k] += tokens
+            heapq.heappush(loads, (token_counts[k], k))
+
     if io.is_local(work_dir):  # the job's prompts and outputs: for the worker's user alone
         for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
             make_private_directory(directory)
@@ -174,17 +199,23 @@ def write_shards(
                 copy_counts[k] += 1
             else:
                 generation = shared_generation_key(item) if group_generations else None
-                if generation is not None and generation in generations:
-                    # Its prompt is in that engine's cache and its tokens come from the group's generation.
-                    k = generations[generation]
+                limit = output_limit(item) or 0
+                group = groups.pop(generation, None) if generation is not None else None
+                if group is not None and line_counts[group.shard] - group.last_line < WORKER_WINDOW:
+                    # Its prompt is in that engine's cache, and its tokens come from the group's generation.
+                    k = group.shard
+                    add_load(k, max(0, limit - group.limit) * size.prompts)
+                    limit = max(limit, group.limit)
                 else:
-                    load, k = heapq.heappop(loads)
-                    token_counts[k] += size.tokens
-                    heapq.heappush(loads, (load + size.tokens, k))
-                    if generation is not None and len(sources) + len(generations) < DEDUP_TABLE_LIMIT:
-                        generations[generation] = k
+                    k = least_loaded()
+                    add_load(k, size.tokens)
+                if generation is not None:
+                    groups[generation] = _Group(shard=k, last_line=line_counts[k], limit=limit)
+                    if len(groups) > num_shards * WORKER_WINDOW:  # past every shard's window: no longer joined
+                        groups.popitem(last=False)
                 writers[k].write(item.to_line() + "\n")
-                if key is not None and len(sources) + len(generations) < DEDUP_TABLE_LIMIT:
+                line_counts[k] += 1
+                if key is not None and len(sources) < DEDUP_TABLE_LIMIT:
                     sources[key] = item.index * num_shards + k
             item_counts[k] += 1
             prompt_counts[k] += size.prompts

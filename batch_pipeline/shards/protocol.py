@@ -17,6 +17,10 @@ from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.contract.requests import ToolConfig
 from batch_pipeline.shards.format import ShardSpec
 
+# The worker takes its shard's pending items this many at a time: it orders them, and shares generations
+# among them, a window at a time, with at most this many in flight. The planner groups for it.
+WORKER_WINDOW = 1024
+
 
 class ShardHardware(TypedDict, total=False):
     """The hardware a request named (each field only where named): what a pod of the shard is sized by."""
@@ -42,8 +46,8 @@ class ShardTask:
     labels: dict[str, str] = field(default_factory=dict)
     tool_config: ToolConfig | None = None
     # Deterministic requests that differ only in their output limit share one generation (see the worker's
-    # shared_generation); off with the deployment's deduplication.
-    share_generations: bool = True
+    # shared_generation); off with the deployment's deduplication, and in a task of an earlier release.
+    share_generations: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return cast(dict[str, Any], _SHARD_TASK.dump_python(self, mode="json", by_alias=True))
@@ -74,7 +78,7 @@ class ShardStats:
     resumed: int = 0
     generated: int = 0
     deduplicated: int = 0  # requests answered by an identical deterministic request's output
-    cut_from_longer: int = 0  # requests answered by another's generation: the same request at a larger limit
+    cut_from_longer: int = 0  # of this attempt's: answered by another's generation (the same request, a larger limit)
     errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0

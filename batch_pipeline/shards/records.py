@@ -128,12 +128,13 @@ def shared_generation_key(item: WorkItem) -> int | None:
     most in their output limit: one generation at the largest limit answers each, cut to its own (decoding
     never looks ahead, and a seed's random stream is drawn token by token, so a shorter limit's tokens are
     the longer's first). None for any other request: unseeded samples, several candidates, a `min_tokens`,
-    or no limit at all."""
+    no limit at all, or one the engine refuses."""
     request = item.request
     deterministic = request.get("temperature") == 0 or request.get("seed") is not None
     if not deterministic or (request.get("n") or 1) != 1 or request.get("min_tokens"):
         return None
-    if output_limit(item) is None:
+    limit = output_limit(item)
+    if limit is None or limit < 1:  # the engine refuses a limit of 0: such a request gets its own error
         return None
     rest = {name: value for name, value in request.items() if name not in _OUTPUT_LIMIT_FIELDS[item.kind]}
     text = json.dumps([item.kind, rest], sort_keys=True, ensure_ascii=False)

@@ -8,6 +8,7 @@ there, so a killed shard loses at most the requests that were in flight.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import IO, Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
 from batch_pipeline.shards.format import WorkItem, format_result, read_copies, read_work_items
-from batch_pipeline.shards.protocol import ShardStats, ShardTask
+from batch_pipeline.shards.protocol import WORKER_WINDOW, ShardStats, ShardTask
 from batch_pipeline.shards.records import expected_output_tokens
 from batch_pipeline.worker.checkpoint import Checkpoint, copy_lines, token_counts, write_sorted_output
 from batch_pipeline.worker.code_evaluator import TOOL_APPLIED, TOOL_NOT_APPLIED, CodeEvaluatorRequests
@@ -29,14 +30,14 @@ from batch_pipeline.worker.handlers import (
     refused_output,
 )
 from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
-from batch_pipeline.worker.shared_generation import SharedGenerations
+from batch_pipeline.worker.shared_generation import SharedGenerations, text_pieces
 from batch_pipeline.worker.v1_requests import V1Requests
 
 logger = logging.getLogger(__name__)
 
 # Requests handed to the engine ahead of the scheduler: enough to keep every batch slot busy, few enough
 # that a shard of a million prompts does not hold them all in memory.
-DEFAULT_MAX_IN_FLIGHT = 1024
+DEFAULT_MAX_IN_FLIGHT = WORKER_WINDOW
 PROGRESS_INTERVAL_S = 5.0
 # With nothing in the engine, how long the loop waits for an item held outside it (its code running)
 # before it checks the deadline again.
@@ -141,6 +142,7 @@ class ShardRunner:
         self.copies: dict[int, list[int]] = {}  # source index -> indices answered by its output
         self._copies_written = 0
         self.shared: SharedGenerations | None = None  # built with the engine, whose tokenizer cuts outputs
+        self._alone: collections.deque[WorkItem] = collections.deque()  # members to generate on their own
 
     def run(self) -> ShardStats:
         started = time.monotonic()
@@ -202,22 +204,28 @@ class ShardRunner:
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
         multi_round = [handler for handler in self.handlers.values() if isinstance(handler, MultiRoundHandler)]
-        if self.task.share_generations:
-            tokenizer = llm.get_tokenizer()
+        pieces = text_pieces(llm.get_tokenizer()) if self.task.share_generations else None
+        if pieces is not None:
             self.shared = SharedGenerations(
                 # a tool loop's rounds run code between generations: each request keeps its own
                 shareable=lambda item: not isinstance(self.handlers[item.kind], MultiRoundHandler),
-                decode=lambda token_ids, skip: tokenizer.decode(token_ids, skip_special_tokens=skip),
+                pieces=pieces,
             )
         in_flight = InFlight()
 
-        def unfinished() -> int:  # items begun and not written: in the engine, or held outside it
+        def begun() -> int:  # items begun and not written: in the engine, or held outside it
             return len(in_flight) + sum(handler.waiting for handler in multi_round)
+
+        def unfinished() -> int:  # and those owed again, on their own
+            return begun() + len(self._alone)
+
+        def next_item() -> WorkItem | None:
+            return self._alone.popleft() if self._alone else next(pending, None)
 
         t0 = last_report = time.monotonic()
         try:
             while True:
-                while unfinished() < self.max_in_flight and (item := next(pending, None)) is not None:
+                while begun() < self.max_in_flight and (item := next_item()) is not None:
                     self._submit(engine, item, in_flight, results)
                 for handler in multi_round:  # items back from outside the engine: into it again, or finished
                     for item, step in handler.resume(engine, wait_s=0.0 if in_flight else IDLE_WAIT_S):
@@ -231,7 +239,7 @@ class ShardRunner:
                 if in_flight:
                     for result in engine.step():
                         if result.finished and (done := in_flight.finish(result)) is not None:
-                            self._finished(engine, *done, in_flight, results)
+                            self._finished(*done, results)
                 self.checkpoint.upload_if_due()
                 now = time.monotonic()
                 if now - last_report >= PROGRESS_INTERVAL_S:
@@ -252,16 +260,13 @@ class ShardRunner:
         except Exception as exc:
             if self.shared is not None and (members := self.shared.members(item.index)) is not None:
                 # a refused shared generation: each of its requests asks on its own, for an entry of its own
-                for member in members:
-                    self._submit(engine, member, in_flight, results)
+                self._alone.extend(members)
             elif isinstance(exc, RequestRefused):
                 self._write(results, item.index, refused_output(exc))
             else:  # vLLM refuses the single request (e.g. prompt too long)
                 self._write(results, item.index, engine_error_output(exc, item.kind))
 
-    def _finished(
-        self, engine: Any, item: WorkItem, item_results: list[Any], in_flight: InFlight, results: IO[str]
-    ) -> None:
+    def _finished(self, item: WorkItem, item_results: list[Any], results: IO[str]) -> None:
         handler = self.handlers[item.kind]
         shared = self.shared
         members = shared.members(item.index) if shared is not None else None
@@ -272,7 +277,7 @@ class ShardRunner:
         answered = 0
         for member, member_results in answers:
             if member_results is None:  # the cut could differ from the engine's own answer
-                self._submit(engine, member, in_flight, results)
+                self._alone.append(member)
                 continue
             output = handler.output(member, member_results)
             if output is not None:  # None: the handler holds the item for another round

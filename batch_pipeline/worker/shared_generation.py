@@ -19,8 +19,30 @@ from typing import Any
 from batch_pipeline.shards.format import WorkItem
 from batch_pipeline.shards.records import output_limit, shared_generation_key, with_output_limit
 
-# vLLM's text of an incomplete UTF-8 sequence: a cut there would not read as the engine writes it.
-_REPLACEMENT_CHARACTER = "\ufffd"
+# The text each generated token adds, as vLLM's detokenizer writes it: (prompt token ids, generated token
+# ids, skip_special_tokens) -> one piece a token.
+TextPieces = Callable[[list[int], list[int], bool], list[str]]
+
+
+def text_pieces(tokenizer: Any) -> TextPieces | None:
+    """How vLLM's fast detokenizer writes a completion's text, token by token: a `DecodeStream` primed with
+    the prompt (so a tokenizer that drops a leading space at the start of a text keeps it after a prompt)
+    that holds back an incomplete character until it completes. None for a tokenizer without a fast
+    backend, whose text vLLM writes another way: its requests are not shared."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    if not isinstance(backend, Tokenizer):
+        return None
+
+    def pieces(prompt_token_ids: list[int], token_ids: list[int], skip_special_tokens: bool) -> list[str]:
+        stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens)
+        return [stream.step(backend, token_id) or "" for token_id in token_ids]
+
+    return pieces
 
 
 class SharedGenerations:
@@ -28,9 +50,9 @@ class SharedGenerations:
     leader, the group's first request at the group's largest limit; `answers` cuts the leader's results
     for every member, itself included."""
 
-    def __init__(self, shareable: Callable[[WorkItem], bool], decode: Callable[[list[int], bool], str]) -> None:
+    def __init__(self, shareable: Callable[[WorkItem], bool], pieces: TextPieces) -> None:
         self.shareable = shareable
-        self.decode = decode  # token ids, skip_special_tokens -> text, as the engine's detokenizer writes it
+        self.pieces = pieces
         self._members: dict[int, list[WorkItem]] = {}  # leader index -> the requests it answers
 
     def combine(self, window: list[WorkItem]) -> list[WorkItem]:
@@ -40,12 +62,13 @@ class SharedGenerations:
             if key is not None:
                 groups.setdefault(key, []).append(item)
         leaders: dict[int, WorkItem] = {}
+        followers: set[int] = set()
         for members in groups.values():
             if len(members) > 1:
                 limit = max(output_limit(member) or 0 for member in members)
                 leaders[members[0].index] = with_output_limit(members[0], limit)
                 self._members[members[0].index] = members
-        followers = {member.index for members in self._members.values() for member in members[1:]}
+                followers.update(member.index for member in members[1:])
         return [leaders.get(item.index, item) for item in window if item.index not in followers]
 
     def members(self, leader_index: int) -> list[WorkItem] | None:
@@ -59,32 +82,33 @@ class SharedGenerations:
             limit = output_limit(member)
             assert limit is not None  # a member of a group has a limit (shared_generation_key)
             skip_special_tokens = member.request.get("skip_special_tokens") is not False
-            cut = [_cut(result, limit, skip_special_tokens, self.decode) for result in results]
+            cut = [_cut(result, limit, skip_special_tokens, self.pieces) for result in results]
             yield member, None if any(result is None for result in cut) else cut
 
 
-def _cut(result: Any, limit: int, skip_special_tokens: bool, decode: Callable[[list[int], bool], str]) -> Any | None:
+def _cut(result: Any, limit: int, skip_special_tokens: bool, pieces: TextPieces) -> Any | None:
     """A vLLM RequestOutput at `limit` tokens a prompt. A completion no longer than the limit stopped on its
     own before it (end of sequence, a stop string or token, the context), and so does the shorter request:
     the engine checks those stops before the limit. A longer one is cut: the first `limit` tokens, finished
-    by length."""
+    by length, with the text the engine wrote for them (no stop string was whole in it, or the longer one
+    would have stopped there)."""
     outputs = []
     for completion in result.outputs:
         if len(completion.token_ids) <= limit:
             outputs.append(completion)
             continue
-        token_ids = list(completion.token_ids[:limit])
-        whole, text = decode(list(completion.token_ids), skip_special_tokens), decode(token_ids, skip_special_tokens)
-        # The engine's text is a prefix of its tokens' text (cut at a stop string); where this decoding
-        # disagrees, or ends inside a character, the cut is not trusted.
-        if not (whole.startswith(completion.text) and whole.startswith(text)) or text.endswith(_REPLACEMENT_CHARACTER):
+        written = pieces(list(result.prompt_token_ids or []), list(completion.token_ids), skip_special_tokens)
+        # The engine's text is these pieces, or their start where a stop string cut it: where they disagree,
+        # the engine wrote its text another way, and the cut is not trusted.
+        if not "".join(written).startswith(completion.text):
             return None
+        token_ids = list(completion.token_ids[:limit])
         logprobs = completion.logprobs[:limit] if completion.logprobs is not None else None
         outputs.append(
             dataclasses.replace(
                 completion,
                 token_ids=token_ids,
-                text=text,
+                text="".join(written[:limit]),
                 logprobs=logprobs,
                 cumulative_logprob=(
                     sum(position[token].logprob for token, position in zip(token_ids, logprobs, strict=True))
