@@ -170,10 +170,9 @@ def write_shards(
     groups: OrderedDict[int, _Group] = OrderedDict()  # shared generation key -> its group, least recent first
 
     def least_loaded() -> int:
-        while True:
-            load, k = heapq.heappop(loads)
-            if load == token_counts[k]:
-                return k
+        while loads[0][0] != token_counts[loads[0][1]]:
+            heapq.heappop(loads)
+        return loads[0][1]
 
     def add_load(k: int, tokens: int) -> None:
         if tokens:
@@ -201,13 +200,20 @@ def write_shards(
                 generation = shared_generation_key(item) if group_generations else None
                 limit = output_limit(item) or 0
                 group = groups.pop(generation, None) if generation is not None else None
+                least = least_loaded()
                 if group is not None and line_counts[group.shard] - group.last_line < WORKER_WINDOW:
-                    # Its prompt is in that engine's cache, and its tokens come from the group's generation.
-                    k = group.shard
-                    add_load(k, max(0, limit - group.limit) * size.prompts)
-                    limit = max(limit, group.limit)
+                    # There its prompt is cached and its tokens come from the group's generation: it adds only
+                    # what its limit adds. It goes there unless that leaves more work there than it would be
+                    # alone on the least-loaded shard (a sweep of long limits after short ones).
+                    extra = max(0, limit - group.limit) * size.prompts
+                    if token_counts[group.shard] + extra <= token_counts[least] + size.tokens:
+                        k, limit = group.shard, max(limit, group.limit)
+                        add_load(k, extra)
+                    else:
+                        k = least
+                        add_load(k, size.tokens)
                 else:
-                    k = least_loaded()
+                    k = least
                     add_load(k, size.tokens)
                 if generation is not None:
                     groups[generation] = _Group(shard=k, last_line=line_counts[k], limit=limit)
