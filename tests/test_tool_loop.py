@@ -628,6 +628,22 @@ def test_a_cut_whose_text_the_detokenizer_would_write_otherwise_is_generated_on_
     assert stats.cut_from_longer == 0
 
 
+def test_a_completion_the_tokenizers_stream_cannot_decode_is_generated_again_alone(monkeypatch, tmp_path):
+    """Found by review: a byte-fallback tokenizer's stream raises on some invalid UTF-8 sequences (vLLM's
+    detokenizer recovers in a way of its own). That failed the shard, and every retry of it the same way."""
+    shard = make_shard_of(tmp_path, [greedy("Q", 3), greedy("Q", 6)])
+    engine = ScriptedEngine({"Q": ["abcdefgh", "abcdefgh"]})
+
+    def failing(prompt_token_ids: list[int], token_ids: list[int], skip_special_tokens: bool) -> list[str]:
+        raise Exception("Invalid prefix encountered while decoding stream")
+
+    stats = run_shard(monkeypatch, shard, engine, pieces=failing)
+
+    assert [request.max_tokens for request in engine.requests] == [6, 3]
+    assert [output["text"] for output in outputs(shard)] == ["abc", "abcdef"]
+    assert stats.cut_from_longer == 0
+
+
 def test_a_shared_generation_the_engine_refuses_leaves_each_request_its_own_error(monkeypatch, tmp_path):
     """Every request of a group the engine refuses gets its error entry, not only the one that led it."""
     long_prompt = "Q" * 50

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,16 +28,15 @@ TextPieces = Callable[[list[int], list[int], bool], list[str]]
 def text_pieces(tokenizer: Any) -> TextPieces | None:
     """How vLLM's fast detokenizer writes a completion's text, token by token: a `DecodeStream` primed with
     the prompt (so a tokenizer that drops a leading space at the start of a text keeps it after a prompt)
-    that holds back an incomplete character until it completes. None for a tokenizer without a fast
-    backend, whose text vLLM writes another way: its requests are not shared."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    try:
-        from tokenizers import Tokenizer
-        from tokenizers.decoders import DecodeStream
-    except ImportError:
+    that holds back an incomplete character until it completes. None where vLLM writes the text another
+    way (no fast detokenizer for this tokenizer): its requests are not shared."""
+    from tokenizers.decoders import DecodeStream
+
+    from batch_pipeline.worker.vllm_api import uses_fast_detokenizer
+
+    if not uses_fast_detokenizer(tokenizer):
         return None
-    if not isinstance(backend, Tokenizer):
-        return None
+    backend = tokenizer._tokenizer  # what vLLM's FastIncrementalDetokenizer steps its stream with
 
     def pieces(prompt_token_ids: list[int], token_ids: list[int], skip_special_tokens: bool) -> list[str]:
         stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=skip_special_tokens)
@@ -78,29 +78,50 @@ class SharedGenerations:
     def answers(self, members: list[WorkItem], results: list[Any]) -> Iterator[tuple[WorkItem, list[Any] | None]]:
         """Each member with the leader's results as the engine would have given them at its own limit; None
         where the cut could differ from the engine's own text (the member is then generated on its own)."""
+        written: dict[tuple[int, int, bool], list[str] | None] = {}  # each completion's pieces, written once
+
+        def pieces_of(position: int, result: Any, skip_special_tokens: bool, choice: int) -> list[str] | None:
+            key = (position, choice, skip_special_tokens)
+            if key not in written:
+                written[key] = self._written(result, result.outputs[choice], skip_special_tokens)
+            return written[key]
+
         for member in members:
             limit = output_limit(member)
             assert limit is not None  # a member of a group has a limit (shared_generation_key)
             skip_special_tokens = member.request.get("skip_special_tokens") is not False
-            cut = [_cut(result, limit, skip_special_tokens, self.pieces) for result in results]
+            cut = [
+                _cut(result, limit, functools.partial(pieces_of, position, result, skip_special_tokens))
+                for position, result in enumerate(results)
+            ]
             yield member, None if any(result is None for result in cut) else cut
 
+    def _written(self, result: Any, completion: Any, skip_special_tokens: bool) -> list[str] | None:
+        """The pieces of a completion's text, where they are the engine's own: None where the stream fails
+        (vLLM's detokenizer recovers from a sequence it cannot decode, in a way of its own) or disagrees
+        with the engine's text (which is these pieces, or their start where a stop string cut it)."""
+        prompt_token_ids = list(result.prompt_token_ids or [])
+        try:
+            pieces = self.pieces(prompt_token_ids, list(completion.token_ids), skip_special_tokens)
+        except Exception:
+            return None
+        return pieces if "".join(pieces).startswith(completion.text) else None
 
-def _cut(result: Any, limit: int, skip_special_tokens: bool, pieces: TextPieces) -> Any | None:
-    """A vLLM RequestOutput at `limit` tokens a prompt. A completion no longer than the limit stopped on its
-    own before it (end of sequence, a stop string or token, the context), and so does the shorter request:
-    the engine checks those stops before the limit. A longer one is cut: the first `limit` tokens, finished
-    by length, with the text the engine wrote for them (no stop string was whole in it, or the longer one
-    would have stopped there)."""
+
+def _cut(result: Any, limit: int, written: Callable[[int], list[str] | None]) -> Any | None:
+    """A vLLM RequestOutput at `limit` tokens a prompt (None where a completion's text cannot be cut as the
+    engine writes it: `written(choice)`). A completion no longer than the limit stopped on its own before
+    it (end of sequence, a stop string or token, the context), and so does the shorter request: the engine
+    checks those stops before the limit. A longer one is cut: the first `limit` tokens, finished by length,
+    with the text the engine wrote for them (no stop string was whole in it, or the longer one would have
+    stopped there)."""
     outputs = []
-    for completion in result.outputs:
+    for choice, completion in enumerate(result.outputs):
         if len(completion.token_ids) <= limit:
             outputs.append(completion)
             continue
-        written = pieces(list(result.prompt_token_ids or []), list(completion.token_ids), skip_special_tokens)
-        # The engine's text is these pieces, or their start where a stop string cut it: where they disagree,
-        # the engine wrote its text another way, and the cut is not trusted.
-        if not "".join(written).startswith(completion.text):
+        pieces = written(choice)
+        if pieces is None:
             return None
         token_ids = list(completion.token_ids[:limit])
         logprobs = completion.logprobs[:limit] if completion.logprobs is not None else None
@@ -108,7 +129,7 @@ def _cut(result: Any, limit: int, skip_special_tokens: bool, pieces: TextPieces)
             dataclasses.replace(
                 completion,
                 token_ids=token_ids,
-                text="".join(written[:limit]),
+                text="".join(pieces[:limit]),
                 logprobs=logprobs,
                 cumulative_logprob=(
                     sum(position[token].logprob for token, position in zip(token_ids, logprobs, strict=True))

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from vllm.renderers.inputs.preprocess import parse_model_prompt
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.tokenizers.registry import cached_tokenizer_from_config
+    from vllm.v1.engine.detokenizer import uses_fast_detokenizer
     from vllm.v1.engine.llm_engine import LLMEngine
 
 # name -> the vLLM module it comes from
@@ -46,6 +47,7 @@ MODULES = {
     "StructuredOutputsParams": "vllm.sampling_params",
     "cached_tokenizer_from_config": "vllm.tokenizers.registry",
     "LLMEngine": "vllm.v1.engine.llm_engine",
+    "uses_fast_detokenizer": "vllm.v1.engine.detokenizer",
 }
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "make_tool_call_id",
     "openai_sampling_defaults",
     "parse_model_prompt",
+    "uses_fast_detokenizer",
 ]
 
 
