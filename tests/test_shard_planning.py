@@ -9,7 +9,14 @@ import pytest
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.shards.format import format_result, read_copies, read_work_items
 from batch_pipeline.shards.merge import partial_outputs
-from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan, ShardPlan, plan_shard_count, write_shards
+from batch_pipeline.shards.planning import (
+    GENERATION_GROUPING,
+    PlanningSettings,
+    RecordedPlan,
+    ShardPlan,
+    plan_shard_count,
+    write_shards,
+)
 from batch_pipeline.shards.protocol import ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.worker.engine import choose_dtype, cpu_flags
@@ -137,8 +144,11 @@ def test_greedy_requests_differing_only_in_their_limit_are_planned_into_one_shar
 
     earlier = '{"requested": 3, "used": 3, "reason": null, "deduplicate": true}'
     assert RecordedPlan.from_json(earlier).group_generations is False
-    now = RecordedPlan(ShardPlan(requested=3, used=3), deduplicate=True, group_generations=True)
-    assert RecordedPlan.from_json(now.to_json()) == now
+    now = RecordedPlan(ShardPlan(requested=3, used=3), deduplicate=True, generation_grouping=GENERATION_GROUPING)
+    assert RecordedPlan.from_json(now.to_json()) == now and now.group_generations
+    later = RecordedPlan(ShardPlan(requested=3, used=3), deduplicate=True, generation_grouping=GENERATION_GROUPING + 1)
+    with pytest.raises(ValueError, match="planned by a later release"):
+        RecordedPlan.from_json(later.to_json()).group_generations
 
 
 def test_a_group_weighs_what_its_largest_limit_generates_so_shards_stay_balanced(tmp_path):

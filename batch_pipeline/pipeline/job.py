@@ -29,7 +29,13 @@ from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
 from batch_pipeline.shards.format import checkpoint_bytes, shard_directories
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
-from batch_pipeline.shards.planning import RecordedPlan, ShardPlan, plan_shard_count, write_shards
+from batch_pipeline.shards.planning import (
+    GENERATION_GROUPING,
+    RecordedPlan,
+    ShardPlan,
+    plan_shard_count,
+    write_shards,
+)
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.store.jobs import JobRecord, JobStore
@@ -196,7 +202,8 @@ def plan_shards(
             deduplicate = settings.deduplicate and request.tool_config is None
             # Shards without a kept plan were written by a release that kept none, and grouped nothing.
             planned_before = bool(shard_directories(work_dir))
-            recorded = RecordedPlan(first_plan, deduplicate, group_generations=deduplicate and not planned_before)
+            grouping = GENERATION_GROUPING if deduplicate and not planned_before else 0
+            recorded = RecordedPlan(first_plan, deduplicate, generation_grouping=grouping)
         shards = write_shards(
             items,
             recorded.plan.used,

@@ -19,6 +19,10 @@ from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, ShardSpec, Wor
 from batch_pipeline.shards.protocol import WORKER_WINDOW
 from batch_pipeline.shards.records import ItemSize, output_limit, repeat_key, shared_generation_key
 
+# The rule write_shards keeps requests sharing a generation together by (its window, its balance): a plan
+# records it, so a release that changes the rule gives it a new version and keeps this one for such plans.
+GENERATION_GROUPING = 1
+
 # Distinct deterministic requests remembered to find repeats (~120 MB of the planner's memory when full);
 # past it, repeats of requests first seen later are generated again.
 DEDUP_TABLE_LIMIT = 1_000_000
@@ -100,12 +104,20 @@ class RecordedPlan:
 
     plan: ShardPlan
     deduplicate: bool
-    # Plans recorded before this release kept no such groups together: their jobs resume as planned.
-    group_generations: bool = False
+    # How requests sharing a generation were kept together: 0 not at all (every plan recorded before this
+    # release), else the version of the rule (GENERATION_GROUPING) that placed them.
+    generation_grouping: int = 0
+
+    @property
+    def group_generations(self) -> bool:
+        """Whether write_shards groups as this plan was made: this release knows its own rule only."""
+        if self.generation_grouping not in (0, GENERATION_GROUPING):
+            raise ValueError(f"the job was planned by a later release (generation grouping {self.generation_grouping})")
+        return self.generation_grouping == GENERATION_GROUPING
 
     def to_json(self) -> str:
         return json.dumps(
-            {**self.plan.to_dict(), "deduplicate": self.deduplicate, "group_generations": self.group_generations}
+            {**self.plan.to_dict(), "deduplicate": self.deduplicate, "generation_grouping": self.generation_grouping}
         )
 
     @classmethod
@@ -115,7 +127,7 @@ class RecordedPlan:
         return cls(
             plan=plan,
             deduplicate=bool(fields["deduplicate"]),
-            group_generations=bool(fields.get("group_generations", False)),
+            generation_grouping=int(fields.get("generation_grouping", 0)),
         )
 
 
