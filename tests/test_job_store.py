@@ -98,8 +98,15 @@ def _open_store(url: str) -> str:
 
 def test_processes_starting_together_upgrade_the_schema_once_without_failing(tmp_path):
     url = _old_database(tmp_path / "raced.db")
-    with multiprocessing.get_context("spawn").Pool(4) as pool:
+    pool = multiprocessing.get_context("spawn").Pool(4)
+    try:
         assert pool.map(_open_store, [url] * 4) == ["queued"] * 4
+    finally:
+        # Not the context manager's terminate(): it holds the task queue's lock and relies on SIGTERM to stop
+        # the workers, and after an in-process Dagster run this process ignores SIGTERM wherever it was
+        # started ignoring SIGINT (Dagster maps SIGTERM to SIGINT's handler). A clean-clone CI hung here.
+        pool.close()
+        pool.join()
 
 
 def test_one_engine_per_process_and_url(tmp_path):
