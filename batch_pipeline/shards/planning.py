@@ -212,18 +212,16 @@ def write_shards(
                 generation = shared_generation_key(item) if group_generations else None
                 limit = output_limit(item) or 0
                 group = groups.pop(generation, None) if generation is not None else None
+                if group is not None and line_counts[group.shard] - group.last_line >= WORKER_WINDOW:
+                    group = None  # past the worker's window there: it would be generated on its own
                 least = least_loaded()
-                if group is not None and line_counts[group.shard] - group.last_line < WORKER_WINDOW:
-                    # There its prompt is cached and its tokens come from the group's generation: it adds only
-                    # what its limit adds. It goes there unless that leaves more work there than it would be
-                    # alone on the least-loaded shard (a sweep of long limits after short ones).
-                    extra = max(0, limit - group.limit) * size.prompts
-                    if token_counts[group.shard] + extra <= token_counts[least] + size.tokens:
-                        k, limit = group.shard, max(limit, group.limit)
-                        add_load(k, extra)
-                    else:
-                        k = least
-                        add_load(k, size.tokens)
+                # In its group's shard its prompt is cached and its tokens come from the group's generation: it
+                # adds only what its limit adds. It goes there unless that leaves more work there than it would
+                # be alone on the least-loaded shard (a sweep of long limits after short ones).
+                extra = max(0, limit - group.limit) * size.prompts if group is not None else 0
+                if group is not None and token_counts[group.shard] + extra <= token_counts[least] + size.tokens:
+                    k, limit = group.shard, max(limit, group.limit)
+                    add_load(k, extra)
                 else:
                     k = least
                     add_load(k, size.tokens)

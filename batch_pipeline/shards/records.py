@@ -93,10 +93,16 @@ def _text_tokens(text: str) -> int:
 def repeat_key(item: WorkItem) -> int | None:
     """A 128-bit digest that two work items share when they are the same request with a deterministic
     output (greedy, or a fixed seed), so that one generation can answer both; None for any other request."""
-    request = item.request
-    if request.get("temperature") != 0 and request.get("seed") is None:
-        return None
-    text = json.dumps([item.kind, request], sort_keys=True, ensure_ascii=False)
+    return _digest(item.kind, item.request) if _deterministic(item.request) else None
+
+
+def _deterministic(request: dict[str, Any]) -> bool:
+    """Whether a request's output is fixed by the request: greedy, or sampled with a seed."""
+    return request.get("temperature") == 0 or request.get("seed") is not None
+
+
+def _digest(kind: RecordKind, request: dict[str, Any]) -> int:
+    text = json.dumps([kind, request], sort_keys=True, ensure_ascii=False)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
 
 
@@ -130,12 +136,11 @@ def shared_generation_key(item: WorkItem) -> int | None:
     the longer's first). None for any other request: unseeded samples, several candidates, a `min_tokens`,
     no limit at all, or one the engine refuses."""
     request = item.request
-    deterministic = request.get("temperature") == 0 or request.get("seed") is not None
-    if not deterministic or (request.get("n") or 1) != 1 or request.get("min_tokens"):
+    if not _deterministic(request) or (request.get("n") or 1) != 1 or request.get("min_tokens"):
         return None
     limit = output_limit(item)
     if limit is None or limit < 1:  # the engine refuses a limit of 0: such a request gets its own error
         return None
-    rest = {name: value for name, value in request.items() if name not in _OUTPUT_LIMIT_FIELDS[item.kind]}
-    text = json.dumps([item.kind, rest], sort_keys=True, ensure_ascii=False)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
+    return _digest(
+        item.kind, {name: value for name, value in request.items() if name not in _OUTPUT_LIMIT_FIELDS[item.kind]}
+    )
