@@ -271,8 +271,10 @@ def make_running_job(store, job_storage, home: str, prompts: int, shard_files: b
     pipeline records it; its work dir as such a run leaves it when `shard_files`. Returns (id, bytes)."""
     import uuid
 
+    from batch_pipeline.admission.policy import AdmissionPolicy
     from batch_pipeline.admission.submission import submit
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
+    from batch_pipeline.core.settings import settings
 
     request = CreateBatchCompletionsV2Request.model_validate(
         {
@@ -283,7 +285,7 @@ def make_running_job(store, job_storage, home: str, prompts: int, shard_files: b
             "labels": {"size": str(prompts)},
         }
     )
-    record, _ = submit(store, job_storage.work_dir, "anonymous", request)
+    record, _ = submit(store, job_storage.work_dir, "anonymous", request, AdmissionPolicy.of_deployment(settings()))
     store.mark_started(record.job_id, str(uuid.uuid4()))
     per_shard = {k: prompts // SHARDS + (1 if k < prompts % SHARDS else 0) for k in range(SHARDS)}
     store.record_shards(record.job_id, per_shard)
@@ -404,8 +406,10 @@ def tick_body(home: str, i: int, content_kb: float) -> dict:
 def submit_tick_jobs(
     how: str, client: httpx.Client, store, job_storage, home: str, count: int, content_kb: float
 ) -> dict:
+    from batch_pipeline.admission.policy import AdmissionPolicy
     from batch_pipeline.admission.submission import submit
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
+    from batch_pipeline.core.settings import settings
 
     def post(i: int) -> int:
         body = json.dumps(tick_body(home, i, content_kb), separators=(",", ":")).encode()
@@ -413,12 +417,15 @@ def submit_tick_jobs(
             "/v2/batch-completions", content=body, headers={"content-type": "application/json"}
         ).status_code
 
+    admission = AdmissionPolicy.of_deployment(settings())
+
     def direct(i: int) -> int:
         submit(
             store,
             job_storage.work_dir,
             "anonymous",
             CreateBatchCompletionsV2Request.model_validate(tick_body(home, i, content_kb)),
+            admission,
         )
         return 200
 

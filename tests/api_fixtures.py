@@ -14,6 +14,7 @@ import dagster as dg
 import pytest
 from fastapi.testclient import TestClient
 
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
@@ -38,14 +39,15 @@ def write_instance_config(home: Path, max_concurrent_runs: int) -> None:
 
 
 def sensor_resources(store_url: str, **others: object) -> dict[str, object]:
-    """The resources the jobs sensor and the cleanup take, as the deployment binds them: this job store, the
-    teams of the tenants file the test's API reads (BATCH_PIPELINE_TENANTS; none where unset), the
-    deployment's launching bounds; `others` replace any of them."""
+    """The resources the jobs sensor, the cleanup and keep_partial_results take, as the deployment binds them:
+    this job store, the teams of the tenants file the test's API reads (BATCH_PIPELINE_TENANTS; none where
+    unset), the deployment's launching bounds and admission policy; `others` replace any of them."""
     configured = settings()
     return {
         "job_store": JobStoreResource(url=store_url),
         "tenancy": Tenancy.of_deployment(configured),
         "run_launching": RunLaunching.of_deployment(configured),
+        "admission": AdmissionPolicy.of_deployment(configured),
         **others,
     }
 

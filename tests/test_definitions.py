@@ -119,6 +119,8 @@ def test_launchpad_fields_carry_the_spec_descriptions():
         ("shard_planning", "min_shard_tokens", 0),
         # a cleanup reading teams of the launcher's own making: a retention of a day for another team's jobs
         ("tenancy", "tenants_file", "/tmp/my-own-teams.yaml"),
+        # a run that admits its own paths: another team's data roots, or a model's own code
+        ("admission", "allow_remote_code", True),
     ],
 )
 @pytest.mark.parametrize("job_name", ["batch_completions", "keep_partial_results", "cleanup"])
@@ -137,7 +139,7 @@ def test_no_run_config_reconfigures_a_resource(job_name, resource, field, value)
 def test_resources_are_the_deployments():
     """The launchpad shows no resource config to edit, and the job's resources are what the settings built."""
     job = batch_completions_job()
-    for name in ("shard_launcher", "job_storage", "job_store", "shard_planning", "tenancy"):
+    for name in ("shard_launcher", "job_storage", "job_store", "shard_planning", "tenancy", "admission"):
         assert job.resource_defs[name].config_schema.as_field().config_type.fields == {}, name
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.admission.hardware import ENGINE_ARGUMENT_MAXIMA, hardware_maxima, hardware_refusals
+from batch_pipeline.admission.hardware import ENGINE_ARGUMENT_MAXIMA, hardware_refusals
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.core.settings import ENV_PREFIX, settings
 
@@ -57,7 +58,7 @@ def _request(**hardware):
     ],
 )
 def test_quantities_kubernetes_accepts_are_accepted(hardware):
-    assert hardware_refusals(_request(**hardware)) == []
+    assert hardware_refusals(_request(**hardware), {}) == []
 
 
 @pytest.mark.parametrize(
@@ -84,12 +85,12 @@ def test_quantities_kubernetes_accepts_are_accepted(hardware):
     ],
 )
 def test_a_quantity_no_pod_can_carry_is_refused_naming_the_field(hardware, field):
-    ((named, why),) = hardware_refusals(_request(**hardware))
+    ((named, why),) = hardware_refusals(_request(**hardware), {})
     assert named == field and repr(hardware[field]) in why, why
 
 
 def test_every_bad_field_is_named_at_once():
-    refused = hardware_refusals(_request(cpus="lots", memory="-1", storage="x", gpus=-3))
+    refused = hardware_refusals(_request(cpus="lots", memory="-1", storage="x", gpus=-3), {})
     assert [field for field, _ in refused] == ["gpus", "cpus", "memory", "storage"]
 
 
@@ -98,22 +99,25 @@ def test_the_operators_maxima_bound_each_field_in_the_units_kubernetes_compares(
     monkeypatch.setenv("BATCH_PIPELINE_MAX_CPUS", "64")
     monkeypatch.setenv("BATCH_PIPELINE_MAX_MEMORY", "512Gi")
     monkeypatch.setenv("BATCH_PIPELINE_MAX_STORAGE", "2Ti")
+    maxima = AdmissionPolicy.of_deployment(settings()).hardware_maxima  # as the deployment reads them
     at_the_maxima = {"gpus": 8, "cpus": "64000m", "memory": 512, "storage": "2048Gi"}
-    assert hardware_refusals(_request(**at_the_maxima)) == []
-    over = hardware_refusals(_request(gpus=9, cpus=65, memory="513Gi", storage="2.1Ti"))
+    assert hardware_refusals(_request(**at_the_maxima), maxima) == []
+    over = hardware_refusals(_request(gpus=9, cpus=65, memory="513Gi", storage="2.1Ti"), maxima)
     assert [field for field, _ in over] == ["gpus", "cpus", "memory", "storage"]
     assert dict(over)["memory"] == "513Gi is more than this deployment's maximum of 512Gi"
-    assert "550G" in dict(hardware_refusals(_request(memory="550G")))["memory"]  # decimal units compared exactly
+    # decimal units compared exactly
+    assert "550G" in dict(hardware_refusals(_request(memory="550G"), maxima))["memory"]
 
 
 def test_no_maxima_set_means_any_valid_size():
-    assert hardware_refusals(_request(gpus=1024, cpus=10_000, memory="100Ti", storage="1Pi")) == []
+    maxima = AdmissionPolicy.of_deployment(settings()).hardware_maxima
+    assert hardware_refusals(_request(gpus=1024, cpus=10_000, memory="100Ti", storage="1Pi"), maxima) == []
 
 
 def test_a_maximum_the_operator_mistyped_is_an_error_naming_the_variable(monkeypatch):
     monkeypatch.setenv("BATCH_PIPELINE_MAX_MEMORY", "lots")
     with pytest.raises(ValueError, match="BATCH_PIPELINE_MAX_MEMORY"):
-        hardware_maxima()
+        AdmissionPolicy.of_deployment(settings())
 
 
 def test_the_api_refuses_hardware_no_pod_can_carry_naming_the_field_and_stores_nothing(deployment_factory, monkeypatch):

@@ -357,7 +357,10 @@ MAXIMA = (
 
 def test_the_shipped_manifests_bound_what_a_request_may_ask_for(monkeypatch):
     from batch_pipeline.admission.hardware import hardware_refusals
+    from batch_pipeline.admission.policy import AdmissionPolicy
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
+    from batch_pipeline.core.settings import settings
+    from batch_pipeline.pipeline.definitions import shard_launcher_from_environment
 
     api_env, location_env = _api_env(), _location_env()
     assert {name: api_env.get(name) for name in MAXIMA} == {name: location_env.get(name) for name in MAXIMA}
@@ -375,16 +378,18 @@ def test_the_shipped_manifests_bound_what_a_request_may_ask_for(monkeypatch):
             "storage": "100Pi",
         }
     )
-    # what the API's submission check refuses (a 422 naming each field)
-    assert dict(hardware_refusals(request)) == {
+    # what the API's submission check refuses (a 422 naming each field), its policy read as the API reads it
+    assert dict(hardware_refusals(request, AdmissionPolicy.of_deployment(settings()).hardware_maxima)) == {
         "gpus": f"1000000 is more than this deployment's maximum of {api_env['BATCH_PIPELINE_MAX_GPUS']}",
         "cpus": f"100000 is more than this deployment's maximum of {api_env['BATCH_PIPELINE_MAX_CPUS']}",
         "memory": f"100Ti is more than this deployment's maximum of {api_env['BATCH_PIPELINE_MAX_MEMORY']}",
         "storage": f"100Pi is more than this deployment's maximum of {api_env['BATCH_PIPELINE_MAX_STORAGE']}",
     }
-    # and the code location's launcher on the pod it would build
+    # and the code location's launcher, as its definitions build it, on the pod it would build
+    monkeypatch.setenv("BATCH_PIPELINE_SHARD_LAUNCHER", "k8s")
+    monkeypatch.setenv("BATCH_PIPELINE_WORKER_IMAGE", "i")
     with pytest.raises(InvalidHardware, match="^gpus: 1000000 is more than"):
-        K8sShardLauncher(image="i").pod_overrides(_task({"gpus": 1000000}))
+        shard_launcher_from_environment().pod_overrides(_task({"gpus": 1000000}))
     # and the engine arguments, set the same in both
     engine = sorted(name for name in api_env if name.startswith("BATCH_PIPELINE_MAX_") and name not in MAXIMA)
     assert engine and {name: api_env[name] for name in engine} == {name: location_env.get(name) for name in engine}
@@ -393,7 +398,8 @@ def test_the_shipped_manifests_bound_what_a_request_may_ask_for(monkeypatch):
     from batch_pipeline.admission.hardware import engine_argument_refusals
 
     huge = request.model_cfg.model_copy(update={"num_gpu_blocks_override": 2**40, "max_num_seqs": 10**6})
-    assert {field for field, _ in engine_argument_refusals(huge)} == {
+    policy = AdmissionPolicy.of_deployment(settings())
+    assert {field for field, _ in engine_argument_refusals(huge, policy.engine_maxima, policy.max_gpus)} == {
         "model_config.num_gpu_blocks_override",
         "model_config.max_num_seqs",
     }

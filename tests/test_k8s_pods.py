@@ -115,16 +115,16 @@ def test_hardware_no_pod_can_carry_is_refused_naming_the_field(hardware, field):
         LAUNCHER.pod_overrides(_task(hardware), now=NOW)
 
 
-def test_a_pod_over_the_deployments_maxima_is_refused_even_when_its_size_was_inferred(monkeypatch):
+def test_a_pod_over_the_deployments_maxima_is_refused_even_when_its_size_was_inferred():
     from batch_pipeline.launch.k8s import infer_hardware
 
-    monkeypatch.setenv("BATCH_PIPELINE_MAX_GPUS", "4")
-    monkeypatch.setenv("BATCH_PIPELINE_MAX_MEMORY", "512Gi")
+    bounded = K8sShardLauncher(image="i", max_hardware={"gpus": "4", "memory": "512Gi"})
     inferred, _ = infer_hardware({"gpu_type": "nvidia-ampere-a100e"}, 400 * 2**30, "nvidia-ampere-a100e", 1)
     with pytest.raises(InvalidHardware, match="^gpus: 16 is more than this deployment's maximum of 4"):
-        LAUNCHER.pod_overrides(_task(inferred), now=NOW)
+        bounded.pod_overrides(_task(inferred), now=NOW)
     with pytest.raises(InvalidHardware, match="^memory: 600Gi is more than this deployment's maximum of 512Gi"):
-        LAUNCHER.pod_overrides(_task({"gpus": 1, "memory": "600Gi"}), now=NOW)
+        bounded.pod_overrides(_task({"gpus": 1, "memory": "600Gi"}), now=NOW)
+    LAUNCHER.pod_overrides(_task({"gpus": 1, "memory": "600Gi"}), now=NOW)  # a deployment with no maxima
 
 
 def test_a_gpu_type_the_deployment_does_not_map_is_refused():

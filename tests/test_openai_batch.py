@@ -155,7 +155,11 @@ def test_a_file_that_does_not_validate_fails_its_batch_with_each_error_and_its_l
     assert client.get(f"/v1/batches/{batch['id']}", headers=_bearer(USER_KEY)).json() == batch
 
 
-def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deployment_serves(deployment, monkeypatch):
+def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deployment_serves(
+    deployment_factory, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(tmp_path / "data"))
+    deployment = deployment_factory()
     client = deployment.client
     file_id = _upload(client, _jsonl([_line("a")])).json()["id"]
     others = _create(client, file_id, key=OTHER_KEY)
@@ -170,7 +174,6 @@ def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deploymen
     assert gone.status_code == 400 and gone.json()["error"]["param"] == "input_file_id"
 
     # A model path outside the data roots is refused like model_config.model of a v2 request.
-    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(deployment.home / "data"))
     path_file = _upload(client, _jsonl([_line("a", model="/etc/models/secret")])).json()["id"]
     refused = _create(client, path_file).json()
     assert refused["status"] == "failed"
@@ -179,10 +182,11 @@ def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deploymen
 
 
 def test_a_valid_batch_is_queued_as_a_job_outside_the_data_roots_and_cancelled_before_launch_lists_every_request(
-    deployment, monkeypatch
+    deployment_factory, tmp_path, monkeypatch
 ):
     # The batch's content and output live in its job's work dir, which the data roots need not hold.
-    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(deployment.home / "data"))
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(tmp_path / "data"))
+    deployment = deployment_factory()
     client = deployment.client
     file_id = _upload(client, _jsonl([_line(f"req-{i}", f"prompt {i}") for i in range(3)])).json()["id"]
     batch = _create(client, file_id, metadata={"run": "nightly"}).json()
@@ -224,10 +228,12 @@ def test_batches_page_newest_first(deployment):
 
 
 @pytest.mark.slow
-def test_a_batch_cancelled_while_running_keeps_what_finished_in_its_output_file(deployment_factory, monkeypatch):
-    api = deployment_factory()
+def test_a_batch_cancelled_while_running_keeps_what_finished_in_its_output_file(
+    deployment_factory, tmp_path, monkeypatch
+):
     # The batch's files are in its job's work dir, outside these roots: its run still reads and writes them.
-    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(api.home / "data"))
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(tmp_path / "data"))
+    api = deployment_factory()
     api.start_daemon()
     client = api.client
     short = [_line(f"short-{i}", f"Short {i}:", max_tokens=2, temperature=0) for i in range(8)]

@@ -182,19 +182,21 @@ def test_trust_remote_code_is_refused_unless_the_operator_allows_it(deployment_f
     assert _refused_fields(_post(api, body)) == ["model_config.trust_remote_code"]
     assert _post(api, {**body, "model_config": {"model": MODEL, "trust_remote_code": False}}).status_code == 200
     monkeypatch.setenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", "1")
-    assert _post(api, body).status_code == 200
+    assert _post(api, body).status_code == 422  # read when the deployment started, not at each request
+    assert _post(deployment_factory(), body).status_code == 200
 
 
 def test_a_shard_worker_gets_trust_remote_code_only_from_the_operators_policy(monkeypatch):
-    from batch_pipeline.admission.capabilities import shard_model_config
+    from batch_pipeline.admission.paths import PathPolicy
+    from batch_pipeline.admission.policy import AdmissionPolicy
     from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 
     asked = BatchCompletionsModelConfig(model=MODEL, trust_remote_code=True)
-    monkeypatch.delenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", raising=False)
-    assert shard_model_config(asked).trust_remote_code is False
-    monkeypatch.setenv("BATCH_PIPELINE_ALLOW_REMOTE_CODE", "1")
-    assert shard_model_config(asked).trust_remote_code is True
-    assert shard_model_config(BatchCompletionsModelConfig(model=MODEL)).trust_remote_code is False
+    paths = PathPolicy(frozenset({"file"}), ())
+    assert AdmissionPolicy(paths).shard_model_config(asked).trust_remote_code is False
+    allowing = AdmissionPolicy(paths, allow_remote_code=True)
+    assert allowing.shard_model_config(asked).trust_remote_code is True
+    assert allowing.shard_model_config(BatchCompletionsModelConfig(model=MODEL)).trust_remote_code is False
 
 
 def test_a_launchpad_run_is_held_to_the_same_policy(run_job, data_root, monkeypatch):

@@ -241,11 +241,13 @@ def test_the_kept_figures_are_what_the_checkpoints_hold_whole_lines_only(tmp_pat
     assert (kept.requests, kept.prompt_tokens, kept.completion_tokens) == (3, 7, 11)
 
 
-def test_an_openai_batch_cancelled_before_launch_is_resumed_through_the_same_route(deployment_factory, monkeypatch):
+def test_an_openai_batch_cancelled_before_launch_is_resumed_through_the_same_route(
+    deployment_factory, tmp_path, monkeypatch
+):
     from tests.test_openai_batch import _bearer, _create, _jsonl, _line, _upload
 
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(tmp_path / "data"))
     api = deployment_factory()
-    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(api.home / "data"))
     client = api.client
     file_id = _upload(client, _jsonl([_line(f"req-{i}", f"prompt {i}") for i in range(3)])).json()["id"]
     batch_id = _create(client, file_id).json()["id"]
@@ -261,11 +263,13 @@ def test_an_openai_batch_cancelled_before_launch_is_resumed_through_the_same_rou
 
 
 @pytest.mark.slow
-def test_an_openai_batch_cancelled_while_running_then_resumed_rewrites_its_files_whole(deployment_factory, monkeypatch):
+def test_an_openai_batch_cancelled_while_running_then_resumed_rewrites_its_files_whole(
+    deployment_factory, tmp_path, monkeypatch
+):
     from tests.test_openai_batch import _bearer, _create, _jsonl, _line, _upload
 
+    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(tmp_path / "data"))
     api = deployment_factory()
-    monkeypatch.setenv("BATCH_PIPELINE_DATA_ROOTS", str(api.home / "data"))
     api.start_daemon()
     client = api.client
     short = [_line(f"short-{i}", f"Short {i}:", max_tokens=2, temperature=0) for i in range(8)]

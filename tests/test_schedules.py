@@ -9,6 +9,8 @@ from datetime import UTC, datetime
 import dagster as dg
 import pytest
 
+from batch_pipeline.admission.paths import PathPolicy
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.schedules import ScheduleFileError, load_schedule_specs, schedule_for
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
@@ -79,6 +81,7 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
                 resources={
                     "job_store": JobStoreResource(url=url),
                     "job_storage": JobStorage(work_dir_base=str(tmp_path / "work")),
+                    "admission": AdmissionPolicy(PathPolicy(frozenset({"file"}), ())),
                 },
             )
             (request,) = schedule.evaluate_tick(context).run_requests

@@ -14,11 +14,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.io import SymlinkRefused
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
@@ -271,7 +272,7 @@ def data_root(tmp_path, monkeypatch):
 
 def test_files_are_written_and_read_beneath_the_root(data_root):
     root, _ = data_root
-    files = DataFiles.for_owner(None)
+    files = AdmissionPolicy.of_deployment(settings()).data_files(None)
     with files.atomic_write(str(root / "out" / "new" / "result.json")) as handle:
         handle.write("[]")
     assert (root / "out" / "new" / "result.json").read_text() == "[]"
@@ -284,7 +285,7 @@ def test_files_are_written_and_read_beneath_the_root(data_root):
 def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_written_through(data_root):
     root, outside = data_root
     target = root / "out" / "dir" / "result.json"
-    files = DataFiles.for_owner(None)
+    files = AdmissionPolicy.of_deployment(settings()).data_files(None)
     files.check_writable(str(target))  # the check a job makes when it starts
     (root / "out" / "dir").rename(root / "out" / "dir.old")
     (root / "out" / "dir").symlink_to(outside)  # ...and the swap while it runs
@@ -301,7 +302,7 @@ def test_a_file_swapped_for_a_symlink_is_replaced_not_written_through_and_not_re
     (outside / "secret.json").write_text("other team's")
     link = root / "out" / "result.json"
     link.symlink_to(outside / "secret.json")
-    files = DataFiles.for_owner(None)
+    files = AdmissionPolicy.of_deployment(settings()).data_files(None)
     with pytest.raises(SymlinkRefused):
         files.open(str(link))
     with files.atomic_write(str(link)) as handle:

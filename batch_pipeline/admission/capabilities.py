@@ -9,34 +9,20 @@ from __future__ import annotations
 
 from batch_pipeline.admission.hardware import engine_argument_refusals, hardware_refusals
 from batch_pipeline.admission.paths import request_path_refusals
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
-from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 from batch_pipeline.contract.requests import CODE_EVALUATOR
-from batch_pipeline.core.settings import settings
 
 MAX_EXECUTION_TIMEOUT_S = 600
 
 
-def remote_code_allowed() -> bool:
-    """With trust_remote_code a request chooses Python that the worker imports with all its rights: only
-    an operator who vets the models may allow it."""
-    return settings().allow_remote_code
-
-
-def shard_model_config(model_config: BatchCompletionsModelConfig) -> BatchCompletionsModelConfig:
-    """The model config a shard worker is given: trust_remote_code as this orchestrator's policy decides
-    it, since the worker (a pod of its own) has no policy to check and must not take the request's word."""
-    trusted = bool(model_config.trust_remote_code) and remote_code_allowed()
-    return model_config.model_copy(update={"trust_remote_code": trusted})
-
-
 def refusals(
-    request: CreateBatchCompletionsV2Request, owner: str | None, own_dir: str | None = None
+    request: CreateBatchCompletionsV2Request, owner: str | None, policy: AdmissionPolicy, own_dir: str | None = None
 ) -> list[tuple[str, str]]:
-    """`(field, why)` for each part of `owner`'s request this deployment cannot honour (`own_dir`: the job's
+    """`(field, why)` for each part of `owner`'s request that `policy` does not admit (`own_dir`: the job's
     work dir, see request_path_refusals)."""
-    found = request_path_refusals(request, owner, own_dir)
-    if request.model_cfg.trust_remote_code and not remote_code_allowed():
+    found = request_path_refusals(request, policy.paths_for(owner), own_dir)
+    if request.model_cfg.trust_remote_code and not policy.allow_remote_code:
         found.append(
             (
                 "model_config.trust_remote_code",
@@ -45,8 +31,8 @@ def refusals(
             )
         )
     found.extend(_tool_refusals(request))
-    found.extend(hardware_refusals(request))
-    found.extend(engine_argument_refusals(request.model_cfg))
+    found.extend(hardware_refusals(request, policy.hardware_maxima))
+    found.extend(engine_argument_refusals(request.model_cfg, policy.engine_maxima, policy.max_gpus))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
     return found

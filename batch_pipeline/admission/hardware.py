@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from batch_pipeline.core.settings import KUBERNETES_QUANTITY, settings
+from batch_pipeline.core.settings import KUBERNETES_QUANTITY, Settings
 
 # A number means this unit, as the pod's requests have always read it.
 BARE_UNITS = {"cpus": "", "memory": "Gi", "storage": "Gi"}
@@ -55,23 +55,28 @@ def kubernetes_quantity(field: str, value: Any) -> tuple[str, Decimal]:
     return text, amount
 
 
-def hardware_maxima() -> dict[str, tuple[str, Decimal]]:
-    """The operator's bound per field: (as written, value in base units). Raises SettingsError (a
-    ValueError) naming the variable that is not a valid bound."""
-    configured = settings()  # has checked each bound
+def hardware_maxima(written: Mapping[str, int | str | None]) -> dict[str, tuple[str, Decimal]]:
+    """The operator's bound per field, from the bounds as written (`{"gpus": 8, "memory": "512Gi"}`; a field
+    absent or None has none): (as written, value in base units)."""
     maxima = {}
     for field in HARDWARE_FIELDS:
-        written = getattr(configured, f"max_{field}")
-        if written is not None:
-            amount = Decimal(written) if field == "gpus" else kubernetes_quantity(field, written)[1]
-            maxima[field] = (str(written), amount)
+        bound = written.get(field)
+        if bound is not None:
+            amount = Decimal(bound) if field == "gpus" else kubernetes_quantity(field, bound)[1]
+            maxima[field] = (str(bound), amount)
     return maxima
 
 
-def hardware_problems(hardware: Mapping[str, Any]) -> list[tuple[str, str]]:
+def configured_hardware_maxima(configured: Settings) -> dict[str, int | str]:
+    """The bounds as the settings write them (BATCH_PIPELINE_MAX_GPUS, ..._CPUS, ..._MEMORY, ..._STORAGE),
+    each field with one; the settings have checked them."""
+    bounds = {field: getattr(configured, f"max_{field}") for field in HARDWARE_FIELDS}
+    return {field: bound for field, bound in bounds.items() if bound is not None}
+
+
+def hardware_problems(hardware: Mapping[str, Any], maxima: Mapping[str, tuple[str, Decimal]]) -> list[tuple[str, str]]:
     """`(field, why)` for each of `gpus`, `cpus`, `memory`, `storage` in `hardware` that no pod of this
-    deployment may carry; fields left out (None) are not checked."""
-    maxima = hardware_maxima()
+    deployment (its `maxima`, `hardware_maxima`) may carry; fields left out (None) are not checked."""
     found = []
     for field in HARDWARE_FIELDS:
         value = hardware.get(field)
@@ -94,9 +99,9 @@ def hardware_problems(hardware: Mapping[str, Any]) -> list[tuple[str, str]]:
     return found
 
 
-def hardware_refusals(request: Any) -> list[tuple[str, str]]:
+def hardware_refusals(request: Any, maxima: Mapping[str, tuple[str, Decimal]]) -> list[tuple[str, str]]:
     """`(field, why)` for each hardware field of a batch completions request that no pod may carry."""
-    return hardware_problems({field: getattr(request, field, None) for field in HARDWARE_FIELDS})
+    return hardware_problems({field: getattr(request, field, None) for field in HARDWARE_FIELDS}, maxima)
 
 
 # Each bounded engine argument of model_config, and the setting holding its maximum (`max_<field>`, without
@@ -118,23 +123,24 @@ ENGINE_ARGUMENT_MAXIMA = {
 } | {"max_context_length": "max_model_len"}
 
 
-def engine_argument_refusals(model_config: Any) -> list[tuple[str, str]]:
+def engine_argument_refusals(
+    model_config: Any, maxima: Mapping[str, float], max_gpus: int | None
+) -> list[tuple[str, str]]:
     """`(field, why)` for each engine argument of a request's model config over this deployment's maximum
-    (the contract has refused what no engine takes: non-positive counts, a fraction past 1)."""
-    configured = settings()
+    (`maxima` by field; the contract has refused what no engine takes: non-positive counts, a fraction past 1)."""
     found = []
-    for field, setting in ENGINE_ARGUMENT_MAXIMA.items():
-        value, maximum = getattr(model_config, field, None), getattr(configured, setting)
+    for field, maximum in maxima.items():
+        value = getattr(model_config, field, None)
         if value is not None and value > maximum:
             found.append((f"model_config.{field}", f"{value} is more than this deployment's maximum of {maximum}"))
     # One engine spans tensor x pipeline parallel GPUs: no more than a request may ask for.
     spanned = (model_config.tensor_parallel_size or 1) * (model_config.pipeline_parallel_size or 1)
-    if configured.max_gpus is not None and spanned > configured.max_gpus:
+    if max_gpus is not None and spanned > max_gpus:
         found.append(
             (
                 "model_config.tensor_parallel_size",
                 f"tensor x pipeline parallelism spans {spanned} GPUs, more than this deployment's maximum of "
-                f"{configured.max_gpus}",
+                f"{max_gpus}",
             )
         )
     return found

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,9 +29,9 @@ from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
 
 from batch_pipeline.core import io
-from batch_pipeline.core.settings import settings
+from batch_pipeline.core.settings import Settings
 from batch_pipeline.models.catalog import CATALOG
-from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, DataRoots, tenants
+from batch_pipeline.tenancy.tenants import DataRoots
 
 # fsspec's names for the local filesystem ("file", "local"): allowing one allows both.
 LOCAL_PROTOCOLS = LocalFileSystem.protocol
@@ -56,30 +56,13 @@ class PathPolicy:
     local_models: bool = True
 
     @classmethod
-    def from_environment(cls) -> PathPolicy:
-        configured = settings()
+    def of_deployment(cls, configured: Settings) -> PathPolicy:
+        """The deployment's own policy, before any team's roots apply (see AdmissionPolicy.paths_for)."""
         protocols = {name.strip() for name in configured.allowed_protocols.split(",") if name.strip()}
         if protocols & set(LOCAL_PROTOCOLS):
             protocols |= set(LOCAL_PROTOCOLS)
         roots = tuple(Path(root).resolve() for root in configured.data_roots.split(os.pathsep) if root)
         return cls(frozenset(protocols), roots)
-
-    @classmethod
-    def for_owner(cls, owner: str | None) -> PathPolicy:
-        """The policy for the paths of a job `owner` makes: its team's roots when there is a tenants file."""
-        policy = cls.from_environment()
-        registry = tenants()
-        if registry is None or owner is None:
-            return policy
-        team = registry.team_of_owner(owner)
-        if team is not None:
-            roots = team.roots
-        elif owner.startswith(TEAM_OWNER_PREFIX):  # a team no longer in the file: nowhere
-            roots = DataRoots((), ())
-        else:  # admins and operators (launchpad runs, schedules)
-            roots = registry.all_roots() | DataRoots(policy.roots, ())
-            return replace(policy, roots=roots.local, remote_roots=roots.remote, confined=True)
-        return replace(policy, roots=roots.local, remote_roots=roots.remote, confined=True, local_models=False)
 
     def data_path_refusal(self, path: str) -> str | None:
         """Why fsspec must not open `path` for this request, or None."""
@@ -172,10 +155,6 @@ class DataFiles:
         self.policy = policy
         self.own_dir = own_dir
 
-    @classmethod
-    def for_owner(cls, owner: str | None, own_dir: str | None = None) -> DataFiles:
-        return cls(PathPolicy.for_owner(owner), own_dir)
-
     def beneath(self, path: str) -> tuple[str, str] | None:
         """(resolved root, path relative to it) for a local path under a root, or None to open it as it is.
         Raises PermissionError for a local path under none of the roots, whatever it now resolves to."""
@@ -213,11 +192,10 @@ class DataFiles:
         return io.atomic_write_beneath(*found, mode=mode)
 
 
-def request_path_refusals(request, owner: str | None, own_dir: str | None = None) -> list[tuple[str, str]]:
-    """`(field, why)` for each path a request of `owner`'s names that the policy refuses. `own_dir` is the
+def request_path_refusals(request, policy: PathPolicy, own_dir: str | None = None) -> list[tuple[str, str]]:
+    """`(field, why)` for each path a request names that `policy` (its owner's) refuses. `own_dir` is the
     job's own work dir: the service may place a job's files there (an OpenAI batch's output), outside the
     data roots, and no requester can name it (a job's id is made after its request is sent)."""
-    policy = PathPolicy.for_owner(owner)
     found = []
     data_paths = [("input_data_path", request.input_data_path), ("output_data_path", request.output_data_path)]
     for field, path in data_paths:

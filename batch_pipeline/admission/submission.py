@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pydantic import Field, TypeAdapter, model_validator
 
 from batch_pipeline.admission.capabilities import refusals
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent
@@ -84,12 +85,14 @@ def from_v1(body: CreateBatchCompletionsV1Request) -> CreateBatchCompletionsV2Re
     )
 
 
-def check_servable(request: CreateBatchCompletionsV2Request, owner: str | None, own_dir: str | None = None) -> None:
-    """Raise InvalidPriority or UnservableRequest, naming the field, for what this deployment cannot run
-    for `owner` (its team's data roots; `own_dir`: the job's work dir, where the service may place the
+def check_servable(
+    request: CreateBatchCompletionsV2Request, owner: str | None, policy: AdmissionPolicy, own_dir: str | None = None
+) -> None:
+    """Raise InvalidPriority or UnservableRequest, naming the field, for what `policy` does not admit of
+    `owner`'s request (its team's data roots; `own_dir`: the job's work dir, where the service may place the
     job's own files)."""
     run_priority(request.priority)
-    if refused := refusals(request, owner, own_dir):
+    if refused := refusals(request, owner, policy, own_dir):
         raise UnservableRequest(refused)
 
 
@@ -98,21 +101,22 @@ def submit(
     work_dir_of: Callable[[str], str],
     owner: str,
     request: CreateBatchCompletionsV2Request,
+    policy: AdmissionPolicy,
     idempotency_key: str | None = None,
     run_id: str | None = None,
     job_id: str | None = None,
     failure_reason: str | None = None,
     content_bytes: int | None = None,
 ) -> tuple[JobRecord, bool]:
-    """Make a job of a request; with an idempotency key this owner used before, the job made then (or
-    IdempotencyConflict). `work_dir_of(job_id)` is where the job's files go; `run_id` registers a job for
-    a run that already executes it. The service's own callers may give the job's id and a StoredRequest
+    """Make a job of a request that `policy` admits; with an idempotency key this owner used before, the job
+    made then (or IdempotencyConflict). `work_dir_of(job_id)` is where the job's files go; `run_id` registers
+    a job for a run that already executes it. The service's own callers may give the job's id and a StoredRequest
     whose content it already wrote in the job's work dir (`content_bytes` of it, counted against the team's
     max_stored_bytes as inline content is), or store a job that failed before it could run
     (`failure_reason`). Returns the record and whether it was created."""
     job_id = job_id or NewJob.new_id()
     if failure_reason is None:
-        check_servable(request, owner, own_dir=work_dir_of(job_id))
+        check_servable(request, owner, policy, own_dir=work_dir_of(job_id))
         check_queue_quota(store, owner, idempotency_key)
         check_tokens_quota(store, owner, idempotency_key)
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})

@@ -14,7 +14,7 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
-from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import (
     CONTENT_FILE,
     StoredBytes,
@@ -230,7 +230,7 @@ class OpenAIBatchService:
         request = None
         if not errors:
             try:
-                request = _job_request(checked, body, work_dir, caller.owner, dry_run=False)
+                request = _job_request(checked, body, work_dir, caller.owner, self.jobs.admission, dry_run=False)
             except (ValidationError, ValueError, OSError) as exc:
                 errors = _model_errors(exc)
                 request = None
@@ -265,6 +265,7 @@ class OpenAIBatchService:
                 self.jobs.job_storage.work_dir,
                 caller.owner,
                 request,
+                self.jobs.admission,
                 job_id=job_id,
                 failure_reason=failure,
                 content_bytes=_bytes_under(work_dir),
@@ -290,9 +291,9 @@ class OpenAIBatchService:
                     f"the input file does not validate ({len(checked.errors) + checked.more_errors} errors): {shown}",
                 )
             try:
-                request = _job_request(checked, body, work_dir, caller.owner, dry_run=True)
+                request = _job_request(checked, body, work_dir, caller.owner, self.jobs.admission, dry_run=True)
                 history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
-                files = DataFiles.for_owner(caller.owner, own_dir=work_dir)
+                files = self.jobs.admission.data_files(caller.owner, own_dir=work_dir)
                 return estimate(request, history, files, team=caller.owner)
             except (ValidationError, UnservableRequest, OSError) as exc:
                 raise InvalidOpenAIRequest("body.model", _model_errors(exc)[0].message) from None
@@ -364,7 +365,12 @@ class OpenAIBatchService:
 
 
 def _job_request(
-    checked: CheckedInput, body: CreateBatchRequest, work_dir: str, owner: str, dry_run: bool
+    checked: CheckedInput,
+    body: CreateBatchRequest,
+    work_dir: str,
+    owner: str,
+    admission: AdmissionPolicy,
+    dry_run: bool,
 ) -> CreateBatchCompletionsV2Request:
     """The job request of a batch whose input checked clean, its content and output in the job's work dir;
     raises what makes its model unservable. A dry run reads the content as an input file (no job names it
@@ -383,7 +389,7 @@ def _job_request(
         if dry_run
         else StoredRequest(content_path=content, **fields)
     )
-    check_servable(request, owner, own_dir=work_dir)
+    check_servable(request, owner, admission, own_dir=work_dir)
     return request
 
 

@@ -14,7 +14,7 @@ import dagster as dg
 from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
-from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import UnservableRequest, check_queue_quota, check_servable, submit
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract import (
@@ -81,23 +81,33 @@ def _stored_request_view(record: JobRecord) -> _StoredRequestView:
 
 
 class BatchJobService:
-    def __init__(self, store: JobStore, instance: dg.DagsterInstance, job_storage: JobStorage) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        instance: dg.DagsterInstance,
+        job_storage: JobStorage,
+        admission: AdmissionPolicy | None = None,
+    ) -> None:
         self.store = store
         self.instance = instance
         self.job_storage = job_storage
+        # What requests may name and ask for; the deployment's settings when not given.
+        self.admission = admission or AdmissionPolicy.of_deployment(settings())
 
     def create(
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
     ) -> BatchCompletionsJob:
-        record, _ = submit(self.store, self.job_storage.work_dir, caller.owner, request, idempotency_key)
+        record, _ = submit(
+            self.store, self.job_storage.work_dir, caller.owner, request, self.admission, idempotency_key
+        )
         return self.describe(record)
 
     def estimate(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> BatchCompletionsEstimate:
         """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
         submission may not read is read; then the request read and tokenized; no job, no file."""
-        check_servable(request, caller.owner)
+        check_servable(request, caller.owner, self.admission)
         history = self.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
-        return estimate(request, history, DataFiles.for_owner(caller.owner), team=caller.owner)
+        return estimate(request, history, self.admission.data_files(caller.owner), team=caller.owner)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
         return self.describe(self._record(caller, job_id), place_in_queue=True)

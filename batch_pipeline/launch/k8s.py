@@ -29,7 +29,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline.admission.hardware import InvalidHardware, hardware_problems, kubernetes_quantity
+from batch_pipeline.admission.hardware import InvalidHardware, hardware_maxima, hardware_problems, kubernetes_quantity
 from batch_pipeline.launch.base import (
     ForwardsProgress,
     PodHardware,
@@ -181,6 +181,11 @@ class K8sShardLauncher(ShardLauncher):
         description="Node labels per gpu_type of the spec.",
     )
     default_gpus: int = Field(default=1, description="GPUs of a shard when neither request nor weights say.")
+    max_hardware: dict[str, str] = Field(
+        default_factory=dict,
+        description="The deployment's bound per hardware field as written (BATCH_PIPELINE_MAX_GPUS, _CPUS, "
+        "_MEMORY, _STORAGE): no pod is sized past one, what was inferred from the weights included.",
+    )
     default_gpu_type: str = Field(default="nvidia-ampere-a100e", description="gpu_type of a request naming none.")
     kubeconfig_file: str | None = Field(default=None, description="Outside the cluster: the kubeconfig to use.")
     poll_interval_s: float = Field(default=10.0, description="How often the pod's state is read.")
@@ -212,7 +217,7 @@ class K8sShardLauncher(ShardLauncher):
         gpu_type = hardware.get("gpu_type")
         gpus = hardware.get("gpus")
         gpus = self.default_gpus if gpus is None else gpus
-        problems = hardware_problems({**hardware, "gpus": gpus})
+        problems = hardware_problems({**hardware, "gpus": gpus}, hardware_maxima(self.max_hardware))
         if problems:
             field, why = problems[0]
             raise InvalidHardware(f"{field}: {why}")

@@ -6,6 +6,8 @@ import warnings
 
 import dagster as dg
 
+from batch_pipeline.admission.hardware import configured_hardware_maxima
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract.requests import MAX_DATA_PARALLELISM
 from batch_pipeline.core.settings import settings
 from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
@@ -54,6 +56,7 @@ def shard_launcher_from_environment() -> ShardLauncher:
         service_account_name=configured.k8s_service_account or None,
         kubeconfig_file=configured.kubeconfig or None,
         poll_interval_s=configured.k8s_poll_interval_s,
+        max_hardware={field: str(bound) for field, bound in configured_hardware_maxima(configured).items()},
     )
 
 
@@ -101,6 +104,7 @@ defs = dg.Definitions(
     # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={
         "job_store": deployment_resource(JobStoreResource(url=_loaded_with.jobs_db)),
+        "admission": deployment_resource(AdmissionPolicy.of_deployment(_loaded_with)),
         "shard_launcher": deployment_resource(_shard_launcher),
         "job_storage": deployment_resource(
             JobStorage(work_dir_base=_loaded_with.work_dir, retention_days=_loaded_with.retention_days)

@@ -14,8 +14,8 @@ import dagster as dg
 from dagster import OpExecutionContext
 from pydantic import TypeAdapter, ValidationError
 
-from batch_pipeline.admission.capabilities import shard_model_config
 from batch_pipeline.admission.paths import DataFiles, metadata_path
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import StoredRequest, UnservableRequest, check_servable, submit
 from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
@@ -75,12 +75,19 @@ def current_job_id(context: OpExecutionContext) -> str:
     return job_id_of(context.instance, context.instance.get_run_by_id(context.run_id) or context.run)
 
 
-def job_data_files(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> DataFiles:
+# The deployment's admission policy, as an op or schedule takes it: a plain object, bound by definitions.py.
+Admission = dg.ResourceParam[AdmissionPolicy]
+
+
+def job_data_files(
+    context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage, admission: AdmissionPolicy
+) -> DataFiles:
     """How this job opens the files its request names: beneath its team's data roots (the job's owner's),
     at the moment it opens them."""
     job_id = current_job_id(context)
     record = job_store.get_store().get(job_id)
-    return DataFiles.for_owner(record.owner if record is not None else DAGSTER_OWNER, job_storage.work_dir(job_id))
+    owner = record.owner if record is not None else DAGSTER_OWNER
+    return admission.data_files(owner, job_storage.work_dir(job_id))
 
 
 def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> float:
@@ -96,7 +103,9 @@ def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> fl
     config_schema=config_schema_for(StoredRequest),
     description="Check the request (the run config) against the contract and the paths it names.",
 )
-def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage) -> StoredRequest:
+def validate_input(
+    context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage, admission: Admission
+) -> StoredRequest:
     try:
         request = StoredRequest.model_validate(context.op_config)
     except ValidationError as exc:
@@ -108,12 +117,12 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
     # have changed since); a run from the launchpad is an operator's.
     owner = record.owner if record is not None else DAGSTER_OWNER
     try:
-        check_servable(request, owner, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
+        check_servable(request, owner, admission, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
     except UnservableRequest as exc:
         raise dg.Failure(str(exc)) from None
     except InvalidPriority as exc:
         raise dg.Failure(f"priority: {exc}") from None
-    files = DataFiles.for_owner(owner, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
+    files = admission.data_files(owner, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
     try:
         if request.input_data_path is not None and not files.exists(request.input_data_path):
             raise dg.Failure(f"input_data_path: no file at {request.input_data_path}")
@@ -132,7 +141,7 @@ def validate_input(context: OpExecutionContext, job_store: JobStoreResource, job
                 allow_retries=False,
             )
     if job_id is None:
-        job_id = _register_job(context, job_store, job_storage, request)
+        job_id = _register_job(context, job_store, job_storage, admission, request)
     # Started when Dagster started the run, not when this first step got going (~2 s later here).
     if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), UTC)):
         raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
@@ -154,7 +163,11 @@ def _enforce_deadline(context: OpExecutionContext, max_runtime_sec: int | None) 
 
 
 def _register_job(
-    context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage, request: StoredRequest
+    context: OpExecutionContext,
+    job_store: JobStoreResource,
+    job_storage: JobStorage,
+    admission: AdmissionPolicy,
+    request: StoredRequest,
 ) -> str:
     """A run launched outside the API (the launchpad, a re-execution of one, `batch-pipeline run`) becomes
     a job too, through the same submission path, so the API lists it, reports its status and can cancel
@@ -164,6 +177,7 @@ def _register_job(
         job_storage.work_dir,
         DAGSTER_OWNER,
         request,
+        admission,
         idempotency_key=f"run:{context.run.root_run_id or context.run_id}",
         run_id=context.run_id,
     )
@@ -184,6 +198,7 @@ def plan_shards(
     job_store: JobStoreResource,
     shard_launcher: ShardLauncher,
     shard_planning: ShardPlanning,
+    admission: Admission,
 ):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
@@ -193,7 +208,7 @@ def plan_shards(
     # settings say now: each checkpointed result lies in the shard that plan put its request in.
     kept = RecordedPlan.from_json(record.shard_plan) if record is not None and record.shard_plan else None
     try:
-        items = work_items(_records(request, job_data_files(context, job_store, job_storage)))
+        items = work_items(_records(request, job_data_files(context, job_store, job_storage, admission)))
         recorded = kept
         if recorded is None:
             settings = shard_planning.for_launcher(shard_launcher.shard_slots())
@@ -237,7 +252,7 @@ def plan_shards(
         + ("; the shard plan of the job's first run, kept so that its checkpoints line up" if kept else "")
     )
     yield dg.Output(PlanSummary(plan=plan, deduplicated=copies), "plan")
-    model_config = shard_model_config(request.model_cfg)
+    model_config = admission.shard_model_config(request.model_cfg)
     hardware = _HARDWARE.validate_python(
         request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
     )
@@ -340,13 +355,14 @@ def merge_outputs(
     shard_results: list[ShardResult],
     job_store: JobStoreResource,
     job_storage: JobStorage,
+    admission: Admission,
 ) -> MergedOutput:
     specs = sorted((result.task.shard for result in shard_results), key=lambda spec: spec.shard_index)
     expected = sum(spec.item_count for spec in specs)
     output_path = request.output_data_path
     started = time.monotonic()
     try:
-        with job_data_files(context, job_store, job_storage).atomic_write(output_path) as output:
+        with job_data_files(context, job_store, job_storage, admission).atomic_write(output_path) as output:
             written = write_output_array(output, merge_sorted_outputs([spec.output_path for spec in specs]), expected)
     except MissingResult as exc:
         raise dg.Failure(f"shard outputs are incomplete: {exc}") from None
@@ -389,6 +405,7 @@ def write_job_metadata(
     plan: PlanSummary,
     job_store: JobStoreResource,
     job_storage: JobStorage,
+    admission: Admission,
 ) -> dict:
     shard_results = sorted(shard_results, key=lambda result: result.stats.shard_index)
     stats = [result.stats for result in shard_results]
@@ -433,7 +450,8 @@ def write_job_metadata(
         "shards": shards,
     }
     metadata |= _resume_figures(job_store.get_store().get(metadata["job_id"]), merged.results, completion_tokens)
-    with job_data_files(context, job_store, job_storage).atomic_write(metadata_path(merged.output_data_path)) as handle:
+    files = job_data_files(context, job_store, job_storage, admission)
+    with files.atomic_write(metadata_path(merged.output_data_path)) as handle:
         json.dump(metadata, handle, indent=2)
     context.add_output_metadata(
         {key: value for key, value in metadata.items() if key != "shards"} | {"shards": dg.MetadataValue.json(shards)}

@@ -15,7 +15,8 @@ import dagster as dg
 from dagster import OpExecutionContext
 from pydantic import Field
 
-from batch_pipeline.admission.paths import DataFiles, metadata_path
+from batch_pipeline.admission.paths import metadata_path
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
 from batch_pipeline.openai_batch.jobs import expired, finalize_batch
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
@@ -48,11 +49,15 @@ class StoppedRun(dg.Config):
     description="Merge the finished results of a stopped run into its output; mark the rest.",
 )
 def merge_finished_results(
-    context: OpExecutionContext, config: StoppedRun, job_store: JobStoreResource, job_storage: JobStorage
+    context: OpExecutionContext,
+    config: StoppedRun,
+    job_store: JobStoreResource,
+    job_storage: JobStorage,
+    admission: dg.ResourceParam[AdmissionPolicy],
 ) -> dict:
     store = job_store.get_store()
     try:
-        return _merge(context, config, store, job_storage)
+        return _merge(context, config, store, job_storage, admission)
     except Exception:
         if config.held_event and context.retry_number >= MERGE_RETRIES:
             # Given up: the end is announced without the output it waited for, rather than an hour late.
@@ -60,7 +65,13 @@ def merge_finished_results(
         raise
 
 
-def _merge(context: OpExecutionContext, config: StoppedRun, store: JobStore, job_storage: JobStorage) -> dict:
+def _merge(
+    context: OpExecutionContext,
+    config: StoppedRun,
+    store: JobStore,
+    job_storage: JobStorage,
+    admission: AdmissionPolicy,
+) -> dict:
     record = store.get(config.job_id)
     if record is None:
         raise dg.Failure(f"no job {config.job_id} in the job store")
@@ -80,7 +91,7 @@ def _merge(context: OpExecutionContext, config: StoppedRun, store: JobStore, job
     done, total = progress(work_dir)
     output_path = record.request["output_data_path"]
     missing = json.dumps(ErrorOutput(error=ErrorDetail(code=config.code, message=config.reason)).model_dump())
-    files = DataFiles.for_owner(record.owner, own_dir=work_dir)
+    files = admission.data_files(record.owner, own_dir=work_dir)
     with files.atomic_write(output_path) as output:
         write_output_array(output, partial_outputs(work_dir, lambda _: missing), total)
     results = JobResults(

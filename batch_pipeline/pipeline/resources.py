@@ -16,7 +16,7 @@ from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.tenancy.tenants import Tenants, tenants_at
 
 
-def deployment_resource(resource: dg.ConfigurableResource) -> dg.ResourceDefinition:
+def deployment_resource(resource: object) -> dg.ResourceDefinition:
     """`resource` exactly as the deployment built it. A ConfigurableResource's fields are defaults that any
     run's config may override (`resources: {shard_launcher: {config: {env: ...}}}`): from the launchpad or
     GraphQL that set the worker's environment, its Python, the work dir and the job store. This definition

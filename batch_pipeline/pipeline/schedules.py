@@ -17,6 +17,7 @@ import dagster as dg
 import yaml
 from pydantic import Field, ValidationError, field_validator
 
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import submit
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.base import WireModel
@@ -171,13 +172,19 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
         if spec.status == "running"
         else dg.DefaultScheduleStatus.STOPPED,
     )
-    def _tick(context: dg.ScheduleEvaluationContext, job_store: JobStoreResource, job_storage: JobStorage):
+    def _tick(
+        context: dg.ScheduleEvaluationContext,
+        job_store: JobStoreResource,
+        job_storage: JobStorage,
+        admission: dg.ResourceParam[AdmissionPolicy],
+    ):
         tick = context.scheduled_execution_time or datetime.now(UTC)
         record, created = submit(
             job_store.get_store(),
             job_storage.work_dir,
             SCHEDULE_OWNER_PREFIX + spec.name,
             spec.request_at(tick),
+            admission,
             idempotency_key=f"{spec.name}@{tick.astimezone(UTC).isoformat()}",
         )
         context.log.info(f"{'stored' if created else 'found'} job {record.job_id} for the tick at {tick.isoformat()}")

@@ -1,0 +1,78 @@
+"""The deployment's admission policy is built once, where the deployment is composed, and handed to what
+checks requests: the API's service and the job's ops (their `admission` resource). What they admit is the
+policy they were given, not what the environment says when a request arrives."""
+
+import dagster as dg
+from fastapi.testclient import TestClient
+
+from batch_pipeline.admission.hardware import hardware_maxima
+from batch_pipeline.admission.paths import PathPolicy
+from batch_pipeline.admission.policy import AdmissionPolicy
+from batch_pipeline.api.app import create_app
+from batch_pipeline.api.auth import ApiKeys
+from batch_pipeline.api.service import BatchJobService
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.launch import LocalShardLauncher
+from batch_pipeline.pipeline.config_schema import run_config_for
+from batch_pipeline.pipeline.job import batch_completions
+from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
+from batch_pipeline.store.jobs import JobStore
+from tests.conftest import MODEL, step_failure_messages
+
+KEY = "key-alice"
+
+
+def _body(output: str, **fields) -> dict:
+    content = {"prompts": ["x"], "max_new_tokens": 1, "temperature": 0.0}
+    return {"output_data_path": output, "model_config": {"model": MODEL}, "content": content, **fields}
+
+
+def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, monkeypatch):
+    for name in ("BATCH_PIPELINE_DATA_ROOTS", "BATCH_PIPELINE_MAX_GPUS", "BATCH_PIPELINE_TENANTS"):
+        monkeypatch.delenv(name, raising=False)  # the environment bounds nothing
+    root = tmp_path / "data"
+    root.mkdir()
+    policy = AdmissionPolicy(
+        PathPolicy(frozenset({"file", "local"}), (root.resolve(),)),
+        hardware_maxima=hardware_maxima({"gpus": 2}),
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    service = BatchJobService(
+        JobStore(f"sqlite:///{home}/jobs.db"), dg.DagsterInstance.ephemeral(), JobStorage(), admission=policy
+    )
+    with TestClient(create_app(service, ApiKeys([KEY]))) as client:
+
+        def post(body: dict):
+            return client.post("/v2/batch-completions", json=body, headers={"x-api-key": KEY})
+
+        outside = post(_body(str(tmp_path / "elsewhere" / "out.json")))
+        assert outside.status_code == 422, outside.text
+        assert [problem["loc"][-1] for problem in outside.json()["detail"]] == ["output_data_path"]
+        too_many = post(_body(str(root / "out.json"), gpus=3))
+        assert too_many.status_code == 422 and too_many.json()["detail"][0]["loc"][-1] == "gpus", too_many.text
+        assert post(_body(str(root / "out.json"), gpus=2)).status_code == 200
+
+
+def test_a_jobs_ops_hold_its_request_to_their_admission_resource(tmp_path, monkeypatch):
+    monkeypatch.delenv("BATCH_PIPELINE_DATA_ROOTS", raising=False)
+    root = tmp_path / "data"
+    root.mkdir()
+    policy = AdmissionPolicy(PathPolicy(frozenset({"file", "local"}), (root.resolve(),)))
+    defs = dg.Definitions(
+        jobs=[batch_completions],
+        resources={
+            "admission": dg.ResourceDefinition.hardcoded_resource(policy),
+            "job_store": JobStoreResource(url=f"sqlite:///{tmp_path}/jobs.db"),
+            "job_storage": JobStorage(work_dir_base=str(tmp_path / "work")),
+            "shard_launcher": LocalShardLauncher(),
+            "shard_planning": ShardPlanning(max_shards_per_job=None, min_shard_tokens=0, deduplicate=True),
+        },
+    )
+    job = defs.get_job_def("batch_completions")
+    request = CreateBatchCompletionsV2Request.model_validate(_body(str(tmp_path / "elsewhere" / "out.json")))
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(run_config=run_config_for(request), instance=instance, raise_on_error=False)
+    assert not result.success
+    (message,) = step_failure_messages(result)
+    assert "Failure: output_data_path: outside the data roots" in message, message
