@@ -33,7 +33,10 @@ def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, mo
     root = tmp_path / "data"
     root.mkdir()
     policy = AdmissionPolicy(
-        PathPolicy(frozenset({"file", "local"}), (root.resolve(),)),
+        paths=PathPolicy(frozenset({"file", "local"}), (root.resolve(),)),
+        tenants_file="",
+        allow_remote_code=False,
+        engine_maxima={},
         hardware_maxima=hardware_maxima({"gpus": 2}),
     )
     home = tmp_path / "home"
@@ -58,7 +61,13 @@ def test_a_jobs_ops_hold_its_request_to_their_admission_resource(tmp_path, monke
     monkeypatch.delenv("BATCH_PIPELINE_DATA_ROOTS", raising=False)
     root = tmp_path / "data"
     root.mkdir()
-    policy = AdmissionPolicy(PathPolicy(frozenset({"file", "local"}), (root.resolve(),)))
+    policy = AdmissionPolicy(
+        paths=PathPolicy(frozenset({"file", "local"}), (root.resolve(),)),
+        tenants_file="",
+        allow_remote_code=False,
+        hardware_maxima={},
+        engine_maxima={},
+    )
     defs = dg.Definitions(
         jobs=[batch_completions],
         resources={

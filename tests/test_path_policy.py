@@ -192,9 +192,10 @@ def test_a_shard_worker_gets_trust_remote_code_only_from_the_operators_policy(mo
     from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 
     asked = BatchCompletionsModelConfig(model=MODEL, trust_remote_code=True)
-    paths = PathPolicy(frozenset({"file"}), ())
-    assert AdmissionPolicy(paths).shard_model_config(asked).trust_remote_code is False
-    allowing = AdmissionPolicy(paths, allow_remote_code=True)
+    unbounded = {"paths": PathPolicy(frozenset({"file"}), ()), "tenants_file": "", "hardware_maxima": {}}
+    refusing = AdmissionPolicy(**unbounded, allow_remote_code=False, engine_maxima={})
+    assert refusing.shard_model_config(asked).trust_remote_code is False
+    allowing = AdmissionPolicy(**unbounded, allow_remote_code=True, engine_maxima={})
     assert allowing.shard_model_config(asked).trust_remote_code is True
     assert allowing.shard_model_config(BatchCompletionsModelConfig(model=MODEL)).trust_remote_code is False
 

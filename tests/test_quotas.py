@@ -15,7 +15,9 @@ import anyio
 import pytest
 import sqlalchemy as sa
 
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import QuotaExceeded, check_tokens_quota, hold_stored_bytes
+from batch_pipeline.core.settings import settings
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import files
 from batch_pipeline.store.schema import JobStatus, jobs
@@ -242,7 +244,8 @@ def test_bytes_being_stored_at_once_are_counted_against_each_other(api, tmp_path
     """Two uploads racing: while one is being copied (its bytes held, its row not yet stored), the other
     is checked against it too, so together they cannot pass the quota."""
     data = _jsonl([_line("a", content="x" * 400)])
-    with hold_stored_bytes(JobStore(), "team:small", len(data), "an upload in progress"):
+    small = AdmissionPolicy.of_deployment(settings()).team_of_owner("team:small")  # the API's teams
+    with hold_stored_bytes(JobStore(), "team:small", small, len(data), "an upload in progress"):
         _openai_error(_upload(api, data, key=SMALL), "max_stored_bytes")
         assert _upload(api, data, key=OTHER).status_code == 200  # another team's room is its own
     assert _upload(api, data, key=SMALL).status_code == 200  # held bytes are let go once stored or dropped
@@ -309,11 +312,14 @@ def test_the_day_of_the_tokens_quota_is_the_utc_day(api, teams):
     day = datetime(2030, 5, 1, tzinfo=UTC)
     _ran(job_id, TOKENS_MAX, day + timedelta(hours=9), day + timedelta(hours=10))
     late = datetime(2030, 5, 1, 22, 59, 30, tzinfo=UTC)
+    teams = AdmissionPolicy.of_deployment(settings()).teams()  # the API's
+    assert teams is not None
+    small, other = teams.team_of_owner("team:small"), teams.team_of_owner("team:other")
     with pytest.raises(QuotaExceeded) as refused:
-        check_tokens_quota(store, "team:small", now=late.astimezone(datetime.now().astimezone().tzinfo))
+        check_tokens_quota(store, "team:small", small, now=late.astimezone(datetime.now().astimezone().tzinfo))
     assert refused.value.quota == "max_tokens_per_day" and refused.value.retry_after_s == math.ceil(3600 + 30)
-    check_tokens_quota(store, "team:small", now=day + timedelta(days=1, seconds=1))  # a new day: not refused
-    check_tokens_quota(store, "team:other", now=late)  # no quota
+    check_tokens_quota(store, "team:small", small, now=day + timedelta(days=1, seconds=1))  # a new day: not refused
+    check_tokens_quota(store, "team:other", other, now=late)  # no quota
 
 
 # --- through a real deployment --------------------------------------------------------------------------

@@ -81,7 +81,13 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
                 resources={
                     "job_store": JobStoreResource(url=url),
                     "job_storage": JobStorage(work_dir_base=str(tmp_path / "work")),
-                    "admission": AdmissionPolicy(PathPolicy(frozenset({"file"}), ())),
+                    "admission": AdmissionPolicy(
+                        paths=PathPolicy(frozenset({"file"}), ()),
+                        tenants_file="",
+                        allow_remote_code=False,
+                        hardware_maxima={},
+                        engine_maxima={},
+                    ),
                 },
             )
             (request,) = schedule.evaluate_tick(context).run_requests

@@ -10,7 +10,7 @@ and again as it changes (a revoked team stops at once).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from decimal import Decimal
 
 from batch_pipeline.admission.hardware import ENGINE_ARGUMENT_MAXIMA, configured_hardware_maxima, hardware_maxima
@@ -20,19 +20,22 @@ from batch_pipeline.core.settings import Settings
 from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, DataRoots, Team, Tenants, tenants_at
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AdmissionPolicy:
+    """What this deployment admits. Every field is required: a policy built by hand names each bound it
+    leaves open, rather than inheriting none by default."""
+
     # The deployment's own paths: its protocols and data roots, before any team's are applied.
     paths: PathPolicy
     # The tenants file; empty: no teams (every caller is the deployment's single user or an admin).
-    tenants_file: str = ""
+    tenants_file: str
     # With trust_remote_code a request chooses Python that the worker imports with all its rights: only an
     # operator who vets the models may allow it.
-    allow_remote_code: bool = False
+    allow_remote_code: bool
     # Per hardware field: (the bound as written, in base units); a field left out has no bound.
-    hardware_maxima: Mapping[str, tuple[str, Decimal]] = field(default_factory=dict)
+    hardware_maxima: Mapping[str, tuple[str, Decimal]]
     # Per bounded engine argument of model_config (ENGINE_ARGUMENT_MAXIMA): its largest value.
-    engine_maxima: Mapping[str, float] = field(default_factory=dict)
+    engine_maxima: Mapping[str, float]
 
     @property
     def max_gpus(self) -> int | None:

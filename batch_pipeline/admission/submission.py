@@ -26,7 +26,7 @@ from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.store.jobs import JobRecord, JobStore, NewJob
 from batch_pipeline.store.openai import OpenAIStore
-from batch_pipeline.tenancy.tenants import team_of_owner
+from batch_pipeline.tenancy.tenants import Team
 
 # A job's inline content, as written at submission: a JSON array of records, as an input file holds them.
 CONTENT_FILE = "content.json"
@@ -115,10 +115,11 @@ def submit(
     max_stored_bytes as inline content is), or store a job that failed before it could run
     (`failure_reason`). Returns the record and whether it was created."""
     job_id = job_id or NewJob.new_id()
+    team = policy.team_of_owner(owner)
     if failure_reason is None:
         check_servable(request, owner, policy, own_dir=work_dir_of(job_id))
-        check_queue_quota(store, owner, idempotency_key)
-        check_tokens_quota(store, owner, idempotency_key)
+        check_queue_quota(store, owner, team, idempotency_key)
+        check_tokens_quota(store, owner, team, idempotency_key)
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     content_path = getattr(request, "content_path", None)
@@ -131,7 +132,7 @@ def submit(
     # The content's bytes are held against the team's max_stored_bytes from before the file is written
     # until the job's row records them (or there is no job).
     held = (
-        hold_stored_bytes(store, owner, len(content), "this request's inline content", idempotency_key)
+        hold_stored_bytes(store, owner, team, len(content), "this request's inline content", idempotency_key)
         if content is not None and failure_reason is None
         else contextlib.nullcontext()
     )
@@ -169,11 +170,10 @@ def submit(
 QUEUE_QUOTA_RETRY_AFTER_S = 30
 
 
-def check_queue_quota(store: JobStore, owner: str, idempotency_key: str | None = None) -> None:
-    """Raise QuotaExceeded when `owner`'s team has `max_queued_jobs` jobs waiting to start already: for a new
-    job, or a stopped one resumed (queued again). A retry of a submission that made its job (the same
-    Idempotency-Key) is answered with that job, never refused."""
-    team = team_of_owner(owner)
+def check_queue_quota(store: JobStore, owner: str, team: Team | None, idempotency_key: str | None = None) -> None:
+    """Raise QuotaExceeded when `owner`'s `team` (None: not a team's job) has `max_queued_jobs` jobs waiting to
+    start already: for a new job, or a stopped one resumed (queued again). A retry of a submission that made
+    its job (the same Idempotency-Key) is answered with that job, never refused."""
     limit = team.config.max_queued_jobs if team is not None else None
     if limit is None:
         return
@@ -193,13 +193,12 @@ def _retry_of_a_made_job(store: JobStore, owner: str, idempotency_key: str | Non
 
 
 def check_tokens_quota(
-    store: JobStore, owner: str, idempotency_key: str | None = None, now: datetime | None = None
+    store: JobStore, owner: str, team: Team | None, idempotency_key: str | None = None, now: datetime | None = None
 ) -> None:
-    """Raise QuotaExceeded when the prompt and completion tokens of `owner`'s team's jobs today (UTC) reach
+    """Raise QuotaExceeded when the prompt and completion tokens of `owner`'s `team`'s jobs today (UTC) reach
     its `max_tokens_per_day` (JobStore.tokens_since: a job's tokens count on the day it ends, today while
     it runs); Retry-After is the next UTC midnight. A running job finishes; jobs already waiting are held
     by the jobs sensor (pipeline/admission.py). A retry of a submission that made its job is answered with it."""
-    team = team_of_owner(owner)
     limit = team.config.max_tokens_per_day if team is not None else None
     if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
         return
@@ -258,16 +257,16 @@ class _StoredBytesLedger:
         files = OpenAIStore(engine=store.engine).file_bytes_of(owner)
         return StoredBytes(files + store.work_dir_bytes_of(owner) + self._held.get(owner, 0), limit)
 
-    def of(self, store: JobStore, owner: str) -> StoredBytes | None:
-        limit = _stored_bytes_limit(owner)
+    def of(self, store: JobStore, owner: str, limit: int | None) -> StoredBytes | None:
         if limit is None:
             return None
         with self._team_lock(owner):
             return self._stored(store, owner, limit)
 
     @contextlib.contextmanager
-    def hold(self, store: JobStore, owner: str, size: int, what: str, idempotency_key: str | None) -> Iterator[None]:
-        limit = _stored_bytes_limit(owner)
+    def hold(
+        self, store: JobStore, owner: str, limit: int | None, size: int, what: str, idempotency_key: str | None
+    ) -> Iterator[None]:
         if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
             yield
             return
@@ -285,26 +284,25 @@ class _StoredBytesLedger:
                     del self._held[owner]
 
 
-def _stored_bytes_limit(owner: str) -> int | None:
-    team = team_of_owner(owner)
+def _stored_bytes_limit(team: Team | None) -> int | None:
     return team.config.max_stored_bytes if team is not None else None
 
 
 _stored_bytes = _StoredBytesLedger()
 
 
-def stored_bytes_of(store: JobStore, owner: str) -> StoredBytes | None:
-    """`owner`'s team's stored bytes and quota (None without a max_stored_bytes)."""
-    return _stored_bytes.of(store, owner)
+def stored_bytes_of(store: JobStore, owner: str, team: Team | None) -> StoredBytes | None:
+    """`owner`'s `team`'s stored bytes and quota (None without a max_stored_bytes)."""
+    return _stored_bytes.of(store, owner, _stored_bytes_limit(team))
 
 
 def hold_stored_bytes(
-    store: JobStore, owner: str, size: int, what: str, idempotency_key: str | None = None
+    store: JobStore, owner: str, team: Team | None, size: int, what: str, idempotency_key: str | None = None
 ) -> contextlib.AbstractContextManager[None]:
-    """Hold `size` more bytes against `owner`'s team's max_stored_bytes while they are written and their
+    """Hold `size` more bytes against `owner`'s `team`'s max_stored_bytes while they are written and their
     row stored (enter before writing, leave once the row exists or nothing was kept); QuotaExceeded, with
     nothing held, when they would take the team past it. `what` names them in the refusal."""
-    return _stored_bytes.hold(store, owner, size, what, idempotency_key)
+    return _stored_bytes.hold(store, owner, _stored_bytes_limit(team), size, what, idempotency_key)
 
 
 def _remove(path: str | None) -> None:

@@ -113,7 +113,7 @@ class OpenAIBatchService:
 
     def stored_bytes(self, caller: Caller) -> StoredBytes | None:
         """The caller's team's stored bytes against its max_stored_bytes (None without one)."""
-        return stored_bytes_of(self.jobs.store, caller.owner)
+        return stored_bytes_of(self.jobs.store, caller.owner, self.jobs.admission.team_of_owner(caller.owner))
 
     def upload(
         self,
@@ -150,7 +150,8 @@ class OpenAIBatchService:
         if size == 0:
             raise InvalidOpenAIRequest("file", "the file is empty")
         # Held against the team's max_stored_bytes from before the copy until its row is stored.
-        with hold_stored_bytes(self.jobs.store, caller.owner, size, "this upload"):
+        team = self.jobs.admission.team_of_owner(caller.owner)
+        with hold_stored_bytes(self.jobs.store, caller.owner, team, size, "this upload"):
             _make_work_dir(self.files_dir)
             try:
                 with io.atomic_write(path, "wb") as stored:
@@ -207,13 +208,16 @@ class OpenAIBatchService:
         """Check the input file now (OpenAI's `validating`, done before answering) and make the batch's job:
         queued when every line is valid, else stored failed with the errors by line, never launched."""
         input_file = self._input_file(caller, body.input_file_id)
-        check_queue_quota(self.jobs.store, caller.owner)  # before the file is read and copied
-        check_tokens_quota(self.jobs.store, caller.owner)
+        team = self.jobs.admission.team_of_owner(caller.owner)
+        check_queue_quota(self.jobs.store, caller.owner, team)  # before the file is read and copied
+        check_tokens_quota(self.jobs.store, caller.owner, team)
         job_id = NewJob.new_id()
         work_dir = self.jobs.job_storage.work_dir(job_id)
         # The job keeps a copy of the file (its content, its custom ids): held against the team's
         # max_stored_bytes from before it is written, and counted as the job's content once it is stored.
-        copying = hold_stored_bytes(self.jobs.store, caller.owner, input_file.bytes, "this batch's copy of its file")
+        copying = hold_stored_bytes(
+            self.jobs.store, caller.owner, team, input_file.bytes, "this batch's copy of its file"
+        )
         with copying:
             return self._create_batch(caller, body, input_file, job_id, work_dir)
 

@@ -178,7 +178,7 @@ class BatchJobService:
             return self.describe(record)
         self._check_resumable(record)
         # Queued again, it waits to start as a new job does: held to its team's max_queued_jobs likewise.
-        check_queue_quota(self.store, record.owner)
+        check_queue_quota(self.store, record.owner, self.admission.team_of_owner(record.owner))
         resumed_from = "expired" if expired(record) else record.status.value
         max_runtime = _stored_max_runtime(record)
         if not self.store.resume(record, resumed_from, idempotency_key, max_runtime):
