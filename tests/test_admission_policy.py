@@ -27,9 +27,8 @@ def _body(output: str, **fields) -> dict:
     return {"output_data_path": output, "model_config": {"model": MODEL}, "content": content, **fields}
 
 
-def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, monkeypatch):
-    for name in ("BATCH_PIPELINE_DATA_ROOTS", "BATCH_PIPELINE_MAX_GPUS", "BATCH_PIPELINE_TENANTS"):
-        monkeypatch.delenv(name, raising=False)  # the environment bounds nothing
+def _confined_to(tmp_path, **maxima) -> tuple:
+    """A data root under `tmp_path`, and a policy confining local paths to it, hardware within `maxima`."""
     root = tmp_path / "data"
     root.mkdir()
     policy = AdmissionPolicy(
@@ -37,8 +36,15 @@ def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, mo
         tenants_file="",
         allow_remote_code=False,
         engine_maxima={},
-        hardware_maxima=hardware_maxima({"gpus": 2}),
+        hardware_maxima=hardware_maxima(maxima),
     )
+    return root, policy
+
+
+def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, monkeypatch):
+    for name in ("BATCH_PIPELINE_DATA_ROOTS", "BATCH_PIPELINE_MAX_GPUS", "BATCH_PIPELINE_TENANTS"):
+        monkeypatch.delenv(name, raising=False)  # the environment bounds nothing
+    root, policy = _confined_to(tmp_path, gpus=2)
     home = tmp_path / "home"
     home.mkdir()
     service = BatchJobService(
@@ -59,15 +65,7 @@ def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, mo
 
 def test_a_jobs_ops_hold_its_request_to_their_admission_resource(tmp_path, monkeypatch):
     monkeypatch.delenv("BATCH_PIPELINE_DATA_ROOTS", raising=False)
-    root = tmp_path / "data"
-    root.mkdir()
-    policy = AdmissionPolicy(
-        paths=PathPolicy(frozenset({"file", "local"}), (root.resolve(),)),
-        tenants_file="",
-        allow_remote_code=False,
-        hardware_maxima={},
-        engine_maxima={},
-    )
+    _, policy = _confined_to(tmp_path)
     defs = dg.Definitions(
         jobs=[batch_completions],
         resources={
