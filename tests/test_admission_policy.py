@@ -2,6 +2,9 @@
 checks requests: the API's service and the job's ops (their `admission` resource). What they admit is the
 policy they were given, not what the environment says when a request arrives."""
 
+import dataclasses
+import hashlib
+
 import dagster as dg
 from fastapi.testclient import TestClient
 
@@ -83,3 +86,29 @@ def test_a_jobs_ops_hold_its_request_to_their_admission_resource(tmp_path, monke
     assert not result.success
     (message,) = step_failure_messages(result)
     assert "Failure: output_data_path: outside the data roots" in message, message
+
+
+def test_the_api_knows_its_callers_by_the_tenants_file_of_its_policy(tmp_path, monkeypatch):
+    """Login, the usage report and the metrics read the teams of the policy the service was given: a team's
+    key acts for its team, a key the file does not hold is refused, though the environment names no file."""
+    for name in ("BATCH_PIPELINE_TENANTS", "BATCH_PIPELINE_API_KEYS", "BATCH_PIPELINE_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    root, policy = _confined_to(tmp_path)
+    tenants_file = tmp_path / "tenants.yaml"
+    digest = hashlib.sha256(KEY.encode()).hexdigest()
+    tenants_file.write_text(f'tenants:\n  team-a:\n    api_keys_sha256: [{digest}]\n    data_roots: ["{root}"]\n')
+    policy = dataclasses.replace(policy, tenants_file=str(tenants_file))
+    home = tmp_path / "home"
+    home.mkdir()
+    service = BatchJobService(
+        JobStore(f"sqlite:///{home}/jobs.db"), dg.DagsterInstance.ephemeral(), JobStorage(), admission=policy
+    )
+    with TestClient(create_app(service)) as client:
+        assert client.get("/v2/usage", headers={"x-api-key": "not-in-the-file"}).status_code == 401
+        created = client.post("/v2/batch-completions", json=_body(str(root / "out.json")), headers={"x-api-key": KEY})
+        assert created.status_code == 200, created.text
+        usage = client.get("/v2/usage", headers={"x-api-key": KEY})
+        assert usage.status_code == 200, usage.text
+        assert [(team["team"], team["jobs"]) for team in usage.json()["teams"]] == [("team-a", 1)]
+        metrics = client.get("/metrics", headers={"x-api-key": KEY})
+        assert metrics.status_code == 403, metrics.text  # a team's key is no admin's

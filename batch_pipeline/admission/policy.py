@@ -61,6 +61,11 @@ class AdmissionPolicy:
         registry = self.teams()
         return registry.team_of_owner(owner) if registry is not None else None
 
+    def priority_cap(self, owner: str) -> int | None:
+        """The highest run priority `owner`'s jobs may have: its team's `max_priority`, or None."""
+        team = self.team_of_owner(owner)
+        return team.config.priority_cap if team is not None else None
+
     def paths_for(self, owner: str | None) -> PathPolicy:
         """The policy for the paths of a job `owner` makes: its team's roots when there is a tenants file."""
         registry = self.teams()

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import QuotaExceeded, from_v1
 from batch_pipeline.api import openai_routes
 from batch_pipeline.api.auth import ApiKeys, Caller
@@ -112,7 +113,7 @@ def metrics(who: CallerDep, service: ServiceDep) -> Response:
     tokens generated. Every tenant's figures: admin keys only (Prometheus sends one as basic_auth's user)."""
     if not who.is_admin:
         raise HTTPException(status_code=403, detail="an admin key is required")
-    return Response(metrics_text(service.store), media_type=CONTENT_TYPE_LATEST)
+    return Response(metrics_text(service.store, service.admission.teams()), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post(
@@ -264,7 +265,7 @@ def usage(
     tenants file's teams, `admins`, and `other`). The response schema defines each figure; at most 366
     days, and a bad `since` or `until` is a 422 naming it."""
     try:
-        return usage_report(service.store, who, since, until, team)
+        return usage_report(service.store, service.admission.teams(), who, since, until, team)
     except InvalidUsageQuery as exc:
         raise HTTPException(
             422, detail=[{"loc": ["query", exc.field], "msg": str(exc), "type": "value_error"}]
@@ -275,13 +276,19 @@ def usage(
 
 def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = None) -> FastAPI:
     configured = settings()  # a mistyped variable fails the deployment, not the requests that read it
-    secure_service_paths()  # so does a wrong tenants file, or a service path inside a team's roots
+    secure_service_paths(configured)  # so does a wrong tenants file, or a service path inside a team's roots
     if service is None:
-        service = BatchJobService(JobStore(), dg.DagsterInstance.get(), JobStorage(work_dir_base=configured.work_dir))
+        service = BatchJobService(
+            JobStore(),
+            dg.DagsterInstance.get(),
+            JobStorage(work_dir_base=configured.work_dir),
+            AdmissionPolicy.of_deployment(configured),
+            configured.fair_share_half_life_s,
+        )
     app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")
     app.state.job_service = service
     app.state.openai_service = OpenAIBatchService(service)
-    app.state.api_keys = keys or ApiKeys.from_environment()
+    app.state.api_keys = keys or ApiKeys.of_deployment(configured, service.admission)
     app.include_router(router)
     app.include_router(openai_routes.router)
     app.state.large_body_slots = LargeBodySlots.from_settings()

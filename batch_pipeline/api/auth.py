@@ -15,12 +15,14 @@ import base64
 import hashlib
 import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
 
-from batch_pipeline.core.settings import settings
-from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants, tenants
+from batch_pipeline.admission.policy import AdmissionPolicy
+from batch_pipeline.core.settings import Settings
+from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +37,10 @@ OPEN_ACCESS = Caller(owner="anonymous", is_admin=True)
 
 
 class ApiKeys:
-    def __init__(self, entries: list[str], registry: Tenants | None = None) -> None:
-        self._tenants = registry  # read again as the file changes (`tenants()`): a revoked key stops at once
+    def __init__(self, entries: list[str], teams: Callable[[], Tenants | None] | None = None) -> None:
+        # The tenants file, read at each request as it is now (a revoked key stops at once); its keys replace
+        # the entries.
+        self._teams = teams
         self._keys: dict[str, bool] = {}
         for entry in entries:
             entry = entry.strip()
@@ -46,13 +50,13 @@ class ApiKeys:
             self._keys[key] = admin
 
     @classmethod
-    def from_environment(cls) -> ApiKeys:
-        registry = tenants()
+    def of_deployment(cls, configured: Settings, admission: AdmissionPolicy) -> ApiKeys:
+        """The admission policy's teams when it has a tenants file; else the keys the settings list."""
+        registry = admission.teams()
         if registry is not None:
             if not registry.has_keys():
                 logger.warning("the tenants file %s lists no API key: no one can call the API", registry.source)
-            return cls([], registry)
-        configured = settings()
+            return cls([], admission.teams)
         entries = configured.api_keys.split(",")
         if configured.api_keys_file:
             with open(configured.api_keys_file) as handle:
@@ -65,7 +69,7 @@ class ApiKeys:
         return keys
 
     def authenticate(self, request: Request) -> Caller:
-        if self._tenants is None and not self._keys:
+        if self._teams is None and not self._keys:
             return OPEN_ACCESS
         if (presented := presented_key(request)) and (caller := self._identify(presented)) is not None:
             return caller
@@ -74,8 +78,9 @@ class ApiKeys:
         )
 
     def _identify(self, presented: bytes) -> Caller | None:
-        if self._tenants is not None:
-            found = (tenants() or self._tenants).identify(presented)  # the file as it is now
+        if self._teams is not None:
+            registry = self._teams()
+            found = registry.identify(presented) if registry is not None else None
             if found is None:
                 return None
             team, is_admin = found

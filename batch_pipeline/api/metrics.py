@@ -15,14 +15,16 @@ from batch_pipeline.api.usage import named_owners, team_label
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.store.webhooks import WebhookOutbox
+from batch_pipeline.tenancy.tenants import Tenants
 
 # Submission to run start, in seconds: from an idle local deployment (~2 s) to a queue hours deep.
 START_LATENCY_BUCKETS = (1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 
 
 class JobStoreCollector(Collector):
-    def __init__(self, store: JobStore) -> None:
+    def __init__(self, store: JobStore, named: list[str]) -> None:
         self.store = store
+        self.named = named  # the owners whose figures are told apart (`named_owners`)
 
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("batch_pipeline_jobs", "Batch jobs by status and model.", labels=["status", "model"])
@@ -46,8 +48,8 @@ class JobStoreCollector(Collector):
             requests.add_metric([model], requests_done)
             tokens.add_metric([model], completion_tokens)
         yield from (jobs, requests, tokens)
-        yield from _team_figures(self.store)
-        yield from _webhook_figures(self.store)
+        yield from _team_figures(self.store, self.named)
+        yield from _webhook_figures(self.store, self.named)
         yield GaugeMetricFamily(
             "batch_pipeline_queue_depth", "Jobs waiting for their first run to start.", value=queued
         )
@@ -68,7 +70,7 @@ class JobStoreCollector(Collector):
         )
 
 
-def _team_figures(store: JobStore) -> Iterator[Metric]:
+def _team_figures(store: JobStore, named: list[str]) -> Iterator[Metric]:
     """The job, request and token figures by team: the tenants file's teams, `admins`, and `other` for every
     other owner, so the series are as many as the teams (GET /v2/usage has them per day)."""
     jobs = GaugeMetricFamily("batch_pipeline_team_jobs", "Batch jobs by team and status.", labels=["team", "status"])
@@ -83,9 +85,9 @@ def _team_figures(store: JobStore) -> Iterator[Metric]:
     completion_tokens = CounterMetricFamily(
         "batch_pipeline_team_completion_tokens", "Completion tokens generated, by team.", labels=["team"]
     )
-    per_team: dict[str, list[int]] = {label: [0, 0, 0] for label in map(team_label, [*named_owners(), None])}
+    per_team: dict[str, list[int]] = {label: [0, 0, 0] for label in map(team_label, [*named, None])}
     per_status: dict[tuple[str, str], int] = {}
-    for owner, status, count, requests_done, prompt, completion in store.figures_by_team(named_owners()):
+    for owner, status, count, requests_done, prompt, completion in store.figures_by_team(named):
         label = team_label(owner)
         per_status[label, status] = per_status.get((label, status), 0) + count
         totals = per_team.setdefault(label, [0, 0, 0])
@@ -100,7 +102,7 @@ def _team_figures(store: JobStore) -> Iterator[Metric]:
     yield from (jobs, requests, prompt_tokens, completion_tokens)
 
 
-def _webhook_figures(store: JobStore) -> Iterator[Metric]:
+def _webhook_figures(store: JobStore, named: list[str]) -> Iterator[Metric]:
     """The webhook outbox's figures by team and event type, read from its rows (the delivery process is
     another process: every API replica reports the same)."""
     labels = ["team", "type"]
@@ -120,7 +122,7 @@ def _webhook_figures(store: JobStore) -> Iterator[Metric]:
         "batch_pipeline_webhook_pending", "Webhook events not delivered yet (being sent or retried).", labels=labels
     )
     totals: dict[tuple[str, str], list[int]] = {}
-    for owner, event_type, state, count, tries in WebhookOutbox(engine=store.engine).figures_by_team(named_owners()):
+    for owner, event_type, state, count, tries in WebhookOutbox(engine=store.engine).figures_by_team(named):
         figures = totals.setdefault((team_label(owner), event_type), [0, 0, 0, 0, 0])
         figures[0] += count
         figures[1] += count if state == "delivered" else 0
@@ -134,7 +136,7 @@ def _webhook_figures(store: JobStore) -> Iterator[Metric]:
     yield from (events, delivered, given_up, attempts, pending)
 
 
-def metrics_text(store: JobStore) -> bytes:
+def metrics_text(store: JobStore, teams: Tenants | None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(JobStoreCollector(store))
+    registry.register(JobStoreCollector(store, named_owners(teams)))
     return generate_latest(registry)

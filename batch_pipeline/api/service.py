@@ -40,7 +40,7 @@ from batch_pipeline.store.jobs import IdempotencyConflict, JobRecord, JobStore
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.retention import checkpoints_deleted
 from batch_pipeline.store.schema import JobStatus
-from batch_pipeline.tenancy.tenants import Tenants, priority_cap, tenants
+from batch_pipeline.tenancy.tenants import Tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # A LIST page ends once its jobs' labels and requests pass this many bytes, whatever its `limit`, and the
@@ -87,12 +87,20 @@ class BatchJobService:
         instance: dg.DagsterInstance,
         job_storage: JobStorage,
         admission: AdmissionPolicy | None = None,
+        fair_share_half_life_s: float | None = None,
     ) -> None:
         self.store = store
         self.instance = instance
         self.job_storage = job_storage
-        # What requests may name and ask for; the deployment's settings when not given.
-        self.admission = admission or AdmissionPolicy.of_deployment(settings())
+        # What requests may name and ask for, and the jobs sensor's fair-share decay (a queued job's place is
+        # told as the sensor will pick it); the deployment's settings where not given.
+        if admission is None or fair_share_half_life_s is None:
+            deployment = settings()
+            admission = admission or AdmissionPolicy.of_deployment(deployment)
+            if fair_share_half_life_s is None:
+                fair_share_half_life_s = deployment.fair_share_half_life_s
+        self.admission = admission
+        self.fair_share_half_life_s = fair_share_half_life_s
 
     def create(
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
@@ -142,7 +150,7 @@ class BatchJobService:
         if run is not None and run.status not in _NOT_STARTED:
             return self.describe(record), False
         if run is not None:
-            level = run_priority(priority, priority_cap(record.owner))
+            level = run_priority(priority, self.admission.priority_cap(record.owner))
             self.instance.add_run_tags(run.run_id, {"dagster/priority": str(level)})
         self.store.set_priority(job_id, priority)
         return self.describe(self._record(caller, job_id)), True
@@ -247,16 +255,17 @@ class BatchJobService:
             }
         if record.status_detail:
             metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
-        if record.status == JobStatus.QUEUED and record.run_id is None and (registry := tenants()) is not None:
+        waiting = record.status == JobStatus.QUEUED and record.run_id is None
+        if waiting and (registry := self.admission.teams()) is not None:
             metadata["waiting_for"] = "a run slot: the jobs sensor gives free ones out by fair share between teams"
             if place_in_queue:
-                metadata |= _place_in_queue(self.store, registry, record)
+                metadata |= _place_in_queue(self.store, registry, record, self.fair_share_half_life_s)
         if record.results is not None:
             metadata |= _results_metadata(record.results)
         if record.status == JobStatus.FAILED:
             metadata["failure_reason"] = record.failure_reason or "the job failed"
         if record.priority is not None:
-            metadata["priority_read_as"] = _priority_read_as(record.priority, priority_cap(record.owner))
+            metadata["priority_read_as"] = _priority_read_as(record.priority, self.admission.priority_cap(record.owner))
         if record.resume_count:
             metadata |= _resume_metadata(record)
         try:
@@ -338,10 +347,10 @@ def _stored_max_runtime(record: JobRecord) -> int:
     return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_RUNTIME_SEC
 
 
-def _place_in_queue(store: JobStore, registry: Tenants, record: JobRecord) -> dict[str, str]:
+def _place_in_queue(store: JobStore, registry: Tenants, record: JobRecord, half_life_s: float) -> dict[str, str]:
     """`queue_position` (1-based) and why, as the jobs sensor's order has it now; only the caller's own team
     is named, other teams only counted."""
-    place = place_in_queue(store, registry, record, datetime.now(UTC), settings().fair_share_half_life_s)
+    place = place_in_queue(store, registry, record, datetime.now(UTC), half_life_s)
     if place is None:
         return {}
     ahead = place.position - 1

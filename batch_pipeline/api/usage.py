@@ -23,7 +23,7 @@ from batch_pipeline.contract.usage import TeamUsage, UsageDay, UsageResponse
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
 from batch_pipeline.tenancy.fair_share import shard_units
-from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, tenants
+from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants
 
 OTHER = "other"  # the one label of every owner the tenants file does not name
 DEFAULT_DAYS = 30
@@ -44,9 +44,8 @@ class ForbiddenTeam(PermissionError):
     """A team's key asking for another team's usage."""
 
 
-def named_owners() -> list[str]:
+def named_owners(registry: Tenants | None) -> list[str]:
     """The owners reported by name: the tenants file's teams and the admins; every other one is `other`."""
-    registry = tenants()
     return [*(team.owner for team in registry.teams.values()), ADMINS_OWNER] if registry else [ADMINS_OWNER]
 
 
@@ -57,8 +56,8 @@ def team_label(owner: str | None) -> str:
     return owner.removeprefix(TEAM_OWNER_PREFIX)
 
 
-def label_of_owner(owner: str) -> str:
-    return team_label(owner if owner in named_owners() else None)
+def label_of_owner(owner: str, named: list[str]) -> str:
+    return team_label(owner if owner in named else None)
 
 
 def usage_range(since: str | None, until: str | None, now: datetime) -> tuple[datetime, datetime]:
@@ -122,6 +121,7 @@ class _Figures:
 
 def usage_report(
     store: JobStore,
+    registry: Tenants | None,
     caller: Caller,
     since: str | None = None,
     until: str | None = None,
@@ -132,8 +132,8 @@ def usage_report(
     InvalidUsageQuery for a bad range and ForbiddenTeam for a team's key naming another team."""
     now = (now or datetime.now(UTC)).astimezone(UTC)
     start, end = usage_range(since, until, now)
-    named = named_owners()
-    own = label_of_owner(caller.owner)
+    named = named_owners(registry)
+    own = label_of_owner(caller.owner, named)
     if not caller.is_admin and team is not None and team != own:
         raise ForbiddenTeam("a team's key reads its own team's usage only; an admin key reads every team's")
     owner = None if caller.is_admin else caller.owner  # a team's figures are read for its owner alone

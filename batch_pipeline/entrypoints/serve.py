@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
     try:
-        secure_service_paths()
+        secure_service_paths(configured)
         check_webhook_secrets()  # a webhook's missing secret is named now, not when a job ends
     except (TenantsFileError, WebhookSecretError) as exc:
         parser.error(str(exc))

@@ -64,7 +64,7 @@ def shard_launcher_from_environment() -> ShardLauncher:
 _loaded_with = settings()
 _shard_launcher = shard_launcher_from_environment()
 # The same for the tenants file; and the instance's files are made private before a run writes any.
-secure_service_paths()
+secure_service_paths(_loaded_with)
 
 
 def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = None) -> dict[str, object]:

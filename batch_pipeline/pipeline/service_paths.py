@@ -14,29 +14,30 @@ import os
 
 from sqlalchemy.engine import make_url
 
-from batch_pipeline.core.settings import settings
+from batch_pipeline.core.settings import Settings
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store.engine import default_store_url
-from batch_pipeline.tenancy.tenants import tenants
+from batch_pipeline.tenancy.tenants import tenants_at
 
 
 def dagster_home() -> str:
     return os.path.abspath(os.environ.get("DAGSTER_HOME", "dagster_home"))
 
 
-def secure_service_paths() -> None:
+def secure_service_paths(configured: Settings) -> None:
     """Make DAGSTER_HOME private to the service's user, and raise TenantsFileError when a service path lies
-    inside a team's data roots (or the tenants file is wrong)."""
+    inside a team's data roots (or the tenants file is wrong): the paths and tenants file of the settings
+    the process composes its deployment from."""
     home = dagster_home()
     os.makedirs(home, mode=0o700, exist_ok=True)
     if os.stat(home).st_uid == os.geteuid():  # a home another user gave us is theirs to set
         os.chmod(home, 0o700)
-    registry = tenants()
+    registry = tenants_at(configured.tenants)
     if registry is None:
         return
     paths = {
         "DAGSTER_HOME": home,
-        "the work dir (BATCH_PIPELINE_WORK_DIR)": JobStorage(work_dir_base=settings().work_dir).base(),
+        "the work dir (BATCH_PIPELINE_WORK_DIR)": JobStorage(work_dir_base=configured.work_dir).base(),
     }
     store = make_url(default_store_url())
     if store.get_backend_name() == "sqlite" and store.database:
