@@ -76,7 +76,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
     from batch_pipeline.pipeline.admission import admissions, waiting_queues
     from batch_pipeline.pipeline.resources import JobStorage
     from batch_pipeline.store.jobs import JobStore, NewJob
-    from batch_pipeline.tenancy.tenants import tenants
+    from batch_pipeline.tenancy.tenants import tenants_at
 
     with tempfile.TemporaryDirectory() as directory:
         os.environ["BATCH_PIPELINE_TENANTS"] = str(_tenants_file(Path(directory), teams))
@@ -100,7 +100,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
                 started = datetime.now(UTC) - timedelta(seconds=n % 7200)
                 store.mark_started(record.job_id, f"run-{n}", started)
                 store.mark_run_ended(record.job_id, f"run-{n}", "completed", started + timedelta(seconds=60))
-        registry = tenants()
+        registry = tenants_at(settings().tenants)
         assert registry is not None
 
         def tick() -> list:
@@ -174,7 +174,7 @@ def _decision_before(store, registry, slots: int) -> list[str]:
     from batch_pipeline.contract.priority import InvalidPriority, run_priority
     from batch_pipeline.core.settings import settings
     from batch_pipeline.tenancy.fair_share import TeamShare, decayed_slot_seconds
-    from batch_pipeline.tenancy.tenants import priority_cap
+    from batch_pipeline.tenancy.tenants import tenants_at
 
     now = datetime.now(UTC)
     records = []
@@ -197,7 +197,8 @@ def _decision_before(store, registry, slots: int) -> list[str]:
     queues: dict[str, list] = {}
     for record in records:
         try:
-            priority = run_priority(record.priority, priority_cap(record.owner))
+            # the tenants file found again for each job, as it was
+            priority = run_priority(record.priority, tenants_at(settings().tenants).priority_cap(record.owner))
         except InvalidPriority:
             priority = 0
         queues.setdefault(record.owner, []).append((-priority, record.created_at, record.job_id))

@@ -135,4 +135,4 @@ def test_hostile_values_anywhere_in_a_body_get_4xx(deployment):
 
         fuzz()
     for record in deployment.store.list().jobs:
-        assert run_request_for(record).run_key == record.job_id  # raises for a job that could not run
+        assert run_request_for(record, None).run_key == record.job_id  # raises for a job that could not run

@@ -15,7 +15,7 @@ import pytest
 
 from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_queues
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
-from batch_pipeline.pipeline.tags import run_tags
+from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from batch_pipeline.store.jobs import JobStore, NewJob
 from batch_pipeline.tenancy.fair_share import (
     Queues,
@@ -25,7 +25,7 @@ from batch_pipeline.tenancy.fair_share import (
     decayed_slot_seconds,
     queue_position,
 )
-from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants
+from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants_at
 from tests.api_fixtures import sensor_resources, write_instance_config
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
@@ -129,13 +129,17 @@ def test_a_priority_above_the_teams_cap_is_read_as_the_cap_and_says_so(api, team
     asked = _submit(api, BOUNDED, teams["bounded"] / "1.json", priority="highest").json()
     job = api.get(f"/v2/batch-completions/{asked['job_id']}", headers={"x-api-key": BOUNDED}).json()["job"]
     assert job["metadata"]["priority_read_as"] == "10 (your team's max_priority; asked 20 (highest))"
-    record = JobStore().get(asked["job_id"])
-    assert run_tags(record)["dagster/priority"] == "10"  # the run the jobs sensor makes of it
     # Within the cap, and for a team without one, the priority is as asked.
     within = _submit(api, BOUNDED, teams["bounded"] / "2.json", priority="low").json()
-    assert run_tags(JobStore().get(within["job_id"]))["dagster/priority"] == "-10"
     free = _submit(api, FREE, teams["free"] / "1.json", priority="highest").json()
-    assert run_tags(JobStore().get(free["job_id"]))["dagster/priority"] == "20"
+    # The runs the jobs sensor makes of them.
+    context = dg.build_sensor_context(
+        instance=dg.DagsterInstance.get(), resources=sensor_resources(str(JobStore().engine.url))
+    )
+    run_priorities = {
+        request.tags[JOB_ID_TAG]: request.tags["dagster/priority"] for request in batch_jobs_sensor(context)
+    }
+    assert run_priorities == {asked["job_id"]: "10", within["job_id"]: "-10", free["job_id"]: "20"}
     # Raising a queued job's priority is capped the same way.
     raised = api.post(
         f"/v2/batch-completions/{within['job_id']}",
@@ -389,7 +393,7 @@ def _old_usage(store: JobStore, now: datetime) -> dict[str, float]:
 
 def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_path):
     store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
-    registry = tenants()
+    registry = tenants_at(os.environ["BATCH_PIPELINE_TENANTS"])  # the `teams` fixture's
     rng = random.Random(3)
     now = datetime.now(UTC)
     for n in range(60):
@@ -425,7 +429,7 @@ def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_p
 
 def test_the_store_read_admits_what_the_reference_admits_from_whole_records(teams, tmp_path):
     store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
-    registry = tenants()
+    registry = tenants_at(os.environ["BATCH_PIPELINE_TENANTS"])  # the `teams` fixture's
     rng = random.Random(11)
     for n in range(80):
         priority = rng.choice([None, "low", "high", "highest", "15", "-5"])
@@ -653,7 +657,7 @@ def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_tak
     assert "max_tokens_per_day" not in _metadata(api, FREE, free)["waiting_for"]
 
     # The sensor gives the one free slot to the free team; the held team's late job still fails.
-    registry = tenants()
+    registry = tenants_at(os.environ["BATCH_PIPELINE_TENANTS"])  # the `teams` fixture's
     queues = waiting_queues(store, registry, skip_owners="schedule:")
     held = admissions(
         queues, store, registry, 1, now, HALF_LIFE_S, count=False

@@ -21,7 +21,7 @@ from dagster_k8s.pipes import build_pod_body
 from kubernetes.client import ApiClient
 from kubernetes.utils.quantity import parse_quantity
 
-from batch_pipeline.launch.k8s import DEFAULT_GPU_NODE_SELECTORS, KUEUE_QUEUE_LABEL, MIG_RESOURCES
+from batch_pipeline.launch.k8s import DEFAULT_GPU_NODE_SELECTORS, KUEUE_QUEUE_LABEL, MIG_RESOURCES, K8sShardLauncher
 from batch_pipeline.pipeline.resources import JobStoreResource
 from batch_pipeline.store.jobs import NewJob
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
@@ -278,11 +278,11 @@ def test_strict_refuses_unknown_fields_where_properties_are_listed_and_keeps_map
 
 
 @pytest.fixture
-def tenants(tmp_path, monkeypatch):
+def queued_launcher(tmp_path) -> K8sShardLauncher:
+    """The launcher of a deployment whose tenants file gives team-a and team-b a `kueue_queue`."""
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANTS)
-    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(path))
-    return path
+    return LAUNCHER.model_copy(update={"tenants_file": str(path)})
 
 
 def _job_context(owner: str | None) -> Any:
@@ -370,22 +370,22 @@ def pod_problems(pod: dict, namespace: str, queue: str) -> list[str]:
     return problems
 
 
-def test_a_teams_shard_pod_names_its_kueue_queue_from_the_tenants_file(tenants):
+def test_a_teams_shard_pod_names_its_kueue_queue_from_the_tenants_file(queued_launcher):
     for team in ("team-a", "team-b"):
-        pod = _pod(f"team:{team}")
+        pod = _pod(f"team:{team}", launcher=queued_launcher)
         assert pod["metadata"]["labels"][KUEUE_QUEUE_LABEL] == team
         assert pod_problems(pod, LAUNCHER.namespace, team) == []
         assert "schedulingGates" not in pod["spec"]  # the webhook adds the gate
 
 
-def test_the_checks_fail_on_a_pod_with_no_queue_label(tenants):
+def test_the_checks_fail_on_a_pod_with_no_queue_label(queued_launcher):
     """A team without kueue_queue (and a job of no team: an admin's, the launchpad's) gets no label, and
     the pod checks say so: they can fail."""
     for owner in ("team:team-c", "admins", "dagster", "team:no-such-team", None):
-        pod = _pod(owner)
+        pod = _pod(owner, launcher=queued_launcher)
         assert not any(key.startswith(KUEUE_PREFIX) for key in pod["metadata"]["labels"]), owner
         assert pod_problems(pod, LAUNCHER.namespace, "team-c") != [], owner
-    pod = _pod("team:team-a")
+    pod = _pod("team:team-a", launcher=queued_launcher)
     assert pod_problems(pod, LAUNCHER.namespace, "team-b") != []  # another team's queue
     assert pod_problems(pod, "default", "team-a") != []  # no such LocalQueue in that namespace
     gated = copy.deepcopy(pod)
@@ -393,12 +393,11 @@ def test_the_checks_fail_on_a_pod_with_no_queue_label(tenants):
     assert pod_problems(gated, LAUNCHER.namespace, "team-a") != []
 
 
-def test_without_a_tenants_file_no_pod_is_queued(monkeypatch):
-    monkeypatch.delenv("BATCH_PIPELINE_TENANTS", raising=False)
+def test_without_a_tenants_file_no_pod_is_queued():
     assert KUEUE_QUEUE_LABEL not in _pod("team:team-a")["metadata"]["labels"]
 
 
-def test_request_labels_never_set_a_kueue_key(tenants):
+def test_request_labels_never_set_a_kueue_key(queued_launcher):
     """A request's labels become pod labels under batch-pipeline.io/ only: the queue is the operator's
     choice, never the team's (another team's quota, or none at all)."""
     labels = {
@@ -408,11 +407,11 @@ def test_request_labels_never_set_a_kueue_key(tenants):
         "kueue.x-k8s.io/priority-class": "high",
     }
     task = _task({"gpus": 1, "gpu_type": "nvidia-tesla-t4"}, labels=labels)
-    pod = _pod("team:team-a", task)
+    pod = _pod("team:team-a", task, launcher=queued_launcher)
     kueue_keys = {key: value for key, value in pod["metadata"]["labels"].items() if key.startswith(KUEUE_PREFIX)}
     assert kueue_keys == {KUEUE_QUEUE_LABEL: "team-a"}
     assert pod["metadata"]["labels"]["batch-pipeline.io/kueue.x-k8s.io-queue-name"] == "team-b"  # renamed, inert
-    pod = _pod("team:team-c", task)
+    pod = _pod("team:team-c", task, launcher=queued_launcher)
     assert not any(key.startswith(KUEUE_PREFIX) for key in pod["metadata"]["labels"])
 
 
@@ -424,14 +423,12 @@ def _maxima() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("gpu_type", list(DEFAULT_GPU_NODE_SELECTORS))
-def test_the_largest_shard_pod_of_each_gpu_type_takes_its_flavors_quota_in_each_teams_queue(
-    gpu_type, tenants, monkeypatch
-):
+def test_the_largest_shard_pod_of_each_gpu_type_takes_its_flavors_quota_in_each_teams_queue(gpu_type, queued_launcher):
     """Every resource a shard pod asks for is covered, and its GPUs come from its gpu_type's flavor, even
     for the largest pod the shipped maxima let through: otherwise Kueue never admits it."""
     maxima = _maxima()
-    for name, value in maxima.items():
-        monkeypatch.setenv(name, value)
+    bounds = {name.removeprefix("BATCH_PIPELINE_MAX_").lower(): value for name, value in maxima.items()}
+    launcher = queued_launcher.model_copy(update={"max_hardware": bounds})
     hardware = {
         "gpus": int(maxima["BATCH_PIPELINE_MAX_GPUS"]),
         "gpu_type": gpu_type,
@@ -441,7 +438,7 @@ def test_the_largest_shard_pod_of_each_gpu_type_takes_its_flavors_quota_in_each_
     }
     gpu_resource = MIG_RESOURCES.get(gpu_type, "nvidia.com/gpu")
     for team in ("team-a", "team-b"):
-        pod = _pod(f"team:{team}", _task(hardware))
+        pod = _pod(f"team:{team}", _task(hardware), launcher=launcher)
         assert pod_problems(pod, LAUNCHER.namespace, team) == []
         queue = _of_kind("ClusterQueue")[_of_kind("LocalQueue")[team]["spec"]["clusterQueue"]]
         chosen = _admitting_flavors(pod, queue)
@@ -453,10 +450,10 @@ def test_the_largest_shard_pod_of_each_gpu_type_takes_its_flavors_quota_in_each_
         }
 
 
-def test_a_pod_as_kueues_webhook_leaves_it_is_still_a_valid_pod(tenants):
+def test_a_pod_as_kueues_webhook_leaves_it_is_still_a_valid_pod(queued_launcher):
     """Kueue adds its gate, label and finalizer to the pod the launcher built; the result is a pod the
     API server takes (the Pod Security levels and the run account's admission policy see no difference)."""
-    pod = _pod("team:team-a")
+    pod = _pod("team:team-a", launcher=queued_launcher)
     pod["metadata"]["labels"][MANAGED_LABEL] = "true"
     pod["metadata"]["finalizers"] = [MANAGED_LABEL]
     pod["spec"]["schedulingGates"] = [{"name": ADMISSION_GATE}]

@@ -15,7 +15,7 @@ from batch_pipeline.pipeline.admission import _units_per_shard
 from batch_pipeline.store.jobs import JobStore, SlotUse
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.fair_share import shard_units
-from batch_pipeline.tenancy.tenants import tenants
+from batch_pipeline.tenancy.tenants import tenants_at
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 
@@ -373,7 +373,13 @@ def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_dele
 
     # Retention deletes the work dir: nothing of it is stored, nothing counts.
     later = datetime.now(UTC) + timedelta(days=31)
-    report = clean_up(store, JobStorage(retention_days=30), tenants(), later, logging.getLogger(__name__))
+    report = clean_up(
+        store,
+        JobStorage(retention_days=30),
+        tenants_at(os.environ["BATCH_PIPELINE_TENANTS"]),
+        later,
+        logging.getLogger(__name__),
+    )
     assert report.work_dirs_deleted == [job_id] and not shard.exists()
     assert store.get(job_id).checkpoint_bytes == 0
     (team,) = _usage(api, A_KEY)["teams"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from batch_pipeline.core.settings import SettingsError, settings
 from batch_pipeline.pipeline.service_paths import secure_service_paths
-from batch_pipeline.tenancy.tenants import TenantsFileError
+from batch_pipeline.tenancy.tenants import TenantsFileError, tenants_at
 from batch_pipeline.webhooks.delivery import WebhookSecretError, check_webhook_secrets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
     try:
         secure_service_paths(configured)
-        check_webhook_secrets()  # a webhook's missing secret is named now, not when a job ends
+        check_webhook_secrets(
+            tenants_at(configured.tenants)
+        )  # a webhook's missing secret is named now, not when a job ends
     except (TenantsFileError, WebhookSecretError) as exc:
         parser.error(str(exc))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

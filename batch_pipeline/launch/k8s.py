@@ -186,6 +186,11 @@ class K8sShardLauncher(ShardLauncher):
         description="The deployment's bound per hardware field as written (BATCH_PIPELINE_MAX_GPUS, _CPUS, "
         "_MEMORY, _STORAGE): no pod is sized past one, what was inferred from the weights included.",
     )
+    tenants_file: str = Field(
+        default="",
+        description="The tenants file (BATCH_PIPELINE_TENANTS) whose teams' `kueue_queue` their shard pods are "
+        "queued in; empty: no teams, no queue label.",
+    )
     default_gpu_type: str = Field(default="nvidia-ampere-a100e", description="gpu_type of a request naming none.")
     kubeconfig_file: str | None = Field(default=None, description="Outside the cluster: the kubeconfig to use.")
     poll_interval_s: float = Field(default=10.0, description="How often the pod's state is read.")
@@ -278,11 +283,14 @@ class K8sShardLauncher(ShardLauncher):
         """The Kueue LocalQueue of the job's shard pods: the `kueue_queue` the operator's tenants file gives
         the team that owns the job in the job store; None for a job of no team (an admin's, the launchpad's)
         or a team with none. Never from the request or the run's tags, which the team itself writes."""
-        from batch_pipeline.tenancy.tenants import kueue_queue
+        from batch_pipeline.tenancy.tenants import tenants_at
 
+        registry = tenants_at(self.tenants_file)
         job_store = getattr(context.resources, "job_store", None)  # the run_shard op's own resource
-        record = job_store.get_store().get(task.job_id) if job_store is not None and task.job_id else None
-        return kueue_queue(record.owner) if record is not None else None
+        if registry is None or job_store is None or not task.job_id:
+            return None
+        record = job_store.get_store().get(task.job_id)
+        return registry.kueue_queue(record.owner) if record is not None else None
 
     def _scratch_modes_container(self, mounts: list[dict[str, str]]) -> dict[str, Any]:
         """Sets TOOL_SCRATCH_MODES on the emptyDirs. As uid 0, their owner, it needs no capability."""

@@ -57,6 +57,7 @@ def shard_launcher_from_environment() -> ShardLauncher:
         kubeconfig_file=configured.kubeconfig or None,
         poll_interval_s=configured.k8s_poll_interval_s,
         max_hardware={field: str(bound) for field, bound in configured_hardware_maxima(configured).items()},
+        tenants_file=configured.tenants,
     )
 
 

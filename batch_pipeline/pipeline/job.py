@@ -181,7 +181,7 @@ def _register_job(
         idempotency_key=f"run:{context.run.root_run_id or context.run_id}",
         run_id=context.run_id,
     )
-    context.instance.add_run_tags(context.run_id, run_tags(record))
+    context.instance.add_run_tags(context.run_id, run_tags(record, admission.priority_cap(record.owner)))
     context.log.info(f"registered as job {record.job_id}")
     return record.job_id
 

@@ -188,7 +188,7 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
             idempotency_key=f"{spec.name}@{tick.astimezone(UTC).isoformat()}",
         )
         context.log.info(f"{'stored' if created else 'found'} job {record.job_id} for the tick at {tick.isoformat()}")
-        return run_request_for(record)
+        return run_request_for(record, admission.priority_cap(record.owner))
 
     return _tick
 

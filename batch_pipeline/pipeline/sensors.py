@@ -40,6 +40,7 @@ from batch_pipeline.pipeline.runs import job_id_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, RESUME_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.tenancy.tenants import Tenants
 
 # The sensors below are declared with it, so it is read when the definitions load (a code server starts).
 SENSOR_INTERVAL_S = settings().sensor_interval_s
@@ -71,7 +72,7 @@ def batch_jobs_sensor(
 def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Tenancy, tick_bytes: int):
     registry = tenancy.registry()
     if registry is None:
-        yield from _launchable(context, store, _waiting(context, store), tick_bytes)
+        yield from _launchable(context, store, _waiting(context, store), tick_bytes, None)
         return
     # Teams share the run slots: only the jobs fair share picks for the free slots get runs now. The waiting
     # jobs are read light (id, owner, priority, age), and only the chosen ones whole.
@@ -96,7 +97,8 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Te
         context.log.info(f"fair share: {owner}'s {why}")
     if len(chosen) < len(queues):
         context.log.info(f"{len(queues) - len(chosen)} jobs wait for a run slot ({slots} free)")
-    yield from _launchable(context, store, (record for record in records if record.job_id in given), tick_bytes)
+    given_records = (record for record in records if record.job_id in given)
+    yield from _launchable(context, store, given_records, tick_bytes, registry)
 
 
 _UNFINISHED = [status for status in dg.DagsterRunStatus if status not in _FINISHED_RUNS]
@@ -137,16 +139,22 @@ def _waiting(context: SensorEvaluationContext, store: JobStore) -> Iterator[JobR
             yield record
 
 
-def _launchable(context: SensorEvaluationContext, store: JobStore, records: Iterable[JobRecord], budget: int):
-    """Each job's run request, as many as `budget` bytes of requests (one at least); a job whose request
-    cannot be made fails alone."""
+def _launchable(
+    context: SensorEvaluationContext,
+    store: JobStore,
+    records: Iterable[JobRecord],
+    budget: int,
+    registry: Tenants | None,
+):
+    """Each job's run request, as many as `budget` bytes of requests (one at least), at most at its team's
+    priority cap (`registry`: the teams); a job whose request cannot be made fails alone."""
     taken = 0
     for record in records:
         size = len(record.request_json)
         if taken and taken + size > budget:
             return
         try:
-            run_request = run_request_for(record)
+            run_request = run_request_for(record, registry.priority_cap(record.owner) if registry else None)
         except Exception as exc:  # run_request_for reads only the record: whatever fails, fails for this job alone
             reason = f"could not start: {_shortened(exc)}"
             context.log.warning(f"{record.job_id}: {reason}")
@@ -170,7 +178,7 @@ def _tagged_runs(instance: dg.DagsterInstance, records: list[JobRecord]) -> dict
     }
 
 
-def run_request_for(record: JobRecord) -> dg.RunRequest:
+def run_request_for(record: JobRecord, priority_cap: int | None) -> dg.RunRequest:
     """The job's run request (this sensor's, and a schedule tick's), checked as the daemon will check it
     when it creates the run (the request by the contract, the run config by the job's config schema, the
     tags as storable text), so that what is yielded cannot fail the tick for every job."""
@@ -180,7 +188,7 @@ def run_request_for(record: JobRecord) -> dg.RunRequest:
         request = StoredRequest.model_validate(record.request)
     except ValidationError as exc:
         raise ValueError(f"invalid request: {describe_validation_error(exc)}") from None
-    tags = run_tags(record)
+    tags = run_tags(record, priority_cap)
     if problem := wire_value_problem(tags):
         raise ValueError(f"run tags (labels, model): {problem}")
     run_config = run_config_for(request)

@@ -8,7 +8,6 @@ import re
 
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.store.jobs import JobRecord
-from batch_pipeline.tenancy.tenants import priority_cap
 
 JOB_ID_TAG = "batch_pipeline/job_id"
 # One namespace section, as Dagster allows a tag key (it deprecates others, to refuse them later).
@@ -46,12 +45,13 @@ RUN_RETRY_TAGS = {
 }
 
 
-def run_tags(record: JobRecord) -> dict[str, str]:
+def run_tags(record: JobRecord, priority_cap: int | None) -> dict[str, str]:
+    """The run's tags; `priority_cap`: the highest priority the job's team may run at (None: no bound)."""
     request = record.request
     tags = {
         JOB_ID_TAG: record.job_id,
         MODEL_TAG: request["model_config"]["model"],
-        "dagster/priority": str(run_priority(record.priority, priority_cap(record.owner))),
+        "dagster/priority": str(run_priority(record.priority, priority_cap)),
         DEADLINE_TAG: repr(record.expires_at.timestamp()),
         # An upper bound until the run starts and counts it from the deadline (`max_runtime_from`).
         MAX_RUNTIME_TAG: str(int((record.expires_at - record.created_at).total_seconds()) + RUN_MONITORING_GRACE_S),

@@ -31,7 +31,6 @@ from fsspec.core import split_protocol
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from batch_pipeline.contract.priority import NAMED_PRIORITIES, read_priority
-from batch_pipeline.core.settings import settings
 
 logger = logging.getLogger(__name__)
 # A team's name is a DNS label, so that it can name a Kubernetes object or a Kueue queue as it is.
@@ -297,6 +296,16 @@ class Tenants:
             return None
         return self.teams.get(owner.removeprefix(TEAM_OWNER_PREFIX))
 
+    def priority_cap(self, owner: str) -> int | None:
+        """The highest run priority `owner`'s jobs may have: its team's `max_priority`, or None."""
+        team = self.team_of_owner(owner)
+        return team.config.priority_cap if team is not None else None
+
+    def kueue_queue(self, owner: str) -> str | None:
+        """The Kueue LocalQueue of `owner`'s shard pods: its team's `kueue_queue`, or None (no team, or none set)."""
+        team = self.team_of_owner(owner)
+        return team.config.kueue_queue if team is not None else None
+
     def all_roots(self) -> DataRoots:
         roots = DataRoots((), ())
         for team in self.teams.values():
@@ -327,12 +336,6 @@ class Tenants:
 _loaded: dict[tuple[str, int, int], Tenants] = {}
 
 
-def tenants() -> Tenants | None:
-    """The tenants file BATCH_PIPELINE_TENANTS names (`tenants_at`): what the API reads; the pipeline's sensor
-    and cleanup read theirs through their `Tenancy` resource."""
-    return tenants_at(settings().tenants)
-
-
 def tenants_at(path: str) -> Tenants | None:
     """The tenants file at `path`, read again when it changes; None without one (an empty path). A file
     changed into one with a mistake keeps the last good one in force (and says so), so that an edit in
@@ -355,24 +358,6 @@ def tenants_at(path: str) -> Tenants | None:
             raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
         logger.warning("%s; the tenants file read before stays in force", exc)
         return last
-
-
-def team_of_owner(owner: str) -> Team | None:
-    """The team of the tenants file whose job this is, or None (no file, an admin's or an operator's)."""
-    registry = tenants()
-    return registry.team_of_owner(owner) if registry is not None else None
-
-
-def priority_cap(owner: str) -> int | None:
-    """The highest run priority `owner`'s jobs may have: its team's `max_priority`, or None."""
-    team = team_of_owner(owner)
-    return team.config.priority_cap if team is not None else None
-
-
-def kueue_queue(owner: str) -> str | None:
-    """The Kueue LocalQueue of `owner`'s shard pods: its team's `kueue_queue`, or None (no team, or none set)."""
-    team = team_of_owner(owner)
-    return team.config.kueue_queue if team is not None else None
 
 
 def _line_of(node: Any, loc: tuple[int | str, ...] | list[int | str]) -> int:

@@ -7,6 +7,8 @@ import signal
 import sys
 import threading
 
+from batch_pipeline.core.settings import SettingsError, settings
+from batch_pipeline.tenancy.tenants import TenantsFileError, tenants_at
 from batch_pipeline.webhooks.delivery import Deliverer, WebhookSecretError, check_webhook_secrets
 
 
@@ -16,14 +18,15 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s webhooks %(levelname)s %(message)s")
     logging.getLogger("batch_pipeline").setLevel(logging.INFO)
     try:
-        check_webhook_secrets()
-    except WebhookSecretError as exc:
+        configured = settings()
+        check_webhook_secrets(tenants_at(configured.tenants))
+    except (SettingsError, TenantsFileError, WebhookSecretError) as exc:
         print(exc, file=sys.stderr, flush=True)
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    Deliverer().run(stop)
+    Deliverer.of_deployment(configured).run(stop)
     return 0
 
 

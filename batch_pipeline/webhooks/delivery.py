@@ -31,10 +31,10 @@ from datetime import datetime, timedelta
 import httpx
 from standardwebhooks.webhooks import Webhook
 
-from batch_pipeline.core.settings import settings
+from batch_pipeline.core.settings import Settings
 from batch_pipeline.store.sql import utc_now
 from batch_pipeline.store.webhooks import WebhookEvent, WebhookOutbox
-from batch_pipeline.tenancy.tenants import Tenants, WebhookConfig, team_of_owner, tenants
+from batch_pipeline.tenancy.tenants import Tenants, WebhookConfig, tenants_at
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,9 @@ def signer(config: WebhookConfig) -> Webhook:
         ) from None
 
 
-def check_webhook_secrets(registry: Tenants | None = None) -> None:
+def check_webhook_secrets(registry: Tenants | None) -> None:
     """Every webhook of the tenants file has its secret in this environment: checked as the delivery process
     (and `serve`) starts, so that a missing one is named at once, not at a job's end."""
-    registry = registry if registry is not None else tenants()
     if registry is None:
         return
     for team in registry.teams.values():
@@ -114,21 +113,37 @@ def _describe(exc: BaseException) -> str:
 class Deliverer:
     def __init__(
         self,
-        outbox: WebhookOutbox | None = None,
-        endpoints: Callable[[str], list[WebhookConfig]] | None = None,
+        outbox: WebhookOutbox,
+        endpoints: Callable[[str], list[WebhookConfig]],
         clock: Callable[[], datetime] = utc_now,
         workers: int = WORKERS,
-        attempt_timeout_s: float | None = None,
+        attempt_timeout_s: float = Settings.model_fields["webhook_attempt_timeout_s"].default,
     ) -> None:
-        self.outbox = outbox or WebhookOutbox()
-        self.endpoints = endpoints or _team_endpoints
+        self.outbox = outbox
+        self.endpoints = endpoints  # an event owner's endpoints, as its team's config says now
         self.clock = clock
-        self.attempt_timeout_s = attempt_timeout_s or settings().webhook_attempt_timeout_s
+        self.attempt_timeout_s = attempt_timeout_s
         self.tls = httpx.create_ssl_context(trust_env=False)  # made once: each attempt's client shares it
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
         self.workers = workers
         self._in_flight: Counter[str] = Counter()  # events being sent, by owner
         self._lock = threading.Lock()
+
+    @classmethod
+    def of_deployment(cls, configured: Settings) -> Deliverer:
+        """Events from the deployment's job store, to the endpoints its tenants file gives each team."""
+
+        def team_endpoints(owner: str) -> list[WebhookConfig]:
+            """The endpoints of the owner's team as the tenants file says now; none for an owner of no team."""
+            registry = tenants_at(configured.tenants)
+            team = registry.team_of_owner(owner) if registry is not None else None
+            return list(team.config.webhooks) if team is not None else []
+
+        return cls(
+            WebhookOutbox(url=configured.jobs_db or None),
+            team_endpoints,
+            attempt_timeout_s=configured.webhook_attempt_timeout_s,
+        )
 
     def tick(self) -> list[Future[None]]:
         """Claim the due events there are free workers for (at most PER_TEAM_IN_FLIGHT a team) and send each
@@ -224,9 +239,3 @@ class Deliverer:
         async with asyncio.timeout(self.attempt_timeout_s):
             async with client.stream("POST", config.url, content=event.payload.encode(), headers=headers) as response:
                 return response.status_code  # the body is not read: a receiver cannot make it hold us
-
-
-def _team_endpoints(owner: str) -> list[WebhookConfig]:
-    """The endpoints of the owner's team as the tenants file says now; none for an owner of no team."""
-    team = team_of_owner(owner)
-    return list(team.config.webhooks) if team is not None else []
