@@ -407,13 +407,16 @@ def test_a_batch_finalized_again_replaces_its_files_and_leaves_no_old_one(tmp_pa
     assert sorted(path.name for path in files.iterdir()) == [second.output_file_id]
 
 
-def test_an_operator_catalog_maps_a_batchs_model_name_to_a_whole_model_config(deployment, tmp_path, monkeypatch):
+def test_an_operator_catalog_maps_a_batchs_model_name_to_a_whole_model_config(
+    deployment_factory, tmp_path, monkeypatch
+):
     catalog = tmp_path / "models.yaml"
     catalog.write_text(
         f"small-chat:\n  model: {MODEL}\n  max_model_len: 1024\n  served_model_name: small-chat\n"
         "broken:\n  max_model_len: -1\n"
     )
-    monkeypatch.setenv("BATCH_PIPELINE_MODEL_CATALOG", str(catalog))
+    monkeypatch.setenv("BATCH_PIPELINE_MODEL_CATALOG", str(catalog))  # read as the deployment starts
+    deployment = deployment_factory()
     client = deployment.client
     batch = _create(client, _upload(client, _jsonl([_line("a", model="small-chat")])).json()["id"]).json()
     assert batch["status"] == "in_progress", batch

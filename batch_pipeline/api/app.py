@@ -22,7 +22,7 @@ from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, LargeBodySlots
 from batch_pipeline.api.metrics import metrics_text
-from batch_pipeline.api.openai_service import OpenAIBatchService, max_file_bytes
+from batch_pipeline.api.openai_service import OpenAIBatchService
 from batch_pipeline.api.service import (
     BatchJobService,
     IdempotencyConflict,
@@ -50,6 +50,7 @@ from batch_pipeline.contract.usage import UsageResponse
 from batch_pipeline.contract.webhooks import WebhookEventsResponse
 from batch_pipeline.core.settings import SlotsBusy, settings
 from batch_pipeline.dry_run.estimate import DryRunsBusy
+from batch_pipeline.openai_batch.jobs import BatchApiLimits
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.store.jobs import JobStore
@@ -287,12 +288,12 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
         )
     app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")
     app.state.job_service = service
-    app.state.openai_service = OpenAIBatchService(service)
+    app.state.openai_service = openai_service = OpenAIBatchService(service, BatchApiLimits.of_deployment(configured))
     app.state.api_keys = keys or ApiKeys.of_deployment(configured, service.admission)
     app.include_router(router)
     app.include_router(openai_routes.router)
     app.state.large_body_slots = LargeBodySlots.from_settings()
-    app.add_middleware(BodySizeLimit, larger={"/v1/files": max_file_bytes()})
+    app.add_middleware(BodySizeLimit, larger={"/v1/files": openai_service.limits.max_file_bytes})
     app.add_middleware(BodyTimeouts)  # outermost: it bounds the client's receive that the others read
     openai_routes.add_error_handlers(app)
 

@@ -44,11 +44,12 @@ from batch_pipeline.contract.openai_batch import (
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
-from batch_pipeline.core.settings import SlotsBusy, TeamSlots, settings
+from batch_pipeline.core.settings import SlotsBusy, TeamSlots
 from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
 from batch_pipeline.openai_batch.jobs import (
     CUSTOM_IDS_FILE,
     OUTPUT_FILE,
+    BatchApiLimits,
     CheckedInput,
     check_input_file,
     expired,
@@ -78,11 +79,6 @@ _batch_checks = TeamSlots(
 )
 
 
-def max_file_bytes() -> int:
-    """The largest upload (BATCH_PIPELINE_MAX_FILE_BYTES): its multipart body may be this plus a little."""
-    return settings().max_file_bytes
-
-
 class FileNotFound(LookupError):
     """No such file for the caller (absent, another team's, or expired); `param` names the field."""
 
@@ -104,8 +100,9 @@ class InvalidOpenAIRequest(ValueError):
 
 
 class OpenAIBatchService:
-    def __init__(self, jobs: BatchJobService, store: OpenAIStore | None = None) -> None:
+    def __init__(self, jobs: BatchJobService, limits: BatchApiLimits, store: OpenAIStore | None = None) -> None:
         self.jobs = jobs
+        self.limits = limits
         self.store = store or OpenAIStore(engine=jobs.store.engine)
         self.files_dir = jobs.job_storage.files_dir()
 
@@ -234,7 +231,9 @@ class OpenAIBatchService:
         request = None
         if not errors:
             try:
-                request = _job_request(checked, body, work_dir, caller.owner, self.jobs.admission, dry_run=False)
+                request = _job_request(
+                    checked, body, work_dir, caller.owner, self.jobs.admission, self.limits, dry_run=False
+                )
             except (ValidationError, ValueError, OSError) as exc:
                 errors = _model_errors(exc)
                 request = None
@@ -295,7 +294,9 @@ class OpenAIBatchService:
                     f"the input file does not validate ({len(checked.errors) + checked.more_errors} errors): {shown}",
                 )
             try:
-                request = _job_request(checked, body, work_dir, caller.owner, self.jobs.admission, dry_run=True)
+                request = _job_request(
+                    checked, body, work_dir, caller.owner, self.jobs.admission, self.limits, dry_run=True
+                )
                 history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
                 files = self.jobs.admission.data_files(caller.owner, own_dir=work_dir)
                 return estimate(request, history, files, team=caller.owner)
@@ -350,11 +351,10 @@ class OpenAIBatchService:
             raise InvalidOpenAIRequest("input_file_id", "the input file must be one uploaded with purpose 'batch'")
         return input_file
 
-    @staticmethod
-    def _check(caller: Caller, input_file: FileRecord, body: CreateBatchRequest, work_dir: str) -> CheckedInput:
+    def _check(self, caller: Caller, input_file: FileRecord, body: CreateBatchRequest, work_dir: str) -> CheckedInput:
         try:
             with _batch_checks.hold(caller.owner):  # a whole file read and checked in this thread
-                return check_input_file(input_file.path, body.endpoint, work_dir)
+                return check_input_file(input_file.path, body.endpoint, work_dir, self.limits.max_batch_requests)
         except FileNotFoundError:
             raise InvalidOpenAIRequest("input_file_id", "the file's content is no longer stored") from None
 
@@ -374,6 +374,7 @@ def _job_request(
     work_dir: str,
     owner: str,
     admission: AdmissionPolicy,
+    limits: BatchApiLimits,
     dry_run: bool,
 ) -> CreateBatchCompletionsV2Request:
     """The job request of a batch whose input checked clean, its content and output in the job's work dir;
@@ -384,7 +385,7 @@ def _job_request(
     content, output = io.join(work_dir, CONTENT_FILE), io.join(work_dir, OUTPUT_FILE)
     fields: dict[str, Any] = {
         "output_data_path": output,
-        "model_cfg": model_config_for(checked.model),
+        "model_cfg": model_config_for(checked.model, limits.model_catalog),
         "max_runtime_sec": body.window_seconds,
         "labels": body.metadata or {},
     }

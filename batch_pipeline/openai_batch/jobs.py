@@ -28,7 +28,7 @@ from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
 from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
-from batch_pipeline.core.settings import settings
+from batch_pipeline.core.settings import Settings
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.openai import BatchResults, FileRecord, OpenAIStore
 from batch_pipeline.store.schema import failed_at_deadline
@@ -60,11 +60,25 @@ class CheckedInput:
             self.more_errors += 1
 
 
-def max_batch_requests() -> int:
-    return settings().max_batch_requests
+@dataclass(frozen=True, kw_only=True)
+class BatchApiLimits:
+    """What this deployment's OpenAI Batch API takes, from its settings."""
+
+    max_file_bytes: int  # the largest upload
+    max_batch_requests: int  # the most lines a batch's input file may hold
+    # A YAML mapping of the model names batches may use to whole model configs; empty: no catalog.
+    model_catalog: str
+
+    @classmethod
+    def of_deployment(cls, configured: Settings) -> BatchApiLimits:
+        return cls(
+            max_file_bytes=configured.max_file_bytes,
+            max_batch_requests=configured.max_batch_requests,
+            model_catalog=configured.model_catalog,
+        )
 
 
-def check_input_file(source: str, endpoint: str, work_dir: str) -> CheckedInput:
+def check_input_file(source: str, endpoint: str, work_dir: str, max_requests: int) -> CheckedInput:
     """Check each line of a batch's input file as OpenAI does before any engine starts (JSON, the line's
     fields, the body for the endpoint, one `model` for the file, `custom_id`s unique) and write the job's
     content and custom ids into `work_dir` as it goes. On errors those files are removed and the errors
@@ -72,7 +86,7 @@ def check_input_file(source: str, endpoint: str, work_dir: str) -> CheckedInput:
     kind = BATCH_ENDPOINTS[endpoint]
     checked = CheckedInput()
     seen: set[bytes] = set()  # 128-bit digests of the custom ids: a few MB for the most a batch holds
-    limit = max_batch_requests()
+    limit = max_requests
     content_path, ids_path = io.join(work_dir, CONTENT_FILE), io.join(work_dir, CUSTOM_IDS_FILE)
     with (
         io.open_file(source, "rb") as lines,
@@ -181,13 +195,12 @@ def _name_the_error(raw: bytes, number: int, endpoint: str, typed: ValidationErr
     checked.add_error("invalid_request", f"{where}: {error['msg']}", number, where)
 
 
-def model_config_for(model: str) -> BatchCompletionsModelConfig:
-    """The model config of a batch's `model`: the operator's catalog entry of that name
+def model_config_for(model: str, catalog_path: str) -> BatchCompletionsModelConfig:
+    """The model config of a batch's `model`: the entry of that name in the operator's catalog at `catalog_path`
     (BATCH_PIPELINE_MODEL_CATALOG, a YAML mapping of names to model configs), else the name itself as
     `model_config.model` (a built-in catalog name, a Hugging Face id, a local path or an s3:// checkpoint)."""
-    path = settings().model_catalog
-    if path:
-        with open(path) as handle:
+    if catalog_path:
+        with open(catalog_path) as handle:
             catalog = yaml.safe_load(handle) or {}
         if model in catalog:
             return BatchCompletionsModelConfig.model_validate(catalog[model])
