@@ -292,9 +292,12 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     app.state.api_keys = keys or ApiKeys.of_deployment(configured, service.admission)
     app.include_router(router)
     app.include_router(openai_routes.router)
-    app.state.large_body_slots = LargeBodySlots.from_settings()
-    app.add_middleware(BodySizeLimit, larger={"/v1/files": openai_service.limits.max_file_bytes})
-    app.add_middleware(BodyTimeouts)  # outermost: it bounds the client's receive that the others read
+    app.state.large_body_slots = LargeBodySlots.of_deployment(configured)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=configured.max_body_bytes, larger={"/v1/files": openai_service.limits.max_file_bytes}
+    )
+    # Outermost: it bounds the client's receive that the others read.
+    app.add_middleware(BodyTimeouts, idle_s=configured.body_idle_timeout_s, total_s=configured.body_timeout_s)
     openai_routes.add_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)

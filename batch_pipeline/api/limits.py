@@ -18,7 +18,7 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from batch_pipeline.core.settings import settings
+from batch_pipeline.core.settings import Settings, settings
 
 # A multipart body's boundaries and part headers around an upload of the largest size.
 MULTIPART_MARGIN = 64 * 1024
@@ -27,9 +27,9 @@ MULTIPART_MARGIN = 64 * 1024
 class BodySizeLimit:
     """Answers 413 when a body is over `max_bytes`, whether it declares its length or streams chunks."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int | None = None, larger: dict[str, int] | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes or settings().max_body_bytes
+        self.max_bytes = max_bytes
         # Routes whose bodies are streamed to storage, never parsed whole (file uploads), by exact path.
         self.larger = larger or {}
 
@@ -83,11 +83,10 @@ class BodyTimeouts:
     or takes longer than `total_s` in all: a client trickling a body cannot hold a connection (and whatever
     the route holds while it reads) for ever. To the app, such a client has gone."""
 
-    def __init__(self, app: ASGIApp, idle_s: float | None = None, total_s: float | None = None) -> None:
+    def __init__(self, app: ASGIApp, idle_s: float, total_s: float) -> None:
         self.app = app
-        configured = settings()
-        self.idle_s = idle_s or configured.body_idle_timeout_s
-        self.total_s = total_s or configured.body_timeout_s
+        self.idle_s = idle_s
+        self.total_s = total_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -276,10 +275,15 @@ class LargeBodySlots:
     state is guarded by a lock, and a waiter is woken on its own event loop. `bodies` counts every body of
     each team's, of any size (TeamBodies): the app holds both on `app.state.large_body_slots`."""
 
-    def __init__(self, slots: int, per_team: int, bodies_per_team: int | None = None) -> None:
+    def __init__(
+        self,
+        slots: int,
+        per_team: int,
+        bodies_per_team: int = Settings.model_fields["max_bodies_per_team"].default,
+    ) -> None:
         self.slots = slots
         self.per_team = per_team
-        self.bodies = TeamBodies(bodies_per_team or settings().max_bodies_per_team)
+        self.bodies = TeamBodies(bodies_per_team)
         self.held_per_team = math.ceil(slots / 2)
         self._lock = threading.Lock()
         self._free = slots
@@ -293,8 +297,7 @@ class LargeBodySlots:
         self._turns: deque[str] = deque()  # teams with waiters, the next to be served first
 
     @classmethod
-    def from_settings(cls) -> LargeBodySlots:
-        configured = settings()
+    def of_deployment(cls, configured: Settings) -> LargeBodySlots:
         return cls(
             configured.max_concurrent_large_bodies,
             configured.max_large_bodies_per_team,
