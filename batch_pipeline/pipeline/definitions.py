@@ -23,7 +23,7 @@ from batch_pipeline.pipeline.resources import (
     Tenancy,
     deployment_resource,
 )
-from batch_pipeline.pipeline.schedules import schedules_from_environment
+from batch_pipeline.pipeline.schedules import schedules_in
 from batch_pipeline.pipeline.sensors import (
     batch_jobs_sensor,
     record_failed_runs,
@@ -101,7 +101,7 @@ local_executor = dg.multiprocess_executor.configured(
 defs = dg.Definitions(
     jobs=[batch_completions, keep_partial_results, cleanup],
     sensors=[batch_jobs_sensor, record_succeeded_runs, record_stopped_runs, record_failed_runs],
-    schedules=[*schedules_from_environment(), cleanup_schedule],
+    schedules=[*schedules_in(_loaded_with.schedules), cleanup_schedule],
     # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={
         "job_store": deployment_resource(JobStoreResource(url=_loaded_with.jobs_db)),

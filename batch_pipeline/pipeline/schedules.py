@@ -21,7 +21,6 @@ from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import submit
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.base import WireModel
-from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.sensors import run_request_for
@@ -193,6 +192,6 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
     return _tick
 
 
-def schedules_from_environment() -> list[dg.ScheduleDefinition]:
-    path = settings().schedules
+def schedules_in(path: str) -> list[dg.ScheduleDefinition]:
+    """A schedule for each template of the schedules file at `path` (BATCH_PIPELINE_SCHEDULES); none for ""."""
     return [schedule_for(spec) for spec in load_schedule_specs(path)] if path else []
