@@ -28,14 +28,7 @@ def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dags
         for name, value in os.environ.items()
         if name not in ("BATCH_PIPELINE_MIN_SHARD_TOKENS", "BATCH_PIPELINE_MAX_SHARDS_PER_JOB")
     }
-    completed = subprocess.run(
-        [sys.executable, "-m", "batch_pipeline.entrypoints.cli", "run", "request.json", "--show", "2"],
-        cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    completed = _run(tmp_path, environment)
     assert completed.returncode == 0, completed.stderr[-3000:]
     sample = json.loads((REPO / "examples" / "sample_request.json").read_text())
     output_path = tmp_path / sample["output_data_path"]
@@ -55,6 +48,54 @@ def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dags
         assert noise not in console, console[-3000:]
     (worker_log,) = Path(os.environ["DAGSTER_HOME"]).glob("work/*/shards/000/worker.log")
     assert "safetensors" in worker_log.read_text()
+    # Its one shard ran in the worker the CLI started ahead, which imported vLLM while the run was planned.
+    assert "shard 0: handed to the worker `batch-pipeline run` started ahead" in console
+    _assert_no_standby_left(tmp_path)
+
+
+def _run(directory: Path, environment: dict[str, str]) -> subprocess.CompletedProcess:
+    """`batch-pipeline run request.json` in `directory`, its temporary files (the standby worker's) there too."""
+    return subprocess.run(
+        [sys.executable, "-m", "batch_pipeline.entrypoints.cli", "run", "request.json", "--show", "2"],
+        cwd=directory,
+        env={**environment, "TMPDIR": str(directory)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _assert_no_standby_left(directory: Path) -> None:
+    """The CLI has exited: no worker it started ahead still runs, and its directory is gone."""
+    assert not list(directory.glob("batch_pipeline-standby-*"))
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # it has exited
+            continue
+        assert not ("--standby" in command and str(directory) in command), command
+
+
+def test_a_run_of_two_shards_dismisses_the_standby_worker_and_one_that_fails_early_kills_it(tmp_path, dagster_home):
+    """Two shards split the cores, so their workers need thread settings the standby did not import torch
+    with: both are launched, the standby is dismissed, and the outputs are whole. A request the run refuses
+    before any shard leaves no standby either."""
+    sample = json.loads((REPO / "examples" / "sample_request.json").read_text())
+    (tmp_path / "request.json").write_text(json.dumps(sample))
+    environment = {**os.environ, "BATCH_PIPELINE_MIN_SHARD_TOKENS": "0"}
+    completed = _run(tmp_path, environment)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "20 requests (0 errors) in 2 shards," in completed.stdout
+    assert len(json.loads((tmp_path / sample["output_data_path"]).read_text())) == 20
+    assert "started ahead" not in completed.stdout + completed.stderr
+    _assert_no_standby_left(tmp_path)
+
+    del sample["content"]
+    sample["input_data_path"] = str(tmp_path / "no-such-input.json")
+    (tmp_path / "request.json").write_text(json.dumps(sample))
+    refused = _run(tmp_path, environment)
+    assert refused.returncode == 1 and "step validate_input failed" in refused.stderr, refused.stderr[-3000:]
+    _assert_no_standby_left(tmp_path)
 
 
 def test_models_lists_the_catalog():

@@ -242,6 +242,11 @@ class Settings(_EnvironmentSettings):
     shard_launcher: Literal["local", "k8s"] = Field(
         "local", description="`k8s` runs each shard worker in a pod of its own; `local`, a subprocess"
     )
+    standby_worker: str = Field(
+        "",
+        description="Set by `batch-pipeline run` for the steps of its own run, not by operators: the directory "
+        "where the shard worker it started ahead waits for the local launcher (`launch/standby.py`)",
+    )
     worker_image: str = Field("", description="With the `k8s` launcher: the shard workers' image (required)")
     k8s_namespace: str = Field("default", description="With the `k8s` launcher: the shard pods' namespace")
     k8s_service_account: str = Field(

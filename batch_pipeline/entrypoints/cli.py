@@ -245,9 +245,23 @@ def _prepare(name: str) -> int:
 
 
 def _run(path: Path, show: int) -> int:
+    from batch_pipeline.launch.standby import StartedStandby
+
+    # Before the standby worker and the step server: they keep this environment.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # A shard worker importing vLLM while the run starts, validates and plans: the local launcher hands it the
+    # shard (launch/standby.py). A Kubernetes launcher runs shards in pods, and would leave it idle.
+    standby = StartedStandby.start() if settings().shard_launcher != "k8s" else None
+    try:
+        return _run_request(path, show)
+    finally:
+        if standby is not None:
+            standby.stop()
+
+
+def _run_request(path: Path, show: int) -> int:
     from batch_pipeline.pipeline import step_server
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before the step server: it keeps this environment
     step_server.start()  # its imports (~2 s) run beside this process's own instead of at the first step
     import dagster as dg
 

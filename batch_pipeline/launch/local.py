@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from typing import Protocol
 
 import dagster as dg
 from dagster._core.storage.dagster_run import FINISHED_STATUSES
@@ -23,6 +24,7 @@ from batch_pipeline.launch.base import (
     worker_failure,
     worker_stats,
 )
+from batch_pipeline.launch.standby import claim_standby
 from batch_pipeline.shards.protocol import ShardTask
 
 # How often a step checks that its run has not ended without it (its run worker killed).
@@ -45,7 +47,15 @@ def _tail(path: str, limit: int = 3000) -> str:
         return log.read().decode("utf-8", "replace")
 
 
-def _stop(process: subprocess.Popen) -> None:
+class WorkerProcess(Protocol):
+    """A launched worker (`subprocess.Popen`) or the standby one it was handed to (`ClaimedStandby`)."""
+
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+def _stop(process: WorkerProcess) -> None:
     """Let the worker stop cleanly (it keeps its checkpoint whole), then kill it if it does not."""
     process.send_signal(signal.SIGINT)
     try:
@@ -74,6 +84,8 @@ class LocalShardLauncher(ShardLauncher):
     ) -> ShardResult:
         reader = _TempFileMessageReader()
         reader.on_progress = on_progress
+        worker_env = {**os.environ, **self._cpu_share(task), **self.env}
+        standby = None if self.python_executable else claim_standby(worker_env)
         # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
         log_path = worker_log_path(task)
         with (
@@ -85,20 +97,32 @@ class LocalShardLauncher(ShardLauncher):
             ) as session,
             open(log_path, "ab") as log,
         ):
-            # vLLM's and torch's own output goes to the log: the run's console shows the worker's reports
-            # (progress, the engine's dtype, failures), which come through Pipes.
-            process = subprocess.Popen(
-                [self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
-                env={**os.environ, **self._cpu_share(task), **self.env, **session.get_bootstrap_env_vars()},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            process: WorkerProcess
+            if standby is not None:
+                standby.hand_off(session.get_bootstrap_env_vars(), log_path)
+                process = standby
+                context.log.info(
+                    f"shard {task.shard.shard_index}: handed to the worker `batch-pipeline run` started ahead "
+                    "(vLLM imported while the run was planned)"
+                )
+            else:
+                # vLLM's and torch's own output goes to the log: the run's console shows the worker's reports
+                # (progress, the engine's dtype, failures), which come through Pipes.
+                process = subprocess.Popen(
+                    [self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
+                    env={**worker_env, **session.get_bootstrap_env_vars()},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             context.log.debug(f"shard {task.shard.shard_index}: the worker's output is in {log_path}")
             try:
                 returncode = self._wait(context, process, task)
             except dg.DagsterExecutionInterruptedError:  # the run was cancelled: let the worker stop cleanly
                 _stop(process)
                 raise
+            finally:
+                if standby is not None:
+                    standby.close()
         reports = session.get_custom_messages()
         if returncode != 0:
             raise_if_past_deadline(task)
@@ -115,7 +139,7 @@ class LocalShardLauncher(ShardLauncher):
         return self.concurrency or max(1, os.cpu_count() or 1)
 
     @staticmethod
-    def _wait(context: dg.OpExecutionContext, process: subprocess.Popen, task: ShardTask) -> int:
+    def _wait(context: dg.OpExecutionContext, process: WorkerProcess, task: ShardTask) -> int:
         """The worker's exit code. A killed run worker leaves its step processes running (they hold its
         forkserver open), and Dagster marks the run failed: the worker is then stopped, so that the run's
         retry resumes the shard from its checkpoint alone, not beside it."""

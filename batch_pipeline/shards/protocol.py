@@ -21,6 +21,15 @@ from batch_pipeline.shards.format import ShardSpec
 # among them, a window at a time, with at most this many in flight. The planner groups for it.
 WORKER_WINDOW = 1024
 
+# A worker started ahead of its shard (`python -m batch_pipeline.worker --standby DIR`, by `batch-pipeline run`)
+# imports vLLM while the run validates and plans, then waits in DIR for the local launcher to hand it the
+# shard. The files of DIR, a directory private to the service's user:
+STANDBY_DIR_ENV = "BATCH_PIPELINE_STANDBY_WORKER"  # DIR, in the run's environment
+STANDBY_STARTED = "standby.json"  # {"pid": ..., "env": {...}}: the worker and the environment it started in
+STANDBY_CLAIMED = "claimed"  # created once (O_EXCL) by the one launcher that takes or dismisses the worker
+STANDBY_HANDOFF = "handoff.json"  # {"env": {...}, "log": path}, or {"dismissed": why}: written whole (rename)
+STANDBY_EXIT = "exit"  # the worker's exit code, written whole as it leaves (its launcher is not its parent)
+
 
 class ShardHardware(TypedDict, total=False):
     """The hardware a request named (each field only where named): what a pod of the shard is sized by."""

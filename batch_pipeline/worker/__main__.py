@@ -10,22 +10,48 @@ failed, as the last message. Started by hand,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
+import time
+from typing import Any
 
+from batch_pipeline.core import io
 from batch_pipeline.core.process import exit_without_teardown
 from batch_pipeline.core.settings import settings
+from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF
 from batch_pipeline.worker.engine import set_engine_environment
+
+HANDOFF_POLL_S = 0.02
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m batch_pipeline.worker", description=__doc__)
     parser.add_argument("--task", help="a task JSON file, when not launched by Dagster Pipes")
+    parser.add_argument(
+        "--standby",
+        metavar="DIR",
+        help="import vLLM now, then wait in DIR for the local launcher to hand over a shard (batch-pipeline run)",
+    )
     args = parser.parse_args(argv)
     settings()  # a bad BATCH_PIPELINE_ value fails the shard now, naming it
     set_engine_environment()
+    if args.standby:
+        return _standby(args.standby, parser)
+    if args.task:
+        from batch_pipeline.shards.protocol import ShardTask
+        from batch_pipeline.worker.runner import ShardRunner
 
+        with open(args.task) as handle:
+            task = ShardTask.from_dict(json.load(handle))
+        stats = ShardRunner(task, report=lambda line: print(line, file=sys.stderr, flush=True)).run()
+        print(json.dumps(stats.to_dict()))
+        return 0
+    return _run_pipes_task(parser)
+
+
+def _run_pipes_task(parser: argparse.ArgumentParser) -> int:
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
     from batch_pipeline.shards.protocol import (
@@ -37,12 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     from batch_pipeline.worker.runner import ShardRunner
 
-    if args.task:
-        with open(args.task) as handle:
-            task = ShardTask.from_dict(json.load(handle))
-        stats = ShardRunner(task, report=lambda line: print(line, file=sys.stderr, flush=True)).run()
-        print(json.dumps(stats.to_dict()))
-        return 0
     if not PipesEnvVarParamsLoader().is_dagster_pipes_process():
         parser.error("not launched by Dagster Pipes: pass --task FILE")
     with open_dagster_pipes() as pipes:
@@ -62,6 +82,62 @@ def main(argv: list[str] | None = None) -> int:
             raise
         pipes.report_custom_message(worker_message_payload(StatsMessage(stats)))
     return 0
+
+
+def _standby(directory: str, parser: argparse.ArgumentParser) -> int:
+    """A worker started ahead of its shard: vLLM imported while the run validates and plans, then the shard
+    the launcher hands over run as any Pipes worker's, its exit code left in `directory` (its launcher is
+    not its parent, and cannot wait for it)."""
+    _import_engine()
+    handoff = _wait_for_handoff(directory)
+    if handoff is None:
+        return 0
+    _write_output_to(handoff["log"])
+    os.environ.update(handoff["env"])  # the Pipes session's bootstrap
+    code = 1  # what an exception leaves
+    try:
+        code = _run_pipes_task(parser)
+    finally:
+        with io.atomic_write(os.path.join(directory, STANDBY_EXIT)) as exit_file:
+            exit_file.write(str(code))
+    return code
+
+
+def _import_engine() -> None:
+    """What building the engine imports first (torch, vLLM: ~5 s of its ~10 s on 2 cores), frozen out of
+    garbage collection as `build_llm` freezes them."""
+    gc.disable()
+    try:
+        from batch_pipeline.worker import runner, vllm_api
+
+        vllm_api.LLM, vllm_api.PromptEngine, runner.ShardRunner  # noqa: B018 -- names resolved on first use
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+def _wait_for_handoff(directory: str) -> dict[str, Any] | None:
+    """The launcher's handoff: the Pipes bootstrap environment and the shard's log; None when it dismissed
+    this worker (the shard needs another environment) or `batch-pipeline run` is gone."""
+    path = os.path.join(directory, STANDBY_HANDOFF)
+    starter = os.getppid()
+    while not os.path.exists(path):
+        if os.getppid() != starter:
+            return None
+        time.sleep(HANDOFF_POLL_S)
+    with open(path) as handle:
+        handoff: dict[str, Any] = json.load(handle)
+    return None if "dismissed" in handoff else handoff
+
+
+def _write_output_to(log_path: str) -> None:
+    """From now on, this process's output (vLLM's, torch's) goes to the shard's log, as a launched worker's does."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
 
 
 def exit_now(code: int) -> None:
