@@ -29,6 +29,8 @@ from batch_pipeline.shards.protocol import (
     STANDBY_EXIT,
     STANDBY_HANDOFF,
     STANDBY_STARTED,
+    StandbyHandoff,
+    StandbyStarted,
 )
 
 
@@ -59,7 +61,7 @@ class StartedStandby:
                 stderr=subprocess.STDOUT,
             )
         with io.atomic_write(os.path.join(directory, STANDBY_STARTED)) as started:
-            json.dump({"pid": process.pid, "env": environment_digest(env)}, started)
+            started.write(StandbyStarted(pid=process.pid, env_digest=environment_digest(env)).model_dump_json())
         os.environ[STANDBY_DIR_ENV] = directory
         return cls(process, directory)
 
@@ -91,7 +93,7 @@ class ClaimedStandby:
 
     def hand_off(self, env: Mapping[str, str], log_path: str) -> None:
         """Give the worker its shard: the Pipes session's bootstrap environment, and where its output goes."""
-        _write_handoff(self.directory, {"env": dict(env), "log": log_path})
+        _write_handoff(self.directory, StandbyHandoff(env=dict(env), log=log_path))
 
     def wait(self, timeout: float | None = None) -> int:
         ready, _, _ = select.select([self._pidfd], [], [], timeout)
@@ -129,23 +131,23 @@ def claim_standby(worker_env: Mapping[str, str]) -> ClaimedStandby | None:
         return None
     try:
         with open(os.path.join(directory, STANDBY_STARTED)) as handle:
-            started = json.load(handle)
+            started = StandbyStarted.model_validate_json(handle.read())
         os.close(os.open(os.path.join(directory, STANDBY_CLAIMED), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except (OSError, ValueError):  # taken by another shard, or its run has ended
+    except (OSError, ValueError):  # taken by another shard, or its run has ended (ValidationError: a ValueError)
         return None
-    if started["env"] != environment_digest(worker_env):
-        _write_handoff(directory, {"dismissed": "the shard's worker needs another environment"})
+    if started.env_digest != environment_digest(worker_env):
+        _write_handoff(directory, StandbyHandoff(dismissed="the shard's worker needs another environment"))
         return None
     try:
-        pidfd = os.pidfd_open(started["pid"])
+        pidfd = os.pidfd_open(started.pid)
     except ProcessLookupError:
         return None
     if select.select([pidfd], [], [], 0)[0]:  # it has already exited (it could not import vLLM): launch one
         os.close(pidfd)
         return None
-    return ClaimedStandby(directory, started["pid"], pidfd)
+    return ClaimedStandby(directory, started.pid, pidfd)
 
 
-def _write_handoff(directory: str, handoff: dict[str, object]) -> None:
+def _write_handoff(directory: str, handoff: StandbyHandoff) -> None:
     with io.atomic_write(os.path.join(directory, STANDBY_HANDOFF)) as handle:
-        json.dump(handoff, handle)
+        handle.write(handoff.model_dump_json())

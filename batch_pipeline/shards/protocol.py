@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
@@ -25,10 +25,28 @@ WORKER_WINDOW = 1024
 # imports vLLM while the run validates and plans, then waits in DIR for the local launcher to hand it the
 # shard. The files of DIR, a directory private to the service's user:
 STANDBY_DIR_ENV = "BATCH_PIPELINE_STANDBY_WORKER"  # DIR, in the run's environment
-STANDBY_STARTED = "standby.json"  # {"pid": ..., "env": {...}}: the worker and the environment it started in
+STANDBY_STARTED = "standby.json"  # a StandbyStarted
 STANDBY_CLAIMED = "claimed"  # created once (O_EXCL) by the one launcher that takes or dismisses the worker
-STANDBY_HANDOFF = "handoff.json"  # {"env": {...}, "log": path}, or {"dismissed": why}: written whole (rename)
+STANDBY_HANDOFF = "handoff.json"  # a StandbyHandoff, written whole (a rename)
 STANDBY_EXIT = "exit"  # the worker's exit code, written whole as it leaves (its launcher is not its parent)
+
+
+class StandbyStarted(BaseModel):
+    """The standby worker, as its starter wrote it down."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pid: int
+    env_digest: str  # of the environment it started in: only a shard whose worker would get the same takes it
+
+
+class StandbyHandoff(BaseModel):
+    """What the launcher tells a standby worker: its shard's Pipes bootstrap environment and log, or that it
+    is dismissed, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    env: dict[str, str] = Field(default_factory=dict)
+    log: str = ""
+    dismissed: str | None = None
 
 
 class ShardHardware(TypedDict, total=False):

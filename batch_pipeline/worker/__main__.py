@@ -15,12 +15,11 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
 from batch_pipeline.core import io
 from batch_pipeline.core.process import exit_without_teardown
 from batch_pipeline.core.settings import settings
-from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF
+from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF, StandbyHandoff
 from batch_pipeline.worker.engine import set_engine_environment
 
 HANDOFF_POLL_S = 0.02
@@ -92,8 +91,8 @@ def _standby(directory: str, parser: argparse.ArgumentParser) -> int:
     handoff = _wait_for_handoff(directory)
     if handoff is None:
         return 0
-    _write_output_to(handoff["log"])
-    os.environ.update(handoff["env"])  # the Pipes session's bootstrap
+    _write_output_to(handoff.log)
+    os.environ.update(handoff.env)  # the Pipes session's bootstrap
     code = 1  # what an exception leaves
     try:
         code = _run_pipes_task(parser)
@@ -116,7 +115,7 @@ def _import_engine() -> None:
         gc.enable()
 
 
-def _wait_for_handoff(directory: str) -> dict[str, Any] | None:
+def _wait_for_handoff(directory: str) -> StandbyHandoff | None:
     """The launcher's handoff: the Pipes bootstrap environment and the shard's log; None when it dismissed
     this worker (the shard needs another environment) or `batch-pipeline run` is gone."""
     path = os.path.join(directory, STANDBY_HANDOFF)
@@ -126,8 +125,8 @@ def _wait_for_handoff(directory: str) -> dict[str, Any] | None:
             return None
         time.sleep(HANDOFF_POLL_S)
     with open(path) as handle:
-        handoff: dict[str, Any] = json.load(handle)
-    return None if "dismissed" in handoff else handoff
+        handoff = StandbyHandoff.model_validate_json(handle.read())
+    return None if handoff.dismissed is not None else handoff
 
 
 def _write_output_to(log_path: str) -> None:
