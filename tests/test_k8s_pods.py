@@ -54,6 +54,8 @@ def _pod(launcher, task, run_id=None) -> dict:
 
 LAUNCHER = K8sShardLauncher(
     image="registry.example/batch-pipeline-worker:1",
+    max_hardware={},  # no bound, no teams: what each test adds
+    tenants_file="",
     namespace="batch",
     service_account_name="batch-worker",
     env_secrets=["hf-token"],
@@ -118,7 +120,7 @@ def test_hardware_no_pod_can_carry_is_refused_naming_the_field(hardware, field):
 def test_a_pod_over_the_deployments_maxima_is_refused_even_when_its_size_was_inferred():
     from batch_pipeline.launch.k8s import infer_hardware
 
-    bounded = K8sShardLauncher(image="i", max_hardware={"gpus": "4", "memory": "512Gi"})
+    bounded = K8sShardLauncher(image="i", max_hardware={"gpus": "4", "memory": "512Gi"}, tenants_file="")
     inferred, _ = infer_hardware({"gpu_type": "nvidia-ampere-a100e"}, 400 * 2**30, "nvidia-ampere-a100e", 1)
     with pytest.raises(InvalidHardware, match="^gpus: 16 is more than this deployment's maximum of 4"):
         bounded.pod_overrides(_task(inferred), now=NOW)
@@ -128,7 +130,9 @@ def test_a_pod_over_the_deployments_maxima_is_refused_even_when_its_size_was_inf
 
 
 def test_a_gpu_type_the_deployment_does_not_map_is_refused():
-    launcher = K8sShardLauncher(image="i", gpu_node_selectors={"nvidia-tesla-t4": {"gpu": "t4"}})
+    launcher = K8sShardLauncher(
+        image="i", gpu_node_selectors={"nvidia-tesla-t4": {"gpu": "t4"}}, max_hardware={}, tenants_file=""
+    )
     with pytest.raises(InvalidHardware, match="^gpu_type: 'nvidia-hopper-h100'"):
         launcher.pod_overrides(_task({"gpu_type": "nvidia-hopper-h100"}), now=NOW)
 
@@ -155,10 +159,11 @@ def test_every_shard_pod_of_the_largest_job_waits_at_once_while_local_workers_sh
     from batch_pipeline.pipeline.definitions import executor_config
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    pods = executor_config(K8sShardLauncher(image="registry.example/worker:2"))
+    pods = executor_config(K8sShardLauncher(image="registry.example/worker:2", max_hardware={}, tenants_file=""))
     assert pods["max_concurrent"] > 64 and "tag_concurrency_limits" not in pods  # data_parallelism <= 64
     # a deployment's own cap on shards caps the step processes the run worker forks
-    assert executor_config(K8sShardLauncher(image="i"), max_shards_per_job=16)["max_concurrent"] == 17
+    unbounded = K8sShardLauncher(image="i", max_hardware={}, tenants_file="")
+    assert executor_config(unbounded, max_shards_per_job=16)["max_concurrent"] == 17
 
     local = executor_config(LocalShardLauncher(concurrency=3))  # an operator's choice above the cores
     assert local["tag_concurrency_limits"] == [{"key": "batch_pipeline/step", "value": "shard", "limit": 3}]

@@ -181,13 +181,12 @@ class K8sShardLauncher(ShardLauncher):
         description="Node labels per gpu_type of the spec.",
     )
     default_gpus: int = Field(default=1, description="GPUs of a shard when neither request nor weights say.")
+    # No default, as the admission policy has none: a launcher built by hand names the bounds it leaves open.
     max_hardware: dict[str, str] = Field(
-        default_factory=dict,
         description="The deployment's bound per hardware field as written (BATCH_PIPELINE_MAX_GPUS, _CPUS, "
         "_MEMORY, _STORAGE): no pod is sized past one, what was inferred from the weights included.",
     )
     tenants_file: str = Field(
-        default="",
         description="The tenants file (BATCH_PIPELINE_TENANTS) whose teams' `kueue_queue` their shard pods are "
         "queued in; empty: no teams, no queue label.",
     )
