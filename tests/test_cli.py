@@ -76,9 +76,9 @@ def _assert_no_standby_left(directory: Path) -> None:
         assert not ("--standby" in command and str(directory) in command), command
 
 
-def test_a_run_of_two_shards_dismisses_the_standby_worker_and_one_that_fails_early_kills_it(tmp_path, dagster_home):
+def test_a_run_of_two_shards_and_one_that_fails_early_both_stop_the_standby_worker(tmp_path, dagster_home):
     """Two shards split the cores, so their workers need thread settings the standby did not import torch
-    with: both are launched, the standby is dismissed, and the outputs are whole. A request the run refuses
+    with: both are launched, the standby is stopped, and the outputs are whole. A request the run refuses
     before any shard leaves no standby either."""
     sample = json.loads((REPO / "examples" / "sample_request.json").read_text())
     (tmp_path / "request.json").write_text(json.dumps(sample))

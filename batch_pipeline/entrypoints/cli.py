@@ -251,7 +251,12 @@ def _run(path: Path, show: int) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # A shard worker importing vLLM while the run starts, validates and plans: the local launcher hands it the
     # shard (launch/standby.py). A Kubernetes launcher runs shards in pods, and would leave it idle.
-    standby = StartedStandby.start() if settings().shard_launcher != "k8s" else None
+    standby = None
+    if settings().shard_launcher != "k8s":
+        try:
+            standby = StartedStandby.start()
+        except OSError as exc:  # no temporary directory, no process: the shard's worker starts as it would have
+            print(f"running without a worker started ahead: {exc}", file=sys.stderr)
     try:
         return _run_request(path, show)
     finally:

@@ -86,50 +86,54 @@ class LocalShardLauncher(ShardLauncher):
         reader.on_progress = on_progress
         worker_env = {**os.environ, **self._cpu_share(task), **self.env}
         standby = None if self.python_executable else claim_standby(worker_env)
-        # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
-        log_path = worker_log_path(task)
-        with (
-            dg.open_pipes_session(
-                context=context,
-                context_injector=dg.PipesEnvContextInjector(),
-                message_reader=reader,
-                extras={"task": task.to_dict()},
-            ) as session,
-            open(log_path, "ab") as log,
-        ):
-            process: WorkerProcess
-            if standby is not None:
-                standby.hand_off(session.get_bootstrap_env_vars(), log_path)
-                process = standby
-                context.log.info(
-                    f"shard {task.shard.shard_index}: handed to the worker `batch-pipeline run` started ahead "
-                    "(vLLM imported while the run was planned)"
-                )
-            else:
-                # vLLM's and torch's own output goes to the log: the run's console shows the worker's reports
-                # (progress, the engine's dtype, failures), which come through Pipes.
-                process = subprocess.Popen(
-                    [self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
-                    env={**worker_env, **session.get_bootstrap_env_vars()},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            context.log.debug(f"shard {task.shard.shard_index}: the worker's output is in {log_path}")
-            try:
-                returncode = self._wait(context, process, task)
-            except dg.DagsterExecutionInterruptedError:  # the run was cancelled: let the worker stop cleanly
-                _stop(process)
-                raise
-            finally:
+        try:
+            # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
+            log_path = worker_log_path(task)
+            with (
+                dg.open_pipes_session(
+                    context=context,
+                    context_injector=dg.PipesEnvContextInjector(),
+                    message_reader=reader,
+                    extras={"task": task.to_dict()},
+                ) as session,
+                open(log_path, "ab") as log,
+            ):
+                process: WorkerProcess
                 if standby is not None:
-                    standby.close()
+                    standby.hand_off(session.get_bootstrap_env_vars(), log_path)
+                    process = standby
+                    context.log.info(
+                        f"shard {task.shard.shard_index}: handed to the worker `batch-pipeline run` started ahead "
+                        "(vLLM imported while the run was planned)"
+                    )
+                else:
+                    # vLLM's and torch's own output goes to the log: the run's console shows the worker's reports
+                    # (progress, the engine's dtype, failures), which come through Pipes.
+                    process = subprocess.Popen(
+                        [self.python_executable or sys.executable, "-m", "batch_pipeline.worker"],
+                        env={**worker_env, **session.get_bootstrap_env_vars()},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                context.log.debug(f"shard {task.shard.shard_index}: the worker's output is in {log_path}")
+                try:
+                    returncode = self._wait(context, process, task)
+                except dg.DagsterExecutionInterruptedError:  # the run was cancelled: let the worker stop cleanly
+                    _stop(process)
+                    raise
+        finally:  # a standby never handed its shard (the session could not open) is killed, not left waiting
+            if standby is not None:
+                standby.close()
         reports = session.get_custom_messages()
         if returncode != 0:
             raise_if_past_deadline(task)
             failure = worker_failure(reports)
+            output = _tail(log_path)
+            if standby is not None and not output.strip():  # it died before it had the shard's log
+                output = standby.early_output()
             raise dg.Failure(
                 f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
-                + ("" if failure else f"; the end of its output ({log_path}):\n{_tail(log_path)}")
+                + ("" if failure else f"; the end of its output ({log_path}):\n{output}")
             )
         return ShardResult(task=task, stats=worker_stats(task, reports))
 

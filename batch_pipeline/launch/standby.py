@@ -4,8 +4,8 @@ vLLM (~5 s of its ~10 s engine start on 2 cores) while the run starts, validates
 that time is no longer paid before the engine's own.
 
 Only a shard whose worker would get the same environment takes it (one shard of the run, its cores not
-split with another's); any other is launched as before, and the launcher dismisses the standby so that it
-does not wait in vain. The worker's side is `python -m batch_pipeline.worker --standby DIR`.
+split with another's); any other is launched as before, and the launcher kills the standby, which would
+only take cores from the launched ones. The worker's side is `python -m batch_pipeline.worker --standby DIR`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from batch_pipeline.shards.protocol import (
     STANDBY_DIR_ENV,
     STANDBY_EXIT,
     STANDBY_HANDOFF,
+    STANDBY_OUTPUT,
     STANDBY_STARTED,
     StandbyHandoff,
     StandbyStarted,
@@ -53,10 +55,11 @@ class StartedStandby:
         (STANDBY_DIR_ENV), for the run's step processes to find it: call before they start."""
         directory = tempfile.mkdtemp(prefix="batch_pipeline-standby-")  # 0700
         env = dict(os.environ)
-        with open(os.path.join(directory, "standby.log"), "ab") as log:  # its output until it has a shard's log
+        with open(os.path.join(directory, STANDBY_OUTPUT), "ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "batch_pipeline.worker", "--standby", directory],
                 env=env,
+                stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -70,7 +73,7 @@ class StartedStandby:
         launcher waited for it), or is stopped as a launched worker is."""
         os.environ.pop(STANDBY_DIR_ENV, None)
         if self.process.poll() is None:
-            if os.path.exists(os.path.join(self.directory, STANDBY_CLAIMED)):
+            if _handed_a_shard(self.directory):
                 self.process.send_signal(signal.SIGINT)
                 try:
                     self.process.wait(timeout=20)
@@ -90,10 +93,21 @@ class ClaimedStandby:
         self.directory = directory
         self.pid = pid
         self._pidfd = pidfd
+        self._handed_off = False
 
     def hand_off(self, env: Mapping[str, str], log_path: str) -> None:
         """Give the worker its shard: the Pipes session's bootstrap environment, and where its output goes."""
         _write_handoff(self.directory, StandbyHandoff(env=dict(env), log=log_path))
+        self._handed_off = True
+
+    def early_output(self, limit: int = 3000) -> str:
+        """The end of what it wrote before it had the shard's log: why it died, if it died importing."""
+        try:
+            with open(os.path.join(self.directory, STANDBY_OUTPUT), "rb") as output:
+                output.seek(max(0, os.fstat(output.fileno()).st_size - limit))
+                return output.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def wait(self, timeout: float | None = None) -> int:
         ready, _, _ = select.select([self._pidfd], [], [], timeout)
@@ -119,6 +133,9 @@ class ClaimedStandby:
         self.send_signal(signal.SIGKILL)
 
     def close(self) -> None:
+        """Done with it: a worker never handed its shard (the step failed before) is killed, not left waiting."""
+        if not self._handed_off:
+            self.kill()
         os.close(self._pidfd)
 
 
@@ -127,7 +144,7 @@ def claim_standby(worker_env: Mapping[str, str]) -> ClaimedStandby | None:
     environment `worker_env` (what a launched worker would get, torch's thread settings included: they are
     read as it imports). A standby in another environment is dismissed; None: launch a worker."""
     directory = worker_env.get(STANDBY_DIR_ENV)
-    if not directory:
+    if not directory or not _private(directory):
         return None
     try:
         with open(os.path.join(directory, STANDBY_STARTED)) as handle:
@@ -135,17 +152,31 @@ def claim_standby(worker_env: Mapping[str, str]) -> ClaimedStandby | None:
         os.close(os.open(os.path.join(directory, STANDBY_CLAIMED), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except (OSError, ValueError):  # taken by another shard, or its run has ended (ValidationError: a ValueError)
         return None
-    if started.env_digest != environment_digest(worker_env):
-        _write_handoff(directory, StandbyHandoff(dismissed="the shard's worker needs another environment"))
-        return None
     try:
         pidfd = os.pidfd_open(started.pid)
-    except ProcessLookupError:
+    except (OSError, AttributeError):  # gone; or no pidfds here (a seccomp profile, not Linux): launch one
+        return None
+    standby = ClaimedStandby(directory, started.pid, pidfd)
+    if started.env_digest != environment_digest(worker_env):
+        standby.close()  # a worker that imported torch with other thread settings: of no use to this run
         return None
     if select.select([pidfd], [], [], 0)[0]:  # it has already exited (it could not import vLLM): launch one
-        os.close(pidfd)
+        standby.close()
         return None
-    return ClaimedStandby(directory, started.pid, pidfd)
+    return standby
+
+
+def _private(directory: str) -> bool:
+    """Whether `directory` is one `StartedStandby.start` made: a directory (no link) of this user's, 0700."""
+    try:
+        status = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.geteuid() and not status.st_mode & 0o077
+
+
+def _handed_a_shard(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, STANDBY_HANDOFF))
 
 
 def _write_handoff(directory: str, handoff: StandbyHandoff) -> None:

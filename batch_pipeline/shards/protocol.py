@@ -29,6 +29,7 @@ STANDBY_STARTED = "standby.json"  # a StandbyStarted
 STANDBY_CLAIMED = "claimed"  # created once (O_EXCL) by the one launcher that takes or dismisses the worker
 STANDBY_HANDOFF = "handoff.json"  # a StandbyHandoff, written whole (a rename)
 STANDBY_EXIT = "exit"  # the worker's exit code, written whole as it leaves (its launcher is not its parent)
+STANDBY_OUTPUT = "standby.log"  # its output until it has a shard's log
 
 
 class StandbyStarted(BaseModel):
@@ -40,13 +41,11 @@ class StandbyStarted(BaseModel):
 
 
 class StandbyHandoff(BaseModel):
-    """What the launcher tells a standby worker: its shard's Pipes bootstrap environment and log, or that it
-    is dismissed, and why."""
+    """What the launcher hands a standby worker: its shard's Pipes bootstrap environment, and its log."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    env: dict[str, str] = Field(default_factory=dict)
-    log: str = ""
-    dismissed: str | None = None
+    env: dict[str, str]
+    log: str
 
 
 class ShardHardware(TypedDict, total=False):

@@ -13,13 +13,14 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import time
 
 from batch_pipeline.core import io
 from batch_pipeline.core.process import exit_without_teardown
 from batch_pipeline.core.settings import settings
-from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF, StandbyHandoff
+from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF, STANDBY_OUTPUT, StandbyHandoff
 from batch_pipeline.worker.engine import set_engine_environment
 
 HANDOFF_POLL_S = 0.02
@@ -34,10 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         help="import vLLM now, then wait in DIR for the local launcher to hand over a shard (batch-pipeline run)",
     )
     args = parser.parse_args(argv)
+    starter = os.getppid()  # a standby's `batch-pipeline run`, read before anything can outlast it
     settings()  # a bad BATCH_PIPELINE_ value fails the shard now, naming it
     set_engine_environment()
     if args.standby:
-        return _standby(args.standby, parser)
+        return _standby(args.standby, starter, parser)
     if args.task:
         from batch_pipeline.shards.protocol import ShardTask
         from batch_pipeline.worker.runner import ShardRunner
@@ -83,23 +85,28 @@ def _run_pipes_task(parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _standby(directory: str, parser: argparse.ArgumentParser) -> int:
+def _standby(directory: str, starter: int, parser: argparse.ArgumentParser) -> int:
     """A worker started ahead of its shard: vLLM imported while the run validates and plans, then the shard
-    the launcher hands over run as any Pipes worker's, its exit code left in `directory` (its launcher is
-    not its parent, and cannot wait for it)."""
-    _import_engine()
-    handoff = _wait_for_handoff(directory)
-    if handoff is None:
-        return 0
-    _write_output_to(handoff.log)
-    os.environ.update(handoff.env)  # the Pipes session's bootstrap
+    the launcher hands over run as any Pipes worker's. Its exit code, whatever ends it, is left in
+    `directory`: its launcher is not its parent, and cannot wait for it."""
     code = 1  # what an exception leaves
     try:
+        _import_engine()
+        handoff = _wait_for_handoff(directory, starter)
+        if handoff is None:
+            code = 0
+            return code
+        _write_output_to(handoff.log, early_output=os.path.join(directory, STANDBY_OUTPUT))
+        os.environ.update(handoff.env)  # the Pipes session's bootstrap
         code = _run_pipes_task(parser)
+        return code
+    except SystemExit as exc:  # parser.error's 2
+        code = exc.code if isinstance(exc.code, int) else 1
+        raise
     finally:
-        with io.atomic_write(os.path.join(directory, STANDBY_EXIT)) as exit_file:
-            exit_file.write(str(code))
-    return code
+        if os.path.isdir(directory):  # its `batch-pipeline run`, gone, may have left it
+            with io.atomic_write(os.path.join(directory, STANDBY_EXIT)) as exit_file:
+                exit_file.write(str(code))
 
 
 def _import_engine() -> None:
@@ -115,25 +122,28 @@ def _import_engine() -> None:
         gc.enable()
 
 
-def _wait_for_handoff(directory: str) -> StandbyHandoff | None:
-    """The launcher's handoff: the Pipes bootstrap environment and the shard's log; None when it dismissed
-    this worker (the shard needs another environment) or `batch-pipeline run` is gone."""
+def _wait_for_handoff(directory: str, starter: int) -> StandbyHandoff | None:
+    """The launcher's handoff: the Pipes bootstrap environment and the shard's log; None when
+    `batch-pipeline run` (`starter`) is gone, killed before it could stop this worker: its directory goes
+    too. (A launcher that has no use for this worker kills it.)"""
     path = os.path.join(directory, STANDBY_HANDOFF)
-    starter = os.getppid()
     while not os.path.exists(path):
-        if os.getppid() != starter:
+        if os.getppid() != starter or starter == 1:
+            shutil.rmtree(directory, ignore_errors=True)
             return None
         time.sleep(HANDOFF_POLL_S)
     with open(path) as handle:
-        handoff = StandbyHandoff.model_validate_json(handle.read())
-    return None if handoff.dismissed is not None else handoff
+        return StandbyHandoff.model_validate_json(handle.read())
 
 
-def _write_output_to(log_path: str) -> None:
-    """From now on, this process's output (vLLM's, torch's) goes to the shard's log, as a launched worker's does."""
+def _write_output_to(log_path: str, early_output: str) -> None:
+    """From now on, this process's output (vLLM's, torch's) goes to the shard's log, as a launched worker's
+    does; what it wrote while it imported (`early_output`) goes there first."""
     sys.stdout.flush()
     sys.stderr.flush()
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with open(early_output, "rb") as early, os.fdopen(os.dup(log), "wb") as shard_log:
+        shutil.copyfileobj(early, shard_log)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
