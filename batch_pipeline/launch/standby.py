@@ -142,7 +142,7 @@ class ClaimedStandby:
 def claim_standby(worker_env: Mapping[str, str]) -> ClaimedStandby | None:
     """The standby worker of this run, when there is one, no other shard has taken it, and it started in the
     environment `worker_env` (what a launched worker would get, torch's thread settings included: they are
-    read as it imports). A standby in another environment is dismissed; None: launch a worker."""
+    read as it imports). A standby in another environment is killed; None: launch a worker."""
     directory = worker_env.get(STANDBY_DIR_ENV)
     if not directory or not _private(directory):
         return None

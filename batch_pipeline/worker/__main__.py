@@ -3,8 +3,9 @@
 Launched by Dagster Pipes (a local subprocess or a Kubernetes pod), it reads its task from the Pipes
 extras, reports progress as Pipes log lines and as progress messages (`shards.protocol.WorkerMessage`,
 sent as Pipes custom messages; the orchestrator writes them into the job store), then its stats, or why it
-failed, as the last message. Started by hand,
-`--task FILE` names a JSON task instead. It knows nothing of HTTP or of the job store.
+failed, as the last message. Started by hand, `--task FILE` names a JSON task instead. Started ahead by
+`batch-pipeline run` (`--standby DIR`, launch/standby.py), it imports vLLM first and takes its Pipes
+bootstrap from the launcher's handoff. It knows nothing of HTTP or of the job store.
 """
 
 from __future__ import annotations
