@@ -57,7 +57,7 @@ class StartedStandby:
         env = dict(os.environ)
         with open(os.path.join(directory, STANDBY_OUTPUT), "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "batch_pipeline.worker", "--standby", directory],
+                [sys.executable, "-m", "batch_pipeline.worker", "--standby", directory, "--starter", str(os.getpid())],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

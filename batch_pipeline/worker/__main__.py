@@ -35,12 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="import vLLM now, then wait in DIR for the local launcher to hand over a shard (batch-pipeline run)",
     )
+    parser.add_argument(
+        "--starter", type=int, help="with --standby: the pid of the batch-pipeline run whose exit ends the wait"
+    )
     args = parser.parse_args(argv)
-    starter = os.getppid()  # a standby's `batch-pipeline run`, read before anything can outlast it
     settings()  # a bad BATCH_PIPELINE_ value fails the shard now, naming it
     set_engine_environment()
     if args.standby:
-        return _standby(args.standby, starter, parser)
+        # Its parent by its own word: a parent that died before this line ran is no longer what getppid says.
+        return _standby(args.standby, args.starter or os.getppid(), parser)
     if args.task:
         from batch_pipeline.shards.protocol import ShardTask
         from batch_pipeline.worker.runner import ShardRunner
@@ -129,7 +132,7 @@ def _wait_for_handoff(directory: str, starter: int) -> StandbyHandoff | None:
     too. (A launcher that has no use for this worker kills it.)"""
     path = os.path.join(directory, STANDBY_HANDOFF)
     while not os.path.exists(path):
-        if os.getppid() != starter or starter == 1:
+        if os.getppid() != starter:
             shutil.rmtree(directory, ignore_errors=True)
             return None
         time.sleep(HANDOFF_POLL_S)
