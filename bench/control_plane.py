@@ -466,7 +466,7 @@ def measure_tick(home: str, store_url: str, repeat: int, expected: int) -> dict:
         for _ in range(repeat):
             context = dg.build_sensor_context(instance=instance, resources=resources)
             started = time.perf_counter()
-            requests = list(batch_jobs_sensor(context) or [])
+            requests = list(batch_jobs_sensor(interval_s=1)(context) or [])
             wall = time.perf_counter() - started
             json_bytes = sum(len(json.dumps(r.run_config)) + len(json.dumps(r.tags)) for r in requests)
             dagster_bytes = sum(len(serialize_value(r)) for r in requests)

@@ -31,7 +31,7 @@ def _sensor_run_requests(deployment):
     context = dg.build_sensor_context(
         instance=deployment.instance, resources=sensor_resources(str(deployment.store.engine.url))
     )
-    return list(batch_jobs_sensor(context) or [])
+    return list(batch_jobs_sensor(interval_s=1)(context) or [])
 
 
 def test_health_and_openapi_name_the_spec_routes_and_schemas(deployment_factory):

@@ -77,7 +77,7 @@ def test_a_failed_run_the_retry_daemon_never_retried_is_handed_back_to_it_and_it
             assert run.tags[WILL_RETRY_TAG] == "true" and AUTO_RETRY_RUN_ID_TAG not in run.tags
 
         context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
-        list(sensors.batch_jobs_sensor(context) or [])
+        list(sensors.batch_jobs_sensor(interval_s=1)(context) or [])
 
         job_id, missed = runs["missed"]
         assert _failures(instance, missed.run_id) == 2  # a failure newer than the daemon's cursor
@@ -106,7 +106,7 @@ def _failed_long_ago(instance: dg.DagsterInstance, store: JobStore, tags: dict[s
 
 def _reconcile(instance: dg.DagsterInstance, store: JobStore) -> None:
     context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
-    list(sensors.batch_jobs_sensor(context) or [])
+    list(sensors.batch_jobs_sensor(interval_s=1)(context) or [])
 
 
 def test_a_failed_run_an_operator_re_executed_is_not_handed_back_to_the_retry_daemon(tmp_path):

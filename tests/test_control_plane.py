@@ -192,7 +192,7 @@ def test_rows_an_older_release_left_running_are_set_from_their_finished_runs_by_
         )
         api.store.mark_started(job_id, run_id)
     context = dg.build_sensor_context(instance=api.instance, resources=sensor_resources(str(api.store.engine.url)))
-    assert list(sensors.batch_jobs_sensor(context) or []) == []
+    assert list(sensors.batch_jobs_sensor(interval_s=1)(context) or []) == []
 
     assert api.job("batch-legacy-finished", ADMIN_KEY)["status"] == "completed"
     failure = api.job("batch-legacy-failed", ADMIN_KEY)

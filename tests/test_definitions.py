@@ -162,3 +162,23 @@ def test_the_job_stores_password_is_nowhere_in_what_the_dagster_ui_reads_of_the_
     ).stdout
     assert '"batch_completions"' in snapshot and '"job_store"' in snapshot  # the snapshot, with its resources
     assert secret not in snapshot
+
+
+def test_the_sensors_tick_as_often_as_the_deployment_says(tmp_path):
+    """BATCH_PIPELINE_SENSOR_INTERVAL_S reaches every sensor the code location loads, as the daemon reads them."""
+    probe = (
+        "from batch_pipeline.pipeline.definitions import defs\n"
+        "print(sorted((s.name, s.minimum_interval_seconds) for s in defs.get_repository_def().sensor_defs))\n"
+    )
+    environment = os.environ | {"DAGSTER_HOME": str(tmp_path), "BATCH_PIPELINE_SENSOR_INTERVAL_S": "7"}
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], env=environment, capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    assert loaded.strip() == str(
+        [
+            ("batch_jobs_sensor", 7),
+            ("record_failed_runs", 7),
+            ("record_stopped_runs", 7),
+            ("record_succeeded_runs", 7),
+        ]
+    )

@@ -137,7 +137,7 @@ def test_a_priority_above_the_teams_cap_is_read_as_the_cap_and_says_so(api, team
         instance=dg.DagsterInstance.get(), resources=sensor_resources(str(JobStore().engine.url))
     )
     run_priorities = {
-        request.tags[JOB_ID_TAG]: request.tags["dagster/priority"] for request in batch_jobs_sensor(context)
+        request.tags[JOB_ID_TAG]: request.tags["dagster/priority"] for request in batch_jobs_sensor(interval_s=1)(context)
     }
     assert run_priorities == {asked["job_id"]: "10", within["job_id"]: "-10", free["job_id"]: "20"}
     # Raising a queued job's priority is capped the same way.
@@ -493,7 +493,7 @@ def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_adm
     instance = dg.DagsterInstance.get()
     context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
     capfd.readouterr()
-    requests = list(batch_jobs_sensor(context) or [])
+    requests = list(batch_jobs_sensor(interval_s=1)(context) or [])
     assert [request.run_key for request in requests] == [bounded[0], bounded[1], free[1], free[2]]
     lines = [line for line in capfd.readouterr().err.splitlines() if "takes a run slot" in line]
     assert len(lines) == 4 and f"team:bounded's job {bounded[0]} takes a run slot" in lines[0], lines
@@ -507,7 +507,7 @@ def test_the_sensor_fails_a_job_whose_deadline_passed_while_it_waited_and_admits
     context = dg.build_sensor_context(
         instance=dg.DagsterInstance.get(), resources=sensor_resources(str(store.engine.url))
     )
-    assert [request.run_key for request in batch_jobs_sensor(context) or []] == [on_time]
+    assert [request.run_key for request in batch_jobs_sensor(interval_s=1)(context) or []] == [on_time]
     late = store.get("batch-late")
     assert late.status == "failed" and "passed while it waited for a run slot" in late.failure_reason
 
@@ -607,7 +607,7 @@ def _one_slot_sensor(tmp_path, store: JobStore):
     write_instance_config(home, max_concurrent_runs=1)
     instance = dg.DagsterInstance.from_config(str(home))
     context = dg.build_sensor_context(instance=instance, resources=sensor_resources(str(store.engine.url)))
-    return lambda: [request.run_key for request in batch_jobs_sensor(context) or []]
+    return lambda: [request.run_key for request in batch_jobs_sensor(interval_s=1)(context) or []]
 
 
 def _metadata(api, key: str, job_id: str) -> dict[str, str]:

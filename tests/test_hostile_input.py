@@ -430,7 +430,7 @@ def _sensor_run_requests(api, **resources: object) -> list[dg.RunRequest]:
     context = dg.build_sensor_context(
         instance=api.instance, resources=sensor_resources(str(api.store.engine.url), **resources)
     )
-    return list(batch_jobs_sensor(context) or [])
+    return list(batch_jobs_sensor(interval_s=1)(context) or [])
 
 
 def _poison(api, tmp_path) -> list[str]:

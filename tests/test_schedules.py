@@ -96,7 +96,7 @@ def test_each_tick_stores_one_job_and_asks_for_one_run_which_the_jobs_sensor_lea
         first, again = evaluate(tick), evaluate(tick)
         next_night = evaluate(datetime(2026, 11, 29, 1, 0, tzinfo=UTC))
         sensor_context = dg.build_sensor_context(instance=instance, resources=sensor_resources(url))
-        sensor_requests = batch_jobs_sensor.evaluate_tick(sensor_context).run_requests
+        sensor_requests = batch_jobs_sensor(interval_s=1).evaluate_tick(sensor_context).run_requests
 
     assert first.run_key == again.run_key != next_night.run_key
     jobs = JobStore(url).list().jobs

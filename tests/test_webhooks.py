@@ -311,7 +311,8 @@ class StoppedJob:
             dagster_run=run,
             resources=sensor_resources(str(store.engine.url)),
         )
-        self.request = sensors.record_stopped_runs(context)
+        record_stopped_runs = next(s for s in sensors.run_end_sensors(interval_s=1) if s.name == "record_stopped_runs")
+        self.request = record_stopped_runs(context)
         assert isinstance(self.request, dg.RunRequest)
 
     def keep_partial_results(self) -> dg.ExecuteInProcessResult:

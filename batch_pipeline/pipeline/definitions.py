@@ -24,12 +24,7 @@ from batch_pipeline.pipeline.resources import (
     deployment_resource,
 )
 from batch_pipeline.pipeline.schedules import schedules_in
-from batch_pipeline.pipeline.sensors import (
-    batch_jobs_sensor,
-    record_failed_runs,
-    record_stopped_runs,
-    record_succeeded_runs,
-)
+from batch_pipeline.pipeline.sensors import batch_jobs_sensor, run_end_sensors
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 
 # Dagster's own uses of its beta and preview features, warned about in every step process: it copies each
@@ -100,7 +95,10 @@ local_executor = dg.multiprocess_executor.configured(
 
 defs = dg.Definitions(
     jobs=[batch_completions, keep_partial_results, cleanup],
-    sensors=[batch_jobs_sensor, record_succeeded_runs, record_stopped_runs, record_failed_runs],
+    sensors=[
+        batch_jobs_sensor(_loaded_with.sensor_interval_s),
+        *run_end_sensors(_loaded_with.sensor_interval_s),
+    ],
     schedules=[*schedules_in(_loaded_with.schedules), cleanup_schedule],
     # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={

@@ -1,9 +1,12 @@
 """Sensors launch and record; jobs do the work.
 
+The deployment chooses how often they tick (definitions.py passes BATCH_PIPELINE_SENSOR_INTERVAL_S), so each
+is built by a function of that interval:
+
 - `batch_jobs_sensor`: each job the submission path stored becomes exactly one run (run_key = job id).
-- `record_succeeded_runs`, `record_stopped_runs`, `record_failed_runs`: how a run ended goes into its job's
-  row, and a run stopped before the end launches `keep_partial_results` (a small job, retried and visible
-  in the UI) to merge the results its shards finished. No sensor reads results.
+- `run_end_sensors` (`record_succeeded_runs`, `record_stopped_runs`, `record_failed_runs`): how a run
+  ended goes into its job's row, and a run stopped before the end launches `keep_partial_results` (a small
+  job, retried and visible in the UI) to merge the results its shards finished. No sensor reads results.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from pydantic import ValidationError
 from batch_pipeline.admission.submission import StoredRequest
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
-from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.admission import admissions, free_run_slots, waiting_queues
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
@@ -42,8 +44,6 @@ from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import Tenants
 
-# The sensors below are declared with it, so it is read when the definitions load (a code server starts).
-SENSOR_INTERVAL_S = settings().sensor_interval_s
 # A row still unfinished this long after its run ended missed the status sensors (they were stopped, or
 # the row was written by a release before them): the jobs sensor sets it from the run. A run retry the
 # daemon meant to launch exists by then too (it ticks every 5 s).
@@ -51,22 +51,28 @@ RECONCILE_AFTER_S = 60
 _FINISHED_RUNS = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
 
-@dg.sensor(
-    job=batch_completions,
-    minimum_interval_seconds=SENSOR_INTERVAL_S,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Turns each job the API stored into exactly one run (run_key = job id). A job that cannot "
-    "become a run is marked failed with the reason; the others go on.",
-)
-def batch_jobs_sensor(
-    context: SensorEvaluationContext, job_store: JobStoreResource, tenancy: Tenancy, run_launching: RunLaunching
-):
-    store = job_store.get_store()
-    yield from _run_requests(context, store, tenancy, run_launching.max_tick_bytes)
-    try:
-        _reconcile(context.instance, store)
-    except Exception as exc:  # a safety net for stale rows: it never costs the jobs above their runs
-        context.log.warning(f"could not reconcile finished runs with their jobs: {_shortened(exc)}")
+def batch_jobs_sensor(interval_s: int) -> dg.SensorDefinition:
+    """The sensor that turns stored jobs into runs, evaluated at most every `interval_s` seconds."""
+
+    @dg.sensor(
+        name="batch_jobs_sensor",
+        job=batch_completions,
+        minimum_interval_seconds=interval_s,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Turns each job the API stored into exactly one run (run_key = job id). A job that cannot "
+        "become a run is marked failed with the reason; the others go on.",
+    )
+    def launch_stored_jobs(
+        context: SensorEvaluationContext, job_store: JobStoreResource, tenancy: Tenancy, run_launching: RunLaunching
+    ):
+        store = job_store.get_store()
+        yield from _run_requests(context, store, tenancy, run_launching.max_tick_bytes)
+        try:
+            _reconcile(context.instance, store)
+        except Exception as exc:  # a safety net for stale rows: it never costs the jobs above their runs
+            context.log.warning(f"could not reconcile finished runs with their jobs: {_shortened(exc)}")
+
+    return launch_stored_jobs
 
 
 def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Tenancy, tick_bytes: int):
@@ -293,38 +299,44 @@ def record_run_end(
     return stopped(record, JobStatus.CANCELLED, None, cancelled)
 
 
-@dg.run_status_sensor(
-    run_status=dg.DagsterRunStatus.SUCCESS,
-    monitored_jobs=[batch_completions],
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=SENSOR_INTERVAL_S,
-    description="A succeeded run's job reads completed (its results were recorded by write_job_metadata).",
-)
-def record_succeeded_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
-    record_run_end(context.instance, job_store.get_store(), context.dagster_run)
+def run_end_sensors(interval_s: int) -> list[dg.SensorDefinition]:
+    """The sensors that record how each run ended in its job's row, evaluated at most every `interval_s`
+    seconds."""
 
+    @dg.run_status_sensor(
+        run_status=dg.DagsterRunStatus.SUCCESS,
+        monitored_jobs=[batch_completions],
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=interval_s,
+        description="A succeeded run's job reads completed (its results were recorded by write_job_metadata).",
+    )
+    def record_succeeded_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
+        record_run_end(context.instance, job_store.get_store(), context.dagster_run)
 
-@dg.run_status_sensor(
-    run_status=dg.DagsterRunStatus.CANCELED,
-    monitored_jobs=[batch_completions],
-    request_job=keep_partial_results,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=SENSOR_INTERVAL_S,
-    description="A cancelled run's job reads cancelled (or failed, when its deadline stopped it), and the "
-    "results its shards finished are merged into its output by keep_partial_results.",
-)
-def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
-    return record_run_end(context.instance, job_store.get_store(), context.dagster_run, launches_partial_results=True)
+    @dg.run_status_sensor(
+        run_status=dg.DagsterRunStatus.CANCELED,
+        monitored_jobs=[batch_completions],
+        request_job=keep_partial_results,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=interval_s,
+        description="A cancelled run's job reads cancelled (or failed, when its deadline stopped it), and the "
+        "results its shards finished are merged into its output by keep_partial_results.",
+    )
+    def record_stopped_runs(context: RunStatusSensorContext, job_store: JobStoreResource):
+        return record_run_end(
+            context.instance, job_store.get_store(), context.dagster_run, launches_partial_results=True
+        )
 
+    @dg.run_failure_sensor(
+        monitored_jobs=[batch_completions],
+        request_job=keep_partial_results,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=interval_s,
+        description="A failed run's job reads failed with the reason (or running, while Dagster retries the "
+        "run), and the results its shards finished are merged into its output by keep_partial_results.",
+    )
+    def record_failed_runs(context: dg.RunFailureSensorContext, job_store: JobStoreResource):
+        run = context.instance.get_run_by_id(context.dagster_run.run_id) or context.dagster_run  # with will_retry
+        return record_run_end(context.instance, job_store.get_store(), run, launches_partial_results=True)
 
-@dg.run_failure_sensor(
-    monitored_jobs=[batch_completions],
-    request_job=keep_partial_results,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=SENSOR_INTERVAL_S,
-    description="A failed run's job reads failed with the reason (or running, while Dagster retries the "
-    "run), and the results its shards finished are merged into its output by keep_partial_results.",
-)
-def record_failed_runs(context: dg.RunFailureSensorContext, job_store: JobStoreResource):
-    run = context.instance.get_run_by_id(context.dagster_run.run_id) or context.dagster_run  # with will_retry
-    return record_run_end(context.instance, job_store.get_store(), run, launches_partial_results=True)
+    return [record_succeeded_runs, record_stopped_runs, record_failed_runs]
