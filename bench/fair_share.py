@@ -74,7 +74,6 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
     from batch_pipeline.api.service import BatchJobService
     from batch_pipeline.core.settings import settings
     from batch_pipeline.pipeline.admission import admissions, waiting_queues
-    from batch_pipeline.pipeline.resources import JobStorage
     from batch_pipeline.store.jobs import JobStore, NewJob
     from batch_pipeline.tenancy.tenants import tenants_at
 
@@ -134,7 +133,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
         assert [record.job_id for record in chosen] == chosen_before, "the two paths chose different jobs"
 
         # A GET of the newest waiting job (the last in its team's order), as the API answers it.
-        service = BatchJobService(store, dg.DagsterInstance.ephemeral(), JobStorage())
+        service = BatchJobService.of_deployment(settings(), store, dg.DagsterInstance.ephemeral())
         newest = f"batch-{queued - 1:08d}"
         caller = Caller(owner=f"team:team-{(queued - 1) % teams}", is_admin=False)
         gets, plain = [], []

@@ -19,7 +19,7 @@ from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.settings import settings
-from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, RunLaunching, Tenancy
+from batch_pipeline.pipeline.resources import JobStoreResource, RunLaunching, Tenancy
 from batch_pipeline.store.jobs import JobStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ class Deployment:
         self.home = home
         self.instance = dg.DagsterInstance.from_config(str(home))
         self.store = JobStore(jobs_db or f"sqlite:///{home}/batch_jobs.db")
-        self.service = BatchJobService(self.store, self.instance, JobStorage())
+        self.service = BatchJobService.of_deployment(settings(), self.store, self.instance)
         keys = ApiKeys([USER_KEY, OTHER_KEY, f"{ADMIN_KEY}:admin"])
         self.client = TestClient(create_app(self.service, keys))
         self.daemon: subprocess.Popen | None = None
@@ -158,7 +158,7 @@ def tenants_api(tmp_path, monkeypatch):
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     monkeypatch.setenv("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{home}/batch_jobs.db")
     instance = dg.DagsterInstance.from_config(str(home))
-    service = BatchJobService(JobStore(f"sqlite:///{home}/batch_jobs.db"), instance, JobStorage())
+    service = BatchJobService.of_deployment(settings(), JobStore(f"sqlite:///{home}/batch_jobs.db"), instance)
     with TestClient(create_app(service)) as client:
         yield client
     instance.dispose()

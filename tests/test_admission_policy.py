@@ -15,6 +15,8 @@ from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.core.settings import settings
+from batch_pipeline.dry_run.estimate import DryRuns
 from batch_pipeline.launch import LocalShardLauncher
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
@@ -51,7 +53,12 @@ def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, mo
     home = tmp_path / "home"
     home.mkdir()
     service = BatchJobService(
-        JobStore(f"sqlite:///{home}/jobs.db"), dg.DagsterInstance.ephemeral(), JobStorage(), admission=policy
+        JobStore(f"sqlite:///{home}/jobs.db"),
+        dg.DagsterInstance.ephemeral(),
+        JobStorage(),
+        admission=policy,
+        fair_share_half_life_s=3600,
+        dry_runs=DryRuns.of_deployment(settings()),
     )
     with TestClient(create_app(service, ApiKeys([KEY]))) as client:
 
@@ -101,7 +108,12 @@ def test_the_api_knows_its_callers_by_the_tenants_file_of_its_policy(tmp_path, m
     home = tmp_path / "home"
     home.mkdir()
     service = BatchJobService(
-        JobStore(f"sqlite:///{home}/jobs.db"), dg.DagsterInstance.ephemeral(), JobStorage(), admission=policy
+        JobStore(f"sqlite:///{home}/jobs.db"),
+        dg.DagsterInstance.ephemeral(),
+        JobStorage(),
+        admission=policy,
+        fair_share_half_life_s=3600,
+        dry_runs=DryRuns.of_deployment(settings()),
     )
     with TestClient(create_app(service)) as client:
         assert client.get("/v2/usage", headers={"x-api-key": "not-in-the-file"}).status_code == 401

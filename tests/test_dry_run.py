@@ -6,7 +6,6 @@ import json
 import pytest
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
-from batch_pipeline.dry_run import estimate as estimate_module
 from batch_pipeline.pipeline.execute import execute_request
 from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL, step_failure_messages
@@ -172,10 +171,10 @@ def test_a_dry_run_lists_at_most_a_hundred_problems_and_counts_them_all(deployme
 def test_dry_runs_past_the_servers_limit_get_429_and_the_route_documents_the_parameter(
     deployment_factory, tmp_path, monkeypatch
 ):
-    api = deployment_factory()
     monkeypatch.setenv("BATCH_PIPELINE_MAX_CONCURRENT_DRY_RUNS", "1")
+    api = deployment_factory()
     body = _body(tmp_path, {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0})
-    with estimate_module._slots.hold("another team"):  # one dry run in progress, as many as this server takes
+    with api.service.dry_runs.slots.hold("another team"):  # one dry run in progress, as many as this server takes
         busy = _dry_run(api, body)
     assert busy.status_code == 429 and busy.headers["retry-after"] == "5"
     assert _dry_run(api, body).status_code == 200

@@ -137,7 +137,8 @@ def test_a_priority_above_the_teams_cap_is_read_as_the_cap_and_says_so(api, team
         instance=dg.DagsterInstance.get(), resources=sensor_resources(str(JobStore().engine.url))
     )
     run_priorities = {
-        request.tags[JOB_ID_TAG]: request.tags["dagster/priority"] for request in batch_jobs_sensor(interval_s=1)(context)
+        request.tags[JOB_ID_TAG]: request.tags["dagster/priority"]
+        for request in batch_jobs_sensor(interval_s=1)(context)
     }
     assert run_priorities == {asked["job_id"]: "10", within["job_id"]: "-10", free["job_id"]: "20"}
     # Raising a queued job's priority is capped the same way.

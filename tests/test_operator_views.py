@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from batch_pipeline.api.app import create_app
 from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.job import OUTPUTS_ASSET
-from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, MODEL_TAG
 from batch_pipeline.store.jobs import JobStore
 from tests.conftest import MODEL
@@ -36,7 +36,7 @@ def test_a_run_launched_outside_the_api_is_a_job_the_api_reports_with_its_output
     job_id = run.tags[JOB_ID_TAG]
     assert run.tags[MODEL_TAG] == MODEL and run.tags[LABEL_TAG_PREFIX + "team"] == "ops"
 
-    service = BatchJobService(JobStore(), dagster_home, JobStorage())
+    service = BatchJobService.of_deployment(settings(), JobStore(), dagster_home)
     with TestClient(create_app(service, ApiKeys([]))) as client:
         listed = client.get("/v2/batch-completions").json()["jobs"]
         job = client.get(f"/v2/batch-completions/{job_id}").json()["job"]

@@ -20,7 +20,6 @@ from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.io import SymlinkRefused
 from batch_pipeline.core.settings import settings
-from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
 from tests.api_fixtures import USER_KEY
@@ -116,7 +115,7 @@ def test_a_key_is_the_whole_key_whatever_it_holds(api):
 def test_without_a_tenants_file_a_key_with_a_colon_is_still_the_whole_key(tmp_path):
     keys = ApiKeys(["acme:9f8e7d6c5b4a", "boss:admin"])
     store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
-    app = create_app(BatchJobService(store, dg.DagsterInstance.ephemeral(), JobStorage()), keys)
+    app = create_app(BatchJobService.of_deployment(settings(), store, dg.DagsterInstance.ephemeral()), keys)
     with TestClient(app) as client:
         assert client.get("/v2/batch-completions", headers=_headers("acme")).status_code == 401
         assert client.get("/v2/batch-completions", headers=_headers("acme:9f8e7d6c5b4a")).status_code == 200
@@ -250,11 +249,11 @@ def test_one_key_for_two_teams_is_refused(tmp_path):
 def test_the_service_refuses_to_start_with_its_files_inside_a_teams_root(teams, tmp_path, monkeypatch):
     monkeypatch.setenv("DAGSTER_HOME", str(teams["a"] / "dagster_home"))
     with pytest.raises(TenantsFileError, match="DAGSTER_HOME .* overlaps the data roots of team-a"):
-        create_app(BatchJobService(JobStore("sqlite://"), dg.DagsterInstance.ephemeral(), JobStorage()))
+        create_app(BatchJobService.of_deployment(settings(), JobStore("sqlite://"), dg.DagsterInstance.ephemeral()))
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("BATCH_PIPELINE_WORK_DIR", str(teams["b"] / "work"))
     with pytest.raises(TenantsFileError, match="work dir .* overlaps the data roots of team-b"):
-        create_app(BatchJobService(JobStore("sqlite://"), dg.DagsterInstance.ephemeral(), JobStorage()))
+        create_app(BatchJobService.of_deployment(settings(), JobStore("sqlite://"), dg.DagsterInstance.ephemeral()))
 
 
 # --- what was checked is what is opened: no symlink followed beneath a data root -------------------------
@@ -436,7 +435,6 @@ def test_a_key_taken_out_of_the_tenants_file_stops_at_once_and_a_broken_edit_kee
 def test_one_teams_batch_checks_hold_only_its_share_and_another_team_checks_its_own(api):
     """Each batch's input file is read whole in a worker thread: one team's burst of batches over a large
     file held every thread, and another team's GET waited 50 s."""
-    from batch_pipeline.api import openai_service
     from tests.test_openai_batch import _create, _jsonl, _line, _upload
 
     files = {}
@@ -444,7 +442,7 @@ def test_one_teams_batch_checks_hold_only_its_share_and_another_team_checks_its_
         uploaded = _upload(api, _jsonl([_line("1")]), key=key)
         assert uploaded.status_code == 200, uploaded.text
         files[key] = uploaded.json()["id"]
-    with openai_service._batch_checks.hold("team:team-b"):  # team b's share (1 of the 2) is in use
+    with api.app.state.openai_service.batch_checks.hold("team:team-b"):  # team b's share (1 of the 2) is in use
         busy = _create(api, files[TEAM_B_KEY], key=TEAM_B_KEY)
         assert busy.status_code == 429 and busy.headers["retry-after"] == "5"
         assert busy.json()["error"]["code"] == "rate_limit_exceeded"

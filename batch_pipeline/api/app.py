@@ -15,7 +15,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import QuotaExceeded, from_v1
 from batch_pipeline.api import openai_routes
 from batch_pipeline.api.auth import ApiKeys, Caller
@@ -48,10 +47,10 @@ from batch_pipeline.contract import (
 from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.usage import UsageResponse
 from batch_pipeline.contract.webhooks import WebhookEventsResponse
-from batch_pipeline.core.settings import SlotsBusy, settings
+from batch_pipeline.core.settings import settings
+from batch_pipeline.core.slots import SlotsBusy
 from batch_pipeline.dry_run.estimate import DryRunsBusy
 from batch_pipeline.openai_batch.jobs import BatchApiLimits
-from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.store.jobs import JobStore
 
@@ -279,13 +278,7 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     configured = settings()  # a mistyped variable fails the deployment, not the requests that read it
     secure_service_paths(configured)  # so does a wrong tenants file, or a service path inside a team's roots
     if service is None:
-        service = BatchJobService(
-            JobStore(),
-            dg.DagsterInstance.get(),
-            JobStorage(work_dir_base=configured.work_dir),
-            AdmissionPolicy.of_deployment(configured),
-            configured.fair_share_half_life_s,
-        )
+        service = BatchJobService.of_deployment(configured, JobStore(), dg.DagsterInstance.get())
     app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")
     app.state.job_service = service
     app.state.openai_service = openai_service = OpenAIBatchService(service, BatchApiLimits.of_deployment(configured))

@@ -44,8 +44,8 @@ from batch_pipeline.contract.openai_batch import (
 from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
-from batch_pipeline.core.settings import SlotsBusy, TeamSlots
-from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
+from batch_pipeline.core.slots import SlotsBusy, TeamSlots
+from batch_pipeline.dry_run.estimate import HISTORY_JOBS
 from batch_pipeline.openai_batch.jobs import (
     CUSTOM_IDS_FILE,
     OUTPUT_FILE,
@@ -66,17 +66,6 @@ _CHUNK = 1024 * 1024
 
 class BatchChecksBusy(SlotsBusy):
     """As many batch input files as this process, or the caller's team, checks at once are being checked."""
-
-
-# Checking a batch's input file reads all of it in a worker thread (up to 200 MiB): without a bound, one
-# team's burst of batches over one large file held every thread, and every other route waited.
-_batch_checks = TeamSlots(
-    "batch input files being checked",
-    lambda configured: configured.max_concurrent_batch_checks,
-    lambda configured: configured.max_batch_checks_per_team,
-    "BATCH_PIPELINE_MAX_BATCH_CHECKS_PER_TEAM",
-    busy=BatchChecksBusy,
-)
 
 
 class FileNotFound(LookupError):
@@ -105,6 +94,15 @@ class OpenAIBatchService:
         self.limits = limits
         self.store = store or OpenAIStore(engine=jobs.store.engine)
         self.files_dir = jobs.job_storage.files_dir()
+        # Checking a batch's input file reads all of it in a worker thread (up to 200 MiB): without a bound,
+        # one team's burst of batches over one large file held every thread, and every other route waited.
+        self.batch_checks = TeamSlots(
+            "batch input files being checked",
+            limits.max_concurrent_checks,
+            limits.max_checks_per_team,
+            "BATCH_PIPELINE_MAX_BATCH_CHECKS_PER_TEAM",
+            busy=BatchChecksBusy,
+        )
 
     # --- files ------------------------------------------------------------------------------------------
 
@@ -299,7 +297,7 @@ class OpenAIBatchService:
                 )
                 history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
                 files = self.jobs.admission.data_files(caller.owner, own_dir=work_dir)
-                return estimate(request, history, files, team=caller.owner)
+                return self.jobs.dry_runs.estimate(request, history, files, team=caller.owner)
             except (ValidationError, UnservableRequest, OSError) as exc:
                 raise InvalidOpenAIRequest("body.model", _model_errors(exc)[0].message) from None
         finally:
@@ -353,7 +351,7 @@ class OpenAIBatchService:
 
     def _check(self, caller: Caller, input_file: FileRecord, body: CreateBatchRequest, work_dir: str) -> CheckedInput:
         try:
-            with _batch_checks.hold(caller.owner):  # a whole file read and checked in this thread
+            with self.batch_checks.hold(caller.owner):  # a whole file read and checked in this thread
                 return check_input_file(input_file.path, body.endpoint, work_dir, self.limits.max_batch_requests)
         except FileNotFoundError:
             raise InvalidOpenAIRequest("input_file_id", "the file's content is no longer stored") from None

@@ -28,8 +28,8 @@ from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.priority import InvalidPriority, read_priority, run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.core import io
-from batch_pipeline.core.settings import settings
-from batch_pipeline.dry_run.estimate import HISTORY_JOBS, estimate
+from batch_pipeline.core.settings import Settings
+from batch_pipeline.dry_run.estimate import HISTORY_JOBS, DryRuns
 from batch_pipeline.openai_batch.jobs import expired
 from batch_pipeline.pipeline.admission import place_in_queue
 from batch_pipeline.pipeline.resources import JobStorage
@@ -86,21 +86,30 @@ class BatchJobService:
         store: JobStore,
         instance: dg.DagsterInstance,
         job_storage: JobStorage,
-        admission: AdmissionPolicy | None = None,
-        fair_share_half_life_s: float | None = None,
+        admission: AdmissionPolicy,
+        fair_share_half_life_s: float,
+        dry_runs: DryRuns,
     ) -> None:
         self.store = store
         self.instance = instance
         self.job_storage = job_storage
-        # What requests may name and ask for, and the jobs sensor's fair-share decay (a queued job's place is
-        # told as the sensor will pick it); the deployment's settings where not given.
-        if admission is None or fair_share_half_life_s is None:
-            deployment = settings()
-            admission = admission or AdmissionPolicy.of_deployment(deployment)
-            if fair_share_half_life_s is None:
-                fair_share_half_life_s = deployment.fair_share_half_life_s
+        # What requests may name and ask for.
         self.admission = admission
+        # The jobs sensor's fair-share decay: a queued job's place is told as the sensor will pick it.
         self.fair_share_half_life_s = fair_share_half_life_s
+        self.dry_runs = dry_runs
+
+    @classmethod
+    def of_deployment(cls, configured: Settings, store: JobStore, instance: dg.DagsterInstance) -> BatchJobService:
+        """The service a deployment's API runs, over its job store and Dagster instance."""
+        return cls(
+            store,
+            instance,
+            JobStorage(work_dir_base=configured.work_dir),
+            AdmissionPolicy.of_deployment(configured),
+            configured.fair_share_half_life_s,
+            DryRuns.of_deployment(configured),
+        )
 
     def create(
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
@@ -115,7 +124,7 @@ class BatchJobService:
         submission may not read is read; then the request read and tokenized; no job, no file."""
         check_servable(request, caller.owner, self.admission)
         history = self.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
-        return estimate(request, history, self.admission.data_files(caller.owner), team=caller.owner)
+        return self.dry_runs.estimate(request, history, self.admission.data_files(caller.owner), team=caller.owner)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
         return self.describe(self._record(caller, job_id), place_in_queue=True)

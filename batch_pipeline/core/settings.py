@@ -12,12 +12,8 @@ reads its four variables itself; they are documented and checked here all the sa
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 import re
-import threading
-from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any, Literal, TypeVar
 
@@ -316,54 +312,6 @@ def settings() -> Settings:
 
 def client_settings() -> ClientSettings:
     return _read(ClientSettings)
-
-
-class SlotsBusy(RuntimeError):
-    """No slot is free for the caller now; the message says whose limit it met."""
-
-
-class TeamSlots:
-    """Slots of one kind (dry runs, batch file checks) that the teams of an API process share: as many as
-    a setting says, and a team holds at most its share (a setting, or half of them rounded up, so that
-    another team always finds one). Taking one never waits: past either limit `hold` raises `busy` at
-    once, holding no thread."""
-
-    def __init__(
-        self,
-        kind: str,
-        size: Callable[[Settings], int],
-        share: Callable[[Settings], int | None],
-        share_variable: str,
-        busy: type[SlotsBusy] = SlotsBusy,
-    ) -> None:
-        self._kind, self._size, self._share, self._share_variable, self._busy = kind, size, share, share_variable, busy
-        self._lock = threading.Lock()
-        self._held: dict[str | None, int] = {}
-
-    def team_share(self, configured: Settings) -> int:
-        share = self._share(configured)
-        return share if share is not None else math.ceil(self._size(configured) / 2)
-
-    @contextlib.contextmanager
-    def hold(self, team: str | None) -> Iterator[None]:
-        configured = settings()
-        size, share = self._size(configured), self.team_share(configured)
-        with self._lock:
-            if sum(self._held.values()) >= size:
-                raise self._busy(f"{size} {self._kind} are in progress here; try again shortly")
-            if team is not None and self._held.get(team, 0) >= share:
-                raise self._busy(
-                    f"your team has {share} {self._kind} in progress here, its share of the {size} this server "
-                    f"runs at once ({self._share_variable}); try again when one has answered"
-                )
-            self._held[team] = self._held.get(team, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._held[team] -= 1
-                if not self._held[team]:
-                    del self._held[team]
 
 
 Read = TypeVar("Read", bound=_EnvironmentSettings)

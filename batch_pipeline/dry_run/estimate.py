@@ -15,12 +15,14 @@ The reading, rendering and tokenizing (`dry_run.counting`) run in a child proces
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 from batch_pipeline.admission.hardware import kubernetes_quantity
 from batch_pipeline.admission.paths import DataFiles
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RuntimeEstimate
-from batch_pipeline.core.settings import SlotsBusy, TeamSlots
+from batch_pipeline.core.settings import Settings
+from batch_pipeline.core.slots import SlotsBusy, TeamSlots
 from batch_pipeline.dry_run.child import counted_apart
 from batch_pipeline.dry_run.counting import Counts
 from batch_pipeline.shards.planning import PlanningSettings
@@ -34,47 +36,70 @@ class DryRunsBusy(SlotsBusy):
     """As many dry runs as this process takes at once, or as the caller's team may hold, are in progress."""
 
 
-# Dry runs at once in this process: each holds a thread (and a child process) for as long as its input
-# takes; a team at most its share, so that two slow chat templates of one team leave the others a slot.
-_slots = TeamSlots(
-    "dry runs",
-    lambda configured: configured.max_concurrent_dry_runs,
-    lambda configured: configured.max_dry_runs_per_team,
-    "BATCH_PIPELINE_MAX_DRY_RUNS_PER_TEAM",
-    busy=DryRunsBusy,
-)
+@dataclass(frozen=True)
+class DryRuns:
+    """An API process's dry runs: the slots they hold (each holds a thread and a child process for as long
+    as its input takes; a team at most its share, so that two slow chat templates of one team leave the
+    others a slot), and the planning its jobs' shard workers are chosen by."""
 
+    slots: TeamSlots
+    planning: PlanningSettings
 
-def estimate(
-    request: CreateBatchCompletionsV2Request, history: list[CompletedFigures], files: DataFiles, team: str | None
-) -> BatchCompletionsEstimate:
-    """The dry run of a request whose paths and fields `check_servable` accepted, its input opened as its
-    job would open it (`files`: beneath the requester's data roots), in one of the slots `team`
-    (`Caller.owner`) may hold. `history` is the model's completed jobs' figures, newest first
-    (`JobStore.completed_figures`). Raises UnservableRequest naming the field for what makes the whole job
-    fail (an unreadable input, a model with no tokenizer here), and DryRunsBusy when the process runs as
-    many dry runs as it takes, or the team holds its share."""
-    with _slots.hold(team):
-        counts, context_length = counted_apart(request, files)
-    return BatchCompletionsEstimate(
-        model=request.model_cfg.model,
-        context_length=context_length,
-        num_requests=counts.requests,
-        num_prompts=counts.prompts,
-        prompt_tokens=counts.prompt_tokens,
-        max_output_tokens=counts.output_tokens,
-        num_cannot_run=counts.cannot_run,
-        cannot_run=counts.cannot_run_listed,
-        num_cut_at_context=counts.cut,
-        cut_at_context=counts.cut_listed,
-        **_runtime(request, counts, history),
-    )
+    @classmethod
+    def of_deployment(cls, configured: Settings) -> DryRuns:
+        """The deployment's: its dry-run limits, and the planning settings definitions.py builds its
+        ShardPlanning resource from (the launcher's own limit on workers at once is not known here)."""
+        slots = TeamSlots(
+            "dry runs",
+            configured.max_concurrent_dry_runs,
+            configured.max_dry_runs_per_team,
+            "BATCH_PIPELINE_MAX_DRY_RUNS_PER_TEAM",
+            busy=DryRunsBusy,
+        )
+        planning = PlanningSettings.of_deployment(
+            configured.max_shards_per_job, configured.min_shard_tokens, configured.deduplicate, slots=None
+        )
+        return cls(slots, planning)
+
+    def estimate(
+        self,
+        request: CreateBatchCompletionsV2Request,
+        history: list[CompletedFigures],
+        files: DataFiles,
+        team: str | None,
+    ) -> BatchCompletionsEstimate:
+        """The dry run of a request whose paths and fields `check_servable` accepted, its input opened as its
+        job would open it (`files`: beneath the requester's data roots), in one of the slots `team`
+        (`Caller.owner`) may hold. `history` is the model's completed jobs' figures, newest first
+        (`JobStore.completed_figures`). Raises UnservableRequest naming the field for what makes the whole
+        job fail (an unreadable input, a model with no tokenizer here), and DryRunsBusy when the process
+        runs as many dry runs as it takes, or the team holds its share."""
+        with self.slots.hold(team):
+            counts, context_length = counted_apart(request, files)
+        return BatchCompletionsEstimate(
+            model=request.model_cfg.model,
+            context_length=context_length,
+            num_requests=counts.requests,
+            num_prompts=counts.prompts,
+            prompt_tokens=counts.prompt_tokens,
+            max_output_tokens=counts.output_tokens,
+            num_cannot_run=counts.cannot_run,
+            cannot_run=counts.cannot_run_listed,
+            num_cut_at_context=counts.cut,
+            cut_at_context=counts.cut_listed,
+            **_runtime(request, counts, history, self.planning),
+        )
 
 
 # --- time and cost -----------------------------------------------------------------------------------------
 
 
-def _runtime(request: CreateBatchCompletionsV2Request, counts: Counts, history: list[CompletedFigures]) -> dict:
+def _runtime(
+    request: CreateBatchCompletionsV2Request,
+    counts: Counts,
+    history: list[CompletedFigures],
+    planning: PlanningSettings,
+) -> dict:
     # Each job's throughput per shard worker it ran in.
     rates = [
         rate / max(1, figures.shards)
@@ -90,7 +115,8 @@ def _runtime(request: CreateBatchCompletionsV2Request, counts: Counts, history: 
         )
         return {"no_history": why + ", so there is no throughput to estimate from"}
     rate = statistics.median(rates)
-    workers = _workers(request, counts.prompt_tokens + counts.output_tokens)
+    # Shard workers the job would run in, as plan_shards decides it.
+    workers = planning.shards_for(request.data_parallelism or 1, counts.prompt_tokens + counts.output_tokens)[0]
     wall_s = counts.output_tokens / (rate * workers)
     worker_hours = wall_s * workers / 3600
     cpus = float(kubernetes_quantity("cpus", request.cpus)[1]) if request.cpus is not None else None
@@ -105,9 +131,3 @@ def _runtime(request: CreateBatchCompletionsV2Request, counts: Counts, history: 
             cpu_hours=round(worker_hours * cpus, 4) if cpus else None,
         )
     }
-
-
-def _workers(request: CreateBatchCompletionsV2Request, tokens: int) -> int:
-    """Shard workers the job would run in, as plan_shards decides it, from the settings definitions.py
-    builds its ShardPlanning resource from (the launcher's own limit on workers at once is not known here)."""
-    return PlanningSettings.from_environment(slots=None).shards_for(request.data_parallelism or 1, tokens)[0]

@@ -68,6 +68,10 @@ class BatchApiLimits:
     max_batch_requests: int  # the most lines a batch's input file may hold
     # A YAML mapping of the model names batches may use to whole model configs; empty: no catalog.
     model_catalog: str
+    # Input files being checked at once in an API process (each read whole in a worker thread), and the
+    # most of them one team may have checked (None: half of them rounded up).
+    max_concurrent_checks: int
+    max_checks_per_team: int | None
 
     @classmethod
     def of_deployment(cls, configured: Settings) -> BatchApiLimits:
@@ -75,6 +79,8 @@ class BatchApiLimits:
             max_file_bytes=configured.max_file_bytes,
             max_batch_requests=configured.max_batch_requests,
             model_catalog=configured.model_catalog,
+            max_concurrent_checks=configured.max_concurrent_batch_checks,
+            max_checks_per_team=configured.max_batch_checks_per_team,
         )
 
 

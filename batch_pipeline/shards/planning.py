@@ -14,7 +14,6 @@ from typing import IO, Any
 
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
-from batch_pipeline.core.settings import settings
 from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, ShardSpec, WorkItem
 from batch_pipeline.shards.protocol import WORKER_WINDOW
 from batch_pipeline.shards.records import ItemSize, output_limit, repeat_key, shared_generation_key
@@ -55,14 +54,6 @@ class PlanningSettings:
         own cap on shards a job, unset, is the launcher's."""
         return cls(
             max_shards=max_shards_per_job or slots, min_tokens_per_shard=min_shard_tokens, deduplicate=deduplicate
-        )
-
-    @classmethod
-    def from_environment(cls, slots: int | None) -> PlanningSettings:
-        """The deployment's settings (BATCH_PIPELINE_MAX_SHARDS_PER_JOB, _MIN_SHARD_TOKENS, _DEDUPLICATE)."""
-        configured = settings()
-        return cls.of_deployment(
-            configured.max_shards_per_job, configured.min_shard_tokens, configured.deduplicate, slots
         )
 
     def shards_for(self, requested: int, tokens: int) -> tuple[int, str | None]:
