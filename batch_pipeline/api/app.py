@@ -19,7 +19,7 @@ from batch_pipeline.admission.submission import QuotaExceeded, from_v1
 from batch_pipeline.api import openai_routes
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
-from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, LargeBodySlots
+from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, ConnectionTimeouts, LargeBodySlots
 from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.openai_service import OpenAIBatchService
 from batch_pipeline.api.service import (
@@ -279,7 +279,11 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     secure_service_paths(configured)  # so does a wrong tenants file, or a service path inside a team's roots
     if service is None:
         service = BatchJobService.of_deployment(configured, JobStore(), dg.DagsterInstance.get())
-    app = FastAPI(title="batch_pipeline", description="Scale LLM Engine batch completions on Dagster and vLLM")
+    app = FastAPI(
+        title="batch_pipeline",
+        description="Scale LLM Engine batch completions on Dagster and vLLM",
+        lifespan=ConnectionTimeouts.of_deployment(configured).lifespan(),
+    )
     app.state.job_service = service
     app.state.openai_service = openai_service = OpenAIBatchService(service, BatchApiLimits.of_deployment(configured))
     app.state.api_keys = keys or ApiKeys.of_deployment(configured, service.admission)

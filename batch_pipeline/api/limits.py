@@ -3,22 +3,26 @@ and the slots large bodies are parsed in.
 
 uvicorn bounds neither the time a client takes to send a request's head nor its body, nor the time it may leave
 a response unread: the head and the unread response are bounded by `HTTPProtocolWithHeadTimeout` (serve.py
-runs uvicorn with it), the body by `BodyTimeouts`.
+runs uvicorn with it), the body by `BodyTimeouts`. The protocol takes its `ConnectionTimeouts` from the app
+it serves: `create_app`'s lifespan puts them in the state uvicorn hands each connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from batch_pipeline.core.settings import Settings, settings
+from batch_pipeline.core.settings import Settings
 
 # A multipart body's boundaries and part headers around an upload of the largest size.
 MULTIPART_MARGIN = 64 * 1024
@@ -131,6 +135,35 @@ async def _answer(send: Send, status: int, body: bytes, close: bool = False) -> 
     await send({"type": "http.response.body", "body": body})
 
 
+@dataclass(frozen=True)
+class ConnectionTimeouts:
+    head_s: float  # to send a request's line and headers (BATCH_PIPELINE_HEADER_TIMEOUT_S)
+    write_s: float  # to read down the server's unread writes (BATCH_PIPELINE_WRITE_TIMEOUT_S)
+
+    @classmethod
+    def of_deployment(cls, configured: Settings) -> ConnectionTimeouts:
+        return cls(head_s=configured.header_timeout_s, write_s=configured.write_timeout_s)
+
+    def lifespan(self) -> Callable[[Any], contextlib.AbstractAsyncContextManager[dict[str, Any]]]:
+        """An app's lifespan that hands these to the server's connections (as its state)."""
+
+        @contextlib.asynccontextmanager
+        async def serving(app: Any) -> AsyncIterator[dict[str, Any]]:
+            yield {_TIMEOUTS_STATE: self}
+
+        return serving
+
+
+_TIMEOUTS_STATE = "batch_pipeline.connection_timeouts"
+
+
+def _served_timeouts(app_state: dict[str, Any]) -> ConnectionTimeouts:
+    timeouts = app_state.get(_TIMEOUTS_STATE)
+    if not isinstance(timeouts, ConnectionTimeouts):  # uvicorn run with --lifespan off, or another app
+        raise RuntimeError("HTTPProtocolWithHeadTimeout serves create_app's app, with its lifespan on")
+    return timeouts
+
+
 class _HeadTimeout:
     """Closes a connection whose client has not sent a whole request head (request line and headers) within
     BATCH_PIPELINE_HEADER_TIMEOUT_S of connecting, or of the previous response (slowloris). uvicorn's own
@@ -138,11 +171,12 @@ class _HeadTimeout:
 
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
+    app_state: dict[str, Any]
     cycle: Any
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
-        self._head_timeout_s = settings().header_timeout_s
+        self._head_timeout_s = _served_timeouts(self.app_state).head_s
         self._head_deadline: asyncio.TimerHandle | None = None
         self._arm_head_deadline()
 
@@ -176,10 +210,11 @@ class _WriteTimeout:
 
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
+    app_state: dict[str, Any]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
-        self._write_timeout_s = settings().write_timeout_s
+        self._write_timeout_s = _served_timeouts(self.app_state).write_s
         self._write_deadline: asyncio.TimerHandle | None = None
 
     def pause_writing(self) -> None:
