@@ -14,7 +14,7 @@ import contextlib
 import math
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,11 +144,11 @@ class ConnectionTimeouts:
     def of_deployment(cls, configured: Settings) -> ConnectionTimeouts:
         return cls(head_s=configured.header_timeout_s, write_s=configured.write_timeout_s)
 
-    def lifespan(self) -> Callable[[Any], contextlib.AbstractAsyncContextManager[dict[str, Any]]]:
+    def lifespan(self) -> Callable[[object], contextlib.AbstractAsyncContextManager[Mapping[str, object]]]:
         """An app's lifespan that hands these to the server's connections (as its state)."""
 
         @contextlib.asynccontextmanager
-        async def serving(app: Any) -> AsyncIterator[dict[str, Any]]:
+        async def serving(app: object) -> AsyncIterator[Mapping[str, object]]:
             yield {_TIMEOUTS_STATE: self}
 
         return serving
@@ -157,7 +157,7 @@ class ConnectionTimeouts:
 _TIMEOUTS_STATE = "batch_pipeline.connection_timeouts"
 
 
-def _served_timeouts(app_state: dict[str, Any]) -> ConnectionTimeouts:
+def _served_timeouts(app_state: Mapping[str, object]) -> ConnectionTimeouts:
     timeouts = app_state.get(_TIMEOUTS_STATE)
     if not isinstance(timeouts, ConnectionTimeouts):  # uvicorn run with --lifespan off, or another app
         raise RuntimeError("HTTPProtocolWithHeadTimeout serves create_app's app, with its lifespan on")
@@ -171,7 +171,7 @@ class _HeadTimeout:
 
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
-    app_state: dict[str, Any]
+    app_state: dict[str, object]
     cycle: Any
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -210,7 +210,7 @@ class _WriteTimeout:
 
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
-    app_state: dict[str, Any]
+    app_state: dict[str, object]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
