@@ -167,3 +167,26 @@ def test_shard_work_dirs_on_s3_are_shared_and_a_stored_checkpoint_is_resumed(run
     assert sorted(int(line.split("\t")[0]) for line in stored) == [0, 1]
     stats = json.loads((tmp_path / "out.json.metadata.json").read_text())["shards"][0]
     assert stats["resumed"] == 1 and stats["generated"] == 1
+
+
+def test_a_checkpoint_on_s3_is_uploaded_at_the_interval_its_worker_was_given(s3):
+    """A pod killed mid-shard loses at most BATCH_PIPELINE_CHECKPOINT_UPLOAD_S of work: the results appended
+    reach the store once that long has passed since the last upload, and not before."""
+    from batch_pipeline.shards.format import format_result
+    from batch_pipeline.worker.checkpoint import Checkpoint
+
+    def stored(key: str) -> list[str]:
+        listed = s3.list_objects_v2(Bucket="batch", Prefix=key).get("Contents", [])
+        if not listed:
+            return []
+        return s3.get_object(Bucket="batch", Key=key)["Body"].read().decode().splitlines()
+
+    for upload_every_s, key in ((3600.0, "work/hourly/results.tsv"), (0.0, "work/always/results.tsv")):
+        checkpoint = Checkpoint(f"s3://batch/{key}", upload_every_s)
+        with checkpoint.appending() as results:
+            results.write(format_result(0, {"text": " done"}))
+        checkpoint.upload_if_due()
+        assert len(stored(key)) == (1 if upload_every_s == 0 else 0), upload_every_s
+        checkpoint.upload()  # as the worker does when it stops
+        assert [line.split("\t")[0] for line in stored(key)] == ["0"]
+        checkpoint.discard_local_copy()

@@ -212,7 +212,7 @@ def test_a_worker_restarted_after_writing_a_source_fills_its_copies_without_an_e
     )
     task = ShardTask(shard=shard, model_config={"model": "no-such-model"})
 
-    stats = ShardRunner(task).run()
+    stats = ShardRunner(task, checkpoint_upload_s=60).run()
 
     merged = [json.loads(line.split("\t", 1)[1]) for line in Path(shard.output_path).read_text().splitlines()]
     assert [output["choices"] for output in merged] == [outputs[0]["choices"], outputs[1]["choices"]] * 2

@@ -249,7 +249,7 @@ def run_shard(
         share_generations=share_generations,
     )
     try:
-        return ShardRunner(task, max_in_flight=max_in_flight).run()
+        return ShardRunner(task, checkpoint_upload_s=60, max_in_flight=max_in_flight).run()
     finally:
         assert engine is None or not engine.faults, engine.faults
 

@@ -20,7 +20,7 @@ import time
 
 from batch_pipeline.core import io
 from batch_pipeline.core.process import exit_without_teardown
-from batch_pipeline.core.settings import settings
+from batch_pipeline.core.settings import Settings, settings
 from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF, STANDBY_OUTPUT, StandbyHandoff
 from batch_pipeline.worker.engine import set_engine_environment
 
@@ -39,24 +39,26 @@ def main(argv: list[str] | None = None) -> int:
         "--starter", type=int, help="with --standby: the pid of the batch-pipeline run whose exit ends the wait"
     )
     args = parser.parse_args(argv)
-    settings()  # a bad BATCH_PIPELINE_ value fails the shard now, naming it
+    configured = settings()  # a bad BATCH_PIPELINE_ value fails the shard now, naming it
     set_engine_environment()
     if args.standby:
         # Its parent by its own word: a parent that died before this line ran is no longer what getppid says.
-        return _standby(args.standby, args.starter or os.getppid(), parser)
+        return _standby(args.standby, args.starter or os.getppid(), parser, configured)
     if args.task:
         from batch_pipeline.shards.protocol import ShardTask
         from batch_pipeline.worker.runner import ShardRunner
 
         with open(args.task) as handle:
             task = ShardTask.from_dict(json.load(handle))
-        stats = ShardRunner(task, report=lambda line: print(line, file=sys.stderr, flush=True)).run()
+        stats = ShardRunner(
+            task, configured.checkpoint_upload_s, report=lambda line: print(line, file=sys.stderr, flush=True)
+        ).run()
         print(json.dumps(stats.to_dict()))
         return 0
-    return _run_pipes_task(parser)
+    return _run_pipes_task(parser, configured)
 
 
-def _run_pipes_task(parser: argparse.ArgumentParser) -> int:
+def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings) -> int:
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
     from batch_pipeline.shards.protocol import (
@@ -76,6 +78,7 @@ def _run_pipes_task(parser: argparse.ArgumentParser) -> int:
         try:
             runner = ShardRunner(
                 task,
+                configured.checkpoint_upload_s,
                 report=lambda line: pipes.log.info(prefix + line),
                 report_progress=lambda figures: pipes.report_custom_message(
                     worker_message_payload(ProgressMessage(figures))
@@ -89,7 +92,7 @@ def _run_pipes_task(parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _standby(directory: str, starter: int, parser: argparse.ArgumentParser) -> int:
+def _standby(directory: str, starter: int, parser: argparse.ArgumentParser, configured: Settings) -> int:
     """A worker started ahead of its shard: vLLM imported while the run validates and plans, then the shard
     the launcher hands over run as any Pipes worker's. Its exit code, whatever ends it, is left in
     `directory`: its launcher is not its parent, and cannot wait for it."""
@@ -102,7 +105,7 @@ def _standby(directory: str, starter: int, parser: argparse.ArgumentParser) -> i
             return code
         _write_output_to(handoff.log, early_output=os.path.join(directory, STANDBY_OUTPUT))
         os.environ.update(handoff.env)  # the Pipes session's bootstrap
-        code = _run_pipes_task(parser)
+        code = _run_pipes_task(parser, configured)
         return code
     except SystemExit as exc:  # parser.error's 2
         code = exc.code if isinstance(exc.code, int) else 1

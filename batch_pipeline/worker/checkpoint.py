@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from batch_pipeline.core import io
-from batch_pipeline.core.settings import settings
 from batch_pipeline.shards.format import format_result, iter_result_lines
 
 # The errors of a full or failing disk: the worker's failure names the file they stopped.
@@ -32,10 +31,10 @@ class Checkpoint:
     starts as the stored copy and is uploaded whole every BATCH_PIPELINE_CHECKPOINT_UPLOAD_S and when the
     worker stops, so a retry elsewhere loses at most that much work."""
 
-    def __init__(self, results_path: str) -> None:
+    def __init__(self, results_path: str, upload_every_s: float) -> None:
         self.remote = None if io.is_local(results_path) else results_path
         self.local = results_path
-        self._upload_every_s = settings().checkpoint_upload_s  # read once: upload_if_due runs every engine step
+        self._upload_every_s = upload_every_s
         self._last_upload = time.monotonic()
         if self.remote is not None:
             self.local = os.path.join(tempfile.mkdtemp(prefix="batch-pipeline-shard-"), "results.tsv")

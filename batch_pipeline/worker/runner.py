@@ -128,11 +128,14 @@ class ShardRunner:
     def __init__(
         self,
         task: ShardTask,
+        checkpoint_upload_s: float,
         report: Callable[[str], None] = logger.info,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         report_progress: Callable[[dict[str, int]], None] | None = None,
     ) -> None:
         self.task = task
+        # How often a checkpoint on an object store is uploaded (BATCH_PIPELINE_CHECKPOINT_UPLOAD_S).
+        self.checkpoint_upload_s = checkpoint_upload_s
         self.shard = task.shard
         self.report = report
         self.report_progress = report_progress or (lambda figures: None)
@@ -146,7 +149,7 @@ class ShardRunner:
 
     def run(self) -> ShardStats:
         started = time.monotonic()
-        self.checkpoint = Checkpoint(self.shard.results_path)
+        self.checkpoint = Checkpoint(self.shard.results_path, self.checkpoint_upload_s)
         try:
             done = self.checkpoint.recover()
             self.stats.resumed = len(done)
