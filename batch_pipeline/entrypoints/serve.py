@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from batch_pipeline.core.settings import SettingsError, settings
+from batch_pipeline.core.settings import Settings, SettingsError, settings
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.tenancy.tenants import TenantsFileError, tenants_at
 from batch_pipeline.webhooks.delivery import WebhookSecretError, check_webhook_secrets
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except (TenantsFileError, WebhookSecretError) as exc:
         parser.error(str(exc))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    _create_storage()
+    _create_storage(configured)
     bin_dir = Path(sys.executable).parent
     commands = {
         "api": api_command(args.host, args.port),
@@ -111,7 +111,7 @@ def api_command(host: str, port: int) -> list[str]:
     ]
 
 
-def _create_storage() -> None:
+def _create_storage(configured: Settings) -> None:
     """Create the instance's and the job store's databases once, here: left to the three services, a new
     DAGSTER_HOME had them racing to create the same SQLite files, and one died of 'database is locked'."""
     import dagster as dg
@@ -119,7 +119,7 @@ def _create_storage() -> None:
     from batch_pipeline.store.jobs import JobStore
 
     dg.DagsterInstance.get().dispose()
-    JobStore().engine.dispose()
+    JobStore(configured.jobs_db or None).engine.dispose()
 
 
 def _stop_all(processes: dict[str, subprocess.Popen]) -> int:

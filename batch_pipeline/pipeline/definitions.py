@@ -89,6 +89,9 @@ def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = No
     }
 
 
+# The job store the runs record in; a run executed in a process of its own records how it ended there too.
+job_store = JobStoreResource(url=_loaded_with.jobs_db)
+
 local_executor = dg.multiprocess_executor.configured(
     executor_config(_shard_launcher, _loaded_with.max_shards_per_job), name="local_executor"
 )
@@ -102,7 +105,7 @@ defs = dg.Definitions(
     schedules=[*schedules_in(_loaded_with.schedules), cleanup_schedule],
     # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={
-        "job_store": deployment_resource(JobStoreResource(url=_loaded_with.jobs_db)),
+        "job_store": deployment_resource(job_store),
         "admission": deployment_resource(AdmissionPolicy.of_deployment(_loaded_with)),
         "shard_launcher": deployment_resource(_shard_launcher),
         "job_storage": deployment_resource(

@@ -15,9 +15,8 @@ def execute_request(
     job_id: str | None = None,
     log_level: str | None = None,
 ) -> dg.JobExecutionResult:
-    from batch_pipeline.pipeline.definitions import batch_completions_job
+    from batch_pipeline.pipeline.definitions import batch_completions_job, job_store
     from batch_pipeline.pipeline.sensors import record_run_end
-    from batch_pipeline.store.jobs import JobStore
 
     tags = {JOB_ID_TAG: job_id} if job_id else None
     result = dg.execute_job(
@@ -30,5 +29,5 @@ def execute_request(
     # No daemon runs the status sensors here: how the run ended goes into its job's row now.
     run = instance.get_run_by_id(result.run_id)
     assert run is not None  # execute_job has just stored this run in the instance
-    record_run_end(instance, JobStore(), run)
+    record_run_end(instance, job_store.get_store(), run)
     return result

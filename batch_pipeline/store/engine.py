@@ -14,13 +14,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from batch_pipeline.core import io
-from batch_pipeline.core.settings import settings
 from batch_pipeline.store.schema import SCHEMA_VERSION_TABLE
 
 
 def default_store_url() -> str:
+    """The store of a deployment that names none (BATCH_PIPELINE_JOBS_DB unset): SQLite in $DAGSTER_HOME."""
     home = os.environ.get("DAGSTER_HOME", "dagster_home")
-    return settings().jobs_db or f"sqlite:///{os.path.abspath(home)}/batch_jobs.db"
+    return f"sqlite:///{os.path.abspath(home)}/batch_jobs.db"
 
 
 _engines: dict[str, sa.Engine] = {}

@@ -201,6 +201,9 @@ class Page:
 
 
 class JobStore:
+    """The jobs' rows at `url` (a SQLAlchemy URL; None: a deployment that names no BATCH_PIPELINE_JOBS_DB,
+    SQLite in $DAGSTER_HOME)."""
+
     def __init__(self, url: str | None = None) -> None:
         self.engine = engine_for(url or default_store_url())
 
