@@ -4,6 +4,7 @@ policy they were given, not what the environment says when a request arrives."""
 
 import dataclasses
 import hashlib
+from pathlib import Path
 
 import dagster as dg
 from fastapi.testclient import TestClient
@@ -46,13 +47,10 @@ def _confined_to(tmp_path, **maxima) -> tuple:
     return root, policy
 
 
-def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, monkeypatch):
-    for name in ("BATCH_PIPELINE_DATA_ROOTS", "BATCH_PIPELINE_MAX_GPUS", "BATCH_PIPELINE_TENANTS"):
-        monkeypatch.delenv(name, raising=False)  # the environment bounds nothing
-    root, policy = _confined_to(tmp_path, gpus=2)
-    home = tmp_path / "home"
+def _service_of(policy: AdmissionPolicy, home: Path) -> BatchJobService:
+    """The API's service over a fresh job store in `home`, holding requests to `policy`."""
     home.mkdir()
-    service = BatchJobService(
+    return BatchJobService(
         JobStore(f"sqlite:///{home}/jobs.db"),
         dg.DagsterInstance.ephemeral(),
         JobStorage(),
@@ -60,6 +58,13 @@ def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, mo
         fair_share_half_life_s=3600,
         dry_runs=DryRuns.of_deployment(settings()),
     )
+
+
+def test_the_api_holds_requests_to_the_policy_its_service_was_given(tmp_path, monkeypatch):
+    for name in ("BATCH_PIPELINE_DATA_ROOTS", "BATCH_PIPELINE_MAX_GPUS", "BATCH_PIPELINE_TENANTS"):
+        monkeypatch.delenv(name, raising=False)  # the environment bounds nothing
+    root, policy = _confined_to(tmp_path, gpus=2)
+    service = _service_of(policy, tmp_path / "home")
     with TestClient(create_app(service, ApiKeys([KEY]))) as client:
 
         def post(body: dict):
@@ -105,16 +110,7 @@ def test_the_api_knows_its_callers_by_the_tenants_file_of_its_policy(tmp_path, m
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     tenants_file.write_text(f'tenants:\n  team-a:\n    api_keys_sha256: [{digest}]\n    data_roots: ["{root}"]\n')
     policy = dataclasses.replace(policy, tenants_file=str(tenants_file))
-    home = tmp_path / "home"
-    home.mkdir()
-    service = BatchJobService(
-        JobStore(f"sqlite:///{home}/jobs.db"),
-        dg.DagsterInstance.ephemeral(),
-        JobStorage(),
-        admission=policy,
-        fair_share_half_life_s=3600,
-        dry_runs=DryRuns.of_deployment(settings()),
-    )
+    service = _service_of(policy, tmp_path / "home")
     with TestClient(create_app(service)) as client:
         assert client.get("/v2/usage", headers={"x-api-key": "not-in-the-file"}).status_code == 401
         created = client.post("/v2/batch-completions", json=_body(str(root / "out.json")), headers={"x-api-key": KEY})

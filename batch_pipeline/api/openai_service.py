@@ -98,8 +98,8 @@ class OpenAIBatchService:
         # one team's burst of batches over one large file held every thread, and every other route waited.
         self.batch_checks = TeamSlots(
             "batch input files being checked",
-            limits.max_concurrent_checks,
-            limits.max_checks_per_team,
+            limits.max_concurrent_batch_checks,
+            limits.max_batch_checks_per_team,
             "BATCH_PIPELINE_MAX_BATCH_CHECKS_PER_TEAM",
             busy=BatchChecksBusy,
         )

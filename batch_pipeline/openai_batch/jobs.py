@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -62,7 +62,7 @@ class CheckedInput:
 
 @dataclass(frozen=True, kw_only=True)
 class BatchApiLimits:
-    """What this deployment's OpenAI Batch API takes, from its settings."""
+    """What this deployment's OpenAI Batch API takes: its settings of the same names."""
 
     max_file_bytes: int  # the largest upload
     max_batch_requests: int  # the most lines a batch's input file may hold
@@ -70,18 +70,12 @@ class BatchApiLimits:
     model_catalog: str
     # Input files being checked at once in an API process (each read whole in a worker thread), and the
     # most of them one team may have checked (None: half of them rounded up).
-    max_concurrent_checks: int
-    max_checks_per_team: int | None
+    max_concurrent_batch_checks: int
+    max_batch_checks_per_team: int | None
 
     @classmethod
     def of_deployment(cls, configured: Settings) -> BatchApiLimits:
-        return cls(
-            max_file_bytes=configured.max_file_bytes,
-            max_batch_requests=configured.max_batch_requests,
-            model_catalog=configured.model_catalog,
-            max_concurrent_checks=configured.max_concurrent_batch_checks,
-            max_checks_per_team=configured.max_batch_checks_per_team,
-        )
+        return cls(**{limit.name: getattr(configured, limit.name) for limit in fields(cls)})
 
 
 def check_input_file(source: str, endpoint: str, work_dir: str, max_requests: int) -> CheckedInput:

@@ -55,14 +55,13 @@ def batch_jobs_sensor(interval_s: int) -> dg.SensorDefinition:
     """The sensor that turns stored jobs into runs, evaluated at most every `interval_s` seconds."""
 
     @dg.sensor(
-        name="batch_jobs_sensor",
         job=batch_completions,
         minimum_interval_seconds=interval_s,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Turns each job the API stored into exactly one run (run_key = job id). A job that cannot "
         "become a run is marked failed with the reason; the others go on.",
     )
-    def launch_stored_jobs(
+    def batch_jobs_sensor(  # the sensor's name
         context: SensorEvaluationContext, job_store: JobStoreResource, tenancy: Tenancy, run_launching: RunLaunching
     ):
         store = job_store.get_store()
@@ -72,7 +71,7 @@ def batch_jobs_sensor(interval_s: int) -> dg.SensorDefinition:
         except Exception as exc:  # a safety net for stale rows: it never costs the jobs above their runs
             context.log.warning(f"could not reconcile finished runs with their jobs: {_shortened(exc)}")
 
-    return launch_stored_jobs
+    return batch_jobs_sensor
 
 
 def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Tenancy, tick_bytes: int):
