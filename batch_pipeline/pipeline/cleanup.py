@@ -101,7 +101,7 @@ class CleanupReport:
     files_left: int = 0
     webhook_events_left: int = 0
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, int]:
         return {
             "work_dirs_deleted": len(self.work_dirs_deleted),
             "files_deleted": len(self.files_deleted),
@@ -366,7 +366,7 @@ def delete_expired(
     job_store: JobStoreResource,
     job_storage: JobStorage,
     tenancy: Tenancy,
-) -> dict:
+) -> dict[str, int]:
     report = clean_up(job_store.get_store(), job_storage, tenancy.registry(), datetime.now(UTC), context.log, config)
     if (left := report.left()) is not None:
         context.log.info(left)

@@ -10,7 +10,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import IO
 
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
@@ -81,7 +81,7 @@ class ShardPlan:
     used: int
     reason: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, int | str | None]:
         return asdict(self)
 
 
