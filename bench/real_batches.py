@@ -344,6 +344,7 @@ def run_job(
                 "shard_index",
                 "items",
                 "engine_start_s",
+                "imported_ahead_s",
                 "generate_s",
                 "wall_s",
                 "completion_tokens",
@@ -519,6 +520,7 @@ def summarize(section: str, by_system: dict[str, list[dict]]) -> dict:
             "metadata_wall_s": spread([r["metadata_wall_s"] for r in jobs]),
             "shard_count": sorted({r["shard_count"] for r in jobs}),
             "engine_start_s": spread([s.get("engine_start_s") for r in jobs for s in r["shards"]]),
+            "imported_ahead_s": spread([s.get("imported_ahead_s", 0) for r in jobs for s in r["shards"]]),
             "generate_s": spread([s.get("generate_s") for r in jobs for s in r["shards"]]),
             "data_parallelism": jobs[-1]["data_parallelism"] if jobs else None,
         }
@@ -579,7 +581,8 @@ def comparison(section: str, summary: dict) -> tuple[str, str, str]:
     if section == "sample":
         details = (
             f"{summary['shard_count']} shards; metadata wall {summary['metadata_wall_s']['median']} s; "
-            f"per shard: engine start {summary['engine_start_s']['median']} s, "
+            f"per shard: engine start {summary['engine_start_s']['median']} s "
+            f"(after {summary['imported_ahead_s']['median']} s of imports ahead of the shard), "
             f"generate {summary['generate_s']['median']} s (medians)"
         )
         return "job alone", "-", details

@@ -50,6 +50,9 @@ def test_batch_pipeline_run_prints_real_completions_of_the_sample(tmp_path, dags
     assert "safetensors" in worker_log.read_text()
     # Its one shard ran in the worker the CLI started ahead, which imported vLLM while the run was planned.
     assert "shard 0: handed to the worker `batch-pipeline run` started ahead" in console
+    # Its metadata tells that import apart from the engine start that followed the handoff.
+    (shard,) = json.loads(Path(f"{output_path}.metadata.json").read_text())["shards"]
+    assert shard["imported_ahead_s"] > 0 and shard["engine_start_s"] > 0
     _assert_no_standby_left(tmp_path)
 
 
@@ -88,6 +91,8 @@ def test_a_run_of_two_shards_and_one_that_fails_early_both_stop_the_standby_work
     assert "20 requests (0 errors) in 2 shards," in completed.stdout
     assert len(json.loads((tmp_path / sample["output_data_path"]).read_text())) == 20
     assert "started ahead" not in completed.stdout + completed.stderr
+    shards = json.loads((tmp_path / f"{sample['output_data_path']}.metadata.json").read_text())["shards"]
+    assert [shard["imported_ahead_s"] for shard in shards] == [0, 0]  # launched: their imports are in engine_start_s
     _assert_no_standby_left(tmp_path)
 
     del sample["content"]

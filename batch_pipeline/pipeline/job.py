@@ -333,6 +333,7 @@ def run_shard(
             "errors": stats.errors,
             "completion_tokens": stats.completion_tokens,
             "engine_start_s": stats.engine_start_s,
+            "imported_ahead_s": stats.imported_ahead_s,
             "generate_s": stats.generate_s,
             "resumed": stats.resumed,
         }

@@ -109,6 +109,9 @@ class ShardStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     engine_start_s: float = 0.0
+    # A worker started ahead (`--standby`): its import of torch and vLLM before the shard reached it, which a
+    # launched worker's engine_start_s counts; 0 for a launched one.
+    imported_ahead_s: float = 0.0
     generate_s: float = 0.0
     wall_s: float = 0.0
     unsupported_engine_args: list[str] = field(default_factory=list)

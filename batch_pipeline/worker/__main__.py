@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     return _run_pipes_task(parser, configured)
 
 
-def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings) -> int:
+def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings, imported_ahead_s: float = 0.0) -> int:
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
     from batch_pipeline.shards.protocol import (
@@ -83,6 +83,7 @@ def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings) -> in
                 report_progress=lambda figures: pipes.report_custom_message(
                     worker_message_payload(ProgressMessage(figures))
                 ),
+                imported_ahead_s=imported_ahead_s,
             )
             stats = runner.run()
         except Exception as exc:  # the step's failure message, e.g. a full disk under the checkpoint
@@ -98,14 +99,16 @@ def _standby(directory: str, starter: int, parser: argparse.ArgumentParser, conf
     `directory`: its launcher is not its parent, and cannot wait for it."""
     code = 1  # what an exception leaves
     try:
+        started = time.monotonic()
         _import_engine()
+        imported_ahead_s = round(time.monotonic() - started, 3)
         handoff = _wait_for_handoff(directory, starter)
         if handoff is None:
             code = 0
             return code
         _write_output_to(handoff.log, early_output=os.path.join(directory, STANDBY_OUTPUT))
         os.environ.update(handoff.env)  # the Pipes session's bootstrap
-        code = _run_pipes_task(parser, configured)
+        code = _run_pipes_task(parser, configured, imported_ahead_s)
         return code
     except SystemExit as exc:  # parser.error's 2
         code = exc.code if isinstance(exc.code, int) else 1

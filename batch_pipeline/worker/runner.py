@@ -132,6 +132,7 @@ class ShardRunner:
         report: Callable[[str], None] = logger.info,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         report_progress: Callable[[dict[str, int]], None] | None = None,
+        imported_ahead_s: float = 0.0,
     ) -> None:
         self.task = task
         # How often a checkpoint on an object store is uploaded (BATCH_PIPELINE_CHECKPOINT_UPLOAD_S).
@@ -141,7 +142,9 @@ class ShardRunner:
         self.report_progress = report_progress or (lambda figures: None)
         self.max_in_flight = max_in_flight
         self.handlers: dict[str, RequestHandler] = {"v1": V1Requests()}  # the others need the engine
-        self.stats = ShardStats(shard_index=self.shard.shard_index, items=self.shard.item_count)
+        self.stats = ShardStats(
+            shard_index=self.shard.shard_index, items=self.shard.item_count, imported_ahead_s=imported_ahead_s
+        )
         self.copies: dict[int, list[int]] = {}  # source index -> indices answered by its output
         self._copies_written = 0
         self.shared: SharedGenerations | None = None  # built with the engine, whose tokenizer cuts outputs
