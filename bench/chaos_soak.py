@@ -370,9 +370,10 @@ class Soak:
         os.environ.update({k: v for k, v in self.env.items() if k.startswith(("DAGSTER_", "BATCH_PIPELINE_"))})
         for variable in ("BATCH_PIPELINE_JOBS_DB", "BATCH_PIPELINE_WORK_DIR", "BATCH_PIPELINE_API_KEYS"):
             os.environ.pop(variable, None)
+        from batch_pipeline.core.settings import settings
         from batch_pipeline.entrypoints.serve import _create_storage, api_command
 
-        _create_storage()
+        _create_storage(settings())
         import dagster as dg
 
         from batch_pipeline.store.jobs import JobStore
