@@ -119,7 +119,7 @@ def _create_storage(configured: Settings) -> None:
     from batch_pipeline.store.jobs import JobStore
 
     dg.DagsterInstance.get().dispose()
-    JobStore(configured.jobs_db or None).engine.dispose()
+    JobStore(configured.jobs_db).engine.dispose()
 
 
 def _stop_all(processes: dict[str, subprocess.Popen]) -> int:

@@ -58,7 +58,7 @@ class JobStoreResource(dg.ConfigurableResource):
     url: str = Field(default="", description="SQLAlchemy URL; empty = SQLite in $DAGSTER_HOME.")
 
     def get_store(self) -> JobStore:
-        return JobStore(self.url or None)
+        return JobStore(self.url)
 
 
 class ShardPlanning(dg.ConfigurableResource):

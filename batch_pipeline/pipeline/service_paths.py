@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 
 from batch_pipeline.core.settings import Settings
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.store.engine import default_store_url
+from batch_pipeline.store.engine import store_url
 from batch_pipeline.tenancy.tenants import tenants_at
 
 
@@ -39,7 +39,7 @@ def secure_service_paths(configured: Settings) -> None:
         "DAGSTER_HOME": home,
         "the work dir (BATCH_PIPELINE_WORK_DIR)": JobStorage(work_dir_base=configured.work_dir).base(),
     }
-    store = make_url(configured.jobs_db or default_store_url())
+    store = make_url(store_url(configured.jobs_db))
     if store.get_backend_name() == "sqlite" and store.database:
         paths["the job store (BATCH_PIPELINE_JOBS_DB)"] = store.database
     registry.check_service_paths(paths)

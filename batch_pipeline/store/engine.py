@@ -17,8 +17,11 @@ from batch_pipeline.core import io
 from batch_pipeline.store.schema import SCHEMA_VERSION_TABLE
 
 
-def default_store_url() -> str:
-    """The store of a deployment that names none (BATCH_PIPELINE_JOBS_DB unset): SQLite in $DAGSTER_HOME."""
+def store_url(jobs_db: str | None) -> str:
+    """The job store's URL: the one a deployment names (BATCH_PIPELINE_JOBS_DB), or where it names none (empty
+    or None), SQLite in $DAGSTER_HOME."""
+    if jobs_db:
+        return jobs_db
     home = os.environ.get("DAGSTER_HOME", "dagster_home")
     return f"sqlite:///{os.path.abspath(home)}/batch_jobs.db"
 

@@ -21,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from batch_pipeline.store.engine import default_store_url, engine_for
+from batch_pipeline.store.engine import engine_for, store_url
 from batch_pipeline.store.results import CompletedFigures, JobResults
 from batch_pipeline.store.schema import (
     FINISHED,
@@ -201,11 +201,10 @@ class Page:
 
 
 class JobStore:
-    """The jobs' rows at `url` (a SQLAlchemy URL; None: a deployment that names no BATCH_PIPELINE_JOBS_DB,
-    SQLite in $DAGSTER_HOME)."""
+    """The jobs' rows at `store_url(url)`: a SQLAlchemy URL, or where none is given, SQLite in $DAGSTER_HOME."""
 
     def __init__(self, url: str | None = None) -> None:
-        self.engine = engine_for(url or default_store_url())
+        self.engine = engine_for(store_url(url))
 
     # --- submission -------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from batch_pipeline.store.engine import default_store_url, engine_for
+from batch_pipeline.store.engine import engine_for, store_url
 from batch_pipeline.store.sql import owner_bucket, utc, utc_day, utc_now
 
 metadata = sa.MetaData()
@@ -104,7 +104,7 @@ class BatchResults:
 
 class OpenAIStore:
     def __init__(self, url: str | None = None, engine: sa.Engine | None = None) -> None:
-        self.engine = engine or engine_for(url or default_store_url())
+        self.engine = engine or engine_for(store_url(url))
 
     # --- files ------------------------------------------------------------------------------------------
 

@@ -140,7 +140,7 @@ class Deliverer:
             return list(team.config.webhooks) if team is not None else []
 
         return cls(
-            WebhookOutbox(url=configured.jobs_db or None),
+            WebhookOutbox(url=configured.jobs_db),
             team_endpoints,
             attempt_timeout_s=configured.webhook_attempt_timeout_s,
         )
