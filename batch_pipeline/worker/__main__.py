@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from batch_pipeline.core import io
 from batch_pipeline.core.process import exit_without_teardown
@@ -24,7 +25,13 @@ from batch_pipeline.core.settings import Settings, settings
 from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF, STANDBY_OUTPUT, StandbyHandoff
 from batch_pipeline.worker.engine import set_engine_environment
 
+if TYPE_CHECKING:
+    from batch_pipeline.worker.runner import ShardRunner
+
 HANDOFF_POLL_S = 0.02
+# The shard's runner, and with it its engine, lives until the process exits (exit_now): dropped when its
+# shard ends, the engine's shutdown would collect the whole heap twice between the last result and the exit.
+_RUNNERS: list[ShardRunner] = []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
         with open(args.task) as handle:
             task = ShardTask.from_dict(json.load(handle))
-        stats = ShardRunner(
+        runner = ShardRunner(
             task, configured.checkpoint_upload_s, report=lambda line: print(line, file=sys.stderr, flush=True)
-        ).run()
+        )
+        _RUNNERS.append(runner)
+        stats = runner.run()
         print(json.dumps(stats.to_dict()))
         return 0
     return _run_pipes_task(parser, configured)
@@ -85,6 +94,7 @@ def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings, impor
                 ),
                 imported_ahead_s=imported_ahead_s,
             )
+            _RUNNERS.append(runner)
             stats = runner.run()
         except Exception as exc:  # the step's failure message, e.g. a full disk under the checkpoint
             pipes.report_custom_message(worker_message_payload(FailureMessage(f"{type(exc).__name__}: {exc}")))
