@@ -18,7 +18,7 @@ from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.core.settings import settings
 from batch_pipeline.dry_run.estimate import DryRuns
-from batch_pipeline.launch import LocalShardLauncher
+from batch_pipeline.launch.local import LocalShardLauncher
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning

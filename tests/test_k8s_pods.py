@@ -138,7 +138,7 @@ def test_a_gpu_type_the_deployment_does_not_map_is_refused():
 
 
 def test_a_deployment_chooses_the_kubernetes_launcher_by_its_environment(monkeypatch):
-    from batch_pipeline.launch import LocalShardLauncher
+    from batch_pipeline.launch.local import LocalShardLauncher
     from batch_pipeline.pipeline.definitions import shard_launcher_from_environment
 
     assert isinstance(shard_launcher_from_environment(), LocalShardLauncher)
@@ -155,7 +155,7 @@ def test_every_shard_pod_of_the_largest_job_waits_at_once_while_local_workers_sh
     launcher, so a run worker on 2 cores ran a data_parallelism 8 job's pods two at a time."""
     import dagster as dg
 
-    from batch_pipeline.launch import LocalShardLauncher
+    from batch_pipeline.launch.local import LocalShardLauncher
     from batch_pipeline.pipeline.definitions import executor_config
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)

@@ -1,6 +1,3 @@
-"""Shard launchers: Dagster resources that run one shard worker and return its result."""
-
-from batch_pipeline.launch.base import ShardLauncher, ShardResult
-from batch_pipeline.launch.local import LocalShardLauncher
-
-__all__ = ["LocalShardLauncher", "ShardLauncher", "ShardResult"]
+"""Shard launchers: Dagster resources that run one shard worker and return its result (`launch.base`,
+`launch.local`, `launch.k8s`), and the worker `batch-pipeline run` starts ahead (`launch.standby`), which
+the command starts before it imports Dagster."""

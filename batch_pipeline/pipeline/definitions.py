@@ -10,7 +10,8 @@ from batch_pipeline.admission.hardware import configured_hardware_maxima
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract.requests import MAX_DATA_PARALLELISM
 from batch_pipeline.core.settings import settings
-from batch_pipeline.launch import LocalShardLauncher, ShardLauncher
+from batch_pipeline.launch.base import ShardLauncher
+from batch_pipeline.launch.local import LocalShardLauncher
 from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule
 from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions

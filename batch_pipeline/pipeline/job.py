@@ -21,7 +21,7 @@ from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.core import io
-from batch_pipeline.launch import ShardLauncher, ShardResult
+from batch_pipeline.launch.base import ShardLauncher, ShardResult
 from batch_pipeline.openai_batch.jobs import finalize_batch
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
