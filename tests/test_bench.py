@@ -189,6 +189,27 @@ def test_the_real_batches_benchmark_runs_the_job_with_and_without_deduplication(
 
 
 @pytest.mark.slow
+def test_the_real_batches_sample_is_set_against_a_cold_engine_start_of_the_same_run(tmp_path):
+    """The sample goal (issue 29): the job's wall within 3 s of what a cold process takes to import vLLM and
+    build the same engine, measured beside it."""
+    out = tmp_path / "real_batches.json"
+    completed = _bench(
+        "real_batches.py", "--sections", "sample", "--scale", "0.05", "--repeat", "1", "--out", str(out), timeout=600
+    )
+    result = json.loads(out.read_text())
+    runs = result["runs"]["sample"]
+    assert {system: len(of_system) for system, of_system in runs.items()} == {"job": 1, "engine_start": 1}
+    (start,) = runs["engine_start"]
+    assert 0 < start["import_s"] < start["engine_start_s"] < start["wall_s"]
+    assert start["engine_start_s"] == pytest.approx(start["import_s"] + start["engine_s"], abs=0.01)
+    summary = result["summary"]["sample"]
+    assert summary["cold_engine_start_s"]["median"] == round(start["engine_start_s"], 2)
+    assert summary["goal_wall_s"] == round(summary["cold_engine_start_s"]["median"] + 3, 2)
+    assert summary["job_over_goal_s"] == round(runs["job"][0]["wall_s"] - summary["goal_wall_s"], 2)
+    assert "a cold engine start" in completed.stdout
+
+
+@pytest.mark.slow
 def test_the_api_flood_benchmark_measures_team_b_during_team_as_flood(tmp_path):
     out = tmp_path / "api_flood.json"
     _bench("api_flood.py", "--flood", "3", "--body-mb", "0.1", "--after-rounds", "1", "--out", str(out))
