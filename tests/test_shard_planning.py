@@ -318,7 +318,9 @@ def test_a_shard_task_of_another_shape_fails_where_it_is_read_naming_the_field(t
 def test_a_worker_keeps_its_engine_until_it_exits(tmp_path):
     """A dropped in-process engine shuts down: it unfreezes the objects vLLM froze out of garbage
     collection and collects the whole heap twice (~1.4 s on 2 cores), between the shard's last result and
-    the worker's exit, which its step waits for. The worker's entry point, as a worker process runs it."""
+    the worker's exit, which its step waits for. The worker's entry point, as the standby worker runs it:
+    vLLM imported first (where the engine is built, something vLLM keeps from its own imports held the
+    builder's frame, and with it the engine, alive, hiding the cost)."""
     (shard,) = write_shards(
         work_items([("content", {"prompts": ["Name a colour."], "max_new_tokens": 4, "temperature": 0.0})]),
         1,
@@ -327,15 +329,14 @@ def test_a_worker_keeps_its_engine_until_it_exits(tmp_path):
     (tmp_path / "task.json").write_text(json.dumps(ShardTask(shard=shard, model_config={"model": MODEL}).to_dict()))
     script = (
         "import gc, json, sys\nfrom batch_pipeline.worker import __main__ as worker\n"
+        "worker.set_engine_environment()\nworker._import_engine()\n"
         f"worker.main(['--task', {str(tmp_path / 'task.json')!r}])\n"
-        "kept = [runner.engine is not None for runner in worker._RUNNERS]\n"
-        "print(json.dumps({'kept': kept, 'frozen': gc.get_freeze_count()}), file=sys.stderr)\n"
+        "print(json.dumps({'frozen': gc.get_freeze_count()}), file=sys.stderr)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=False)
 
     assert done.returncode == 0, done.stderr[-3000:]
     stats = json.loads(done.stdout.strip().splitlines()[-1])
     assert stats["generated"] == 1 and stats["engine_start_s"] > 0
-    after = json.loads(done.stderr.strip().splitlines()[-1])
-    assert after["kept"] == [True]
-    assert after["frozen"] > 100_000, "the engine was shut down before the worker exited"
+    frozen = json.loads(done.stderr.strip().splitlines()[-1])["frozen"]
+    assert frozen > 100_000, "the engine was shut down before the worker exited"
