@@ -57,3 +57,11 @@ def test_prefix_caching_is_on_unless_the_request_turns_it_off():
     assert engine_arguments(BatchCompletionsModelConfig(model=MODEL))[0]["enable_prefix_caching"] is True
     off = BatchCompletionsModelConfig(model=MODEL, enable_prefix_caching=False)
     assert engine_arguments(off)[0]["enable_prefix_caching"] is False
+
+
+def test_on_the_cpu_a_cache_block_holds_32_tokens_unless_the_request_names_its_size():
+    # With vLLM's CPU default of 128, a ~300-token system prompt shared by a batch is computed again by
+    # every request but for its first 256 tokens: the prefix cache shares whole blocks only.
+    assert engine_arguments(BatchCompletionsModelConfig(model=MODEL))[0]["block_size"] == 32
+    named = BatchCompletionsModelConfig(model=MODEL, block_size=128)
+    assert engine_arguments(named)[0]["block_size"] == 128
