@@ -68,12 +68,19 @@ SEED = 20261201
 # Set by some sections only: every other job runs with the defaults.
 SECTION_SETTINGS = ("BATCH_PIPELINE_DEDUPLICATE", "BATCH_PIPELINE_MIN_SHARD_TOKENS")
 
-RAW = r"""
-import json, os, sys
+# What the baselines set before importing vLLM, as the worker does (worker/engine.py, set_engine_environment).
+ENGINE_ENVIRONMENT = r"""
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-from vllm import LLM, SamplingParams
+"""
+
+RAW = (
+    r"""
+import json, os, sys
+"""
+    + ENGINE_ENVIRONMENT
+    + r"""from vllm import LLM, SamplingParams
 from batch_pipeline.models.catalog import resolve_model
 spec = json.load(open(sys.argv[1]))
 extra = {"dtype": spec["dtype"]} if spec.get("dtype") else {}
@@ -89,16 +96,17 @@ print(json.dumps({"completion_tokens": sum(len(o.outputs[0].token_ids) for o in 
                   "entries": len(outputs), "dtype": dtype, "texts_sha256": texts and [
                       __import__("hashlib").sha256(t.encode()).hexdigest()[:16] for t in texts]}))
 """
+)
 
 # A cold engine start, as the sample goal counts it: a fresh process importing vLLM and building the job's
 # engine (in-process, eager, as the worker builds it), timed from inside, so that its exit is not counted.
-ENGINE_START = r"""
+ENGINE_START = (
+    r"""
 import json, os, sys, time
 started = time.monotonic()
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-from vllm import LLM
+"""
+    + ENGINE_ENVIRONMENT
+    + r"""from vllm import LLM
 imported = time.monotonic()
 from batch_pipeline.models.catalog import resolve_model
 llm = LLM(model=resolve_model(sys.argv[1]), enforce_eager=True)
@@ -107,6 +115,7 @@ print(json.dumps({"import_s": round(imported - started, 3), "engine_s": round(bu
                   "engine_start_s": round(built - started, 3)}))
 os._exit(0)
 """
+)
 
 VERBS = ["changes", "outlasts", "explains", "borrows from", "depends on", "echoes", "surprises", "shapes"]
 PLACES = ["harbour", "valley", "archive", "market", "station", "workshop", "garden", "observatory"]
