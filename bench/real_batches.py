@@ -83,7 +83,7 @@ import json, os, sys
     + r"""from vllm import LLM, SamplingParams
 from batch_pipeline.models.catalog import resolve_model
 spec = json.load(open(sys.argv[1]))
-extra = {"dtype": spec["dtype"]} if spec.get("dtype") else {}
+extra = {name: spec[name] for name in ("dtype", "block_size") if spec.get(name)}
 llm = LLM(model=resolve_model(spec["model"]), enforce_eager=True, **extra)
 params = [SamplingParams(max_tokens=r["max_tokens"], temperature=r["temperature"]) for r in spec["requests"]]
 outputs = llm.chat([r["messages"] for r in spec["requests"]], params, use_tqdm=False)
@@ -405,13 +405,22 @@ def run_job(
     return result
 
 
-def run_raw(requests: list[dict], dtype: str | None, code_root: Path, work: Path, texts: bool = False) -> dict:
+def run_raw(
+    requests: list[dict],
+    dtype: str | None,
+    code_root: Path,
+    work: Path,
+    texts: bool = False,
+    block_size: int | None = None,
+) -> dict:
     spec = work / "raw-spec.json"
-    spec.write_text(json.dumps({"model": MODEL, "dtype": dtype, "requests": requests, "texts": texts}))
+    fields = {"model": MODEL, "dtype": dtype, "block_size": block_size, "requests": requests, "texts": texts}
+    spec.write_text(json.dumps(fields))
     wall, completed = timed([sys.executable, "-c", RAW, str(spec)], environment(code_root), code_root)
     return {
         "wall_s": round(wall, 2),
         "requested_dtype": dtype or "auto",
+        "block_size": block_size,
         **json.loads(completed.stdout.strip().splitlines()[-1]),
     }
 
@@ -449,7 +458,15 @@ def raw_dtype(state: dict) -> str | None:
     return dtype if dtype in RAW_DTYPES else None
 
 
-def section_systems(section: str, scale: float, code_root: Path, work: Path, state: dict, dtype: str | None = None):
+def section_systems(
+    section: str,
+    scale: float,
+    code_root: Path,
+    work: Path,
+    state: dict,
+    dtype: str | None = None,
+    raw_block_size: int | None = None,
+):
     """The workload's description and, in order (the job first), each system's name and how to run it once."""
 
     def job(request: dict, env: dict | None = None, requests: list[dict] | None = None, texts: bool = False):
@@ -495,7 +512,7 @@ def section_systems(section: str, scale: float, code_root: Path, work: Path, sta
         requests = real_requests(scale)
         return describe(requests), {
             "job": job(v2(requests, 1)),
-            "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work),
+            "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work, block_size=raw_block_size),
             "run_batch": lambda: run_vllm_batch(requests, raw_dtype(state), work),
         }
     if section in TEXT_CHECKED:
@@ -504,7 +521,7 @@ def section_systems(section: str, scale: float, code_root: Path, work: Path, sta
         )(scale)
         return describe(requests), {
             "job": job(v2(requests, 1), texts=True),
-            "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work, texts=True),
+            "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work, True, raw_block_size),
             "run_batch": lambda: run_vllm_batch(requests, raw_dtype(state), work, texts=True),
         }
     raise ValueError(section)
@@ -700,6 +717,12 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument(
+        "--raw-block-size",
+        type=int,
+        help="raw LLM.chat's KV cache block in `real` and the text-checked sections (default: vLLM's own, 128 "
+        "on the CPU; the job's worker uses 32 there)",
+    )
+    parser.add_argument(
         "--dtype", choices=sorted(RAW_DTYPES), help="the jobs' model_config.dtype (default: none, the model's own)"
     )
     options = parser.parse_args()
@@ -720,6 +743,7 @@ def main() -> None:
         "repeat": options.repeat,
         "scale": options.scale,
         "dtype": options.dtype,
+        "raw_block_size": options.raw_block_size,
         "workloads": {},
         "runs": {},
         "summary": {},
@@ -727,7 +751,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="real_batches-") as scratch:
         for section in options.sections:
             state: dict = {}
-            workload, systems = section_systems(section, options.scale, code_root, Path(scratch), state, options.dtype)
+            workload, systems = section_systems(
+                section, options.scale, code_root, Path(scratch), state, options.dtype, options.raw_block_size
+            )
             result["workloads"][section] = workload
             names = list(systems)
             for round_index in range(options.repeat):

@@ -280,10 +280,14 @@ def test_the_real_batches_lengths_workload_asks_each_prompt_at_three_lengths_onl
 def test_the_real_batches_text_checked_workloads_match_raw_vllms_greedy_texts(tmp_path):
     out = tmp_path / "real_batches.json"
     _bench(
-        "real_batches.py", "--sections", "lengths", "--scale", "0.03", "--repeat", "1", "--out", str(out), timeout=900
+        "real_batches.py",
+        *("--sections", "lengths", "--scale", "0.03", "--repeat", "1", "--raw-block-size", "32", "--out", str(out)),
+        timeout=900,
     )
     result = json.loads(out.read_text())
     assert result["workloads"]["lengths"]["requests"] == 9
+    # raw built with the block size asked for (the job's worker uses 32 on the CPU), and the run says so
+    assert result["raw_block_size"] == 32 and result["runs"]["lengths"]["raw"][0]["block_size"] == 32
     summary = result["summary"]["lengths"]
     assert summary["runs"] == {"job": 1, "raw": 1, "run_batch": 1} and summary["text_mismatches"] == [0]
     # vLLM's run_batch on the same requests: its wall beside the job's, its texts compared with raw's too
