@@ -521,7 +521,7 @@ def section_systems(
         )(scale)
         return describe(requests), {
             "job": job(v2(requests, 1), texts=True),
-            "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work, True, raw_block_size),
+            "raw": lambda: run_raw(requests, raw_dtype(state), code_root, work, texts=True, block_size=raw_block_size),
             "run_batch": lambda: run_vllm_batch(requests, raw_dtype(state), work, texts=True),
         }
     raise ValueError(section)

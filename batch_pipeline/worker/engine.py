@@ -126,17 +126,17 @@ def engine_arguments(model_config: BatchCompletionsModelConfig) -> tuple[dict[st
         arguments["hf_overrides"] = {"rope_scaling": model_config.rope_scaling}
     if model_config.limit_mm_per_prompt is not None:
         arguments["limit_mm_per_prompt"] = json.loads(model_config.limit_mm_per_prompt)
-    dtype, _ = choose_dtype(model_config, _on_cpu())
+    on_cpu = _on_cpu()
+    dtype, _ = choose_dtype(model_config, on_cpu)
     if dtype is not None:
         arguments["dtype"] = dtype
     # Batch inputs repeat prefixes (templates, system prompts); the cache is on unless the request says no.
     arguments.setdefault("enable_prefix_caching", True)
-    if "enforce_eager" not in arguments and _on_cpu():
+    if on_cpu:
         # torch.compile costs 70-95 s at every start on the CPU for 15-25 % more throughput: a loss for
         # all but the longest shards, so it is opt-in there (enforce_eager: false).
-        arguments["enforce_eager"] = True
-    if "block_size" not in arguments and _on_cpu():
-        arguments["block_size"] = CPU_BLOCK_SIZE
+        arguments.setdefault("enforce_eager", True)
+        arguments.setdefault("block_size", CPU_BLOCK_SIZE)
     if arguments.get("tokenizer"):
         arguments["tokenizer"] = resolve_model(arguments["tokenizer"])
     return arguments, unsupported
