@@ -451,3 +451,19 @@ def test_one_teams_batch_checks_hold_only_its_share_and_another_team_checks_its_
     bearer_b = {"authorization": f"Bearer {TEAM_B_KEY}".encode()}
     assert api.get("/v1/batches", headers=bearer_b).json()["data"] == []
     assert _create(api, files[TEAM_B_KEY], key=TEAM_B_KEY).status_code == 200
+
+
+def test_a_key_revoked_by_an_edit_that_keeps_the_files_size_and_mtime_stops_at_once(api, teams):
+    """The reload was keyed on the file's size and mtime: an edit keeping both (a digest swapped for one
+    of the same length, the mtime put back as `touch -r` or a copy keeping it would) left the key valid."""
+    tenants_file = os.environ["BATCH_PIPELINE_TENANTS"]
+    assert api.get("/v2/batch-completions", headers=_headers(TEAM_B_KEY)).status_code == 200
+    before = os.stat(tenants_file)
+    text = open(tenants_file).read()
+    with open(tenants_file, "w") as handle:
+        handle.write(text.replace(_digest(TEAM_B_KEY), _digest("a new key of team b")))
+    os.utime(tenants_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(tenants_file)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert api.get("/v2/batch-completions", headers=_headers(TEAM_B_KEY)).status_code == 401
+    assert api.get("/v2/batch-completions", headers=_headers("a new key of team b")).status_code == 200

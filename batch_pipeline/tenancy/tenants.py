@@ -225,11 +225,15 @@ class Tenants:
 
     @classmethod
     def load(cls, path: str) -> Tenants:
+        return cls.parse(_read(path), path)
+
+    @classmethod
+    def parse(cls, data: bytes, path: str) -> Tenants:
+        """The tenants file `path` whose bytes are `data`, checked whole."""
         try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
-        except OSError as exc:
-            raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TenantsFileError(f"{path}: the tenants file is not UTF-8 text (byte {exc.start})") from None
         try:
             root = yaml.compose(text, Loader=yaml.SafeLoader)
             data = yaml.safe_load(text)
@@ -333,31 +337,43 @@ class Tenants:
                     )
 
 
-_loaded: dict[tuple[str, int, int], Tenants] = {}
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
+
+
+# The file last read at each path: the digest of its bytes, and what they said.
+_loaded: dict[str, tuple[bytes, Tenants]] = {}
 
 
 def tenants_at(path: str) -> Tenants | None:
-    """The tenants file at `path`, read again when it changes; None without one (an empty path). A file
-    changed into one with a mistake keeps the last good one in force (and says so), so that an edit in
-    progress never stops every request; a process starting on a wrong file fails, naming the mistake."""
+    """The tenants file at `path`, read again when its bytes change; None without one (an empty path). A
+    file changed into one with a mistake keeps the last good one in force (and says so), so that an edit in
+    progress never stops every request; a process starting on a wrong file fails, naming the mistake.
+
+    The bytes are read and hashed on every call (a few kilobytes: microseconds) and parsed only when their
+    digest changed: a file's size and mtime can be kept across an edit (`touch -r`, a copy that keeps them),
+    and a revoked key must stop at once."""
     if not path:
         return None
+    last = _loaded.get(path)
     try:
-        status = os.stat(path)
-        stamp = (path, status.st_mtime_ns, status.st_size)
-        if stamp not in _loaded:
-            fresh = Tenants.load(path)
-            _loaded.clear()
-            _loaded[stamp] = fresh
-        return _loaded[stamp]
-    except (OSError, TenantsFileError) as exc:
-        last = next((loaded for (source, _, _), loaded in _loaded.items() if source == path), None)
+        data = _read(path)
+        digest = hashlib.sha256(data).digest()
+        if last is not None and last[0] == digest:
+            return last[1]
+        fresh = Tenants.parse(data, path)
+        _loaded.clear()
+        _loaded[path] = (digest, fresh)
+        return fresh
+    except TenantsFileError as exc:
         if last is None:
-            if isinstance(exc, TenantsFileError):
-                raise
-            raise TenantsFileError(f"{path}: cannot read the tenants file: {exc.strerror}") from None
+            raise
         logger.warning("%s; the tenants file read before stays in force", exc)
-        return last
+        return last[1]
 
 
 def _line_of(node: Any, loc: tuple[int | str, ...] | list[int | str]) -> int:
