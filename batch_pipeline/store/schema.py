@@ -70,6 +70,9 @@ jobs = sa.Table(
     sa.Column("status", sa.String(16), nullable=False, server_default=JobStatus.QUEUED.value),
     sa.Column("status_detail", sa.Text, nullable=True),  # e.g. why a run is being retried
     sa.Column("started_at", sa.DateTime(timezone=True), nullable=True),
+    # Its latest run's start, and the seconds its earlier runs ran: what fair share and usage charge.
+    sa.Column("run_started_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("earlier_runs_s", sa.Float, nullable=True),
     sa.Column("queue_wait_s", sa.Float, nullable=True),  # submission to first run start
     sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("cancelled_at", sa.DateTime(timezone=True), nullable=True),
@@ -105,6 +108,9 @@ jobs = sa.Table(
     # Its shards' checkpoint bytes (`batch_job_shards.checkpoint_bytes`, summed): counted in the team's stored
     # bytes with its content_bytes, 0 once retention deleted the work dir.
     sa.Column("checkpoint_bytes", sa.BigInteger, nullable=True),
+    # The tokens admission estimated the job to use: held against its team's max_tokens_per_day until it ends
+    # (the larger of this and what it has used so far), then replaced by what it used.
+    sa.Column("estimated_tokens", sa.BigInteger, nullable=True),
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
     sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
     sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
@@ -151,6 +157,8 @@ job_shards = sa.Table(
     # The bytes of its checkpoint (results.tsv, and output.tsv once complete), as measured when the shard was
     # planned and when each of its attempts ended.
     sa.Column("checkpoint_bytes", sa.BigInteger, nullable=False, server_default="0"),
+    # What the launcher gave its worker (cores, or a pod's GPU or CPU limit): the unit of its slot-seconds.
+    sa.Column("charged_units", sa.Float, nullable=True),
 )
 
 
