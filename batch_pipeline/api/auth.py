@@ -77,18 +77,40 @@ class ApiKeys:
             status_code=401, detail="a valid API key is required", headers={"WWW-Authenticate": "Basic"}
         )
 
+    @property
+    def is_open(self) -> bool:
+        """No key configured: every caller is OPEN_ACCESS."""
+        return self._teams is None and not self._keys
+
+    def identify(self, presented: bytes) -> Caller | None:
+        """Whom a key acts for, or None for no valid key (an open API has none: see is_open)."""
+        return self._identify(presented)
+
+    def key_digests(self) -> list[tuple[bytes, Caller]]:
+        """Each valid key's sha256, and whom it acts for, as the tenants file (or the settings) has them now:
+        what the team page's sessions are signed with, so that a revoked key's sessions end with it."""
+        if self._teams is not None:
+            registry = self._teams()
+            return [(digest, _team_caller(team)) for digest, team in registry.key_digests()] if registry else []
+        return [
+            (hashlib.sha256(key.encode()).digest(), Caller(hashlib.sha256(key.encode()).hexdigest()[:24], is_admin))
+            for key, is_admin in self._keys.items()
+        ]
+
     def _identify(self, presented: bytes) -> Caller | None:
         if self._teams is not None:
             registry = self._teams()
             found = registry.identify(presented) if registry is not None else None
-            if found is None:
-                return None
-            team, is_admin = found
-            return Caller(owner=ADMINS_OWNER if is_admin else TEAM_OWNER_PREFIX + str(team), is_admin=is_admin)
+            return _team_caller(found[0]) if found is not None else None
         for key, is_admin in self._keys.items():
             if hmac.compare_digest(key.encode(), presented):
                 return Caller(owner=hashlib.sha256(key.encode()).hexdigest()[:24], is_admin=is_admin)
         return None
+
+
+def _team_caller(team: str | None) -> Caller:
+    """The caller a tenants file's key makes: its team, or the admins (None)."""
+    return Caller(owner=TEAM_OWNER_PREFIX + team, is_admin=False) if team is not None else Caller(ADMINS_OWNER, True)
 
 
 def presented_key(request: Request) -> bytes | None:

@@ -152,6 +152,11 @@ class TenantConfig(_Strict):
                 raise ValueError(f"{root!r}: a local data root must be an absolute path")
             if protocol is not None and not split_protocol(root)[1].strip("/"):
                 raise ValueError(f"{root!r}: a remote data root names at least its bucket")
+            if protocol is not None and any(
+                segment in ("", ".", "..") for segment in split_protocol(root)[1].rstrip("/").split("/")
+            ):
+                # An object store takes a prefix as written: `bucket//team-a` is not `bucket/team-a`.
+                raise ValueError(f"{root!r}: a remote data root holds no empty, `.` or `..` segment")
         return roots
 
 
@@ -294,6 +299,10 @@ class Tenants:
 
     def has_keys(self) -> bool:
         return bool(self._keys)
+
+    def key_digests(self) -> list[tuple[bytes, str | None]]:
+        """(sha256 of a key, its team's name or None for an admin's) for each key of the file."""
+        return list(self._keys)
 
     def team_of_owner(self, owner: str) -> Team | None:
         if not owner.startswith(TEAM_OWNER_PREFIX):
