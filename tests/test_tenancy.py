@@ -225,6 +225,7 @@ def test_dagster_home_is_private_to_the_service(api, tmp_path):
             "tenants:\n  team-a:\n    data_roots: [/srv/a]\n  team-b:\n    data_roots: [/srv/a/b]\n",
             "line 5: tenants.team-b.data_roots",
         ),
+        ("tenants:\n  team-a:\n    data_roots: ['s3://bucket//team-a']\n", "line 3: tenants.team-a.data_roots"),
         ("tenants:\n  team-a: {data_roots: [/srv/a]\n", "line 3"),
         ("admins: {}\n", "line 1: tenants"),
     ],
@@ -467,3 +468,23 @@ def test_a_key_revoked_by_an_edit_that_keeps_the_files_size_and_mtime_stops_at_o
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert api.get("/v2/batch-completions", headers=_headers(TEAM_B_KEY)).status_code == 401
     assert api.get("/v2/batch-completions", headers=_headers("a new key of team b")).status_code == 200
+
+
+def test_an_object_key_with_an_empty_or_dot_segment_is_refused_since_the_store_opens_it_as_written(api, teams):
+    """`s3://team-a-data//batch/o` passed the prefix check as `batch/o`, but S3 opens the key `/batch/o`:
+    outside the team's prefix `batch/`. A store takes keys as written, so no such segment is read away."""
+    key = _headers(TEAM_A_KEYS[0])
+    for url in (
+        "s3://team-a-data//batch/out.json",
+        "s3://team-a-data/./batch/out.json",
+        "s3://team-a-data/batch//out.json",
+        "s3://team-a-data/batch/./out.json",
+    ):
+        refused = _refused_fields(api.post("/v2/batch-completions", json=_request(url), headers=key))
+        assert set(refused) == {"output_data_path"}, url
+        assert "no empty, `.` or `..` segment" in refused["output_data_path"], refused
+    reading = _request("s3://team-a-data/batch/out.json", input_data_path="s3://team-a-data//batch/in.jsonl")
+    del reading["content"]
+    assert set(_refused_fields(api.post("/v2/batch-completions", json=reading, headers=key))) == {"input_data_path"}
+    created = api.post("/v2/batch-completions", json=_request("s3://team-a-data/batch/out.json"), headers=key)
+    assert created.status_code == 200, created.text

@@ -105,12 +105,15 @@ class PathPolicy:
 
     def _remote_refusal(self, path: str) -> str | None:
         bucket, key = _bucket_and_key(path)
-        if not key:
+        if not key.strip("/"):
             return "a remote path names a file (s3://bucket/key)"
+        if any(segment in ("", ".", "..") for segment in key.split("/")):
+            # An object store takes a key as written: `s3://b//team-a/x` is the key `/team-a/x`, outside
+            # `team-a/`, however a path's rules would read it.
+            return "a remote path's key holds no empty, `.` or `..` segment (`//`, `/./`, `/../`)"
         if self.remote_roots is None:
             return None
-        inside = DataRoots((), self.remote_roots).holds_remote(_protocol(path), f"{bucket}/{key}")
-        if not inside or ".." in key.split("/"):
+        if not DataRoots((), self.remote_roots).holds_remote(_protocol(path), f"{bucket}/{key}"):
             return "outside the bucket prefixes of your team's data roots"
         return None
 
@@ -237,9 +240,10 @@ def _protocol(path: str) -> str:
 
 
 def _bucket_and_key(path: str) -> tuple[str, str]:
-    """An object store URL's bucket and key (`s3://bucket/key`), as its filesystem strips the URL."""
+    """An object store URL's bucket and key (`s3://bucket/key`), as its filesystem strips the URL: the key
+    as the store will take it, a leading `/` kept."""
     bucket, _, key = fsspec.get_filesystem_class(_protocol(path))._strip_protocol(path).partition("/")
-    return bucket, key.strip("/")
+    return bucket, key
 
 
 def _s3_bucket_refusal(path: str) -> str | None:
