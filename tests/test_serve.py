@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from batch_pipeline.entrypoints.dagster_ui import OPERATOR_KEY_FILE
 from tests.api_fixtures import REPO, write_instance_config
 from tests.conftest import MODEL
 
@@ -22,11 +23,11 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_ok(url: str, log, timeout: float = 120) -> httpx.Response:
+def _wait_ok(url: str, log, timeout: float = 120, auth: tuple[str, str] | None = None) -> httpx.Response:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            response = httpx.get(url, timeout=5)
+            response = httpx.get(url, timeout=5, auth=auth)
             if response.status_code == 200:
                 return response
         except httpx.TransportError:
@@ -112,9 +113,14 @@ class Served:
             start_new_session=True,
         )
 
+    @property
+    def operator_auth(self) -> tuple[str, str]:
+        """Basic auth with the operator key `serve` made in DAGSTER_HOME (the UI's password)."""
+        return ("operator", (self.home / OPERATOR_KEY_FILE).read_text().strip())
+
     def wait_until_up(self) -> None:
         assert _wait_ok(f"{self.api}/healthz", self.log).json() == {"status": "ok"}
-        assert _wait_ok(f"{self.ui}/server_info", self.log).json()["dagster_version"]
+        assert _wait_ok(f"{self.ui}/server_info", self.log, auth=self.operator_auth).json()["dagster_version"]
 
     def kill(self) -> None:
         for pid in _descendants(self.process.pid) + [self.process.pid]:  # a failed test leaves nothing running
@@ -166,11 +172,16 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the_api(served, tmp_path):
     from dagster_graphql import DagsterGraphQLClient, DagsterGraphQLClientError
+    from requests.auth import HTTPBasicAuth
 
     served.wait_until_up()
-    # `--host 0.0.0.0` moved the API; the UI, which has no login, stays on loopback.
+    # `--host 0.0.0.0` moved the API; the UI stays on loopback, and shows or does nothing without an
+    # operator key: not its pages, not GraphQL (the launchpad's mutations), not its version.
     assert _listening_addresses(served.api_port) == {"0.0.0.0"}
     assert _listening_addresses(served.dagster_port) == {"127.0.0.1"}
+    for path in ("/", "/server_info", "/graphql"):
+        assert httpx.get(f"{served.ui}{path}", timeout=30).status_code == 401
+    assert httpx.post(f"{served.ui}/graphql", json={"query": "{version}"}, timeout=30).status_code == 401
     (served.home / ".nux").mkdir()  # the community sign-up modal was dismissed once ("Skip"), as users do
     (served.home / ".nux" / "nux.yaml").write_text("seen: 1\n")
     content = {"prompts": ["The capital of France is", "Water boils at"], "max_new_tokens": 6, "temperature": 0.0}
@@ -182,7 +193,9 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
     }
     job_id = httpx.post(f"{served.api}/v2/batch-completions", json=body, timeout=30).json()["job_id"]
     # What the launchpad's "Launch run" sends: the webserver's GraphQL mutation with the request as config.
-    graphql = DagsterGraphQLClient("127.0.0.1", port_number=served.dagster_port)
+    graphql = DagsterGraphQLClient(
+        "127.0.0.1", port_number=served.dagster_port, auth=HTTPBasicAuth(*served.operator_auth)
+    )
     # A launch that reconfigures a resource (the worker's environment: a shell as the service's user) is
     # refused before any run is made, naming the field.
     with pytest.raises(
@@ -217,7 +230,12 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
     assert by_run[launchpad_run]["output_data_path"] == str(tmp_path / "ui.json")
 
     # The run's page, rendered by a real browser: the job, its status, its tags and its steps.
-    dom = _chromium("--dump-dom", f"{served.ui}/runs/{run_id}").stdout
+    # Signed in as an operator would be: the key in the sign-in URL, the run page served without it.
+    user, key = served.operator_auth
+    run_page = f"http://{user}:{key}@127.0.0.1:{served.dagster_port}/_operators/sign-in?next=/runs/{run_id}"
+    refused = _chromium("--dump-dom", f"{served.ui}/runs/{run_id}").stdout
+    assert "for operators" in refused and job_id not in refused
+    dom = _chromium("--dump-dom", run_page).stdout
     text = re.sub(r"<[^>]+>", " ", re.sub(r"<(style|script)[^>]*>.*?</\1>", " ", dom, flags=re.S))
     text = re.sub(r"\s+", " ", text)
     for expected in (
@@ -230,7 +248,7 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
     ):
         assert expected in text, f"{expected!r} is not on the run page: {text}"
     screenshot = tmp_path / "run.png"
-    _chromium(f"--screenshot={screenshot}", f"{served.ui}/runs/{run_id}")
+    _chromium(f"--screenshot={screenshot}", run_page)
     from PIL import Image
 
     with Image.open(screenshot) as image:

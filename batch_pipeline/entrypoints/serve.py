@@ -3,8 +3,9 @@ stopped together on Ctrl-C.
 
 python -m batch_pipeline.entrypoints.serve [--host 127.0.0.1] [--port 8000] [--dagster-port 3000]
 
-The Dagster UI listens on loopback whatever `--host` says: it has no login, and whoever reaches it can
-launch and terminate any run. Reach it from elsewhere through an SSH tunnel or an authenticating proxy.
+The Dagster UI is for operators: it asks for an operator key (an admin key of the tenants file, or the key
+made in $DAGSTER_HOME/operator.key) before it shows or does anything (batch_pipeline/entrypoints/dagster_ui.py).
+It listens on loopback whatever `--host` says; reach it from elsewhere through an SSH tunnel.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from batch_pipeline.core.settings import Settings, SettingsError, settings
+from batch_pipeline.entrypoints.dagster_ui import OPERATOR_KEY_FILE, operator_key
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.tenancy.tenants import TenantsFileError, tenants_at
 from batch_pipeline.webhooks.delivery import WebhookSecretError, check_webhook_secrets
@@ -48,26 +50,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     _create_storage(configured)
+    operator_key(os.environ["DAGSTER_HOME"])  # made now, so that the line below can point at it
     bin_dir = Path(sys.executable).parent
     commands = {
         "api": api_command(args.host, args.port),
-        "dagster-webserver": [
-            str(bin_dir / "dagster-webserver"),
-            "-w",
-            args.workspace,
-            "-h",
-            DAGSTER_UI_HOST,
-            "-p",
-            str(args.dagster_port),
-        ],
+        "dagster-webserver": dagster_ui_command(args.workspace, args.dagster_port),
         "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", args.workspace],
         # Webhook delivery in a process of its own: a receiver that is down or slow never holds a sensor
         # tick, a run or the API (batch_pipeline/webhooks/delivery.py).
         "webhooks": webhooks_command(),
     }
     processes = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands.items()}
+    key_file = Path(os.environ["DAGSTER_HOME"]) / OPERATOR_KEY_FILE
     print(
-        f"API on http://{args.host}:{args.port}  Dagster UI on http://{DAGSTER_UI_HOST}:{args.dagster_port}  "
+        f"API on http://{args.host}:{args.port}  Dagster UI on http://{DAGSTER_UI_HOST}:{args.dagster_port} "
+        f"(operators: any user name, the password in {key_file} or an admin key)  "
         f"(DAGSTER_HOME={os.environ['DAGSTER_HOME']}); Ctrl-C stops all",
         flush=True,
     )
@@ -80,13 +77,32 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    failed = False
     while not stopping:
         exited = [name for name, process in processes.items() if process.poll() is not None]
         if exited:
+            # A service that stops by itself (a busy port, a bad workspace) fails the whole command.
             print(f"{', '.join(exited)} exited; stopping the rest", file=sys.stderr, flush=True)
+            failed = True
             break
         time.sleep(0.5)
-    return _stop_all(processes)
+    _stop_all(processes)
+    return 1 if failed else 0
+
+
+def dagster_ui_command(workspace: str, port: int) -> list[str]:
+    """The Dagster webserver, behind the operators' login, on loopback."""
+    return [
+        sys.executable,
+        "-m",
+        "batch_pipeline.entrypoints.dagster_ui",
+        "-w",
+        workspace,
+        "--host",
+        DAGSTER_UI_HOST,
+        "--port",
+        str(port),
+    ]
 
 
 def webhooks_command() -> list[str]:
@@ -122,7 +138,7 @@ def _create_storage(configured: Settings) -> None:
     JobStore(configured.jobs_db).engine.dispose()
 
 
-def _stop_all(processes: dict[str, subprocess.Popen]) -> int:
+def _stop_all(processes: dict[str, subprocess.Popen]) -> None:
     for process in processes.values():
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -133,7 +149,6 @@ def _stop_all(processes: dict[str, subprocess.Popen]) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,226 @@
+"""The Dagster UI is for operators only: no key, a team's key or another site's page gets nothing from the
+webserver, whether served in-process (`make serve`) or behind the proxy (Kubernetes)."""
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from batch_pipeline.entrypoints.dagster_ui import OPERATOR_KEY_FILE, operator_key
+from tests.api_fixtures import REPO, write_instance_config
+
+ADMIN_KEY = "admin-key-of-the-operators"
+TEAM_KEY = "team-a-key"
+# What the launchpad's "Launch run" posts, trimmed: any mutation would do.
+TERMINATE = {
+    "query": "mutation($runId: String!) { terminateRun(runId: $runId) { __typename } }",
+    "variables": {"runId": "0" * 36},
+}
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _basic(key: str) -> dict[str, str]:
+    return {"authorization": "Basic " + base64.b64encode(f"operator:{key}".encode()).decode()}
+
+
+class Process:
+    def __init__(self, command: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_for(self, url: str, headers: dict[str, str] | None = None, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(url, headers=headers, timeout=5).status_code in (200, 401):
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """One Dagster home with a tenants file (team-a, and an admin key), its webserver behind the gate
+    in-process, and a plain read-only webserver behind the gate as a proxy, as k8s/dagster-ui.yaml runs it."""
+    tmp = tmp_path_factory.mktemp("ui")
+    home = tmp / "dagster_home"
+    write_instance_config(home, max_concurrent_runs=1)
+    tenants = tmp / "tenants.yaml"
+    tenants.write_text(
+        f"tenants:\n  team-a:\n    api_keys_sha256: [{_digest(TEAM_KEY)}]\n    data_roots: [{tmp / 'a'}]\n"
+        f"admins:\n  api_keys_sha256: [{_digest(ADMIN_KEY)}]\n"
+    )
+    env = {**os.environ, "DAGSTER_HOME": str(home), "BATCH_PIPELINE_TENANTS": str(tenants)}
+    workspace = str(REPO / "workspace.yaml")
+    gate_port, upstream_port, proxy_port = _free_port(), _free_port(), _free_port()
+    gate = Process(
+        [sys.executable, "-m", "batch_pipeline.entrypoints.dagster_ui", "-w", workspace, "--port", str(gate_port)],
+        tmp / "gate.log",
+        env,
+    )
+    upstream = Process(
+        [
+            str(Path(sys.executable).parent / "dagster-webserver"),
+            "-w",
+            workspace,
+            "-p",
+            str(upstream_port),
+            "--read-only",
+        ],
+        tmp / "upstream.log",
+        env,
+    )
+    upstream_url = f"http://127.0.0.1:{upstream_port}"
+    proxy = Process(
+        [
+            sys.executable,
+            "-m",
+            "batch_pipeline.entrypoints.dagster_ui",
+            "--upstream",
+            upstream_url,
+            "--port",
+            str(proxy_port),
+        ],
+        tmp / "proxy.log",
+        env,
+    )
+    try:
+        for process, port in ((gate, gate_port), (upstream, upstream_port), (proxy, proxy_port)):
+            process.wait_for(f"http://127.0.0.1:{port}/server_info")
+        yield {
+            "gate": f"http://127.0.0.1:{gate_port}",
+            "proxy": f"http://127.0.0.1:{proxy_port}",
+            "home": home,
+        }
+    finally:
+        for process in (gate, upstream, proxy):
+            process.stop()
+
+
+def _runs(url: str) -> list:
+    query = {"query": "{ runsOrError { ... on Runs { results { runId } } } }"}
+    response = httpx.post(f"{url}/graphql", json=query, headers=_basic(ADMIN_KEY), timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()["data"]["runsOrError"]["results"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["gate", "proxy"])
+def test_no_key_and_no_team_key_reach_the_dagster_ui(deployment, front):
+    url = deployment[front]
+    for headers in ({}, _basic(TEAM_KEY), _basic("not-a-key"), {"authorization": "Bearer " + ADMIN_KEY}):
+        for method, path, body in (("GET", "/", None), ("GET", "/server_info", None), ("POST", "/graphql", TERMINATE)):
+            response = httpx.request(method, url + path, json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, (front, headers, path, response.text)
+            assert response.headers["www-authenticate"].startswith("Basic realm=")
+            assert "dagster" not in response.text.lower().replace("dagster ui", "")
+    # An operator's admin key opens it, as the user name (Scale's SDK style) or as the password.
+    for headers in (
+        _basic(ADMIN_KEY),
+        {"authorization": "Basic " + base64.b64encode(f"{ADMIN_KEY}:".encode()).decode()},
+    ):
+        response = httpx.get(f"{url}/server_info", headers=headers, timeout=30)
+        assert response.status_code == 200 and response.json()["dagster_version"], response.text
+    assert _runs(url) == []
+
+
+@pytest.mark.slow
+def test_the_local_operator_key_is_the_service_users_own_and_opens_the_ui(deployment):
+    key_file = deployment["home"] / OPERATOR_KEY_FILE
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_text().strip()
+    assert len(key) >= 40 and operator_key(deployment["home"]) == key  # made once, kept
+    assert httpx.get(f"{deployment['gate']}/server_info", headers=_basic(key), timeout=30).status_code == 200
+
+
+def test_a_key_file_others_can_read_is_refused(tmp_path):
+    operator_key(tmp_path)
+    (tmp_path / OPERATOR_KEY_FILE).chmod(0o644)
+    with pytest.raises(PermissionError, match="readable by other users"):
+        operator_key(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["gate", "proxy"])
+def test_another_sites_page_cannot_act_through_an_operators_browser(deployment, front):
+    url = deployment[front]
+    headers = {**_basic(ADMIN_KEY), "origin": "http://evil.example"}
+    response = httpx.post(f"{url}/graphql", json=TERMINATE, headers=headers, timeout=30)
+    assert response.status_code == 403, response.text
+    # The same mutation from the UI's own page gets to the webserver (which answers it).
+    host = url.removeprefix("http://")
+    same_site = httpx.post(f"{url}/graphql", json=TERMINATE, headers={**_basic(ADMIN_KEY), "origin": url}, timeout=30)
+    assert same_site.status_code == 200 and "terminateRun" in same_site.json()["data"], (host, same_site.text)
+
+
+def _subscribe(url: str, headers: dict[str, str]) -> dict:
+    """The UI's live updates: a graphql-ws connection, as the browser opens it."""
+    with connect(
+        url.replace("http://", "ws://") + "/graphql",
+        subprotocols=["graphql-ws"],
+        additional_headers=headers,
+        open_timeout=30,
+    ) as socket_:
+        socket_.send(json.dumps({"type": "connection_init", "payload": {}}))
+        return json.loads(socket_.recv(timeout=30))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["gate", "proxy"])
+def test_the_uis_websocket_takes_an_operator_from_its_own_page_only(deployment, front):
+    url = deployment[front]
+    assert _subscribe(url, {**_basic(ADMIN_KEY), "origin": url}) == {"type": "connection_ack"}
+    for headers in (
+        {"origin": url},
+        {**_basic(TEAM_KEY), "origin": url},
+        {**_basic(ADMIN_KEY), "origin": "http://evil.example"},
+    ):
+        with pytest.raises(InvalidStatus) as refused:
+            _subscribe(url, headers)
+        assert refused.value.response.status_code == 403
+
+
+@pytest.mark.slow
+def test_the_sign_in_url_sends_the_browser_on_to_a_page_of_this_host_only(deployment):
+    url = deployment["gate"]
+    for target, expected in (
+        ("/runs", url + "/runs"),
+        ("//evil.example/x", url + "/"),
+        ("http://evil.example", url + "/"),
+    ):
+        response = httpx.get(
+            f"{url}/_operators/sign-in", params={"next": target}, headers=_basic(ADMIN_KEY), timeout=30
+        )
+        assert response.status_code == 303 and response.headers["location"] == expected, (target, response.headers)
