@@ -21,7 +21,7 @@ from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.io import SymlinkRefused
 from batch_pipeline.core.settings import settings
 from batch_pipeline.store.jobs import JobStore
-from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
+from batch_pipeline.tenancy.tenants import ADMINS_OWNER, Tenants, TenantsFileError
 from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL
 
@@ -235,6 +235,50 @@ def test_a_mistake_in_the_tenants_file_is_named_with_its_line(tmp_path, text, na
     path.write_text(text)
     with pytest.raises(TenantsFileError, match=f"^{path}:{named}"):
         Tenants.load(str(path))
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (  # YAML keeps the last of two equal keys: team-a's first roots and keys dropped unseen
+            "tenants:\n  team-a:\n    data_roots: [/srv/a]\n  team-b: {}\n  team-a:\n    data_roots: [/srv/c]\n",
+            r"line 5: tenants.team-a: listed twice \(first at line 2\)",
+        ),
+        (
+            "tenants:\n  team-a:\n    data_roots: [/srv/a]\n    data_roots: [/srv/c]\n",
+            r"line 4: tenants.team-a.data_roots: listed twice \(first at line 3\)",
+        ),
+        ("admins: {}\nadmins: {}\ntenants: {}\n", "line 2: admins: listed twice"),
+        # The usage report's buckets: the admins' figures, and every owner of no team's.
+        ("tenants:\n  team-a: {}\n  admins:\n    data_roots: [/srv/a]\n", "line 3: tenants.admins: a reserved name"),
+        ("tenants:\n  other: {}\n", "line 2: tenants.other: a reserved name"),
+        # One store by another protocol's name, or its name in capitals.
+        (
+            "tenants:\n  team-a:\n    data_roots: ['s3://bucket/a/']\n  team-b:\n    data_roots: ['S3://bucket/a/b']\n",
+            "line 5: tenants.team-b.data_roots: s3://bucket/a/b/ lies inside team-a's data roots",
+        ),
+        (
+            "tenants:\n  team-a:\n    data_roots: ['gs://bucket/a']\n  team-b:\n    data_roots: ['gcs://bucket/a/b']\n",
+            "line 5: tenants.team-b.data_roots: gcs://bucket/a/b/ lies inside team-a's data roots",
+        ),
+        (
+            "tenants:\n  team-a:\n    data_roots: ['s3a://bucket']\n  team-b:\n    data_roots: ['s3://bucket/b']\n",
+            "line 5: tenants.team-b.data_roots",
+        ),
+    ],
+)
+def test_a_team_listed_twice_a_reserved_name_or_a_root_under_another_spelling_is_refused(tmp_path, text, named):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(text)
+    with pytest.raises(TenantsFileError, match=f"^{path}:{named}"):
+        Tenants.load(str(path))
+
+
+def test_the_reserved_team_names_are_the_usage_reports_own_labels():
+    from batch_pipeline.api.usage import OTHER, team_label
+    from batch_pipeline.tenancy.tenants import RESERVED_TEAM_NAMES
+
+    assert set(RESERVED_TEAM_NAMES) == {team_label(ADMINS_OWNER), OTHER}
 
 
 def test_one_key_for_two_teams_is_refused(tmp_path):

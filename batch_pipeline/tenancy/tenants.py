@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from fsspec.core import split_protocol
+from fsspec.registry import known_implementations
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from batch_pipeline.contract.priority import NAMED_PRIORITIES, read_priority
@@ -40,6 +41,10 @@ KeyDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", to_lower
 # (its digest's first 24 hex digits); a team's prefix cannot be mistaken for one.
 TEAM_OWNER_PREFIX = "team:"
 ADMINS_OWNER = "admins"
+# The usage report (api/usage.py) labels a team's figures with its name, the admins' `admins` and every
+# owner of no team `other`: no team may take either name. (Other owners, `dagster`, `schedule:...`, a
+# key's digest, never meet a team's `team:` name.)
+RESERVED_TEAM_NAMES = (ADMINS_OWNER, "other")
 
 
 class TenantsFileError(ValueError):
@@ -182,7 +187,7 @@ class DataRoots:
         local, remote = [], []
         for root in roots:
             protocol, rest = split_protocol(root)
-            if protocol is None or protocol in ("file", "local"):
+            if protocol is None or protocol.lower() in ("file", "local"):
                 local.append(Path(rest).resolve())
             else:
                 remote.append((_protocol_family(protocol), rest.strip("/") + "/"))
@@ -197,8 +202,13 @@ class DataRoots:
 
 
 def _protocol_family(protocol: str) -> str:
-    """One name for the protocols that open the same store (`s3a` is `s3` to s3fs)."""
-    return "s3" if protocol in ("s3", "s3a") else protocol
+    """One name for the protocols that open the same store, whatever their case: the first, in order, of
+    fsspec's names for its filesystem (`s3a` and `S3` are `s3`; `gs` is `gcs`)."""
+    name = protocol.lower()
+    known = known_implementations.get(name)
+    if known is None:
+        return name
+    return min(alias for alias, other in known_implementations.items() if other["class"] == known["class"])
 
 
 @dataclass(frozen=True)
@@ -241,18 +251,26 @@ class Tenants:
             raise TenantsFileError(f"{path}: the tenants file is not UTF-8 text (byte {exc.start})") from None
         try:
             root = yaml.compose(text, Loader=yaml.SafeLoader)
-            data = yaml.safe_load(text)
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"line {mark.line + 1}" if mark is not None else "?"
             raise TenantsFileError(f"{path}:{where}: not YAML: {getattr(exc, 'problem', exc)}") from None
+        _check_unique_keys(root, path)
         try:
-            parsed = TenantsFile.model_validate(data)
+            parsed = TenantsFile.model_validate(loaded)
         except ValidationError as exc:
             error = exc.errors(include_url=False)[0]
             field = ".".join(str(part) for part in error["loc"]) or "the file"
             line = _line_of(root, error["loc"])
             raise TenantsFileError(f"{path}:line {line}: {field}: {error['msg']}") from None
+        for name in parsed.tenants:
+            if name in RESERVED_TEAM_NAMES:
+                line = _line_of(root, ("tenants", name, "[key]"))
+                raise TenantsFileError(
+                    f"{path}:line {line}: tenants.{name}: a reserved name (the usage report labels the admins' "
+                    "figures `admins` and those of owners of no team `other`)"
+                )
         tenants = cls(parsed, path)
         tenants._check_disjoint(root)
         return tenants
@@ -383,6 +401,26 @@ def tenants_at(path: str) -> Tenants | None:
             raise
         logger.warning("%s; the tenants file read before stays in force", exc)
         return last[1]
+
+
+def _check_unique_keys(node: Any, path: str, field: str = "") -> None:
+    """A key given twice in one mapping is refused, naming its second line: YAML keeps the last silently,
+    so a team listed twice would merge into one, its first roots and keys dropped unseen."""
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_unique_keys(item, path, f"{field}.{index}" if field else str(index))
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first: dict[str, int] = {}
+    for key, value in node.value:
+        name = str(key.value)
+        where = f"{field}.{name}" if field else name
+        if isinstance(key, yaml.ScalarNode) and name in first:
+            raise TenantsFileError(
+                f"{path}:line {key.start_mark.line + 1}: {where}: listed twice (first at line {first[name]})"
+            )
+        first[name] = key.start_mark.line + 1
+        _check_unique_keys(value, path, where)
 
 
 def _line_of(node: Any, loc: tuple[int | str, ...] | list[int | str]) -> int:
