@@ -524,6 +524,7 @@ CONTROL_PLANE_PODS = {
     },
     "API": {"app.kubernetes.io/name": "batch-pipeline-api"},
     "webhooks": {"app.kubernetes.io/name": "batch-pipeline-webhooks"},
+    "Dagster UI gate": {"app.kubernetes.io/name": "batch-pipeline-dagster-ui"},
     "postgres": {"app.kubernetes.io/name": "postgresql"},
     "other": {"app": "anything"},
 }
@@ -579,7 +580,9 @@ def test_the_control_plane_admits_only_the_pods_that_need_it(tmp_path):
     assert admitted("webhooks", 80) == set()
     assert admitted("code server", 3030) == {"webserver", "read-only webserver", "daemon"}
     assert admitted("webserver", 80) == set()  # operators port-forward to it
-    assert admitted("read-only webserver", 80) == everyone
+    # every team's run configs and logs: the gate alone, which asks for an operator key first
+    assert admitted("read-only webserver", 80) == {"Dagster UI gate"}
+    assert admitted("Dagster UI gate", 8080) == everyone and admitted("Dagster UI gate", 80) == set()
     assert admitted("daemon", 80) == set()
     assert admitted("API", 8000) == everyone and admitted("API", 9000) == set()
     assert admitted("shard", 80) == set()
@@ -607,7 +610,7 @@ def _run_pod_labels(values: dict, tmp_path: Path) -> dict:
 REPO = Path(__file__).resolve().parents[1]
 API_KEYS_SECRET = "batch-pipeline-api-keys"
 WEBHOOK_SECRETS = "batch-pipeline-webhook-secrets"
-API, WEBHOOKS = "batch-pipeline-api", "batch-pipeline-webhooks"  # our Deployments
+API, WEBHOOKS, GATE = "batch-pipeline-api", "batch-pipeline-webhooks", "batch-pipeline-dagster-ui"  # our Deployments
 
 
 def _manifests() -> list[dict]:
@@ -668,6 +671,44 @@ def test_the_api_pod_runs_locked_down_with_a_service_account_of_its_own_with_no_
     assert account not in bound
     # the API's keys reach the API alone
     assert {"secretRef": {"name": API_KEYS_SECRET}} in container["envFrom"]
+
+
+def test_the_dagster_ui_gate_runs_locked_down_with_the_tenants_file_only_and_reaches_the_webserver_only():
+    """The cluster's Dagster UI is the read-only webserver behind the gate `serve` runs locally: the same
+    module as a proxy, reading the tenants file's admin keys, with no token, no API keys, no webhook secrets,
+    and out only to DNS and the read-only webserver."""
+    objects = _manifests()
+    deployments = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Deployment"}
+    pod = deployments[GATE]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    _assert_locked_down(pod, container)
+    assert pod["automountServiceAccountToken"] is False
+    (account,) = [
+        obj
+        for obj in objects
+        if obj["kind"] == "ServiceAccount" and obj["metadata"]["name"] == pod["serviceAccountName"]
+    ]
+    assert account["automountServiceAccountToken"] is False
+    bound = {subject["name"] for obj in objects if obj["kind"] == "RoleBinding" for subject in obj["subjects"]}
+    assert account["metadata"]["name"] not in bound
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "batch_pipeline.entrypoints.dagster_ui"]
+    assert command[command.index("--upstream") + 1] == "http://dagster-webserver-read-only:80"
+    assert "envFrom" not in container  # no Secret at all: the tenants file holds digests only
+    assert _tenants_file(container["env"], pod["volumes"], container["volumeMounts"]) == "batch-pipeline-tenants"
+
+    policy = _network_policy(GATE)
+    kubernetes_validate.validate(policy, KUBERNETES_VERSION, strict=True)
+    batch = {"kubernetes.io/metadata.name": "batch"}
+    assert _egress_allowed(
+        policy, 53, "UDP", namespace={"kubernetes.io/metadata.name": "kube-system"}, pod={"k8s-app": "kube-dns"}
+    )
+    assert _egress_allowed(policy, 80, namespace=batch, pod={"component": "dagster-webserver-read-only"})
+    for component in ("dagster-webserver", "user-deployments", "dagster-daemon"):
+        assert not _egress_allowed(policy, 80, namespace=batch, pod={"component": component})
+    assert not _egress_allowed(policy, 5432, namespace=batch, pod={"app.kubernetes.io/name": "postgresql"})
+    for address in ("52.216.8.1", "169.254.169.254", "10.20.30.40"):
+        assert not _egress_allowed(policy, 443, ip=address) and not _egress_allowed(policy, 80, ip=address)
 
 
 def test_the_webhook_pod_runs_serves_process_locked_down_with_only_its_own_secrets_and_reaches_out_only():
