@@ -257,3 +257,26 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
         assert colors is None or len(colors) > 50  # a rendered page, not a blank one
     if os.environ.get("BATCH_PIPELINE_SCREENSHOT"):  # how docs/dagster-ui-run.png is made
         shutil.copy(screenshot, os.environ["BATCH_PIPELINE_SCREENSHOT"])
+
+
+@pytest.mark.parametrize("taken", ["api", "ui"])
+def test_a_taken_port_is_one_line_naming_the_option_and_a_failing_exit(tmp_path, taken):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy, free = holder.getsockname()[1], _free_port()
+        api_port, ui_port = (busy, free) if taken == "api" else (free, busy)
+        completed = subprocess.run(
+            [sys.executable, "-m", "batch_pipeline.entrypoints.serve", "--port", str(api_port)]
+            + ["--dagster-port", str(ui_port)],
+            cwd=REPO,
+            env={**os.environ, "DAGSTER_HOME": str(tmp_path / "home")},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    option = "--port" if taken == "api" else "--dagster-port"
+    assert completed.returncode != 0
+    assert f"port {busy} on 127.0.0.1 is taken: pass {option} with a free port" in completed.stderr
+    assert "Traceback" not in completed.stderr, completed.stderr
+    assert not (tmp_path / "home").exists()  # refused before anything started

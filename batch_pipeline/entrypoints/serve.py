@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workspace", default=str(REPO / "workspace.yaml"))
     args = parser.parse_args(argv)
     os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
+    for host, port, option in (
+        (args.host, args.port, "--port"),
+        (DAGSTER_UI_HOST, args.dagster_port, "--dagster-port"),
+    ):
+        if not _can_listen(host, port):
+            parser.error(f"port {port} on {host} is taken: pass {option} with a free port")
     try:
         secure_service_paths(configured)
         check_webhook_secrets(
@@ -125,6 +132,19 @@ def api_command(host: str, port: int) -> list[str]:
         "--port",
         str(port),
     ]
+
+
+def _can_listen(host: str, port: int) -> bool:
+    """Whether a service could listen on host:port now: asked before any of them starts, so that a taken port
+    is one line naming the option that moves it, not a service's traceback after the others have started."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError:
+        return False
+    return True
 
 
 def _create_storage(configured: Settings) -> None:
