@@ -33,7 +33,7 @@ from tests.test_quotas import _ran
 
 HALF_LIFE_S = 3600.0  # the deployment's default, which the API's queue_position decays by in these tests
 
-BOUNDED, FREE = "key-of-the-bounded-team", "key-of-the-free-team"
+BOUNDED, FREE, ADMIN = "key-of-the-bounded-team", "key-of-the-free-team", "key-of-an-admin"
 
 
 def _digest(key: str) -> str:
@@ -47,7 +47,8 @@ def teams(tmp_path, monkeypatch):
         root.mkdir()
     tenants_file = tmp_path / "tenants.yaml"
     tenants_file.write_text(
-        "tenants:\n"
+        f"admins:\n  api_keys_sha256: [{_digest(ADMIN)}]\n"
+        "tenants:\n"  # last: a fixture may add a team at the end
         "  bounded:\n"
         f"    api_keys_sha256: [{_digest(BOUNDED)}]\n"
         f"    data_roots: [{roots['bounded']}]\n"
@@ -470,20 +471,20 @@ def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_adm
         assert response.status_code == 200
         return response.json()["job"]["metadata"]
 
+    # An admin sees each job's place among every team's; a team its place among its own team's jobs.
+    waiting = [*bounded, *free[1:]]
+    assert [int(metadata(ADMIN, job_id)["queue_position"]) for job_id in waiting] == [1, 2, 3, 4]
+    assert metadata(ADMIN, free[2])["waiting_for"].startswith(
+        "a run slot: 3 jobs ahead by fair share between teams (1 of them its team's);"
+    )
     places = {job_id: metadata(BOUNDED, job_id) for job_id in bounded} | {
         job_id: metadata(FREE, job_id) for job_id in free[1:]
     }
-    assert {job_id: int(m["queue_position"]) for job_id, m in places.items()} == {
-        bounded[0]: 1,
-        bounded[1]: 2,
-        free[1]: 3,
-        free[2]: 4,
-    }
+    assert [int(places[job_id]["queue_position"]) for job_id in waiting] == [1, 2, 1, 2]
     why = places[free[2]]["waiting_for"]
-    assert why.startswith("a run slot: 3 jobs ahead by fair share between teams (1 of them your team's);")
-    assert "other team" not in why  # how many other teams wait is theirs
+    assert why.startswith("a run slot: 1 of your team's jobs goes first; your team has used"), why
     assert "slot-seconds per weight (weight 1, 0 running)" in why
-    for key_of_other in ("bounded", *bounded):  # no other team's name, nor its jobs
+    for key_of_other in ("bounded", *bounded, "ahead"):  # no other team's name, nor its jobs, nor a count
         assert key_of_other not in why
     assert (
         "queue_position"
@@ -499,6 +500,29 @@ def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_adm
     lines = [line for line in capfd.readouterr().err.splitlines() if "takes a run slot" in line]
     assert len(lines) == 4 and f"team:bounded's job {bounded[0]} takes a run slot" in lines[0], lines
     assert "slot-seconds per weight" in lines[0] and "priority (10)" in lines[0]
+
+
+def test_a_teams_queue_position_and_waiting_for_say_nothing_of_how_many_jobs_other_teams_have_waiting(api, teams):
+    """A team's GET of its waiting job counted the jobs of other teams ahead of it: by submitting one job
+    and reading its queue_position, a team learnt how many jobs the others had queued, and when."""
+    store = JobStore()
+    mine = _submit(api, FREE, teams["free"] / "mine.json").json()["job_id"]
+    # The free team has used slots lately, so every job of the bounded team stands ahead of its own.
+    store.mark_started(mine, "run-free", datetime.now(UTC) - timedelta(seconds=120))
+    store.mark_run_ended(mine, "run-free", "completed", datetime.now(UTC) - timedelta(seconds=60))
+    waiting = _submit(api, FREE, teams["free"] / "waiting.json").json()["job_id"]
+
+    def told() -> dict[str, str]:
+        metadata = _metadata(api, FREE, waiting)
+        return {field: metadata[field] for field in ("queue_position", "waiting_for")}
+
+    alone = told()
+    assert alone["queue_position"] == "1"
+    for i in range(2):  # the bounded team's max_queued_jobs
+        queued = _submit(api, BOUNDED, teams["bounded"] / f"{i}.json", priority="highest")
+        assert queued.status_code == 200, queued.text
+    assert _metadata(api, ADMIN, waiting)["queue_position"] == "3"  # they do stand ahead of it
+    assert told() == alone
 
 
 def test_the_sensor_fails_a_job_whose_deadline_passed_while_it_waited_and_admits_the_rest(api, teams):
@@ -644,14 +668,15 @@ def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_tak
     assert below["queue_position"] == "1" and "max_tokens_per_day" not in below["waiting_for"], below
 
     _ran(running, TOKENS_PER_DAY - 600, now - timedelta(seconds=1), None)  # the quota reached: held
+    # After every job that may start now (the free team's), in its own team's order: an admin sees both,
+    # the team its own team's order only.
+    assert [int(_metadata(api, ADMIN, job_id)["queue_position"]) for job_id in waiting] == [2, 3]
     places = {job_id: _metadata(api, CAPPED, job_id) for job_id in waiting}
-    # After every job that may start now (the free team's), in its own team's order.
-    assert [int(places[job_id]["queue_position"]) for job_id in waiting] == [2, 3]
+    assert [int(places[job_id]["queue_position"]) for job_id in waiting] == [1, 2]
     why = places[waiting[0]]["waiting_for"]
     assert why.startswith(
         f"your team's max_tokens_per_day: it has used {TOKENS_PER_DAY}/{TOKENS_PER_DAY} tokens today (UTC); its "
-        "jobs wait until 00:00 UTC, then a run slot: 1 job ahead by fair share between teams (0 of them your "
-        "team's);"
+        "jobs wait until 00:00 UTC, then a run slot: 0 of your team's jobs go first;"
     ), why
     # The free team has no such quota: never held, however many tokens it used today.
     assert _metadata(api, FREE, free)["queue_position"] == "1"

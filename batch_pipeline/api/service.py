@@ -127,7 +127,7 @@ class BatchJobService:
         return self.dry_runs.estimate(request, history, self.admission.data_files(caller.owner), team=caller.owner)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
-        return self.describe(self._record(caller, job_id), place_in_queue=True)
+        return self.describe(self._record(caller, job_id), place_for=caller)
 
     def list(
         self,
@@ -249,9 +249,10 @@ class BatchJobService:
             return "the job's checkpoints were deleted: its work dir holds no shards"
         return None
 
-    def describe(self, record: JobRecord, place_in_queue: bool = False) -> BatchCompletionsJob:
-        """The job as its row has it: no file, no run and no event log is read. With `place_in_queue` (a GET
-        of one job), a job waiting for a run slot says where it stands (the waiting jobs' index is read)."""
+    def describe(self, record: JobRecord, place_for: Caller | None = None) -> BatchCompletionsJob:
+        """The job as its row has it: no file, no run and no event log is read. With `place_for` (the caller
+        of a GET of one job), a job waiting for a run slot says where it stands as that caller may know it
+        (the waiting jobs' index is read)."""
         request = _stored_request_view(record)
         metadata: dict[str, str] = {"labels": _labels_text(record.labels)} if record.labels else {}
         if record.run_id is not None:
@@ -267,8 +268,8 @@ class BatchJobService:
         waiting = record.status == JobStatus.QUEUED and record.run_id is None
         if waiting and (registry := self.admission.teams()) is not None:
             metadata["waiting_for"] = "a run slot: the jobs sensor gives free ones out by fair share between teams"
-            if place_in_queue:
-                metadata |= _place_in_queue(self.store, registry, record, self.fair_share_half_life_s)
+            if place_for is not None:
+                metadata |= _place_in_queue(self.store, registry, record, self.fair_share_half_life_s, place_for)
         if record.results is not None:
             metadata |= _results_metadata(record.results)
         if record.status == JobStatus.FAILED:
@@ -356,25 +357,37 @@ def _stored_max_runtime(record: JobRecord) -> int:
     return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_RUNTIME_SEC
 
 
-def _place_in_queue(store: JobStore, registry: Tenants, record: JobRecord, half_life_s: float) -> dict[str, str]:
-    """`queue_position` (1-based) and why, as the jobs sensor's order has it now; only the caller's own team
-    is named, other teams only counted."""
-    place = place_in_queue(store, registry, record, datetime.now(UTC), half_life_s)
+def _place_in_queue(
+    store: JobStore, registry: Tenants, record: JobRecord, half_life_s: float, caller: Caller
+) -> dict[str, str]:
+    """`queue_position` (1-based) and why, as the jobs sensor's order has it now. A team is told its job's
+    place among its own team's waiting jobs, and its own team's standing, never how many jobs other teams
+    have waiting or how they stand; an admin, its place among every team's."""
+    place = place_in_queue(store, registry, record, datetime.now(UTC), half_life_s, count_other_teams=caller.is_admin)
     if place is None:
         return {}
-    ahead = place.position - 1
-    why = (
-        # How many other teams are ahead is left out: it would tell a team how many others are waiting.
-        f"a run slot: {ahead} job{'s' if ahead != 1 else ''} ahead by fair share between teams "
-        f"({place.ahead_in_team} of them your team's); your team has used {place.usage_per_weight:.0f} "
-        f"slot-seconds per weight (weight {place.weight:g}, {place.running} running); teams with less per weight "
-        "go first, then fewer running per weight; within a team, higher priority, then older"
+    standing = (
+        f"slot-seconds per weight (weight {place.weight:g}, {place.running} running); slots go to the teams with "
+        "less per weight first, then fewer running per weight; within a team, higher priority, then older"
     )
+    if caller.is_admin:
+        ahead = place.position - 1
+        why = (
+            f"a run slot: {ahead} job{'s' if ahead != 1 else ''} ahead by fair share between teams "
+            f"({place.ahead_in_team} of them its team's); its team has used {place.usage_per_weight:.0f} {standing}"
+        )
+    else:
+        ahead = place.ahead_in_team
+        why = (
+            f"a run slot: {ahead} of your team's jobs {'go' if ahead != 1 else 'goes'} first; your team has used "
+            f"{place.usage_per_weight:.0f} {standing}"
+        )
+    whose = "its team's" if caller.is_admin else "your team's"
     if place.held_by_bound:
-        why = f"one of your team's {place.running} running jobs to end (its max_running_jobs), then {why}"
+        why = f"one of {whose} {place.running} running jobs to end (its max_running_jobs), then {why}"
     if place.held_by_tokens:
         why = (
-            f"your team's max_tokens_per_day: it has used {place.tokens_today}/{place.max_tokens_per_day} tokens "
+            f"{whose} max_tokens_per_day: it has used {place.tokens_today}/{place.max_tokens_per_day} tokens "
             f"today (UTC); its jobs wait until 00:00 UTC, then {why}"
         )
     return {"queue_position": str(place.position), "waiting_for": why}

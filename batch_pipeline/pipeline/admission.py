@@ -199,12 +199,19 @@ def tokens_hold(share: TeamShare, waiting: int) -> str:
 
 
 def place_in_queue(
-    store: JobStore, registry: Tenants, record: JobRecord, now: datetime, half_life_s: float
+    store: JobStore,
+    registry: Tenants,
+    record: JobRecord,
+    now: datetime,
+    half_life_s: float,
+    count_other_teams: bool = True,
 ) -> QueuePlace | None:
     """Where a waiting job stands now in the order the jobs sensor gives out run slots, by the same reads
-    and the same order (`fair_share.queue_position` over what `admit` reads); nothing is written."""
+    and the same order (`fair_share.queue_position` over what `admit` reads); nothing is written. Without
+    `count_other_teams`, among its own team's jobs only (what a team may be told)."""
     queues = waiting_queues(store, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
-    return queue_position(queues, team_shares(store, registry, now, half_life_s), record.job_id, record.owner)
+    shares = team_shares(store, registry, now, half_life_s)
+    return queue_position(queues, shares, record.job_id, record.owner, count_other_teams)
 
 
 def _capped_priority(registry: Tenants, owner: str, priority: str | None) -> int:

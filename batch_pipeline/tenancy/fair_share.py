@@ -167,7 +167,7 @@ def _why(owner: str, share: TeamShare, given: int, job: WaitingJob) -> str:
 class QueuePlace:
     """Where a waiting job stands in the order slots would be given out now."""
 
-    position: int  # 1-based
+    position: int  # 1-based: among every team's waiting jobs, or its own team's only (`count_other_teams`)
     ahead_in_team: int  # of its own team's jobs
     held_by_bound: bool  # its team is at max_running_jobs: it comes after every job that may start now
     usage_per_weight: float  # its team's
@@ -180,11 +180,16 @@ class QueuePlace:
     max_tokens_per_day: int | None = None
 
 
-def queue_position(queues: Queues, teams: dict[str, TeamShare], job_id: str, owner: str) -> QueuePlace | None:
+def queue_position(
+    queues: Queues, teams: dict[str, TeamShare], job_id: str, owner: str, count_other_teams: bool = True
+) -> QueuePlace | None:
     """The job's place in the order `admit` gives out slots (with as many slots as jobs), without giving
     any: the count, team by team, of the standings lower than its own. A job its team's bound holds back,
     or every job of a team over its tokens of the day, comes after every job that may start now, in the
-    same order (by standing) among the held ones. None: not waiting."""
+    same order (by standing) among the held ones. None: not waiting.
+
+    Without `count_other_teams` (a team asking of its own job) its place among its own team's jobs only:
+    how many jobs other teams have waiting, and how they stand, are theirs."""
     mine = queues.ordered_list(owner)
     rank = next((k for k, job in enumerate(mine) if job.job_id == job_id), None)
     if rank is None:
@@ -195,7 +200,7 @@ def queue_position(queues: Queues, teams: dict[str, TeamShare], job_id: str, own
     held = held_by_bound or share.over_tokens()
     target = _standing(owner, share, rank, mine[rank])
     ahead = rank
-    for other in queues.owners():
+    for other in queues.owners() if count_other_teams else ():
         if other == owner:
             continue
         other_share = teams.get(other, _NO_SHARE)
