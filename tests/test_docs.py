@@ -284,3 +284,13 @@ def test_every_file_a_page_names_exists():
     assert len(named) > 20, "the pattern finds no file"
     missing = sorted(f"{page}: {path}" for path, page in named if not (REPO / path).exists())
     assert not missing, "the pages name files that are not there:\n" + "\n".join(missing)
+
+
+def test_a_batch_input_line_shown_in_the_docs_is_one_line_as_its_file_needs():
+    """A reader pastes it into a .jsonl file: a line split for the page makes a batch that fails."""
+    split = [
+        str(block)
+        for block in ALL
+        if block.language == "json" and '"custom_id"' in block.text and len(block.text.strip().splitlines()) > 1
+    ]
+    assert split == []
