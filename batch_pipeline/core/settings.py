@@ -12,6 +12,7 @@ reads its four variables itself; they are documented and checked here all the sa
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from decimal import Decimal
@@ -264,6 +265,12 @@ class Settings(_EnvironmentSettings):
         "answers (each read and write also times out after 5 s); then it counts as failed and is retried with "
         "backoff. At most 90, so that an attempt ends within its 2-minute claim",
     )
+    webhook_allow_private_networks: str = Field(
+        "",
+        description="Networks (CIDRs, comma-separated: `10.20.0.0/16,127.0.0.1/32`) where webhook receivers may be "
+        "although they are not public. Unset, an endpoint whose host resolves to a loopback, private, link-local "
+        "(a cloud's metadata address), shared or reserved address is not sent to, wherever its DNS points",
+    )
     # The shard worker
     checkpoint_upload_s: float = Field(
         30.0, description="Seconds between uploads of a shard's checkpoint to a remote work dir"
@@ -281,6 +288,16 @@ class Settings(_EnvironmentSettings):
         "",
         description="`code_evaluator`: the Python executions run (unset: the worker's, else the system's `python3`)",
     )
+
+    @field_validator("webhook_allow_private_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        for network in (part.strip() for part in value.split(",") if part.strip()):
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"{network!r} is not a network (CIDR, e.g. 10.20.0.0/16)") from None
+        return value
 
     @field_validator("max_cpus", "max_memory", "max_storage")
     @classmethod
