@@ -190,6 +190,23 @@ def test_v2_list_content_errors_name_the_element_and_field():
     assert locations == ["content.completion.1.temperature"]
 
 
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        (
+            [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "a"}, {"prompt": "b"}],
+            "request 1 is a completion",
+        ),
+        ([{"prompt": "a"}, {"prompt": "b"}, {"messages": [{"role": "user", "content": "hi"}]}], "request 2 is a chat"),
+    ],
+)
+def test_a_list_mixing_chat_and_completion_requests_is_named_for_what_it_is(content, named):
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchCompletionsV2Request.model_validate(_v1(content=content))
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("content",) and named in error["msg"] and "send two jobs" in error["msg"]
+
+
 def test_job_serialises_with_the_spec_field_names():
     job = BatchCompletionsJob.model_validate(
         {

@@ -194,3 +194,17 @@ class CreateBatchCompletionsV2Request(_BatchCompletionsRequestBase):
         "the input file should be a JSON file of type List[CreateBatchCompletionsRequestContent].",
     )
     model_cfg: BatchCompletionsModelConfig = Field(alias="model_config")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _one_kind_of_request(cls, content: Any) -> Any:
+        """A list mixing chat and completion requests is named for what it is, at the first request of the
+        other kind: otherwise it fails deep inside the kind the first request chose (`content.chat.2...`)."""
+        if isinstance(content, list) and content and all(isinstance(item, dict) for item in content):
+            kinds = ["chat" if "messages" in item else "completion" for item in content]
+            if (other := next((i for i, kind in enumerate(kinds) if kind != kinds[0]), None)) is not None:
+                raise ValueError(
+                    f"request {other} is a {kinds[other]} request and request 0 a {kinds[0]} request: a job's "
+                    "content is all completion requests (`prompt`) or all chat requests (`messages`); send two jobs"
+                )
+        return content
