@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=configured.port)
     parser.add_argument("--dagster-port", type=int, default=int(os.environ.get("DAGSTER_WEBSERVER_PORT", "3000")))
     parser.add_argument("--workspace", default=str(REPO / "workspace.yaml"))
+    parser.add_argument(
+        "--daemon-log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("DAGSTER_HOME", str(REPO / "dagster_home"))
     for host, port, option in (
@@ -62,7 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "api": api_command(args.host, args.port),
         "dagster-webserver": dagster_ui_command(args.workspace, args.dagster_port),
-        "dagster-daemon": [str(bin_dir / "dagster-daemon"), "run", "-w", args.workspace],
+        # Warnings up: at info, each sensor's every skipped tick was half of the console; the UI keeps them.
+        "dagster-daemon": [
+            str(bin_dir / "dagster-daemon"),
+            "run",
+            "-w",
+            args.workspace,
+            "--log-level",
+            args.daemon_log_level,
+        ],
         # Webhook delivery in a process of its own: a receiver that is down or slow never holds a sensor
         # tick, a run or the API (batch_pipeline/webhooks/delivery.py).
         "webhooks": webhooks_command(),
