@@ -70,6 +70,7 @@ def test_the_openai_sdk_uploads_runs_polls_and_downloads_a_batch(served):
     assert batch.status == "completed", (batch, served.log.read_text()[-3000:])
     assert batch.request_counts.model_dump() == {"total": 4, "completed": 3, "failed": 1}
     assert batch.completed_at >= batch.in_progress_at >= batch.created_at
+    assert batch.model == MODEL  # the SDK's Batch.model: the model of the file's lines
 
     outputs = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
     assert [line["custom_id"] for line in outputs] == list(prompts)
@@ -78,6 +79,10 @@ def test_the_openai_sdk_uploads_runs_polls_and_downloads_a_batch(served):
         body = line["response"]["body"]
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"].strip()
         assert 1 <= body["usage"]["completion_tokens"] <= 8
+        assert "tool_calls" not in body["choices"][0]["message"]  # as OpenAI's, where the model calls none
+    # Response ids are unique, not the line's index alone (chatcmpl-0 in every batch).
+    ids = [line["response"]["body"]["id"] for line in outputs]
+    assert len(set(ids)) == len(ids) and all(len(id_) > len("chatcmpl-0") + 8 for id_ in ids), ids
 
     [failed] = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
     assert failed["custom_id"] == "too-long" and failed["error"]["code"] == "prompt_too_long"

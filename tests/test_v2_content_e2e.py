@@ -381,7 +381,7 @@ def _calls(result):
     (choice,) = result["choices"]
     return choice, [
         (call["function"]["name"], json.loads(call["function"]["arguments"]))
-        for call in choice["message"]["tool_calls"]
+        for call in choice["message"].get("tool_calls", [])
     ]
 
 
@@ -392,6 +392,7 @@ def test_auto_tool_choice_reads_calls_with_the_configured_parser(outputs):
     assert choice["message"]["tool_calls"][0]["type"] == "function" and choice["message"]["tool_calls"][0]["id"]
     answer, calls = _calls(outputs[0]["tool_auto_answer"])
     assert calls == [] and answer["message"]["content"] == "It is sunny." and answer["finish_reason"] == "stop"
+    assert "tool_calls" not in answer["message"]  # as OpenAI's message that calls no tool
 
 
 def test_named_and_required_tool_choice_give_calls_that_match_the_tools_parameters(outputs):

@@ -481,6 +481,7 @@ def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
         expires_at=_unix(batch.created_at + timedelta(hours=int(batch.completion_window[:-1]))),
         request_counts=counts,
         metadata=job.labels or None,
+        model=job.model,
         usage=_usage(job),
         **timestamps,
     )

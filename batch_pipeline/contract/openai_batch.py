@@ -151,6 +151,7 @@ class Batch(WireModel):
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts
     metadata: dict[str, str] | None = None
+    model: str | None = Field(None, description="The model of the batch's lines (one per file)")
     usage: BatchUsage | None = Field(
         None,
         description="The tokens of the batch's job so far (its prompt and completion tokens); null before it has any",

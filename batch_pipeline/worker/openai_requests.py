@@ -7,6 +7,7 @@ field); the rest of the batch runs.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any
 
@@ -202,13 +203,16 @@ class _OpenAIRequests:
         self.model_config = model_config
         self.model_name = model_config.served_model_name or model_config.model
         self.defaults = ServerDefaults(llm.llm_engine.model_config, self.request_type)
+        # Ids unique across batches, as OpenAI's are; the index stays last, as a copy's id is made from its
+        # source's (worker/checkpoint.py).
+        self.id_token = secrets.token_hex(6)
 
     def _decoded(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     def _response(self, id_prefix: str, kind: str, item: WorkItem, choices: list, results: list[Any]) -> dict:
         return {
-            "id": f"{id_prefix}-{item.index}",
+            "id": f"{id_prefix}-{self.id_token}-{item.index}",
             "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
@@ -376,7 +380,8 @@ class ChatRequests(_OpenAIRequests):
             choices.append(
                 {
                     "index": position,
-                    "message": {"role": role, "content": content, "tool_calls": tool_calls},
+                    # OpenAI leaves tool_calls out of a message that calls none.
+                    "message": {"role": role, "content": content} | ({"tool_calls": tool_calls} if tool_calls else {}),
                     "logprobs": {"content": self._logprobs(choice, request.top_logprobs or 0)}
                     if request.logprobs
                     else None,
