@@ -3,17 +3,24 @@ its jobs' inline content) and `max_tokens_per_day` (its jobs' prompt and complet
 A submission past one is a 429 naming the quota and its figures, in OpenAI's shape on /v1/files and
 /v1/batches, with Retry-After where waiting helps, and nothing is stored: no row, no file."""
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from tempfile import SpooledTemporaryFile
 
 import anyio
+import httpx
 import pytest
 import sqlalchemy as sa
+import uvicorn
 
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import QuotaExceeded, check_tokens_quota, hold_stored_bytes
@@ -34,7 +41,7 @@ def _digest(key: str) -> str:
 
 @pytest.fixture
 def teams(tmp_path, monkeypatch):
-    roots = {name: tmp_path / name for name in ("small", "other")}
+    roots = {name: tmp_path / name for name in ("small", "roomy")}
     for root in roots.values():
         root.mkdir()
     tenants_file = tmp_path / "tenants.yaml"
@@ -45,9 +52,9 @@ def teams(tmp_path, monkeypatch):
         f"    data_roots: [{roots['small']}]\n"
         f"    max_stored_bytes: {STORED_MAX}\n"
         f"    max_tokens_per_day: {TOKENS_MAX}\n"
-        "  other:\n"
+        "  roomy:\n"
         f"    api_keys_sha256: [{_digest(OTHER)}]\n"
-        f"    data_roots: [{roots['other']}]\n"
+        f"    data_roots: [{roots['roomy']}]\n"
     )
     monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
     return roots
@@ -273,36 +280,55 @@ def _seconds_to_midnight() -> float:
     return (now.replace(hour=0, minute=0, second=0, microsecond=0) + timedelta(days=1) - now).total_seconds()
 
 
+def _estimate(job_id: str) -> int:
+    with JobStore().engine.connect() as connection:
+        return connection.execute(sa.select(jobs.c.estimated_tokens).where(jobs.c.job_id == job_id)).scalar_one()
+
+
 def test_the_tokens_quota_counts_today_utc_and_the_teams_own_only_and_refuses_every_way_in(api, teams, tmp_path):
     now = datetime.now(UTC)
     midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
     small = [_submit(api, SMALL, teams["small"] / f"{i}.json").json()["job_id"] for i in range(3)]
-    other = _submit(api, OTHER, teams["other"] / "1.json").json()["job_id"]
+    other = _submit(api, OTHER, teams["roomy"] / "1.json").json()["job_id"]
+    # Each job reserves its estimate from its submission: "hi" (one token at 4 characters a token, plus one)
+    # and its 4 new tokens.
+    estimate = _estimate(small[0])
+    assert estimate == 5 and _estimate(other) is None  # the other team has no tokens quota to reserve against
     # Yesterday's tokens (a job that ended a second before midnight) and another team's today don't count.
     _ran(small[0], 10 * TOKENS_MAX, midnight - timedelta(hours=2), midnight - timedelta(seconds=1))
     _ran(other, 10 * TOKENS_MAX, now, now)
-    _ran(small[1], TOKENS_MAX - 1, midnight - timedelta(hours=1), now)  # ended today: counts, all of it
-    assert _submit(api, SMALL, teams["small"] / "a.json").status_code == 200
-    # A job still running counts today what it has done so far: the team now reaches its quota.
-    _ran(small[2], 1, now, None)
+    # Ended today: counts what it used, all of it, its estimate no more; with the waiting job's estimate, one
+    # token below the quota.
+    _ran(small[1], TOKENS_MAX - 1 - estimate, midnight - timedelta(hours=1), now)
+    made = _submit(api, SMALL, teams["small"] / "a.json")
+    assert made.status_code == 200, made.text
+    # A job still running counts the larger of its estimate and what it has used so far; the team, with the
+    # job just made, has passed its quota.
+    _ran(small[2], 3, now, None)
+    used, reserved = TOKENS_MAX - 1 - estimate + 3, (estimate - 3) + estimate
     kept, jobs_before = _on_disk(tmp_path), _job_ids(api, SMALL)
 
     for version in ("v2", "v1"):
         refused = _submit(api, SMALL, teams["small"] / "b.json", version=version)
         assert refused.status_code == 429, refused.text
         detail = refused.json()["detail"]
-        assert detail.startswith("max_tokens_per_day:") and f"{TOKENS_MAX}/{TOKENS_MAX} tokens" in detail
+        assert detail.startswith(f"max_tokens_per_day: your team's jobs have used {used}/{TOKENS_MAX} tokens"), detail
+        assert f"hold {reserved} more by their estimates ({used + reserved}/{TOKENS_MAX})" in detail, detail
         assert abs(int(refused.headers["retry-after"]) - _seconds_to_midnight()) <= 5  # the next UTC midnight
     uploaded = _upload(api, _jsonl([_line("a")]), key=SMALL)  # files are not tokens: kept
     assert uploaded.status_code == 200
     batch = _create(api, uploaded.json()["id"], key=SMALL)
     error = _openai_error(batch, "max_tokens_per_day")
-    assert f"{TOKENS_MAX}/{TOKENS_MAX} tokens" in error["message"]
+    assert f"({used + reserved}/{TOKENS_MAX})" in error["message"]
     assert abs(int(batch.headers["retry-after"]) - _seconds_to_midnight()) <= 5
     assert api.get("/v1/batches", headers={"Authorization": f"Bearer {SMALL}"}).json()["data"] == []
     assert _job_ids(api, SMALL) == jobs_before and _on_disk(tmp_path)["work"] == kept["work"]
     # The other team, with no such quota, submits as before.
-    assert _submit(api, OTHER, teams["other"] / "2.json").status_code == 200
+    assert _submit(api, OTHER, teams["roomy"] / "2.json").status_code == 200
+    # A job that ends gives back what its estimate held beyond what it used: the team is below its quota again.
+    cancelled = api.post(f"/v2/batch-completions/{made.json()['job_id']}/actions/cancel", headers={"x-api-key": SMALL})
+    assert cancelled.status_code == 200 and cancelled.json()["success"] is True
+    assert _submit(api, SMALL, teams["small"] / "c.json").status_code == 200
 
 
 def test_the_day_of_the_tokens_quota_is_the_utc_day(api, teams):
@@ -314,12 +340,12 @@ def test_the_day_of_the_tokens_quota_is_the_utc_day(api, teams):
     late = datetime(2030, 5, 1, 22, 59, 30, tzinfo=UTC)
     teams = AdmissionPolicy.of_deployment(settings()).teams()  # the API's
     assert teams is not None
-    small, other = teams.team_of_owner("team:small"), teams.team_of_owner("team:other")
+    small, other = teams.team_of_owner("team:small"), teams.team_of_owner("team:roomy")
     with pytest.raises(QuotaExceeded) as refused:
         check_tokens_quota(store, "team:small", small, now=late.astimezone(datetime.now().astimezone().tzinfo))
     assert refused.value.quota == "max_tokens_per_day" and refused.value.retry_after_s == math.ceil(3600 + 30)
     check_tokens_quota(store, "team:small", small, now=day + timedelta(days=1, seconds=1))  # a new day: not refused
-    check_tokens_quota(store, "team:other", other, now=late)  # no quota
+    check_tokens_quota(store, "team:roomy", other, now=late)  # no quota
 
 
 # --- through a real deployment --------------------------------------------------------------------------
@@ -344,9 +370,9 @@ def test_through_serve_a_team_past_its_tokens_of_the_day_after_one_real_job_gets
         f"    data_roots: [{teams['small']}]\n"
         "    max_tokens_per_day: 1\n"
         f"    max_stored_bytes: {STORED_MAX}\n"
-        "  other:\n"
+        "  roomy:\n"
         f"    api_keys_sha256: [{_digest(OTHER)}]\n"
-        f"    data_roots: [{teams['other']}]\n"
+        f"    data_roots: [{teams['roomy']}]\n"
         "    max_queued_jobs: 1\n"
     )
     served = Served(tmp_path, env={"BATCH_PIPELINE_TENANTS": str(tenants_file)})
@@ -383,12 +409,12 @@ def test_through_serve_a_team_past_its_tokens_of_the_day_after_one_real_job_gets
 
         # max_queued_jobs: while the one run slot is held, the other team's job waits in the store; one more
         # is a 429 and makes no job.
-        waiting = submit(OTHER, teams["other"] / "1.json")
+        waiting = submit(OTHER, teams["roomy"] / "1.json")
         assert waiting.status_code == 200, waiting.text
         waiting_id = waiting.json()["job_id"]
         listed, on_disk = _job_ids(api, OTHER), _on_disk(tmp_path)["work"]
         assert listed == [waiting_id] and job(waiting_id, OTHER)["status"] == "queued"
-        refused = submit(OTHER, teams["other"] / "2.json")
+        refused = submit(OTHER, teams["roomy"] / "2.json")
         assert refused.status_code == 429, refused.text
         detail = refused.json()["detail"]
         assert detail.startswith("max_queued_jobs:") and "1 jobs waiting to start" in detail, detail
@@ -437,3 +463,152 @@ def test_a_batchs_copy_of_its_file_counts_so_batches_of_one_file_cannot_fill_the
     assert len(api.get("/v1/batches", headers=bearer).json()["data"]) == 1
     usage = api.get("/v2/usage", headers={"x-api-key": SMALL}).json()
     assert usage["teams"][0]["stored_bytes_now"] == len(data) + copy  # the file and the first batch's copy
+
+
+# --- under concurrency (issue 44, finding 3) ------------------------------------------------------------
+
+RACER, SPENDER = "key-of-the-racing-team", "key-of-the-spending-team"
+QUEUED_MAX = 2
+
+
+@pytest.fixture
+def racing_teams(tmp_path, monkeypatch):
+    """A team with a queue quota and one with a tokens quota, and the real app serving them on a real port."""
+    roots = {name: tmp_path / name for name in ("racer", "spender")}
+    for root in roots.values():
+        root.mkdir()
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        "tenants:\n"
+        "  racer:\n"
+        f"    api_keys_sha256: [{_digest(RACER)}]\n"
+        f"    data_roots: [{roots['racer']}]\n"
+        f"    max_queued_jobs: {QUEUED_MAX}\n"
+        "  spender:\n"
+        f"    api_keys_sha256: [{_digest(SPENDER)}]\n"
+        f"    data_roots: [{roots['spender']}]\n"
+        f"    max_tokens_per_day: {TOKENS_MAX}\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+    return roots
+
+
+@contextlib.contextmanager
+def served(app) -> Iterator[httpx.Client]:
+    """The app on a real port (uvicorn in a thread, its routes on uvicorn's threads), and a client of it
+    whose connections are not limited below the races' 40 requests."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the API did not start"
+        time.sleep(0.05)
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, limits=limits) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _at_once(calls: list) -> list[httpx.Response]:
+    """Each call in a thread of its own, all released together."""
+    start = threading.Barrier(len(calls))
+
+    def run(call):
+        start.wait()
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+def race_the_queue_quota(client: httpx.Client, root, store: JobStore) -> None:
+    """40 submissions of one team at once (v2, v1 and OpenAI batches) against its max_queued_jobs of 2: two
+    are taken, every other is a 429 naming the quota, and the team has two jobs waiting. Then 19 of its
+    stopped jobs resumed at once: two are queued again, the rest stay stopped."""
+    headers, bearer = {"x-api-key": RACER}, {"Authorization": f"Bearer {RACER}"}
+    uploaded = _upload(client, _jsonl([_line("a")]), key=RACER)
+    assert uploaded.status_code == 200, uploaded.text
+
+    def submission(i: int):
+        if i % 5 == 4:
+            return lambda: _create(client, uploaded.json()["id"], key=RACER)
+        path = "/v2/batch-completions" if i % 2 else "/v1/llm/batch-completions"
+        return lambda: client.post(path, json=_body(root / f"{i}.json"), headers=headers)
+
+    answers = _at_once([submission(i) for i in range(40)])
+    taken = [answer for answer in answers if answer.status_code == 200]
+    refused = [answer for answer in answers if answer.status_code != 200]
+    assert len(taken) == QUEUED_MAX, [answer.text for answer in taken]
+    for answer in refused:
+        assert answer.status_code == 429, answer.text
+        text = answer.text
+        # A batch may find every check of its team's input files busy first: a 429 of its own, storing nothing.
+        assert "max_queued_jobs: your team has" in text or "batch input files being checked" in text, text
+    assert store.count_queued("team:racer") == QUEUED_MAX
+    assert len(store.list(owner="team:racer").jobs) == QUEUED_MAX
+
+    # 19 stopped jobs: made and cancelled one at a time, under the quota.
+    for job in store.list(owner="team:racer").jobs:
+        assert client.post(f"/v2/batch-completions/{job.job_id}/actions/cancel", headers=headers).status_code == 200
+    stopped = [job.job_id for job in store.list(owner="team:racer").jobs]
+    while len(stopped) < 19:
+        made = client.post("/v2/batch-completions", json=_body(root / f"s{len(stopped)}.json"), headers=headers)
+        assert made.status_code == 200, made.text
+        job_id = made.json()["job_id"]
+        assert client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=headers).status_code == 200
+        stopped.append(job_id)
+    assert store.count_queued("team:racer") == 0
+
+    answers = _at_once(
+        [lambda job_id=job_id: client.post(f"/v2/batch-completions/{job_id}/actions/resume", headers=headers)
+         for job_id in stopped]
+    )  # fmt: skip
+    resumed = [answer for answer in answers if answer.status_code == 200]
+    assert len(resumed) == QUEUED_MAX, [answer.text for answer in resumed]
+    for answer in answers:
+        if answer.status_code != 200:
+            assert answer.status_code == 429 and answer.json()["detail"].startswith("max_queued_jobs:"), answer.text
+    assert store.count_queued("team:racer") == QUEUED_MAX
+    assert client.get("/v1/batches", headers=bearer).status_code == 200
+
+
+def race_the_tokens_quota(client: httpx.Client, root, store: JobStore) -> None:
+    """40 submissions of one team at once, each estimated at 5 tokens, against its max_tokens_per_day of 100:
+    each reserves its estimate as it is stored, so those past the budget are refused (20 fit: a job is taken
+    while the day's count, estimates included, is below the quota), whatever their order."""
+    headers = {"x-api-key": SPENDER}
+    answers = _at_once(
+        [lambda i=i: client.post("/v2/batch-completions", json=_body(root / f"{i}.json"), headers=headers)
+         for i in range(40)]
+    )  # fmt: skip
+    taken = [answer for answer in answers if answer.status_code == 200]
+    estimate = 5  # "hi" (one token at 4 characters a token, plus one) and its 4 new tokens
+    assert len(taken) == TOKENS_MAX // estimate, [answer.text for answer in answers if answer.status_code != 200][:3]
+    for answer in answers:
+        if answer.status_code != 200:
+            assert answer.status_code == 429, answer.text
+            assert answer.json()["detail"].startswith("max_tokens_per_day: your team's jobs have used 0/"), answer.text
+    assert store.tokens_held_since("team:spender", datetime.now(UTC) - timedelta(days=1)).reserved == TOKENS_MAX
+    assert len(store.list(owner="team:spender").jobs) == TOKENS_MAX // estimate
+
+
+def test_concurrent_submissions_and_resumes_of_one_team_leave_at_most_its_max_queued_jobs(
+    racing_teams, tenants_api, tmp_path
+):
+    """Issue 44: 40 concurrent submissions of one team left 6 jobs queued against a quota of 2, and 19
+    concurrent resumes left 3: the count and the insert were two steps. Through the real HTTP layer."""
+    with served(tenants_api.app) as client:
+        race_the_queue_quota(client, racing_teams["racer"], JobStore())
+    assert len(_on_disk(tmp_path)["work"]) == 19  # the refused left no work dir behind
+
+
+def test_concurrent_submissions_cannot_all_pass_the_same_remaining_tokens(racing_teams, tenants_api):
+    with served(tenants_api.app) as client:
+        race_the_tokens_quota(client, racing_teams["spender"], JobStore())

@@ -10,6 +10,8 @@ import contextlib
 import hashlib
 import json
 import math
+import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,13 +20,15 @@ from datetime import UTC, datetime, timedelta
 from pydantic import Field, TypeAdapter, model_validator
 
 from batch_pipeline.admission.capabilities import refusals
+from batch_pipeline.admission.paths import DataFiles
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
-from batch_pipeline.store.jobs import JobRecord, JobStore, NewJob
+from batch_pipeline.shards.records import CHARS_PER_TOKEN, work_items
+from batch_pipeline.store.jobs import Admit, JobRecord, JobStore, NewJob, TeamFigures, TokensOfTheDay
 from batch_pipeline.store.openai import OpenAIStore
 from batch_pipeline.tenancy.tenants import Team
 
@@ -116,10 +120,16 @@ def submit(
     (`failure_reason`). Returns the record and whether it was created."""
     job_id = job_id or NewJob.new_id()
     team = policy.team_of_owner(owner)
+    admit: Admit | None = None
+    estimate: int | None = None
     if failure_reason is None:
         check_servable(request, owner, policy, own_dir=work_dir_of(job_id))
+        # Read before any file is written, to refuse early; the store counts them again as it stores the job.
         check_queue_quota(store, owner, team, idempotency_key)
         check_tokens_quota(store, owner, team, idempotency_key)
+        admit = admission_quotas(team)
+        if team is not None and team.config.max_tokens_per_day is not None:
+            estimate = estimated_tokens(request, policy.data_files(owner, own_dir=work_dir_of(job_id)))
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     content_path = getattr(request, "content_path", None)
@@ -156,7 +166,9 @@ def submit(
                     idempotency_key=idempotency_key,
                     run_id=run_id,
                     failure_reason=failure_reason,
-                )
+                    estimated_tokens=estimate,
+                ),
+                admit,
             )
         except BaseException:
             _remove(content_path)  # no job, no file
@@ -173,19 +185,23 @@ QUEUE_QUOTA_RETRY_AFTER_S = 30
 def check_queue_quota(store: JobStore, owner: str, team: Team | None, idempotency_key: str | None = None) -> None:
     """Raise QuotaExceeded when `owner`'s `team` (None: not a team's job) has `max_queued_jobs` jobs waiting to
     start already: for a new job, or a stopped one resumed (queued again). A retry of a submission that made
-    its job (the same Idempotency-Key) is answered with that job, never refused."""
+    its job (the same Idempotency-Key) is answered with that job, never refused. A read ahead of the job's
+    store, to refuse before any file is written: `admission_quotas` is the count that holds."""
     limit = team.config.max_queued_jobs if team is not None else None
-    if limit is None:
+    if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
         return
-    if idempotency_key is not None and store.with_idempotency_key(owner, idempotency_key) is not None:
-        return
-    queued = store.count_queued(owner)
-    if queued >= limit:
-        raise QuotaExceeded(
-            "max_queued_jobs",
-            f"your team has {queued} jobs waiting to start, its quota of {limit}; try again once one has started",
-            retry_after_s=QUEUE_QUOTA_RETRY_AFTER_S,
-        )
+    if refused := _queue_refusal(store.count_queued(owner), limit):
+        raise refused
+
+
+def _queue_refusal(queued: int, limit: int) -> QuotaExceeded | None:
+    if queued < limit:
+        return None
+    return QuotaExceeded(
+        "max_queued_jobs",
+        f"your team has {queued} jobs waiting to start, its quota of {limit}; try again once one has started",
+        retry_after_s=QUEUE_QUOTA_RETRY_AFTER_S,
+    )
 
 
 def _retry_of_a_made_job(store: JobStore, owner: str, idempotency_key: str | None) -> bool:
@@ -195,24 +211,96 @@ def _retry_of_a_made_job(store: JobStore, owner: str, idempotency_key: str | Non
 def check_tokens_quota(
     store: JobStore, owner: str, team: Team | None, idempotency_key: str | None = None, now: datetime | None = None
 ) -> None:
-    """Raise QuotaExceeded when the prompt and completion tokens of `owner`'s `team`'s jobs today (UTC) reach
-    its `max_tokens_per_day` (JobStore.tokens_since: a job's tokens count on the day it ends, today while
-    it runs); Retry-After is the next UTC midnight. A running job finishes; jobs already waiting are held
-    by the jobs sensor (pipeline/admission.py). A retry of a submission that made its job is answered with it."""
+    """Raise QuotaExceeded when the tokens of `owner`'s `team`'s jobs today (UTC) reach its `max_tokens_per_day`
+    (JobStore.tokens_held_since: the prompt and completion tokens of its jobs that ended today, and of each
+    job not yet ended the larger of its estimate and what it has used so far); Retry-After is the next UTC
+    midnight. A running job finishes; jobs already waiting are held by the jobs sensor (pipeline/admission.py)
+    once what the team's jobs used reaches it. A retry of a submission that made its job is answered with it.
+    A read ahead of the job's store, as `check_queue_quota` is."""
     limit = team.config.max_tokens_per_day if team is not None else None
     if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
         return
     now = now or datetime.now(UTC)
-    midnight = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    used = store.tokens_since(owner, midnight)
-    if used >= limit:
-        until_tomorrow = (midnight + timedelta(days=1) - now).total_seconds()
-        raise QuotaExceeded(
-            "max_tokens_per_day",
-            f"your team's jobs have used {used}/{limit} tokens (prompt plus completion) today, UTC, its quota of "
-            f"{limit} a day; submit again after 00:00 UTC, when the day's count starts over",
-            retry_after_s=max(1, math.ceil(until_tomorrow)),
+    if refused := _tokens_refusal(store.tokens_held_since(owner, _utc_midnight(now)), limit, now):
+        raise refused
+
+
+def _utc_midnight(now: datetime) -> datetime:
+    return now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+def _tokens_refusal(tokens: TokensOfTheDay, limit: int, now: datetime) -> QuotaExceeded | None:
+    if tokens.held < limit:
+        return None
+    until_tomorrow = (_utc_midnight(now) + timedelta(days=1) - now).total_seconds()
+    reserved = (
+        f", and its jobs not yet ended hold {tokens.reserved} more by their estimates ({tokens.held}/{limit})"
+        if tokens.reserved
+        else ""
+    )
+    return QuotaExceeded(
+        "max_tokens_per_day",
+        f"your team's jobs have used {tokens.used}/{limit} tokens (prompt plus completion) today, UTC{reserved}, "
+        f"its quota of {limit} a day; submit again after 00:00 UTC, when the day's count starts over",
+        retry_after_s=max(1, math.ceil(until_tomorrow)),
+    )
+
+
+def admission_quotas(team: Team | None, tokens: bool = True) -> Admit | None:
+    """`team`'s `max_queued_jobs` and (with `tokens`) `max_tokens_per_day` as the job store counts them in the
+    transaction that stores a job, under the team's admission lock (`JobStore.create`, `resume`): concurrent
+    submissions are counted one after the other, each against the jobs the ones before it stored. None where
+    the team sets neither."""
+    queued_limit = team.config.max_queued_jobs if team is not None else None
+    tokens_limit = team.config.max_tokens_per_day if team is not None and tokens else None
+    if queued_limit is None and tokens_limit is None:
+        return None
+
+    def admit(figures: TeamFigures) -> None:
+        if queued_limit is not None and (refused := _queue_refusal(figures.queued(), queued_limit)):
+            raise refused
+        if tokens_limit is not None:
+            now = datetime.now(UTC)
+            if refused := _tokens_refusal(figures.tokens_since(_utc_midnight(now)), tokens_limit, now):
+                raise refused
+
+    return admit
+
+
+def estimated_tokens(request: CreateBatchCompletionsV2Request, files: DataFiles) -> int:
+    """The prompt and completion tokens a job of `request` is estimated to use, reserved against its team's
+    max_tokens_per_day until it ends: inline content as its shard plan estimates it (`shards.records`: each
+    prompt's characters at 4 a token, plus its output limit); a request naming its input by file, the file's
+    size at 4 bytes a token, unread (reading it could take as long as the job's planning does)."""
+    if request.content is not None:
+        content = _CONTENT.dump_python(request.content, mode="json", by_alias=True, exclude_none=True)
+        records = (
+            [("content", content)]
+            if isinstance(content, dict)
+            else [(f"content.{position}", record) for position, record in enumerate(content)]
         )
+        try:
+            return sum(size.tokens for _, size in work_items(records))
+        except ValueError:  # a record its job refuses: it fails before it uses any
+            return 0
+    path = getattr(request, "content_path", None) or request.input_data_path
+    return _file_size(path, files) // CHARS_PER_TOKEN + 1 if path else 0
+
+
+def _file_size(path: str, files: DataFiles) -> int:
+    """The size of a regular file at `path` as the job would open it (0 if none): stat, never opened (a FIFO
+    would block), never through a symlink out of its data root."""
+    try:
+        if not io.is_local(path):
+            return io.size(path)
+        found = files.beneath(path)
+        real = os.path.realpath(path if found is None else os.path.join(*found))
+        if found is not None and os.path.commonpath([real, found[0]]) != found[0]:
+            return 0
+        status = os.stat(real)
+    except Exception:  # an object store's errors are not all OSErrors; the job's run names them
+        return 0
+    return status.st_size if stat.S_ISREG(status.st_mode) else 0
 
 
 @dataclass(frozen=True)
@@ -306,10 +394,13 @@ def hold_stored_bytes(
 
 
 def _remove(path: str | None) -> None:
+    """Remove a content file written at submission, and its job's work dir if that is left empty."""
     if path is None:
         return
     with contextlib.suppress(OSError):  # a file left behind is not worth failing the request over
         io.remove(path)
+        if io.is_local(path):
+            os.rmdir(os.path.dirname(path))  # not empty: a directory the job's caller made and keeps
 
 
 def _write_content(path: str, content: bytes) -> None:

@@ -15,7 +15,7 @@ from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
 from batch_pipeline.admission.policy import AdmissionPolicy
-from batch_pipeline.admission.submission import UnservableRequest, check_queue_quota, check_servable, submit
+from batch_pipeline.admission.submission import UnservableRequest, admission_quotas, check_servable, submit
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
@@ -194,11 +194,12 @@ class BatchJobService:
         if idempotency_key is not None and record.resume_idempotency_key == idempotency_key:
             return self.describe(record)
         self._check_resumable(record)
-        # Queued again, it waits to start as a new job does: held to its team's max_queued_jobs likewise.
-        check_queue_quota(self.store, record.owner, self.admission.team_of_owner(record.owner))
+        # Queued again, it waits to start as a new job does: held to its team's max_queued_jobs likewise, counted
+        # with the resume under the team's admission lock.
+        queue_quota = admission_quotas(self.admission.team_of_owner(record.owner), tokens=False)
         resumed_from = "expired" if expired(record) else record.status.value
         max_runtime = _stored_max_runtime(record)
-        if not self.store.resume(record, resumed_from, idempotency_key, max_runtime):
+        if not self.store.resume(record, resumed_from, idempotency_key, max_runtime, queue_quota):
             # Changed since it was read: a concurrent resume (with this key: the same answer), or its run's end.
             again = self._record(caller, job_id)
             if idempotency_key is not None and again.resume_idempotency_key == idempotency_key:

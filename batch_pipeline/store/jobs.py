@@ -10,9 +10,10 @@ upgraded once per process; one engine per process and URL (`store/engine.py`), t
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import uuid
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -158,6 +159,8 @@ class NewJob:
     run_id: str | None = None
     # A job stored as failed (an OpenAI batch whose input did not validate): listed, never launched.
     failure_reason: str | None = None
+    # The tokens it is estimated to use: held against its team's max_tokens_per_day until it ends.
+    estimated_tokens: int | None = None
 
     @staticmethod
     def new_id() -> str:
@@ -195,6 +198,40 @@ class WorkByDay:
 
 
 @dataclass(frozen=True)
+class TokensOfTheDay:
+    """An owner's tokens of a day: `used`, the prompt and completion tokens of its jobs that ended in it and
+    what its jobs not yet ended have used so far; `reserved`, what those not yet ended are estimated to use
+    past that (`estimated_tokens`). `held`, both, is what its `max_tokens_per_day` is counted against."""
+
+    used: int
+    reserved: int
+
+    @property
+    def held(self) -> int:
+        return self.used + self.reserved
+
+
+class TeamFigures:
+    """An owner's figures as admission counts them, read in the transaction that holds its admission lock
+    (`JobStore.create`'s or `resume`'s `admit`), so that the job it admits is counted by the next."""
+
+    def __init__(self, connection: sa.Connection, owner: str) -> None:
+        self._connection = connection
+        self.owner = owner
+
+    def queued(self) -> int:
+        return _count_queued(self._connection, self.owner)
+
+    def tokens_since(self, since: datetime) -> TokensOfTheDay:
+        return _tokens_held_since(self._connection, self.owner, since)
+
+
+Admit = Callable[[TeamFigures], None]
+# Postgres: the admission lock's class (the first key of pg_advisory_xact_lock); the second is the owner's hash.
+_ADMISSION_LOCK_CLASS = 0x62617463  # "batc"
+
+
+@dataclass(frozen=True)
 class Page:
     jobs: list[JobRecord]
     next_after: str | None  # the cursor of the next page; None on the last one
@@ -208,10 +245,12 @@ class JobStore:
 
     # --- submission -------------------------------------------------------------------------------------
 
-    def create(self, job: NewJob) -> tuple[JobRecord, bool]:
+    def create(self, job: NewJob, admit: Admit | None = None) -> tuple[JobRecord, bool]:
         """Store a new job in one transaction; with an idempotency key already used by this owner, return
         that job instead, or raise IdempotencyConflict if it was used for a different request. The second
-        value says whether a job was created."""
+        value says whether a job was created. `admit`, given the owner's figures in that transaction, under
+        the owner's admission lock (`TeamFigures`), raises to refuse the job (not asked for a retry of a
+        made job): no two jobs of one owner are counted against the same figures."""
         now = utc_now()
         row = {
             "job_id": job.job_id,
@@ -228,6 +267,7 @@ class JobStore:
             "expires_at": now + timedelta(seconds=job.max_runtime_sec),
             "run_id": job.run_id,
             "status": JobStatus.QUEUED,
+            "estimated_tokens": job.estimated_tokens,
         }
         if job.failure_reason is not None:
             row |= {
@@ -237,7 +277,9 @@ class JobStore:
                 "failure_reason": job.failure_reason,
             }
         try:
-            with self.engine.begin() as connection:
+            with self._admitting(job.owner) if admit else self.engine.begin() as connection:
+                if admit and not (job.idempotency_key and self._has_key(connection, job.owner, job.idempotency_key)):
+                    admit(TeamFigures(connection, job.owner))
                 connection.execute(jobs.insert().values(**row))
                 if job.labels:
                     connection.execute(
@@ -424,11 +466,37 @@ class JobStore:
 
     def count_queued(self, owner: str) -> int:
         """How many of `owner`'s jobs wait to start (queued, with or without a run yet)."""
-        query = (
-            sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.status == JobStatus.QUEUED)
-        )
         with self.engine.connect() as connection:
-            return int(connection.execute(query).scalar_one())
+            return _count_queued(connection, owner)
+
+    def tokens_held_since(self, owner: str, since: datetime) -> TokensOfTheDay:
+        """`owner`'s tokens since `since` as its max_tokens_per_day counts them (`TokensOfTheDay`): those of
+        its jobs that ended since, and of each not yet ended (waiting, running, or resumed and waiting again)
+        the larger of its estimate and what it has used so far."""
+        with self.engine.connect() as connection:
+            return _tokens_held_since(connection, owner, since)
+
+    @contextlib.contextmanager
+    def _admitting(self, owner: str) -> Iterator[sa.Connection]:
+        """A transaction that holds `owner`'s admission lock from before its first read to its commit: on
+        Postgres an advisory lock of the owner's; on SQLite the database's write lock (BEGIN IMMEDIATE), taken
+        before the count, so that a second writer waits for it rather than count what the first is adding."""
+        with self.engine.connect() as connection, connection.begin():
+            if connection.dialect.name == "sqlite":
+                connection.exec_driver_sql("BEGIN IMMEDIATE")
+            elif connection.dialect.name == "postgresql":
+                connection.execute(
+                    sa.text("SELECT pg_advisory_xact_lock(:lock_class, hashtext(:owner))"),
+                    {"lock_class": _ADMISSION_LOCK_CLASS, "owner": owner},
+                )
+            else:
+                raise NotImplementedError(f"no admission lock for a {connection.dialect.name} job store")
+            yield connection
+
+    @staticmethod
+    def _has_key(connection: sa.Connection, owner: str, key: str) -> bool:
+        query = sa.select(jobs.c.job_id).where(jobs.c.owner == owner, jobs.c.idempotency_key == key)
+        return connection.execute(query).first() is not None
 
     def work_dir_bytes_of(self, owner: str) -> int:
         """The bytes `owner`'s jobs store in their work dirs: inline content and checkpoints, until retention
@@ -781,39 +849,48 @@ class JobStore:
         resumed_from: str,
         idempotency_key: str | None,
         max_runtime_sec: int,
+        admit: Admit | None = None,
     ) -> bool:
         """The stopped job `record` (failed, cancelled or expired, its run's end recorded) queued again, as
         it was read: the jobs sensor gives it a new run (its runs count `resume_count`), which plans the
         same shards and generates only what their checkpoints lack. Its deadline counts again from now.
         False, and nothing changes, when the row changed since it was read (another resume, a late
-        status sensor)."""
+        status sensor). `admit` may refuse it, as `create`'s does a new job, in the same transaction."""
         now = utc_now()
         same_run = jobs.c.run_id.is_(None) if record.run_id is None else jobs.c.run_id == record.run_id
-        return self._update(
-            sa.and_(
-                jobs.c.job_id == record.job_id,
-                jobs.c.status == record.status,
-                same_run,
-                jobs.c.completed_at.is_not(None),
-                jobs.c.work_dir_deleted_at.is_(None),  # a cleanup between the caller's read and this write
-            ),
-            status=JobStatus.QUEUED,
-            run_id=None,
-            resume_count=sa.func.coalesce(jobs.c.resume_count, 0) + 1,
-            resumed_from=resumed_from,
-            resumed_from_run_id=record.run_id,
-            resumed_at=now,
-            resume_idempotency_key=idempotency_key,
-            requests_kept=None,
-            prompt_tokens_kept=None,
-            completion_tokens_kept=None,
-            expires_at=now + timedelta(seconds=max_runtime_sec),
-            cancelled_at=None,
-            failed_at=None,
-            failure_reason=None,
-            status_detail=None,
-            results=None,
+        condition = sa.and_(
+            jobs.c.job_id == record.job_id,
+            jobs.c.status == record.status,
+            same_run,
+            jobs.c.completed_at.is_not(None),
+            jobs.c.work_dir_deleted_at.is_(None),  # a cleanup between the caller's read and this write
         )
+        queued_again = (
+            jobs.update()
+            .where(condition)
+            .values(
+                status=JobStatus.QUEUED,
+                run_id=None,
+                resume_count=sa.func.coalesce(jobs.c.resume_count, 0) + 1,
+                resumed_from=resumed_from,
+                resumed_from_run_id=record.run_id,
+                resumed_at=now,
+                resume_idempotency_key=idempotency_key,
+                requests_kept=None,
+                prompt_tokens_kept=None,
+                completion_tokens_kept=None,
+                expires_at=now + timedelta(seconds=max_runtime_sec),
+                cancelled_at=None,
+                failed_at=None,
+                failure_reason=None,
+                status_detail=None,
+                results=None,
+            )
+        )
+        with self._admitting(record.owner) if admit else self.engine.begin() as connection:
+            if admit:
+                admit(TeamFigures(connection, record.owner))
+            return connection.execute(queued_again).rowcount > 0
 
     def record_kept(self, job_id: str, requests: int, prompt_tokens: int, completion_tokens: int) -> bool:
         """What a resumed job's checkpoints held when its resume's first run planned its shards: kept, never
@@ -983,6 +1060,29 @@ class JobStore:
         with self.engine.connect() as connection:
             row = connection.execute(sa.select(jobs).where(condition)).first()
         return JobRecord.from_row(row) if row else None
+
+
+def _count_queued(connection: sa.Connection, owner: str) -> int:
+    query = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.owner == owner, jobs.c.status == JobStatus.QUEUED)
+    return int(connection.execute(query).scalar_one())
+
+
+def _tokens_held_since(connection: sa.Connection, owner: str, since: datetime) -> TokensOfTheDay:
+    spent = sa.func.coalesce(jobs.c.prompt_tokens, 0) + sa.func.coalesce(jobs.c.completion_tokens, 0)
+    estimate = sa.func.coalesce(jobs.c.estimated_tokens, 0)
+    beyond = sa.case((estimate > spent, estimate - spent), else_=0)
+    # Three reads, each of an index's rows: the ended, the running (no end), the waiting again after an end.
+    ended = sa.select(spent.label("used"), sa.literal(0).label("reserved")).where(
+        jobs.c.owner == owner, jobs.c.completed_at >= since, jobs.c.status != JobStatus.QUEUED
+    )
+    running = sa.select(spent, beyond).where(jobs.c.owner == owner, jobs.c.completed_at.is_(None))
+    resumed = sa.select(spent, beyond).where(
+        jobs.c.owner == owner, jobs.c.status == JobStatus.QUEUED, jobs.c.completed_at.is_not(None)
+    )
+    both = sa.union_all(ended, running, resumed).subquery()
+    query = sa.select(sa.func.coalesce(sa.func.sum(both.c.used), 0), sa.func.coalesce(sa.func.sum(both.c.reserved), 0))
+    used, reserved = connection.execute(query).one()
+    return TokensOfTheDay(int(used), int(reserved))
 
 
 class _Recounted(Exception):
