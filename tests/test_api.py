@@ -89,6 +89,19 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
             ["body", "tool_config", "max_iterations"],
         ),
         (_body(tmp_path, nodes_per_worker=2), ["body", "nodes_per_worker"]),
+        # past the catalog model's 8,192-token context with any prompt, or past the engine's own max_model_len
+        (
+            _body(tmp_path, content={"prompts": ["x"], "max_new_tokens": 500_000, "temperature": 0}),
+            ["body", "content", "max_new_tokens"],
+        ),
+        (
+            _body(
+                tmp_path,
+                model_config={"model": MODEL, "max_model_len": 512},
+                content={"prompts": ["x"], "max_new_tokens": 512, "temperature": 0},
+            ),
+            ["body", "content", "max_new_tokens"],
+        ),
     ]
     completions = api.client.post(
         "/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "max_tokens": 3}]), headers=ALICE

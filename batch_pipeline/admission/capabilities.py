@@ -10,8 +10,9 @@ from __future__ import annotations
 from batch_pipeline.admission.hardware import engine_argument_refusals, hardware_refusals
 from batch_pipeline.admission.paths import request_path_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
-from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.contract import CreateBatchCompletionsV1RequestContent, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.requests import CODE_EVALUATOR
+from batch_pipeline.models.catalog import context_tokens
 
 MAX_EXECUTION_TIMEOUT_S = 600
 
@@ -31,11 +32,30 @@ def refusals(
             )
         )
     found.extend(_tool_refusals(request))
+    found.extend(_length_refusals(request))
     found.extend(hardware_refusals(request, policy.hardware_maxima))
     found.extend(engine_argument_refusals(request.model_cfg, policy.engine_maxima, policy.max_gpus))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
     return found
+
+
+def _length_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
+    """v1 content's max_new_tokens holds for every prompt: past the model's context, every request of the job
+    would fail at its shard. (A list's request past it fails alone, as an error entry at its index.)"""
+    if not isinstance(request.content, CreateBatchCompletionsV1RequestContent):
+        return []
+    context = request.model_cfg.max_model_len or context_tokens(request.model_cfg.model)
+    wanted = request.content.max_new_tokens
+    if context is None or wanted < context:
+        return []
+    return [
+        (
+            "content.max_new_tokens",
+            f"{wanted} tokens do not fit the model's context of {context} tokens with any prompt: "
+            f"at most {context - 1}",
+        )
+    ]
 
 
 def _tool_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:

@@ -24,6 +24,7 @@ class CatalogModel:
     gguf_file: str
     description: str
     parameters: int
+    context_tokens: int  # its config's max_position_embeddings: prompt and completion together
 
     def gguf_path(self) -> Path:
         spec = importlib.util.find_spec(self.package)
@@ -44,6 +45,7 @@ CATALOG = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (HuggingFaceTB), ChatML chat template, 8k context",
             parameters=135_000_000,
+            context_tokens=8192,
         )
     ]
 }
@@ -51,6 +53,12 @@ CATALOG = {
 
 class ModelNotFoundError(ValueError):
     pass
+
+
+def context_tokens(model: str) -> int | None:
+    """A catalog model's context length in tokens; None for a model the catalog does not hold."""
+    entry = CATALOG.get(model.lower())
+    return entry.context_tokens if entry is not None else None
 
 
 def cache_dir() -> Path:
