@@ -15,10 +15,17 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
+from batch_pipeline.api.app import create_app
+from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.contract.labels import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LABEL_TAG_PREFIX, label_tag_key
+from batch_pipeline.store.jobs import JobStore
 from tests.api_fixtures import REPO, USER_KEY, Deployment
 from tests.conftest import MODEL
+from tests.test_quotas import race_the_queue_quota, race_the_tokens_quota, racing_teams, served
+
+__all__ = ["racing_teams"]  # a fixture of test_quotas', used here
 
 pytestmark = pytest.mark.slow
 PG_BIN = next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)), None)
@@ -239,3 +246,26 @@ def test_labels_past_the_bounds_get_422_and_the_largest_allowed_make_one_run_on_
         assert [job["job_id"] for job in listed.json()["jobs"]] == [job_id]
     finally:
         api.stop()
+
+
+def test_quotas_hold_under_concurrent_submissions_and_resumes_on_postgres(
+    postgres, racing_teams, tmp_path, monkeypatch
+):
+    """Issue 44's quota races on the production job store: 40 concurrent submissions of one team (v1, v2,
+    OpenAI batches) leave its max_queued_jobs of 2 queued and the rest get 429, 19 concurrent resumes queue
+    two again, and 40 concurrent submissions cannot all pass the same remaining tokens of the day. Each
+    admission counts under the team's advisory lock, in the transaction that stores the job."""
+    jobs_db = f"postgresql+psycopg2://postgres@127.0.0.1:{postgres}/batch"
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("BATCH_PIPELINE_JOBS_DB", jobs_db)
+    instance = dg.DagsterInstance.from_config(str(home))
+    store = JobStore(jobs_db)
+    try:
+        with served(create_app(BatchJobService.of_deployment(settings(), store, instance))) as client:
+            race_the_queue_quota(client, racing_teams["racer"], store)
+            race_the_tokens_quota(client, racing_teams["spender"], store)
+    finally:
+        instance.dispose()
