@@ -2,7 +2,9 @@
 process unharmed, nothing left running, nothing of the host touched.
 
 Most cases run in two modes: with everything this machine allows (namespaces, a cgroup), and bare, as
-in a Kubernetes pod that refuses `unshare` and has no writable cgroup (both forced here)."""
+in a Kubernetes pod that refuses `unshare` and has no writable cgroup (both forced here), where the
+operator has allowed code with the worker's network (BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK); without that,
+the sandbox refuses (tested below with the pod's real capabilities)."""
 
 import ast
 import json
@@ -17,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.worker.sandbox import SANDBOX_UID_BASE, SANDBOX_UIDS, CgroupParents, Sandbox, SandboxLimits
+from batch_pipeline.worker.sandbox import (
+    SANDBOX_UID_BASE,
+    SANDBOX_UIDS,
+    CgroupParents,
+    Sandbox,
+    SandboxLimits,
+    SandboxSettings,
+)
 from tests.conftest import sandbox_processes
 
 ROOT = os.geteuid() == 0
@@ -26,6 +35,8 @@ needs_root = pytest.mark.skipif(not ROOT, reason="the sandbox runs code only in 
 REPO = Path(__file__).resolve().parent.parent
 # What the Kubernetes pods of tool_config shards keep (k8s/ drops every other capability).
 POD_CAPABILITIES = ["chown", "dac_override", "fowner", "kill", "setuid", "setgid"]
+# The operator's opt-in to code with the worker's network where no network namespace can be made.
+NETWORK_ALLOWED = SandboxSettings(allow_network=True)
 
 
 def bare(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,7 +53,7 @@ def make_sandbox(request):
     with pytest.MonkeyPatch.context() as monkeypatch:
         if request.param == "bare":
             bare(monkeypatch)
-        yield lambda limits=SandboxLimits(timeout_s=3), slots=2: Sandbox(limits, slots)
+        yield lambda limits=SandboxLimits(timeout_s=3), slots=2: Sandbox(limits, slots, NETWORK_ALLOWED)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +179,7 @@ def _accept(listener: socket.socket):
 @pytest.mark.slow
 @needs_root
 def test_parallel_executions_use_every_slot():
-    sandbox = Sandbox(SandboxLimits(timeout_s=20), slots=2)
+    sandbox = Sandbox(SandboxLimits(timeout_s=20), slots=2, settings=NETWORK_ALLOWED)  # in either mode
     results: list = []
     # Each execution says when its code ran; from that, how many ran at once (no wall-clock bound: the
     # machine may be loaded).
@@ -190,9 +201,9 @@ def test_parallel_executions_use_every_slot():
 
 @needs_root
 def test_without_namespaces_the_uid_and_limits_still_contain(monkeypatch):
-    # Some clusters refuse unshare: this forces that case here.
+    # Some clusters refuse unshare: this forces that case here, where the operator allowed the network.
     monkeypatch.setattr(Sandbox, "_probe_namespaces", lambda self: False)
-    sandbox = Sandbox(SandboxLimits(timeout_s=2), slots=1)
+    sandbox = Sandbox(SandboxLimits(timeout_s=2), slots=1, settings=NETWORK_ALLOWED)
     assert sandbox.isolation.network.startswith("NOT isolated")
     assert sandbox.run("print(6 * 7)").output == "42\n"
     assert sandbox.run(
@@ -341,8 +352,9 @@ POD = [f"--bounding-set=-all,{','.join('+' + cap for cap in POD_CAPABILITIES)}",
 @pytest.mark.slow
 @pytest.mark.skipif(not ROOT, reason="runs a root process with a reduced capability set")
 def test_with_only_the_pod_capabilities_the_sandbox_holds():
-    """Root with CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETUID, SETGID only, as tool_config shard pods run:
-    no namespaces there, yet the code runs as its slot uid, within its limits, and leaves nothing."""
+    """Root with CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETUID, SETGID only, as tool_config shard pods run, where
+    the operator allowed the network: no namespaces there, yet the code runs as its slot uid, within its
+    limits, and leaves nothing."""
     shared = shared_directory()
     try:
         secret = shared / "secret"
@@ -352,8 +364,8 @@ def test_with_only_the_pod_capabilities_the_sandbox_holds():
         script = f"""
 import json, os
 from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
-from tests.test_sandbox import ALLOCATE_IN_THREE_CHILDREN, DETACHED, TEMPORARY_LEFTOVERS
-sandbox = Sandbox(SandboxLimits(timeout_s=20, memory_bytes=2**30), slots=1)
+from tests.test_sandbox import ALLOCATE_IN_THREE_CHILDREN, DETACHED, NETWORK_ALLOWED, TEMPORARY_LEFTOVERS
+sandbox = Sandbox(SandboxLimits(timeout_s=20, memory_bytes=2**30), slots=1, settings=NETWORK_ALLOWED)
 runs = [sandbox.run(code) for code in (
     "import os; print(os.getuid())",
     "print(open({str(secret)!r}).read())",
@@ -411,27 +423,103 @@ def test_where_no_uid_switch_is_possible_the_sandbox_refuses_to_run_code(worker)
     assert "uid" in done.stdout
 
 
-@pytest.mark.skipif(not ROOT, reason="needs root to take the capability away")
-def test_a_tool_config_shard_fails_with_the_reason_where_no_uid_switch_is_possible(tmp_path):
-    """The worker itself, before any engine starts; its checkpoint is private (0600)."""
+REACH_LOOPBACK = """
+import sys
+from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits, SandboxSettings, SandboxUnavailable
+try:
+    sandbox = Sandbox(SandboxLimits(timeout_s=20), slots=1, settings=SandboxSettings(allow_network={allowed}))
+except SandboxUnavailable as exc:
+    print('refused:', exc)
+    sys.exit(0)
+result = sandbox.run("import socket\\nsocket.create_connection(('127.0.0.1', {port}), timeout=5)\\nprint('connected')")
+print('ran:', result.output, result.error, sandbox.isolation.network)
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="runs a root process with the pod's capability set")
+def test_without_a_network_namespace_the_sandbox_refuses_unless_the_operator_allowed_it():
+    """A worker without CAP_SYS_ADMIN (Docker's default, a Kubernetes pod): the kernel really refuses
+    `unshare`, and code that ran anyway reached a service on the worker's loopback (the Dagster UI's
+    place). Without the operator's opt-in the sandbox runs nothing; with it, the code does reach it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    try:
+        refused = run_python(REACH_LOOPBACK.format(allowed=False, port=port), as_=POD)
+        assert refused.returncode == 0, refused.stderr
+        assert refused.stdout.startswith("refused: tool_config"), refused.stdout
+        assert "network namespace" in refused.stdout and "BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK=1" in refused.stdout
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing connected
+        allowed = run_python(REACH_LOOPBACK.format(allowed=True, port=port), as_=POD)
+        assert allowed.stdout.startswith("ran: connected"), (allowed.stdout, allowed.stderr)
+        assert "NOT isolated" in allowed.stdout
+    finally:
+        listener.close()
+
+
+def run_worker(task_path: Path, as_: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["setpriv", *as_, sys.executable, "-m", "batch_pipeline.worker", "--task", str(task_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=env,
+    )
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to take the capabilities away")
+@pytest.mark.parametrize(
+    ("worker", "capabilities", "why"),
+    [
+        ("root without CAP_SETUID", ["--bounding-set=-setuid,-setgid"], "cannot switch to an unprivileged uid"),
+        ("a pod without CAP_SYS_ADMIN", POD, "no network namespace"),
+    ],
+)
+def test_where_the_sandbox_cannot_hold_each_tool_config_request_says_why(tmp_path, worker, capabilities, why):
+    """The worker itself, with the kernel's real refusal: no engine starts (the model does not exist, so
+    one would fail the shard), each request gets an error entry naming tool_config and what the operator
+    can do, the shard's stats say so, and its checkpoint is private (0600)."""
     from batch_pipeline.shards.planning import write_shards
     from batch_pipeline.shards.protocol import ShardTask
     from batch_pipeline.shards.records import work_items
 
     (shard,) = write_shards(
-        work_items([("content", {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0})]), 1, str(tmp_path / "job")
+        work_items([("content", {"prompts": ["x", "y"], "max_new_tokens": 4, "temperature": 0.0})]),
+        1,
+        str(tmp_path / "job"),
     )
     task = ShardTask(shard=shard, model_config={"model": "no-such-model"}, tool_config={"name": "code_evaluator"})
     (tmp_path / "task.json").write_text(json.dumps(task.to_dict()))
-    done = run_python(
-        f"from batch_pipeline.worker.__main__ import main; main(['--task', {str(tmp_path / 'task.json')!r}])",
-        as_=["--bounding-set=-setuid,-setgid"],
-    )
-    assert done.returncode != 0
-    assert "SandboxUnavailable: tool_config" in done.stderr, done.stderr[-3000:]
-    assert "uid" in done.stderr.rsplit("SandboxUnavailable", 1)[1]
-    results = Path(shard.results_path)
-    assert not results.exists() or results.stat().st_mode & 0o777 == 0o600
+    environment = {k: v for k, v in os.environ.items() if k != "BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK"}
+    done = run_worker(tmp_path / "task.json", capabilities, environment)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(done.stdout.splitlines()[-1])
+    assert stats["errors"] == 2 and why in stats["sandbox"]["refused"]
+    entries = [json.loads(line.split("\t", 1)[1]) for line in Path(shard.output_path).read_text().splitlines()]
+    assert len(entries) == 2
+    for entry in entries:
+        error = entry["error"]
+        assert (error["param"], error["code"]) == ("tool_config", "tool_unavailable")
+        assert error["message"].startswith("tool_config: ") and why in error["message"], error
+        assert "submit the job without tool_config" in error["message"]
+    assert Path(shard.results_path).stat().st_mode & 0o777 == 0o600
+    if worker.startswith("a pod"):
+        # The operator's opt-in, read by the worker's entry point: the sandbox holds, the engine is built
+        # (and fails: there is no such model).
+        (tmp_path / "job").rename(tmp_path / "first")
+        (shard,) = write_shards(
+            work_items([("content", {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0})]),
+            1,
+            str(tmp_path / "job"),
+        )
+        opted_in = {**environment, "BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK": "1", "HF_HUB_OFFLINE": "1"}
+        done = run_worker(tmp_path / "task.json", capabilities, opted_in)
+        assert done.returncode != 0
+        assert "in build_llm" in done.stderr and "sandbox refuses" not in done.stderr, done.stderr[-3000:]
 
 
 def test_a_jobs_files_are_private(tmp_path):
@@ -452,7 +540,9 @@ def test_a_jobs_files_are_private(tmp_path):
             assert directory.stat().st_mode & 0o777 == 0o700, directory
         assert Path(shard.input_path).stat().st_mode & 0o777 == 0o600
         if ROOT:
-            result = Sandbox(SandboxLimits(timeout_s=5), slots=1).run(f"print(open({shard.input_path!r}).read())")
+            # in whichever mode the module's sandboxes are (the bare one's patch may still be in force)
+            sandbox = Sandbox(SandboxLimits(timeout_s=5), slots=1, settings=NETWORK_ALLOWED)
+            result = sandbox.run(f"print(open({shard.input_path!r}).read())")
             assert "secret prompt" not in result.output and "PermissionError" in result.error
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=True)

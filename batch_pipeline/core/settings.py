@@ -6,8 +6,7 @@ bad value fails the start naming the variable. The table of docs/operations/sett
 `python -m batch_pipeline.core.settings`.
 
 This module imports nothing else of ours, so that every layer (API, pipeline, launchers, worker, stores)
-can read its settings here. The one exception is worker/sandbox.py, which also runs without pydantic and
-reads its four variables itself; they are documented and checked here all the same.
+can read its settings here.
 """
 
 from __future__ import annotations
@@ -287,6 +286,13 @@ class Settings(_EnvironmentSettings):
     sandbox_python: str = Field(
         "",
         description="`code_evaluator`: the Python executions run (unset: the worker's, else the system's `python3`)",
+    )
+    sandbox_allow_network: bool = Field(
+        False,
+        description="`1` runs `tool_config` code even where the kernel gives the sandbox no network namespace (a "
+        "container without CAP_SYS_ADMIN: Docker's default, every Kubernetes pod): the code then reaches whatever "
+        "the worker reaches, loopback (the Dagster UI) and a cloud's metadata address included. Unset, such "
+        "requests get an error entry saying so",
     )
 
     @field_validator("webhook_allow_private_networks")

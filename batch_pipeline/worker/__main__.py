@@ -24,6 +24,7 @@ from batch_pipeline.core.process import exit_without_teardown
 from batch_pipeline.core.settings import Settings, settings
 from batch_pipeline.shards.protocol import STANDBY_EXIT, STANDBY_HANDOFF, STANDBY_OUTPUT, StandbyHandoff
 from batch_pipeline.worker.engine import set_engine_environment
+from batch_pipeline.worker.sandbox import SandboxSettings
 
 if TYPE_CHECKING:
     from batch_pipeline.worker.runner import ShardRunner
@@ -58,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.task) as handle:
             task = ShardTask.from_dict(json.load(handle))
         runner = ShardRunner(
-            task, configured.checkpoint_upload_s, report=lambda line: print(line, file=sys.stderr, flush=True)
+            task,
+            configured.checkpoint_upload_s,
+            report=lambda line: print(line, file=sys.stderr, flush=True),
+            sandbox_settings=sandbox_settings(configured),
         )
         _RUNNERS.append(runner)
         stats = runner.run()
@@ -93,6 +97,7 @@ def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings, impor
                     worker_message_payload(ProgressMessage(figures))
                 ),
                 imported_ahead_s=imported_ahead_s,
+                sandbox_settings=sandbox_settings(configured),
             )
             _RUNNERS.append(runner)
             stats = runner.run()
@@ -101,6 +106,16 @@ def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings, impor
             raise
         pipes.report_custom_message(worker_message_payload(StatsMessage(stats)))
     return 0
+
+
+def sandbox_settings(configured: Settings) -> SandboxSettings:
+    return SandboxSettings(
+        uid_base=configured.sandbox_uid_base,
+        uids=configured.sandbox_uids,
+        memory_mb=configured.sandbox_memory_mb,
+        python=configured.sandbox_python,
+        allow_network=configured.sandbox_allow_network,
+    )
 
 
 def _standby(directory: str, starter: int, parser: argparse.ArgumentParser, configured: Settings) -> int:

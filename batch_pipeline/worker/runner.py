@@ -27,9 +27,10 @@ from batch_pipeline.worker.handlers import (
     RequestHandler,
     RequestRefused,
     engine_error_output,
+    error_output,
     refused_output,
 )
-from batch_pipeline.worker.sandbox import Sandbox, SandboxLimits
+from batch_pipeline.worker.sandbox import Sandbox, SandboxSettings, SandboxUnavailable
 from batch_pipeline.worker.shared_generation import SharedGenerations, text_pieces
 from batch_pipeline.worker.v1_requests import V1Requests
 
@@ -136,8 +137,10 @@ class ShardRunner:
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         report_progress: Callable[[dict[str, int]], None] | None = None,
         imported_ahead_s: float = 0.0,
+        sandbox_settings: SandboxSettings | None = None,
     ) -> None:
         self.task = task
+        self.sandbox_settings = sandbox_settings or SandboxSettings()
         # How often a checkpoint on an object store is uploaded (BATCH_PIPELINE_CHECKPOINT_UPLOAD_S).
         self.checkpoint_upload_s = checkpoint_upload_s
         self.shard = task.shard
@@ -200,9 +203,17 @@ class ShardRunner:
         model_config = self.task.model_config
         tool_config = sandbox = None
         if self.stats.tool_config == TOOL_APPLIED and self.task.tool_config is not None:
-            # before the engine: a sandbox that cannot hold fails the shard now
+            # before the engine: where the sandbox cannot hold, no engine starts and each request says why
             tool_config = self.task.tool_config
-            sandbox = Sandbox(SandboxLimits(timeout_s=tool_config.execution_timeout_seconds or 60))
+            limits = self.sandbox_settings.limits(tool_config.execution_timeout_seconds or 60)
+            try:
+                sandbox = Sandbox(limits, settings=self.sandbox_settings)
+            except SandboxUnavailable as exc:
+                self.stats.sandbox = {"refused": str(exc)}
+                self.report(f"code_evaluator sandbox: {exc}")
+                for unserved in pending:
+                    self._write(results, unserved.index, error_output("tool_unavailable", str(exc), "tool_config"))
+                return
         t0 = time.monotonic()
         built = self.engine = build_llm(model_config)
         llm = built.llm

@@ -11,7 +11,10 @@ all (`SandboxUnavailable`). Memory is limited for all of an execution's processe
 where one can be made, else by summing their resident memory while it runs. Where the kernel allows it,
 `unshare` adds a network namespace with no interfaces up (no network), a PID namespace with its own
 /proc (no other process visible; the namespace dies with its first process) and an IPC namespace.
-`Sandbox.isolation` says which of these are in force; the job's metadata records it.
+Where the kernel refuses the network namespace (a container without CAP_SYS_ADMIN), the sandbox refuses to
+run code as well (`SandboxUnavailable`), unless the operator has opted into code with the worker's network
+(`SandboxSettings.allow_network`, BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK). `Sandbox.isolation` says which of
+these are in force; the job's metadata records it.
 """
 
 from __future__ import annotations
@@ -31,18 +34,27 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import IO
 
-# Executions run as uids from SANDBOX_UID_BASE on, unused by any account: one uid per running execution on
-# this machine, whichever worker runs it (see UidLeases), so that one execution's processes can neither
-# signal nor exhaust the process limit of another, and cleaning up after one never touches another.
-# This module reads its settings (batch_pipeline/core/settings.py documents and checks them) from the environment
-# itself: it also runs alone under the system's Python, without pydantic (tests/test_sandbox.py).
-SANDBOX_UID_BASE = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UID_BASE", "61000"))
-SANDBOX_UIDS = int(os.environ.get("BATCH_PIPELINE_SANDBOX_UIDS", "64"))
+# Executions run as uids from a base on (by default these), unused by any account: one uid per running
+# execution on this machine, whichever worker runs it (see UidLeases), so that one execution's processes can
+# neither signal nor exhaust the process limit of another, and cleaning up after one never touches another.
+# This module takes its settings as values (SandboxSettings, read by the worker's entry point) and imports
+# nothing of ours: it also runs alone under the system's Python, without pydantic (tests/test_sandbox.py).
+SANDBOX_UID_BASE = 61000
+SANDBOX_UIDS = 64
+SANDBOX_MEMORY_MB = 1024
 _NAMESPACES = ["unshare", "--net", "--ipc", "--pid", "--mount-proc", "--fork", "--kill-child=SIGKILL"]
 _ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+NO_NETWORK_NAMESPACE = (
+    "tool_config: the code_evaluator sandbox refuses to run model-written code here: the kernel gives it no "
+    "network namespace (`unshare --net` is refused, as in a container without CAP_SYS_ADMIN), so the code "
+    "would reach whatever the worker reaches, loopback services (the Dagster UI) and a cloud's metadata "
+    "address included. Run tool_config shards where unshare is allowed; or, where the worker's own network is "
+    "confined (a NetworkPolicy), the operator may set BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK=1; or submit the "
+    "job without tool_config."
+)
 # All a root worker needs to run the sandbox (the pod specs of tool_config shards keep these, drop the rest).
 REQUIRED_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETUID", "SETGID")
 # Where any uid may create files; what a slot's uid leaves there is removed after each execution.
@@ -55,11 +67,25 @@ class SandboxUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SandboxSettings:
+    """The operator's choices (BATCH_PIPELINE_SANDBOX_*, documented in core/settings.py), as the worker's
+    entry point read them."""
+
+    uid_base: int = SANDBOX_UID_BASE
+    uids: int = SANDBOX_UIDS
+    memory_mb: int = SANDBOX_MEMORY_MB
+    python: str = ""  # unset: the worker's own, else the system's (sandbox_python)
+    # Run code even where no network namespace can be made: it then reaches whatever the worker reaches.
+    allow_network: bool = False
+
+    def limits(self, timeout_s: float) -> SandboxLimits:
+        return SandboxLimits(timeout_s=timeout_s, memory_bytes=self.memory_mb * 2**20)
+
+
+@dataclass(frozen=True)
 class SandboxLimits:
     timeout_s: float = 60.0
-    memory_bytes: int = field(
-        default_factory=lambda: int(os.environ.get("BATCH_PIPELINE_SANDBOX_MEMORY_MB", "1024")) * 2**20
-    )
+    memory_bytes: int = SANDBOX_MEMORY_MB * 2**20
     file_bytes: int = 16 * 2**20  # any file it writes, its captured output included
     processes: int = 32
     open_files: int = 64
@@ -103,28 +129,36 @@ class Isolation:
 class Sandbox:
     """A bounded pool of execution slots; `run` blocks for a free slot, so callers may submit freely.
 
-    Raises SandboxUnavailable where no slot uid can be switched to: code never runs as the worker's user."""
+    Raises SandboxUnavailable where no slot uid can be switched to: code never runs as the worker's user;
+    and where no network namespace can be made, unless `settings.allow_network`."""
 
-    def __init__(self, limits: SandboxLimits | None = None, slots: int | None = None) -> None:
+    def __init__(
+        self, limits: SandboxLimits | None = None, slots: int | None = None, settings: SandboxSettings | None = None
+    ) -> None:
         self.limits = limits or SandboxLimits()
         self.slots = slots or max(1, min(8, os.cpu_count() or 1))
+        self.settings = settings = settings or SandboxSettings()
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(self.slots):
             self._free.put(slot)
-        self.python = sandbox_python()
+        self.python = sandbox_python(settings.python)
         self._stopping = threading.Event()
-        self._uids = UidLeases()
+        self._uids = UidLeases(settings.uid_base, settings.uids)
         self._check_uid_switch()
         self._namespaces = self._probe_namespaces()
+        if not self._namespaces and not settings.allow_network:
+            raise SandboxUnavailable(NO_NETWORK_NAMESPACE)
         self._cgroups = self._probe_cgroups()
         mib = self.limits.memory_bytes // 2**20
+        last_uid = settings.uid_base + settings.uids - 1
         self.isolation = Isolation(
-            user=f"uids {SANDBOX_UID_BASE}-{SANDBOX_UID_BASE + SANDBOX_UIDS - 1}, one per running execution on "
+            user=f"uids {settings.uid_base}-{last_uid}, one per running execution on "
             "this machine, with no groups, no capabilities and no new privileges (setpriv)",
             namespaces="network, PID, IPC, mount" if self._namespaces else "none (the kernel refused unshare)",
             network="no network (an empty network namespace)"
             if self._namespaces
-            else "NOT isolated: the code can reach whatever the worker can",
+            else "NOT isolated: the code can reach whatever the worker can (the operator allowed it: "
+            "BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK)",
             memory=f"{mib} MiB for all its processes together (cgroup v{self._cgroups.version}), "
             f"{self.limits.processes} processes"
             if self._cgroups
@@ -306,10 +340,9 @@ class Sandbox:
         return CgroupParents.find()
 
 
-def sandbox_python() -> str:
-    """An interpreter an unprivileged uid may run: the worker's own when every directory above it is
-    open to others (a venv under /root is not), else the system's."""
-    configured = os.environ.get("BATCH_PIPELINE_SANDBOX_PYTHON")
+def sandbox_python(configured: str = "") -> str:
+    """An interpreter an unprivileged uid may run: `configured` if set, else the worker's own when every
+    directory above it is open to others (a venv under /root is not), else the system's."""
     for candidate in filter(None, [configured, sys.executable, "/usr/local/bin/python3", "/usr/bin/python3"]):
         if _open_to_others(os.path.realpath(candidate)):
             return candidate
@@ -458,7 +491,8 @@ class UidLeases:
     lease is an exclusive lock on the uid's file in a directory of the worker's user, so that killing every
     process of a uid and removing its files after an execution never reach another worker's execution."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: int = SANDBOX_UID_BASE, count: int = SANDBOX_UIDS) -> None:
+        self.uids = range(base, base + count)
         self.directory = os.path.join(tempfile.gettempdir(), f"batch-pipeline-uid-leases-{os.geteuid()}")
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         found = os.lstat(self.directory)
@@ -473,7 +507,7 @@ class UidLeases:
     def lease(self) -> Iterator[int]:
         """A uid no other execution of this machine runs as, until the block ends (waits while all are taken)."""
         while True:
-            for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UIDS):
+            for uid in self.uids:
                 descriptor = os.open(os.path.join(self.directory, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
                 try:
                     fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
