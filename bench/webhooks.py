@@ -175,6 +175,7 @@ def main() -> int:
             str(home),
             BATCH_PIPELINE_TENANTS=str(tenants),
             BENCH_WEBHOOK_SECRET=SECRET,
+            BATCH_PIPELINE_WEBHOOK_ALLOW_PRIVATE_NETWORKS="127.0.0.0/8",  # the receiver is on loopback
             BATCH_PIPELINE_SENSOR_INTERVAL_S="1",
         )
         serve, api = start_serve(home, env, REPO)

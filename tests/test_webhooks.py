@@ -10,6 +10,8 @@ import base64
 import hashlib
 import itertools
 import json
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,9 @@ from tests.api_fixtures import sensor_resources
 from tests.conftest import MODEL
 
 ALPHA, BETA = "key-of-team-alpha", "key-of-team-beta"
+# The receivers here listen on loopback, which is no public address: the operator allows it, as
+# BATCH_PIPELINE_WEBHOOK_ALLOW_PRIVATE_NETWORKS would.
+LOOPBACK = "127.0.0.0/8"
 ALPHA_SECRET = "whsec_" + base64.b64encode(b"alpha's secret of 24 bytes").decode()
 BETA_SECRET = "whsec_" + base64.b64encode(b"beta's own secret, 24 byte").decode()
 
@@ -54,7 +59,15 @@ class Receiver:
     `reads`: what a receiver reacting to the event looks up as it arrives (the job's output), kept in
     `read_back`."""
 
-    def __init__(self, secret: str, mode: str = "ok", port: int = 0, reads: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        secret: str,
+        mode: str = "ok",
+        port: int = 0,
+        reads: Callable[[], Any] | None = None,
+        host: str = "127.0.0.1",
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.verifier = Webhook(secret)
         self.mode = mode
         self.received: list[dict] = []  # {"headers", "body", "verified", "payload"}
@@ -103,10 +116,12 @@ class Receiver:
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/hook"
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def verified_payloads(self) -> list[dict]:
@@ -116,6 +131,9 @@ class Receiver:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+_LOOPBACK_ALLOWED = {"allowed_networks": delivery.private_networks(LOOPBACK)}
 
 
 def _free_port() -> int:
@@ -339,7 +357,9 @@ def _receiver_of(stopped: StoppedJob, monkeypatch) -> tuple[Receiver, Deliverer,
     receiver = Receiver(ALPHA_SECRET, reads=stopped.what_a_receiver_reads)
     endpoint = WebhookConfig(url=receiver.url, secret_env="ALPHA_SECRET")
     clock = Clock()
-    deliverer = Deliverer(WebhookOutbox(engine=stopped.store.engine), endpoints=lambda owner: [endpoint], clock=clock)
+    deliverer = Deliverer(
+        WebhookOutbox(engine=stopped.store.engine), endpoints=lambda owner: [endpoint], clock=clock, **_LOOPBACK_ALLOWED
+    )
     return receiver, deliverer, clock
 
 
@@ -487,7 +507,9 @@ def test_a_receiver_answering_500_is_retried_with_backoff_and_given_up_after_24_
     failing = Receiver(ALPHA_SECRET, mode="500")
     clock = Clock()
     endpoint = WebhookConfig(url=failing.url, secret_env="ALPHA_SECRET")
-    deliverer = Deliverer(WebhookOutbox(engine=store.engine), endpoints=lambda owner: [endpoint], clock=clock)
+    deliverer = Deliverer(
+        WebhookOutbox(engine=store.engine), endpoints=lambda owner: [endpoint], clock=clock, **_LOOPBACK_ALLOWED
+    )
     try:
         job, _ = store.create(_new_job("team:alpha"))
         store.cancel_before_launch(job.job_id)
@@ -522,7 +544,9 @@ def test_a_receiver_dripping_its_answer_holds_a_worker_no_longer_than_the_attemp
     clock = Clock()
     endpoint = WebhookConfig(url=dripping.url, secret_env="ALPHA_SECRET")
     outbox = WebhookOutbox(engine=store.engine)
-    deliverer = Deliverer(outbox, endpoints=lambda owner: [endpoint], clock=clock, attempt_timeout_s=1.5)
+    deliverer = Deliverer(
+        outbox, endpoints=lambda owner: [endpoint], clock=clock, attempt_timeout_s=1.5, **_LOOPBACK_ALLOWED
+    )
     try:
         job, _ = store.create(_new_job("team:alpha"))
         store.cancel_before_launch(job.job_id)
@@ -575,7 +599,9 @@ def test_a_redirect_is_not_followed_and_an_event_goes_to_its_teams_endpoints_onl
             ),
         ],
     }
-    deliverer = Deliverer(WebhookOutbox(engine=store.engine), endpoints=lambda owner: endpoints.get(owner, []))
+    deliverer = Deliverer(
+        WebhookOutbox(engine=store.engine), endpoints=lambda owner: endpoints.get(owner, []), **_LOOPBACK_ALLOWED
+    )
     try:
         ids = {}
         for owner in ("team:alpha", "team:beta", "admins"):
@@ -599,6 +625,168 @@ def test_a_redirect_is_not_followed_and_an_event_goes_to_its_teams_endpoints_onl
         redirecting.server_close()
         alpha.stop()
         beta.stop()
+
+
+class _TeamsDNS:
+    """A test double for DNS servers a team controls (none can run here): each name of `answers` resolves
+    to its addresses in turn, one a lookup, the last again ever after, as a rebinding server answers; every
+    other name as the system resolves it."""
+
+    def __init__(self, monkeypatch, answers: dict[str, list[str]]) -> None:
+        self.lookups: dict[str, int] = {}
+        system = socket.getaddrinfo
+
+        def getaddrinfo(host, port, *args, **kwargs):
+            host = host.decode() if isinstance(host, bytes) else host
+            if host not in answers:
+                return system(host, port, *args, **kwargs)
+            count = self.lookups[host] = self.lookups.get(host, 0) + 1
+            return system(answers[host][min(count, len(answers[host])) - 1], port, *args, **kwargs)
+
+        monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_an_endpoint_whose_host_points_at_a_non_public_address_is_not_sent_to_and_its_answer_never_read_back(
+    store, monkeypatch
+):
+    """Found by an attacker review: delivery connected wherever an endpoint's host pointed. A team that
+    owns its listed host's DNS pointed it at an internal service (here one answering 500 on loopback; a
+    cloud's metadata address likewise) and read the service's answer back through `last_error`."""
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    internal = Receiver(ALPHA_SECRET, mode="500")
+    urls = [
+        f"http://localhost:{internal.port}/hook",
+        f"http://127.0.0.1:{internal.port}/hook",
+        f"http://[::ffff:127.0.0.1]:{internal.port}/hook",
+        "http://169.254.169.254/latest/meta-data/",
+    ]
+    endpoints = [WebhookConfig(url=url, secret_env="ALPHA_SECRET") for url in urls]
+    outbox = WebhookOutbox(engine=store.engine)
+    deliverer = Deliverer(outbox, endpoints=lambda owner: endpoints)
+    refused = (
+        "refused: its host resolves to no public address (BATCH_PIPELINE_WEBHOOK_ALLOW_PRIVATE_NETWORKS names "
+        "the private networks receivers may be in)"
+    )
+    try:
+        job, _ = store.create(_new_job("team:alpha"))
+        store.cancel_before_launch(job.job_id)
+        _deliver_all(deliverer)
+        [event] = _events(store, job.job_id)
+        assert internal.received == []
+        assert event.state == "pending" and event.last_error == "; ".join(
+            f"webhooks[{index}]: {refused}" for index in range(len(urls))
+        )
+    finally:
+        deliverer.close()
+    # An operator whose receivers are on loopback allows it: those are sent to, the metadata address is not.
+    allowing = Deliverer(
+        outbox, endpoints=lambda owner: endpoints, allowed_networks=delivery.private_networks(LOOPBACK)
+    )
+    try:
+        job, _ = store.create(_new_job("team:alpha"))
+        store.cancel_before_launch(job.job_id)
+        _deliver_all(allowing)
+        [event] = _events(store, job.job_id)
+        assert len(internal.received) == 3 and all(entry["verified"] for entry in internal.received)
+        assert event.last_error == "; ".join(
+            [*(f"webhooks[{i}]: HTTP 500" for i in range(3)), f"webhooks[3]: {refused}"]
+        )
+    finally:
+        allowing.close()
+        internal.stop()
+
+
+def test_delivery_connects_to_the_address_it_checked_so_a_rebinding_dns_answer_reaches_nothing_internal(
+    store, monkeypatch
+):
+    """Checked, then looked up again to connect, a host whose DNS answers a receiver's address once and an
+    internal one after (DNS rebinding) would send the request inside: it goes to the address checked."""
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    receiver = Receiver(ALPHA_SECRET)
+    internal = Receiver(ALPHA_SECRET, mode="500", port=receiver.port, host="127.0.0.2")
+    dns = _TeamsDNS(monkeypatch, {"rebinding.test": ["127.0.0.1", "127.0.0.2"]})
+    endpoint = WebhookConfig(url=f"http://rebinding.test:{receiver.port}/hook", secret_env="ALPHA_SECRET")
+    deliverer = Deliverer(
+        WebhookOutbox(engine=store.engine),
+        endpoints=lambda owner: [endpoint],
+        allowed_networks=delivery.private_networks("127.0.0.1/32"),  # the receiver's, and no other
+    )
+    try:
+        job, _ = store.create(_new_job("team:alpha"))
+        store.cancel_before_launch(job.job_id)
+        _deliver_all(deliverer)
+        assert internal.received == [] and dns.lookups == {"rebinding.test": 1}
+        assert [entry["headers"]["host"] for entry in receiver.received] == [f"rebinding.test:{receiver.port}"]
+        assert [e.state for e in _events(store, job.job_id)] == ["delivered"]
+    finally:
+        deliverer.close()
+        receiver.stop()
+        internal.stop()
+
+
+def _certificate(name: str) -> tuple[bytes, bytes]:
+    """A self-signed certificate for the DNS name `name`, and its key, in PEM."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.now(UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return certificate.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_an_https_endpoint_reached_at_its_checked_address_is_still_verified_against_its_host_name(
+    store, monkeypatch, tmp_path
+):
+    """Connecting to the address checked must not weaken TLS: the certificate is checked against the URL's
+    host name (sent as SNI), so a receiver holding another name's certificate is refused."""
+    monkeypatch.setenv("ALPHA_SECRET", ALPHA_SECRET)
+    certificate, key = _certificate("hooks.test")
+    (tmp_path / "cert.pem").write_bytes(certificate)
+    (tmp_path / "key.pem").write_bytes(key)
+    serving = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    serving.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    receiver = Receiver(ALPHA_SECRET, tls=serving)
+    _TeamsDNS(monkeypatch, {"hooks.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]})
+    endpoints = [
+        WebhookConfig(url=f"https://{name}:{receiver.port}/hook", secret_env="ALPHA_SECRET")
+        for name in ("hooks.test", "other.test")
+    ]
+    deliverer = Deliverer(
+        WebhookOutbox(engine=store.engine),
+        endpoints=lambda owner: endpoints,
+        allowed_networks=delivery.private_networks(LOOPBACK),
+        tls=ssl.create_default_context(cadata=certificate.decode()),
+    )
+    try:
+        job, _ = store.create(_new_job("team:alpha"))
+        store.cancel_before_launch(job.job_id)
+        _deliver_all(deliverer)
+        assert [entry["headers"]["host"] for entry in receiver.received] == [f"hooks.test:{receiver.port}"]
+        assert receiver.verified_payloads()[0]["data"]["job_id"] == job.job_id
+        [event] = _events(store, job.job_id)
+        assert event.state == "pending" and event.last_error == "webhooks[1]: connection failed"
+        assert len(event.delivered_to) == 1
+    finally:
+        deliverer.close()
+        receiver.stop()
 
 
 def test_a_forged_or_replayed_or_other_teams_signature_is_rejected_by_the_verifier():
@@ -659,7 +847,12 @@ def test_through_serve_each_event_reaches_its_team_once_up_signed_and_a_hanging_
     )
     served = Served(
         tmp_path,
-        env={"BATCH_PIPELINE_TENANTS": str(tenants_file), "ALPHA_SECRET": ALPHA_SECRET, "BETA_SECRET": BETA_SECRET},
+        env={
+            "BATCH_PIPELINE_TENANTS": str(tenants_file),
+            "ALPHA_SECRET": ALPHA_SECRET,
+            "BETA_SECRET": BETA_SECRET,
+            "BATCH_PIPELINE_WEBHOOK_ALLOW_PRIVATE_NETWORKS": LOOPBACK,
+        },
     )
     alpha = None
     try:

@@ -14,14 +14,24 @@ job's, copied in the transaction that ended the job), and only to a URL of the t
 not followed (a receiver cannot send the service elsewhere). Secrets are read from the environment
 variables the file names, and never logged, stored or shown; errors are recorded as "webhooks[i]: HTTP
 500", never with a URL.
+
+Where a host's DNS points is its owner's choice, not the operator's: an endpoint's host is resolved as
+each attempt starts, and an address that is not public (loopback, private, link-local such as a cloud's
+metadata address, shared, reserved, multicast; an IPv6 form of one too) is not connected to unless it lies
+in BATCH_PIPELINE_WEBHOOK_ALLOW_PRIVATE_NETWORKS. The request goes to the address checked, with the URL's
+host in its Host header and TLS's SNI and certificate check, so a second lookup cannot send it elsewhere
+(DNS rebinding), and a team never reads an internal service's answer back through `last_error`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import random
+import socket
+import ssl
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -49,6 +59,45 @@ LEASE = timedelta(minutes=2)
 WORKERS = 8
 PER_TEAM_IN_FLIGHT = 2
 POLL_S = 0.5
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# IPv6 prefixes whose addresses carry an IPv4 address in their last 32 bits (NAT64's well-known prefix).
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+class RefusedAddress(ConnectionError):
+    """An endpoint's host resolves to no address delivery may connect to."""
+
+
+def private_networks(configured: str) -> tuple[Network, ...]:
+    """BATCH_PIPELINE_WEBHOOK_ALLOW_PRIVATE_NETWORKS read: the networks receivers may be in though not public."""
+    return tuple(ipaddress.ip_network(part.strip(), strict=False) for part in configured.split(",") if part.strip())
+
+
+def may_connect(address: str, allowed: tuple[Network, ...] = ()) -> bool:
+    """Whether delivery may connect to `address`: a public one, or one in `allowed`. An IPv4-mapped IPv6
+    address is its IPv4 address; one that routes to an IPv4 address (6to4, NAT64, Teredo) is judged by both."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    judged: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        judged += [ip.sixtofour] if ip.sixtofour is not None else []
+        judged += [ip.teredo[1]] if ip.teredo is not None else []
+        judged += [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)] if ip in _NAT64 else []
+    return all(
+        any(each in network for network in allowed) or (each.is_global and not each.is_multicast) for each in judged
+    )
+
+
+async def connectable_address(host: str, port: int, allowed: tuple[Network, ...]) -> str:
+    """The first address `host` resolves to that delivery may connect to; RefusedAddress when none is."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    for _family, _type, _proto, _name, sockaddr in infos:
+        if may_connect(str(sockaddr[0]).split("%", 1)[0], allowed):
+            return str(sockaddr[0])
+    raise RefusedAddress(host)
 
 
 class WebhookSecretError(ValueError):
@@ -103,6 +152,13 @@ def _describe(exc: BaseException) -> str:
     """An attempt's error without its URL (httpx's messages quote it)."""
     if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return "timed out"
+    if isinstance(exc, RefusedAddress):
+        return (
+            "refused: its host resolves to no public address (BATCH_PIPELINE_WEBHOOK_ALLOW_PRIVATE_NETWORKS "
+            "names the private networks receivers may be in)"
+        )
+    if isinstance(exc, socket.gaierror):
+        return "its host name does not resolve"
     if isinstance(exc, httpx.ConnectError):
         return "connection failed"
     if isinstance(exc, WebhookSecretError):
@@ -118,12 +174,16 @@ class Deliverer:
         clock: Callable[[], datetime] = utc_now,
         workers: int = WORKERS,
         attempt_timeout_s: float = Settings.model_fields["webhook_attempt_timeout_s"].default,
+        allowed_networks: tuple[Network, ...] = (),
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.outbox = outbox
         self.endpoints = endpoints  # an event owner's endpoints, as its team's config says now
         self.clock = clock
         self.attempt_timeout_s = attempt_timeout_s
-        self.tls = httpx.create_ssl_context(trust_env=False)  # made once: each attempt's client shares it
+        self.allowed_networks = allowed_networks  # beside the public addresses
+        # Made once, each attempt's client sharing it; the system's CAs unless given others.
+        self.tls = tls or httpx.create_ssl_context(trust_env=False)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="webhook")
         self.workers = workers
         self._in_flight: Counter[str] = Counter()  # events being sent, by owner
@@ -143,6 +203,7 @@ class Deliverer:
             WebhookOutbox(url=configured.jobs_db),
             team_endpoints,
             attempt_timeout_s=configured.webhook_attempt_timeout_s,
+            allowed_networks=private_networks(configured.webhook_allow_private_networks),
         )
 
     def tick(self) -> list[Future[None]]:
@@ -234,8 +295,20 @@ class Deliverer:
     async def _post(self, client: httpx.AsyncClient, config: WebhookConfig, event: WebhookEvent) -> int:
         # Signed at the wall clock's time, which the receiver checks against its own (5 minutes' tolerance).
         headers = signed_headers(signer(config), event.event_id, event.payload, utc_now())
+        url = httpx.URL(config.url)
+        host = url.raw_host.decode("ascii")  # IDNA-encoded, or an IP address without brackets
         # httpx's timeouts are per read and write: a receiver that sends a byte every few seconds would hold
-        # the worker for ever. This one bounds the whole request, from the connect to the status line.
+        # the worker for ever. This one bounds the whole request, from the lookup to the status line.
         async with asyncio.timeout(self.attempt_timeout_s):
-            async with client.stream("POST", config.url, content=event.payload.encode(), headers=headers) as response:
+            port = url.port or (443 if url.scheme == "https" else 80)
+            address = await connectable_address(host, port, self.allowed_networks)
+            # Sent to the address checked: the URL's host is the Host header, TLS's SNI and what its
+            # certificate is checked against.
+            headers["host"] = url.netloc.decode("ascii")
+            extensions = {"sni_hostname": host} if url.scheme == "https" else {}
+            target = url.copy_with(host=address)
+            payload = event.payload.encode()
+            async with client.stream(
+                "POST", target, content=payload, headers=headers, extensions=extensions
+            ) as response:
                 return response.status_code  # the body is not read: a receiver cannot make it hold us
