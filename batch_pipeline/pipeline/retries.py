@@ -12,16 +12,25 @@ The daemon reads each run failure event once, and drops a run for good in two wa
 Both are handed back the same way. The status sensors run in the code server, so when one of them reads such a
 run the location is back. The run's failure is reported again, and the daemon reads it once more. It
 re-executes from failure, so the job resumes from its checkpoints. This happens at most MAX_RETRIES times a run,
-each at least the jobs sensor's reconcile delay apart (a new failure moves the run's end).
+each at least the jobs sensor's reconcile delay apart (a new failure moves the run's end), and only where the
+daemon would retry the run (its `dagster/max_retries` against the retries its run group holds), before the
+job's deadline, and with no other run of the job unfinished: a job never has two live runs.
+
+The outage is read from the daemon's own records, which are the run's: a step process that outlived its killed
+run worker reports its own errors (its shard stopped), seconds after the daemon's under load (issue 50).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import dagster as dg
+from dagster._core.execution.retries import auto_reexecution_should_retry_run
 from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, MAX_RETRIES_TAG, WILL_RETRY_TAG
 from dagster._utils.error import SerializableErrorInfo
+
+from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG
 
 # The errors Dagster raises where a code server cannot be reached, or its code cannot be loaded.
 UNREACHABLE_ERRORS = ("DagsterUserCodeUnreachableError", "DagsterCodeLocationLoadError")
@@ -30,9 +39,12 @@ MAX_RETRIES = 5
 
 
 def outage_error(instance: dg.DagsterInstance, run_id: str) -> tuple[str, SerializableErrorInfo] | None:
-    """The newest engine event of the run that carries an error, with that error, where the error says the
-    code location could not be reached: how the dequeue and the run retry daemon record giving up."""
+    """The newest engine event of the run itself (not of a step) that carries an error, with that error, where
+    the error says the code location could not be reached: how the dequeue, the launch and the run retry
+    daemon record giving up."""
     for record in reversed(instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)):
+        if record.step_key is not None:
+            continue  # a step's own error, not the daemon's
         event = record.dagster_event
         data = event.engine_event_data if event is not None else None
         if data is not None and data.error is not None:
@@ -56,7 +68,7 @@ def describe_outage(message: str, error: SerializableErrorInfo) -> str:
 def retry_after_outage(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
     """If the failed run gave up because its code location did not answer, and it may still be retried, hand
     it to the run retry daemon again and say why; else None."""
-    if not _may_hand_back(instance, run) or not _retries_left(run):
+    if not _may_hand_back(instance, run) or not _retries_left(run) or not _within_budget_and_deadline(instance, run):
         return None
     found = outage_error(instance, run.run_id)
     if found is None:
@@ -87,11 +99,35 @@ def retry_missed_read(instance: dg.DagsterInstance, run: dg.DagsterRun) -> Liter
 def _may_hand_back(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     """Whether a failed run may be handed back at all: retries are on, and nothing re-executes it yet, neither
     the daemon's retry (its tag, or the run group where the tag lags) nor an operator's, which Dagster's retry
-    daemon does not look for (a run handed back beside one would run the job twice in one work dir)."""
+    daemon does not look for (a run handed back beside one would run the job twice in one work dir), nor any
+    other run of its job (a resume's)."""
     if not instance.run_retries_enabled or run.tags.get(AUTO_RETRY_RUN_ID_TAG):
         return False
     group = instance.get_run_group(run.run_id)
-    return group is None or not any(other.parent_run_id == run.run_id for other in group[1])
+    if group is not None and any(other.parent_run_id == run.run_id for other in group[1]):
+        return False
+    return not _other_unfinished_run(instance, run)
+
+
+def _other_unfinished_run(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    job_id = run.tags.get(JOB_ID_TAG)
+    if job_id is None:
+        return False
+    unfinished = [status for status in dg.DagsterRunStatus if status not in _FINISHED]
+    runs = instance.get_run_ids(dg.RunsFilter(tags={JOB_ID_TAG: job_id}, statuses=unfinished), limit=2)
+    return any(run_id != run.run_id for run_id in runs)
+
+
+_FINISHED = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+
+
+def _within_budget_and_deadline(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """Whether the daemon would retry the run were it to fail now (its `dagster/max_retries` against the
+    retries its run group holds), before the job's deadline: a run handed back past either only fails again."""
+    deadline = run.tags.get(DEADLINE_TAG)
+    if deadline is not None and time.time() >= float(deadline):
+        return False
+    return auto_reexecution_should_retry_run(instance, run, None)
 
 
 def _handed_back(run: dg.DagsterRun) -> int:
