@@ -12,6 +12,7 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.pipeline import step_server
+from batch_pipeline.pipeline.runs import launch_key
 from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import RESUME_TAG
 from batch_pipeline.shards.merge import checkpointed
@@ -66,7 +67,7 @@ def test_a_cancelled_job_is_resumed_as_the_same_job_queued_again_with_a_renewed_
     assert api.job(job_id)["status"] == "cancelled"
     again = _resume(api, job_id).json()["job"]
     assert again["metadata"]["resume_count"] == "2"
-    assert run_request_for(api.store.get(job_id), None).run_key == f"{job_id}:resume-2"
+    assert run_request_for(api.store.get(job_id), None, launch_key(api.instance)).run_key == f"{job_id}:resume-2"
 
 
 @pytest.mark.parametrize("status", ["queued", "running", "completed"])
@@ -364,7 +365,7 @@ def _run(api, job_id: str, whole: bool = False) -> dg.JobExecutionResult:
     (validate_input, plan_shards), or `whole`."""
     from batch_pipeline.pipeline.definitions import batch_completions_job
 
-    request = run_request_for(api.store.get(job_id), None)
+    request = run_request_for(api.store.get(job_id), None, launch_key(api.instance))
     return dg.execute_job(
         dg.reconstructable(batch_completions_job),
         instance=api.instance,

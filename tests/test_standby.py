@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from batch_pipeline.core.environment import child_environment
 from batch_pipeline.launch.standby import StartedStandby, claim_standby
 from batch_pipeline.shards.protocol import STANDBY_DIR_ENV, STANDBY_EXIT
 
@@ -34,6 +35,11 @@ def start_standby(tmp_path, monkeypatch):
         assert not Path(standby.directory).exists()
 
 
+def launched_env() -> dict[str, str]:
+    """What the local launcher would give a worker of a shard on local files, in the test's environment."""
+    return child_environment(os.environ, object_store=False)
+
+
 def _gone(process: subprocess.Popen, timeout: float = 10) -> int:
     return process.wait(timeout=timeout)
 
@@ -51,9 +57,9 @@ def test_batch_pipeline_run_starts_its_standby_before_it_imports_dagster():
 
 def test_one_shard_takes_the_standby_and_a_second_does_not(start_standby):
     standby = start_standby()
-    taken = claim_standby(dict(os.environ))
+    taken = claim_standby(launched_env())
     assert taken is not None and taken.pid == standby.process.pid
-    assert claim_standby(dict(os.environ)) is None  # the run's other shards launch their own
+    assert claim_standby(launched_env()) is None  # the run's other shards launch their own
     taken.close()  # never handed a shard (its step failed first): killed, not left waiting
     assert _gone(standby.process) == -signal.SIGKILL
 
@@ -61,7 +67,7 @@ def test_one_shard_takes_the_standby_and_a_second_does_not(start_standby):
 def test_a_shard_whose_worker_needs_other_thread_settings_kills_the_standby(start_standby):
     standby = start_standby()
     """Two shards side by side split the cores: torch reads that as it imports, so the standby cannot serve."""
-    assert claim_standby({**os.environ, "OMP_NUM_THREADS": "1"}) is None
+    assert claim_standby({**launched_env(), "OMP_NUM_THREADS": "1"}) is None
     assert _gone(standby.process) == -signal.SIGKILL
 
 
@@ -74,13 +80,13 @@ def test_a_standby_directory_that_is_not_the_services_own_is_not_trusted(start_s
     else:
         directory = str(tmp_path / "link")
         os.symlink(standby.directory, directory)
-    assert claim_standby({**os.environ, STANDBY_DIR_ENV: directory}) is None
+    assert claim_standby({**launched_env(), STANDBY_DIR_ENV: directory}) is None
     assert standby.process.poll() is None  # not claimed: still there for its own run
 
 
 def test_without_a_standby_every_shard_launches_its_worker(monkeypatch):
     monkeypatch.delenv(STANDBY_DIR_ENV, raising=False)
-    assert claim_standby(dict(os.environ)) is None
+    assert claim_standby(launched_env()) is None
 
 
 @pytest.mark.slow
@@ -88,7 +94,7 @@ def test_the_exit_code_of_a_standby_that_fails_after_its_handoff_is_its_own(star
     """Its launcher is not its parent: the code it leaves is what the step sees, here the 2 of a worker
     started outside Dagster Pipes (a handoff without the Pipes bootstrap), with its output in the shard's log."""
     standby = start_standby()
-    taken = claim_standby(dict(os.environ))
+    taken = claim_standby(launched_env())
     assert taken is not None
     log = tmp_path / "worker.log"
     taken.hand_off({}, str(log))

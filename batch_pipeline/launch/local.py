@@ -15,6 +15,7 @@ from dagster._core.storage.dagster_run import FINISHED_STATUSES
 from pydantic import Field
 
 from batch_pipeline.core import io
+from batch_pipeline.core.environment import child_environment
 from batch_pipeline.launch.base import (
     ForwardsProgress,
     ProgressCallback,
@@ -39,6 +40,13 @@ def worker_log_path(task: ShardTask) -> str:
         return os.path.join(io.filesystem(task.shard.directory)[1], WORKER_LOG)
     name = f"batch_pipeline-{task.job_id or 'job'}-shard{task.shard.shard_index:03d}-{WORKER_LOG}"
     return os.path.join(tempfile.gettempdir(), name)
+
+
+def worker_environment(task: ShardTask) -> dict[str, str]:
+    """This process's environment as far as the shard's worker may have it (core/environment.py): the
+    object store's credentials only when its shard or its checkpoint is on one."""
+    remote = [path for path in (task.shard.directory, task.model_config.checkpoint_path) if path]
+    return child_environment(os.environ, object_store=not all(io.is_local(path) for path in remote))
 
 
 def _tail(path: str, limit: int = 3000) -> str:
@@ -84,7 +92,7 @@ class LocalShardLauncher(ShardLauncher):
     ) -> ShardResult:
         reader = _TempFileMessageReader()
         reader.on_progress = on_progress
-        worker_env = {**os.environ, **self._cpu_share(task), **self.env}
+        worker_env = {**worker_environment(task), **self._cpu_share(task), **self.env}
         standby = None if self.python_executable else claim_standby(worker_env)
         try:
             # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from batch_pipeline.core import io
+from batch_pipeline.core.environment import child_environment
 from batch_pipeline.shards.protocol import (
     STANDBY_CLAIMED,
     STANDBY_DIR_ENV,
@@ -51,10 +52,11 @@ class StartedStandby:
 
     @classmethod
     def start(cls) -> StartedStandby:
-        """A standby worker in this process's environment, and that environment told where it waits
-        (STANDBY_DIR_ENV), for the run's step processes to find it: call before they start."""
+        """A standby worker in this process's environment as a worker may have it (core/environment.py; no
+        object store's credentials: a shard that needs them launches its own worker), and that environment
+        told where it waits (STANDBY_DIR_ENV), for the run's step processes to find it: call before they start."""
         directory = tempfile.mkdtemp(prefix="batch_pipeline-standby-")  # 0700
-        env = dict(os.environ)
+        env = child_environment(os.environ, object_store=False)
         with open(os.path.join(directory, STANDBY_OUTPUT), "ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "batch_pipeline.worker", "--standby", directory, "--starter", str(os.getpid())],

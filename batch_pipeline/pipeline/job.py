@@ -16,7 +16,13 @@ from pydantic import TypeAdapter, ValidationError
 
 from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.admission.policy import AdmissionPolicy
-from batch_pipeline.admission.submission import StoredRequest, UnservableRequest, check_servable, submit
+from batch_pipeline.admission.submission import (
+    QuotaExceeded,
+    StoredRequest,
+    UnservableRequest,
+    check_servable,
+    submit,
+)
 from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
@@ -25,9 +31,9 @@ from batch_pipeline.launch.base import ShardLauncher, ShardResult
 from batch_pipeline.openai_batch.jobs import finalize_batch
 from batch_pipeline.pipeline.config_schema import config_schema_for
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
-from batch_pipeline.pipeline.runs import job_id_of, tagged_job_id
-from batch_pipeline.pipeline.tags import DEADLINE_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
-from batch_pipeline.shards.format import checkpoint_bytes, shard_directories
+from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of, tagged_job_id
+from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
+from batch_pipeline.shards.format import checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
 from batch_pipeline.shards.planning import (
     GENERATION_GROUPING,
@@ -40,6 +46,7 @@ from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.results import JobResults
+from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
@@ -47,9 +54,11 @@ SHARD_STEP_TAG = "batch_pipeline/step"
 # The request's fields a launcher sizes a shard's machine by.
 HARDWARE_FIELDS = ("gpus", "gpu_type", "cpus", "memory", "storage")
 _HARDWARE: TypeAdapter[ShardHardware] = TypeAdapter(ShardHardware)
-# Owner of the jobs registered for runs launched outside the API (launchpad, `batch-pipeline run`):
-# API admins see them.
+# Owner of the jobs registered for runs launched outside the API (launchpad, `batch-pipeline run`) where
+# the deployment has no tenants file: API admins see them. With one, such a run names its team (TEAM_FIELD).
 DAGSTER_OWNER = "dagster"
+# The field of validate_input's run config, beside the request, that names the team owning a launched run.
+TEAM_FIELD = "team"
 
 
 @dataclass(frozen=True)
@@ -99,23 +108,53 @@ def job_deadline(context: OpExecutionContext, max_runtime_sec: int | None) -> fl
     return _run_start(context) + (max_runtime_sec or DEFAULT_MAX_RUNTIME_SEC)
 
 
+def _validate_input_config() -> dg.Shape:
+    """The request, as typed config, and the team that owns a run launched from the launchpad."""
+    request = config_schema_for(StoredRequest)
+    team = dg.Field(
+        dg.Noneable(dg.String),
+        is_required=False,
+        description="The team (of the tenants file) that owns this run: its job is checked against that team's "
+        "data roots, priority cap and quotas, as the team's API submission is. Required where the deployment has "
+        "a tenants file; leave it empty on a run the jobs sensor or a schedule launched.",
+    )
+    return dg.Shape({**request.fields, TEAM_FIELD: team})
+
+
 @dg.op(
-    config_schema=config_schema_for(StoredRequest),
-    description="Check the request (the run config) against the contract and the paths it names.",
+    config_schema=_validate_input_config(),
+    description="Check the request (the run config) against the contract and the paths it names, as a "
+    "submission of the job's team.",
 )
 def validate_input(
     context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage, admission: Admission
 ) -> StoredRequest:
+    config = dict(context.op_config)
+    team = config.pop(TEAM_FIELD, None)
     try:
-        request = StoredRequest.model_validate(context.op_config)
+        request = StoredRequest.model_validate(config)
     except ValidationError as exc:
         raise dg.Failure(f"invalid request: {describe_validation_error(exc)}") from None
     job_id = tagged_job_id(context.instance, context.run)
     store = job_store.get_store()
     record = store.get(job_id) if job_id is not None else None
+    registry = admission.teams()
+    if record is not None:
+        # A job-id tag is anyone's to set: the run is the job's only if the service launched it for the job.
+        if (why := not_the_run_of(context.instance, context.run, record)) is not None:
+            raise dg.Failure(f"this run is not the run of job {job_id}: {why}", allow_retries=False)
+        if team is not None and registry is not None and TEAM_OWNER_PREFIX + team != record.owner:
+            raise dg.Failure(f"{TEAM_FIELD}: job {job_id} is not team {team}'s", allow_retries=False)
+        owner = record.owner
+    elif job_id is not None and registry is not None:
+        raise dg.Failure(
+            f"{JOB_ID_TAG}: there is no job {job_id}; launch the run without the tag, naming its {TEAM_FIELD}",
+            allow_retries=False,
+        )
+    else:
+        owner = _launching_owner(context, registry, team)
     # Held to the paths of the team whose job it is, again now that the run starts (the tenants file may
-    # have changed since); a run from the launchpad is an operator's.
-    owner = record.owner if record is not None else DAGSTER_OWNER
+    # have changed since).
     try:
         check_servable(request, owner, admission, own_dir=job_storage.work_dir(job_id) if job_id is not None else None)
     except UnservableRequest as exc:
@@ -141,7 +180,7 @@ def validate_input(
                 allow_retries=False,
             )
     if job_id is None:
-        job_id = _register_job(context, job_store, job_storage, admission, request)
+        job_id = _register_job(context, job_store, job_storage, admission, request, owner)
     # Started when Dagster started the run, not when this first step got going (~2 s later here).
     if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), UTC)):
         raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
@@ -162,27 +201,51 @@ def _enforce_deadline(context: OpExecutionContext, max_runtime_sec: int | None) 
     context.instance.add_run_tags(context.run_id, {MAX_RUNTIME_TAG: max_runtime_from(deadline, _run_start(context))})
 
 
+def _launching_owner(context: OpExecutionContext, registry: Tenants | None, team: str | None) -> str:
+    """Who owns a run launched outside the API: the team its config names, which must be a team of the
+    tenants file; without one (the embedded single-user default) the operator."""
+    if registry is None:
+        if team is not None:
+            context.log.info(f"{TEAM_FIELD} {team!r} is ignored: the deployment has no tenants file")
+        return DAGSTER_OWNER
+    if team is None:
+        raise dg.Failure(
+            f"{TEAM_FIELD}: name the team that owns this run (ops.validate_input.config.{TEAM_FIELD}): the deployment "
+            "has a tenants file, and a run is checked against its team's data roots and quotas",
+            allow_retries=False,
+        )
+    if team not in registry.teams:
+        raise dg.Failure(f"{TEAM_FIELD}: no team {team!r} in the tenants file", allow_retries=False)
+    return TEAM_OWNER_PREFIX + team
+
+
 def _register_job(
     context: OpExecutionContext,
     job_store: JobStoreResource,
     job_storage: JobStorage,
     admission: AdmissionPolicy,
     request: StoredRequest,
+    owner: str,
 ) -> str:
     """A run launched outside the API (the launchpad, a re-execution of one, `batch-pipeline run`) becomes
-    a job too, through the same submission path, so the API lists it, reports its status and can cancel
-    it. Later steps, and re-executions (which copy the run's tags), use the job id's work dir."""
-    record, _ = submit(
-        job_store.get_store(),
-        job_storage.work_dir,
-        DAGSTER_OWNER,
-        request,
-        admission,
-        idempotency_key=f"run:{context.run.root_run_id or context.run_id}",
-        run_id=context.run_id,
-    )
-    context.instance.add_run_tags(context.run_id, run_tags(record, admission.priority_cap(record.owner)))
-    context.log.info(f"registered as job {record.job_id}")
+    a job of `owner` too, through the same submission path (its team's roots, priority cap and quotas), so
+    the API lists it, reports its status and can cancel it. Later steps, and re-executions (which copy the
+    run's tags, its launch signature among them), use the job id's work dir."""
+    try:
+        record, _ = submit(
+            job_store.get_store(),
+            job_storage.work_dir,
+            owner,
+            request,
+            admission,
+            idempotency_key=f"run:{context.run.root_run_id or context.run_id}",
+            run_id=context.run_id,
+        )
+    except QuotaExceeded as exc:
+        raise dg.Failure(str(exc), allow_retries=False) from None
+    tags = run_tags(record, admission.priority_cap(record.owner)) | launch_tags(context.instance, record)
+    context.instance.add_run_tags(context.run_id, tags)
+    context.log.info(f"registered as job {record.job_id} of {record.owner}")
     return record.job_id
 
 

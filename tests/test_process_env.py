@@ -1,0 +1,106 @@
+"""Each process gets only its own secrets: the shard workers the local launcher starts (or `batch-pipeline
+run` starts ahead) and the dry run's checking process get an environment built from an allow-list
+(core/environment.py), read here from the kernel's copy (/proc/<pid>/environ) of the real processes, with
+a webhook secret, API keys and a database password in the service's environment."""
+
+import os
+import stat
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.launch.local import LocalShardLauncher
+from batch_pipeline.launch.standby import StartedStandby
+from batch_pipeline.shards.planning import write_shards
+from batch_pipeline.shards.protocol import STANDBY_DIR_ENV, ShardTask
+from batch_pipeline.shards.records import work_items
+
+# What the service's own environment may hold, and none of its children may.
+SECRETS = {
+    "TEAM_A_WEBHOOK_SECRET": "whsec_team-a-secret-value",  # a tenants file's `secret_env`
+    "BATCH_PIPELINE_API_KEYS": "sk-team-a-key,sk-admin-key:admin",
+    "BATCH_PIPELINE_JOBS_DB": "postgresql://batch:db-password-value@db/batch",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-value",  # only for a process that reads s3:// data
+}
+# What a worker needs and gets.
+KEPT = {"OMP_NUM_THREADS": "1", "BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture
+def service_environment(monkeypatch, tmp_path):
+    for name, value in {**SECRETS, **KEPT}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(STANDBY_DIR_ENV, raising=False)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if entry)
+
+
+def assert_no_secret(environment: dict[str, str]) -> None:
+    leaked = {name for name, value in environment.items() for secret in SECRETS.values() if secret in value}
+    assert not leaked, f"secrets reached the child: {sorted(leaked)}"
+    assert not set(SECRETS) & set(environment)
+
+
+def test_a_standby_worker_gets_no_secret(service_environment, monkeypatch, tmp_path):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    standby = StartedStandby.start()
+    try:
+        environment = environ_of(standby.process.pid)
+    finally:
+        standby.stop()
+    assert_no_secret(environment)
+    assert {name: environment.get(name) for name in KEPT} == KEPT
+    assert environment["PATH"] == os.environ["PATH"]
+
+
+# Stands in for the worker's program only: the real launcher starts it in the worker's environment, and it
+# writes that environment, as the kernel holds it, where the test reads it.
+RECORDING_PYTHON = """#!/bin/sh
+cp /proc/$$/environ {record}
+exit 3
+"""
+
+
+def shard_task(directory: Path) -> ShardTask:
+    (shard,) = write_shards(
+        work_items([("content", {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0.0})]), 1, str(directory)
+    )
+    return ShardTask(shard=shard, model_config={"model": "no-such-model"})
+
+
+@pytest.mark.parametrize("work_dir", ["local", "s3://batch/work"])
+def test_the_local_launchers_worker_gets_no_secret(service_environment, tmp_path, work_dir):
+    """A shard on local files gets no object store's credentials either; one whose checkpoint model is on
+    S3 gets them, and still no other secret."""
+    record = tmp_path / "environ"
+    python = tmp_path / "python"
+    python.write_text(RECORDING_PYTHON.format(record=record))
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    task = shard_task(tmp_path / "job")
+    if work_dir != "local":
+        task = ShardTask(shard=task.shard, model_config={"model": "m", "checkpoint_path": "s3://batch/models/m"})
+    launcher = LocalShardLauncher(python_executable=str(python))
+
+    @dg.op
+    def launch_shard(context: dg.OpExecutionContext) -> None:
+        launcher.run_shard(context, task)
+
+    @dg.job
+    def one_shard() -> None:
+        launch_shard()
+
+    result = one_shard.execute_in_process(raise_on_error=False)
+    assert not result.success  # the stand-in exits 3
+    environment = dict(
+        entry.split("=", 1) for entry in record.read_bytes().decode().split("\0") if entry and "=" in entry
+    )
+    reads_s3 = work_dir != "local"
+    if reads_s3:
+        assert environment.pop("AWS_SECRET_ACCESS_KEY") == SECRETS["AWS_SECRET_ACCESS_KEY"]
+    assert_no_secret(environment)
+    assert environment["BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK"] == "1" and environment["HF_HUB_OFFLINE"] == "1"
+    assert any(name.startswith("DAGSTER_PIPES_") for name in environment)  # the Pipes bootstrap
