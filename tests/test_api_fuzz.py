@@ -14,6 +14,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from batch_pipeline.pipeline.runs import launch_key
 from batch_pipeline.pipeline.sensors import run_request_for
 from tests.api_fixtures import USER_KEY, Deployment
 
@@ -134,5 +135,6 @@ def test_hostile_values_anywhere_in_a_body_get_4xx(deployment):
             assert response.status_code < 500, (path, repr(hostile)[:80], response.status_code, response.text)
 
         fuzz()
+    key = launch_key(deployment.instance)
     for record in deployment.store.list().jobs:
-        assert run_request_for(record, None).run_key == record.job_id  # raises for a job that could not run
+        assert run_request_for(record, None, key).run_key == record.job_id  # raises for a job that could not run

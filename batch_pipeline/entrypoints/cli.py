@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="run a request JSON file as a Dagster job on this machine, no server")
     run.add_argument("request", type=Path, help="a v1 or v2 batch completions request (JSON)")
     run.add_argument("--show", type=int, default=3, help="completions to print (default 3)")
+    run.add_argument("--team", help="the team that owns the job (required where the deployment has a tenants file)")
     models = commands.add_parser("models", help="list the built-in model catalog")
     models.add_argument("--prepare", metavar="NAME", help="convert a catalog model into the cache now")
     args = parser.parse_args(argv)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models":
         return _prepare(args.prepare) if args.prepare else _models()
     if args.command == "run":
-        code = _run(args.request, args.show)
+        code = _run(args.request, args.show, args.team)
         if argv is None:  # the command line's own process: nothing runs after this
             from batch_pipeline.pipeline import step_server
 
@@ -247,7 +248,7 @@ def _prepare(name: str) -> int:
     return 0
 
 
-def _run(path: Path, show: int) -> int:
+def _run(path: Path, show: int, team: str | None = None) -> int:
     from batch_pipeline.launch.standby import StartedStandby
 
     # Before the standby worker and the step server: they keep this environment.
@@ -261,13 +262,13 @@ def _run(path: Path, show: int) -> int:
         except OSError as exc:  # no temporary directory, no process: the shard's worker starts as it would have
             print(f"running without a worker started ahead: {exc}", file=sys.stderr)
     try:
-        return _run_request(path, show)
+        return _run_request(path, show, team)
     finally:
         if standby is not None:
             standby.stop()
 
 
-def _run_request(path: Path, show: int) -> int:
+def _run_request(path: Path, show: int, team: str | None = None) -> int:
     from batch_pipeline.pipeline import step_server
 
     step_server.start()  # its imports (~2 s) run beside this process's own instead of at the first step
@@ -285,7 +286,7 @@ def _run_request(path: Path, show: int) -> int:
         return 2
     request = _with_absolute_local_paths(request)
     instance = dg.DagsterInstance.get()
-    result = execute_request(request, instance, log_level="INFO")
+    result = execute_request(request, instance, log_level="INFO", team=team)
     if not result.success:
         failures = [event for event in result.all_events if event.is_step_failure]
         for event in failures:

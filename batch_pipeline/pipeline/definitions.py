@@ -27,6 +27,7 @@ from batch_pipeline.pipeline.resources import (
 from batch_pipeline.pipeline.schedules import schedules_in
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor, run_end_sensors
 from batch_pipeline.pipeline.service_paths import secure_service_paths
+from batch_pipeline.tenancy.tenants import tenants_at
 
 # Dagster's own uses of its beta and preview features, warned about in every step process: it copies each
 # sensor with the sensor's (empty) owners when it binds the resources, and every Pipes session reads its
@@ -103,7 +104,7 @@ defs = dg.Definitions(
         batch_jobs_sensor(_loaded_with.sensor_interval_s),
         *run_end_sensors(_loaded_with.sensor_interval_s),
     ],
-    schedules=[*schedules_in(_loaded_with.schedules), cleanup_schedule],
+    schedules=[*schedules_in(_loaded_with.schedules, tenants_at(_loaded_with.tenants)), cleanup_schedule],
     # Deployment settings, not run config: no run may point a job at another store, work dir or worker.
     resources={
         "job_store": deployment_resource(job_store),

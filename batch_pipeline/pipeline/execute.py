@@ -6,6 +6,7 @@ import dagster as dg
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.config_schema import run_config_for
+from batch_pipeline.pipeline.runs import launch_tags
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
 
 
@@ -14,15 +15,25 @@ def execute_request(
     instance: dg.DagsterInstance,
     job_id: str | None = None,
     log_level: str | None = None,
+    team: str | None = None,
 ) -> dg.JobExecutionResult:
+    """Run `request` to its end on `instance`: as the run of the stored job `job_id` (launched for it, as the
+    jobs sensor would), else as a new job of `team` (required where the deployment has a tenants file)."""
     from batch_pipeline.pipeline.definitions import batch_completions_job, job_store
+    from batch_pipeline.pipeline.job import TEAM_FIELD
     from batch_pipeline.pipeline.sensors import record_run_end
 
-    tags = {JOB_ID_TAG: job_id} if job_id else None
+    tags = None
+    if job_id is not None:
+        record = job_store.get_store().get(job_id)
+        tags = launch_tags(instance, record) if record is not None else {JOB_ID_TAG: job_id}
+    run_config = run_config_for(request, log_level)
+    if team is not None:
+        run_config["ops"]["validate_input"]["config"][TEAM_FIELD] = team
     result = dg.execute_job(
         dg.reconstructable(batch_completions_job),
         instance=instance,
-        run_config=run_config_for(request, log_level),
+        run_config=run_config,
         tags=tags,
         raise_on_error=False,
     )

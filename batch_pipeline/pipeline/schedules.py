@@ -1,9 +1,15 @@
 """Recurring batches, declared in a YAML file (`BATCH_PIPELINE_SCHEDULES`; see examples/schedules.yaml).
 
 Each tick makes a job through the same submission path as the API (so the API lists it, reports it and
-can cancel it) and launches its run. The job's idempotency key is the tick, so a tick evaluated twice (a
-daemon restarted mid-tick) makes one job and one run. An invalid file fails the code location's load,
-naming the file, the line and the field.
+can cancel it). The job's idempotency key is the tick, so a tick evaluated twice (a daemon restarted
+mid-tick) makes one job and one run. An invalid file fails the code location's load, naming the file, the
+line and the field.
+
+Where the deployment has teams (a tenants file), each schedule names its `team`: every tick's job is that
+team's, checked against its data roots, priority cap and quotas as the team's API submission is, and the
+jobs sensor launches it when fair share gives the team a run slot; a tick refused says why in its skip
+reason. Without a tenants file the tick's job is the schedule's own (owner `schedule:NAME`), and the tick
+launches its run.
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from batch_pipeline.admission.policy import AdmissionPolicy
-from batch_pipeline.admission.submission import submit
+from batch_pipeline.admission.submission import QuotaExceeded, UnservableRequest, submit
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
+from batch_pipeline.pipeline.runs import launch_key
 from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
+from batch_pipeline.tenancy.tenants import Tenants
 
 SCHEDULE_LABEL = "schedule"
 # Placeholders a template's paths may use, filled from the tick's time in the schedule's timezone.
@@ -57,6 +66,8 @@ class ScheduleSpec(WireModel):
     timezone: str = "UTC"
     status: Literal["running", "stopped"] = "stopped"
     description: str | None = None
+    # The team that owns every tick's job: required where the deployment has a tenants file.
+    team: str | None = None
     request: dict[str, Any]
 
     @field_validator("timezone")
@@ -96,7 +107,9 @@ def _fill(template: str, values: dict[str, str], field: str) -> str:
     return template.format_map(values)
 
 
-def load_schedule_specs(path: str) -> list[ScheduleSpec]:
+def load_schedule_specs(path: str, teams: Tenants | None = None) -> list[ScheduleSpec]:
+    """The schedules of the file at `path`; `teams`: the deployment's tenants file, whose team each schedule
+    must name (None: no tenants file, and `team` is not checked)."""
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
@@ -133,6 +146,16 @@ def load_schedule_specs(path: str) -> list[ScheduleSpec]:
         if spec.name in RESERVED_NAMES:
             raise ScheduleFileError(
                 f"{path}:{_line(entry_node, ['name'])}: {label}.name: {spec.name!r} is the service's own schedule"
+            )
+        if teams is not None and spec.team is None:
+            raise ScheduleFileError(
+                f"{path}:{_line(entry_node, ['name'])}: {label}.team: name the team whose jobs the schedule makes "
+                f"(the deployment has a tenants file, {teams.source})"
+            )
+        if teams is not None and spec.team not in teams.teams:
+            raise ScheduleFileError(
+                f"{path}:{_line(entry_node, ['team'])}: {label}.team: no team {spec.team!r} in the tenants file "
+                f"{teams.source}"
             )
         names.add(spec.name)
         specs.append(spec)
@@ -178,20 +201,42 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
         admission: dg.ResourceParam[AdmissionPolicy],
     ):
         tick = context.scheduled_execution_time or datetime.now(UTC)
-        record, created = submit(
-            job_store.get_store(),
-            job_storage.work_dir,
-            SCHEDULE_OWNER_PREFIX + spec.name,
-            spec.request_at(tick),
-            admission,
-            idempotency_key=f"{spec.name}@{tick.astimezone(UTC).isoformat()}",
-        )
+        at = tick.astimezone(UTC).isoformat()
+        registry = admission.teams()
+        if registry is not None:
+            team = registry.teams.get(spec.team) if spec.team is not None else None
+            if team is None:  # the tenants file changed since the schedules loaded
+                return dg.SkipReason(f"team: no team {spec.team!r} in the tenants file {registry.source}")
+            owner, idempotency_key = team.owner, f"schedule:{spec.name}@{at}"
+        else:
+            owner, idempotency_key = SCHEDULE_OWNER_PREFIX + spec.name, f"{spec.name}@{at}"
+        try:
+            record, created = submit(
+                job_store.get_store(),
+                job_storage.work_dir,
+                owner,
+                spec.request_at(tick),
+                admission,
+                idempotency_key=idempotency_key,
+            )
+        except (UnservableRequest, InvalidPriority, QuotaExceeded) as exc:
+            whose = f" of team {spec.team}" if registry is not None else ""
+            return dg.SkipReason(f"the job{whose} for the tick at {tick.isoformat()} was refused: {exc}")
         context.log.info(f"{'stored' if created else 'found'} job {record.job_id} for the tick at {tick.isoformat()}")
-        return run_request_for(record, admission.priority_cap(record.owner))
+        if registry is not None:
+            # The team's job waits its turn with the team's other jobs: the jobs sensor launches it.
+            return dg.SkipReason(
+                f"job {record.job_id} of team {spec.team} stored; the jobs sensor launches it when fair share gives "
+                "the team a run slot"
+            )
+        key = launch_key(context.instance)
+        assert key is not None  # made if missing
+        return run_request_for(record, admission.priority_cap(record.owner), key)
 
     return _tick
 
 
-def schedules_in(path: str) -> list[dg.ScheduleDefinition]:
-    """A schedule for each template of the schedules file at `path` (BATCH_PIPELINE_SCHEDULES); none for ""."""
-    return [schedule_for(spec) for spec in load_schedule_specs(path)] if path else []
+def schedules_in(path: str, teams: Tenants | None = None) -> list[dg.ScheduleDefinition]:
+    """A schedule for each template of the schedules file at `path` (BATCH_PIPELINE_SCHEDULES); none for "".
+    `teams`: the deployment's tenants file, whose team each schedule must name."""
+    return [schedule_for(spec) for spec in load_schedule_specs(path, teams)] if path else []

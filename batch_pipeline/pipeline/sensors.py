@@ -38,8 +38,8 @@ from batch_pipeline.pipeline.retries import (
     retry_after_outage,
     retry_missed_read,
 )
-from batch_pipeline.pipeline.runs import job_id_of
-from batch_pipeline.pipeline.tags import JOB_ID_TAG, RESUME_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
+from batch_pipeline.pipeline.runs import job_id_of, launch_key, launch_signature, not_the_run_of
+from batch_pipeline.pipeline.tags import JOB_ID_TAG, LAUNCH_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.tenants import Tenants
@@ -76,13 +76,15 @@ def batch_jobs_sensor(interval_s: int) -> dg.SensorDefinition:
 
 def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Tenancy, tick_bytes: int):
     registry = tenancy.registry()
+    key = launch_key(context.instance)
+    assert key is not None  # made if missing
     if registry is None:
-        yield from _launchable(context, store, _waiting(context, store), tick_bytes, None)
+        yield from _launchable(context, store, _waiting(context, store, key), tick_bytes, None, key)
         return
     # Teams share the run slots: only the jobs fair share picks for the free slots get runs now. The waiting
     # jobs are read light (id, owner, priority, age), and only the chosen ones whole.
     now = datetime.now(UTC)
-    _link_unfinished_runs(context.instance, store)
+    _link_unfinished_runs(context.instance, store, key)
     _fail_expired(store, now)
     queues = waiting_queues(store, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
     if not len(queues):
@@ -90,7 +92,7 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Te
     slots = free_run_slots(context.instance)
     chosen = admissions(queues, store, registry, slots, now, tenancy.fair_share_half_life_s)
     records = store.waiting_records(admission.job.job_id for admission in chosen)
-    runs = _tagged_runs(context.instance, records)
+    runs = _tagged_runs(context.instance, records, key)
     for job_id, run_id in runs.items():  # a run the daemon made, already finished: the status sensors record it
         store.link_run(job_id, run_id)
     given = {record.job_id for record in records} - set(runs)
@@ -103,19 +105,22 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Te
     if len(chosen) < len(queues):
         context.log.info(f"{len(queues) - len(chosen)} jobs wait for a run slot ({slots} free)")
     given_records = (record for record in records if record.job_id in given)
-    yield from _launchable(context, store, given_records, tick_bytes, registry)
+    yield from _launchable(context, store, given_records, tick_bytes, registry, key)
 
 
 _UNFINISHED = [status for status in dg.DagsterRunStatus if status not in _FINISHED_RUNS]
 
 
-def _link_unfinished_runs(instance: dg.DagsterInstance, store: JobStore) -> None:
+def _link_unfinished_runs(instance: dg.DagsterInstance, store: JobStore, key: bytes) -> None:
     """The runs the daemon made since the last tick, linked to their jobs, which hold run slots from now
-    on (a team's `max_running_jobs` counts them): one query of the unfinished runs, not one per job waiting."""
+    on (a team's `max_running_jobs` counts them): one query of the unfinished runs, not one per job waiting.
+    Only a run launched for its job: another run tagged with the job's id is not the job's."""
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=batch_completions.name, statuses=_UNFINISHED))
-    run_of_job = {run.tags[JOB_ID_TAG]: run.run_id for run in reversed(runs) if JOB_ID_TAG in run.tags}
+    run_of_job = {run.tags[JOB_ID_TAG]: run for run in reversed(runs) if JOB_ID_TAG in run.tags}
     for record in store.waiting_records(run_of_job):
-        store.link_run(record.job_id, run_of_job[record.job_id])
+        run = run_of_job[record.job_id]
+        if run.tags.get(LAUNCH_TAG) == launch_signature(key, record.job_id, record.resume_count):
+            store.link_run(record.job_id, run.run_id)
 
 
 def _fail_expired(store: JobStore, now: datetime) -> None:
@@ -130,11 +135,11 @@ def _fail_expired(store: JobStore, now: datetime) -> None:
         )
 
 
-def _waiting(context: SensorEvaluationContext, store: JobStore) -> Iterator[JobRecord]:
+def _waiting(context: SensorEvaluationContext, store: JobStore, key: bytes) -> Iterator[JobRecord]:
     """The queued jobs still without a run, oldest first; the runs the daemon made since the last tick are
     linked to their jobs on the way."""
     for records in store.awaiting_launch():
-        runs = _tagged_runs(context.instance, records)
+        runs = _tagged_runs(context.instance, records, key)
         for record in records:
             if record.job_id in runs:  # the daemon made its run since the last tick
                 store.link_run(record.job_id, runs[record.job_id])
@@ -150,16 +155,18 @@ def _launchable(
     records: Iterable[JobRecord],
     budget: int,
     registry: Tenants | None,
+    key: bytes,
 ):
     """Each job's run request, as many as `budget` bytes of requests (one at least), at most at its team's
-    priority cap (`registry`: the teams); a job whose request cannot be made fails alone."""
+    priority cap (`registry`: the teams), signed with the launch `key`; a job whose request cannot be made
+    fails alone."""
     taken = 0
     for record in records:
         size = len(record.request_json)
         if taken and taken + size > budget:
             return
         try:
-            run_request = run_request_for(record, registry.priority_cap(record.owner) if registry else None)
+            run_request = run_request_for(record, registry.priority_cap(record.owner) if registry else None, key)
         except Exception as exc:  # run_request_for reads only the record: whatever fails, fails for this job alone
             reason = f"could not start: {_shortened(exc)}"
             context.log.warning(f"{record.job_id}: {reason}")
@@ -169,24 +176,26 @@ def _launchable(
         yield run_request
 
 
-def _tagged_runs(instance: dg.DagsterInstance, records: list[JobRecord]) -> dict[str, str]:
+def _tagged_runs(instance: dg.DagsterInstance, records: list[JobRecord], key: bytes) -> dict[str, str]:
     """The id of a run of each of these jobs that has one, in one query; of a resumed job, a run of its
-    latest resume only (its runs from before the resume are finished, and not this resume's run)."""
+    latest resume only (its runs from before the resume are finished, and not this resume's run). Only runs
+    launched for their job (signed with the launch `key`): a run merely tagged with a job's id is none."""
     if not records:
         return {}
-    resume = {record.job_id: str(record.resume_count or 0) for record in records}
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: list(resume)}))
+    signed = {record.job_id: launch_signature(key, record.job_id, record.resume_count) for record in records}
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={JOB_ID_TAG: list(signed)}))
     return {
         run.tags[JOB_ID_TAG]: run.run_id
         for run in reversed(runs)  # newest last: it wins
-        if run.tags.get(RESUME_TAG, "0") == resume.get(run.tags[JOB_ID_TAG])
+        if run.tags.get(LAUNCH_TAG) == signed.get(run.tags[JOB_ID_TAG])
     }
 
 
-def run_request_for(record: JobRecord, priority_cap: int | None) -> dg.RunRequest:
+def run_request_for(record: JobRecord, priority_cap: int | None, key: bytes) -> dg.RunRequest:
     """The job's run request (this sensor's, and a schedule tick's), checked as the daemon will check it
     when it creates the run (the request by the contract, the run config by the job's config schema, the
-    tags as storable text), so that what is yielded cannot fail the tick for every job."""
+    tags as storable text), so that what is yielded cannot fail the tick for every job. Signed with the
+    instance's launch `key`: the run it makes is the job's (pipeline/runs.py)."""
     try:
         # From Python's parse of the row, not pydantic's JSON: it reads what an older release stored (a lone
         # surrogate escape) and the contract then names the field.
@@ -196,6 +205,7 @@ def run_request_for(record: JobRecord, priority_cap: int | None) -> dg.RunReques
     tags = run_tags(record, priority_cap)
     if problem := wire_value_problem(tags):
         raise ValueError(f"run tags (labels, model): {problem}")
+    tags[LAUNCH_TAG] = launch_signature(key, record.job_id, record.resume_count)
     run_config = run_config_for(request)
     dg.validate_run_config(batch_completions, run_config)  # DagsterInvalidConfigError names the field
     return dg.RunRequest(run_key=run_key(record), run_config=run_config, tags=tags)
@@ -253,7 +263,11 @@ def record_run_end(
     when run monitoring stopped it at its deadline. Returns the run that keeps a stopped run's finished
     results, if one is needed. `launches_partial_results`: the caller launches that run (the status
     sensors), so the end's webhook event waits for it to write the output."""
-    job_id = job_id or job_id_of(instance, run)
+    if job_id is None:
+        job_id = job_id_of(instance, run)
+        claimed = store.get(job_id)
+        if claimed is not None and not_the_run_of(instance, run, claimed) is not None:
+            return None  # a run merely tagged with the job's id: its end is not the job's
     ended_at = _end_time(instance, run.run_id)
 
     def stopped(record: JobRecord | None, status: str, failure: str | None, entry: tuple[str, str]):

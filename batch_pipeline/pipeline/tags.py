@@ -8,8 +8,13 @@ import re
 
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.store.jobs import JobRecord
+from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX
 
 JOB_ID_TAG = "batch_pipeline/job_id"
+# The signature that makes the run its job's (pipeline/runs.py): the job id tag alone is anyone's to set.
+LAUNCH_TAG = "batch_pipeline/launch"
+# The team that owns the job, for operators: set from the job's row, never read back as proof of anything.
+TEAM_TAG = "batch_pipeline/team"
 # One namespace section, as Dagster allows a tag key (it deprecates others, to refuse them later).
 LABEL_TAG_PREFIX = "batch_pipeline.label/"
 # What Dagster allows of a tag key's section (dagster._utils.tags.VALID_TAG_KEY_REGEX).
@@ -62,6 +67,8 @@ def run_tags(record: JobRecord, priority_cap: int | None) -> dict[str, str]:
         # From the resume, whose deadline counts from then.
         since = record.resumed_at or record.created_at
         tags[MAX_RUNTIME_TAG] = str(int((record.expires_at - since).total_seconds()) + RUN_MONITORING_GRACE_S)
+    if record.owner.startswith(TEAM_OWNER_PREFIX):
+        tags[TEAM_TAG] = record.owner.removeprefix(TEAM_OWNER_PREFIX)
     for key, value in record.labels.items():
         tags[label_tag_key(key)] = value
     return tags
