@@ -550,3 +550,53 @@ def test_a_team_with_a_retention_of_its_own_and_a_backlog_does_not_starve_the_ot
             assert sum(not os.path.lexists(storage.work_dir(job_id)) for job_id in backlog) >= 2 - hour
     assert not os.path.lexists(storage.work_dir(waiting))
     assert store.get(waiting).content_bytes == 0  # no longer counted against team-b's quota
+
+
+Q_KEY, Q_MAX = "key-of-team-q", 1000
+
+
+@pytest.fixture
+def quota_team(tmp_path, monkeypatch):
+    """team-q, whose files may take Q_MAX bytes."""
+    root = tmp_path / "team-q"
+    root.mkdir()
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(
+        f"tenants:\n  team-q:\n    api_keys_sha256: [{_digest(Q_KEY)}]\n    data_roots: [{root}]\n"
+        f"    max_stored_bytes: {Q_MAX}\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+
+
+def test_an_expired_file_counts_against_max_stored_bytes_until_the_cleanup_deletes_its_bytes(quota_team, tenants_api):
+    """Read in the quota's code: an expired file stopped counting the moment it expired, though its bytes
+    stay on disk until the hourly cleanup deletes them, so a team's uploads with a short expiry stored past
+    its quota in between."""
+    api = tenants_api
+    data = _jsonl([_line("a", content="x" * 400)])
+    assert len(data) <= Q_MAX < 2 * len(data)
+    fields = {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+    uploaded = api.post(
+        "/v1/files", headers=_bearer(Q_KEY), data=fields, files={"file": ("in.jsonl", data, "application/jsonl")}
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    store = JobStore(os.environ["BATCH_PIPELINE_JOBS_DB"])
+    with store.engine.begin() as connection:  # time passing: it expired a moment ago
+        connection.execute(
+            files_table.update()
+            .where(files_table.c.file_id == uploaded.json()["id"])
+            .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+        )
+    assert api.get(f"/v1/files/{uploaded.json()['id']}", headers=_bearer(Q_KEY)).status_code == 404
+
+    refused = _upload(api, data, key=Q_KEY)
+    assert refused.status_code == 429, refused.text
+    assert f"stores {len(data)} bytes" in refused.json()["error"]["message"]
+    [team] = _usage(api, Q_KEY)["teams"]
+    assert team["stored_bytes_now"] == len(data)
+
+    instance = dg.DagsterInstance.from_config(os.environ["DAGSTER_HOME"])
+    summary = _run_cleanup(os.environ["BATCH_PIPELINE_JOBS_DB"], JobStorage(retention_days=30), instance)
+    assert summary == _summary(files_deleted=1)
+    assert _usage(api, Q_KEY)["teams"][0]["stored_bytes_now"] == 0
+    assert _upload(api, data, key=Q_KEY).status_code == 200

@@ -130,22 +130,21 @@ class OpenAIStore:
         return [_file(row) for row in rows], more
 
     def file_bytes_of(self, owner: str) -> int:
-        """The bytes of `owner`'s files kept now (uploads, and the output and error files of its batches): an
-        expired file counts no more, even before the cleanup deletes it."""
-        query = sa.select(sa.func.coalesce(sa.func.sum(files.c.bytes), 0)).where(
-            files.c.owner == owner, _kept(utc_now())
-        )
+        """The bytes of `owner`'s files stored now (uploads, and the output and error files of its batches):
+        an expired file counts until the cleanup deletes it, since its bytes are on disk until then, though it
+        reads as absent from the moment it expires."""
+        query = sa.select(sa.func.coalesce(sa.func.sum(files.c.bytes), 0)).where(files.c.owner == owner)
         with self.engine.connect() as connection:
             return int(connection.execute(query).scalar_one())
 
     def file_bytes_by_day(
         self, since: datetime, until: datetime, owner: str | None, named: Collection[str]
     ) -> list[tuple[str | None, str, int]]:
-        """(owner, UTC day, bytes) of the files kept now that were stored in [since, until), by the day
+        """(owner, UTC day, bytes) of the files stored now that were stored in [since, until), by the day
         each was stored (`file_bytes_of`'s files); owners outside `named` summed as one, None."""
         per_file = sa.select(
             owner_bucket(files.c.owner, named).label("owner"), utc_day(files.c.created_at).label("day"), files.c.bytes
-        ).where(files.c.created_at >= since, files.c.created_at < until, _kept(utc_now()))
+        ).where(files.c.created_at >= since, files.c.created_at < until)
         if owner is not None:
             per_file = per_file.where(files.c.owner == owner)
         grouped = per_file.subquery()
@@ -157,7 +156,7 @@ class OpenAIStore:
 
     def file_bytes_by_owner(self, owner: str | None, named: Collection[str]) -> dict[str | None, int]:
         """`file_bytes_of` for each owner of `named` (every other owner's summed as None)."""
-        per_file = sa.select(owner_bucket(files.c.owner, named).label("owner"), files.c.bytes).where(_kept(utc_now()))
+        per_file = sa.select(owner_bucket(files.c.owner, named).label("owner"), files.c.bytes)
         if owner is not None:
             per_file = per_file.where(files.c.owner == owner)
         grouped = per_file.subquery()
