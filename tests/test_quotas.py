@@ -612,3 +612,23 @@ def test_concurrent_submissions_and_resumes_of_one_team_leave_at_most_its_max_qu
 def test_concurrent_submissions_cannot_all_pass_the_same_remaining_tokens(racing_teams, tenants_api):
     with served(tenants_api.app) as client:
         race_the_tokens_quota(client, racing_teams["spender"], JobStore())
+
+
+def test_a_job_naming_its_input_by_file_reserves_its_size_and_a_fifo_reserves_nothing(api, teams):
+    """A job by `input_data_path` is estimated by its file's size (4 bytes a token), the file unread: a FIFO
+    named as input does not hold the submission (an open() of it would wait for a writer for ever)."""
+    small = teams["small"]
+    (small / "in.jsonl").write_text(json.dumps({"prompt": "x" * 35, "max_tokens": 4}) + "\n")
+    os.mkfifo(small / "pipe.jsonl")
+
+    def by_path(name: str):
+        body = _body(small / f"{name}.out.json") | {"input_data_path": str(small / name)}
+        del body["content"]
+        return api.post("/v2/batch-completions", json=body, headers={"x-api-key": SMALL})
+
+    made = by_path("in.jsonl")
+    assert made.status_code == 200, made.text
+    assert _estimate(made.json()["job_id"]) == os.path.getsize(small / "in.jsonl") // 4 + 1
+    piped = by_path("pipe.jsonl")
+    assert piped.status_code == 200, piped.text
+    assert _estimate(piped.json()["job_id"]) == 1
