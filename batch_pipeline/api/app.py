@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batch_pipeline.admission.submission import QuotaExceeded, from_v1
-from batch_pipeline.api import openai_routes
+from batch_pipeline.api import openai_routes, team_page
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, ConnectionTimeouts, LargeBodySlots
@@ -289,6 +289,7 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     app.state.api_keys = keys or ApiKeys.of_deployment(configured, service.admission)
     app.include_router(router)
     app.include_router(openai_routes.router)
+    app.include_router(team_page.router)
     app.state.large_body_slots = LargeBodySlots.of_deployment(configured)
     app.add_middleware(
         BodySizeLimit, max_bytes=configured.max_body_bytes, larger={"/v1/files": openai_service.limits.max_file_bytes}
