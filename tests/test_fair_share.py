@@ -414,8 +414,8 @@ def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_p
     for owner in old:
         assert first[owner].usage == pytest.approx(old[owner], rel=1e-6)
         assert again[owner].usage == pytest.approx(old[owner], rel=1e-6)
-    # A counted job run again (a re-execution) counts from its first start while it runs, as before, and
-    # once, not twice, after it ends again.
+    # A counted job run again (a re-execution) counts its first run and this one while it runs, and once,
+    # not twice, after it ends again.
     finished = next(f"job-{n:02d}" for n in range(60) if n % 4 and n % 3)
     store.mark_started(finished, "run-again", now - timedelta(seconds=30))
     later = now + timedelta(seconds=10)

@@ -8,15 +8,21 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import dagster as dg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batch_pipeline.pipeline.admission import _units_per_shard
+from batch_pipeline.launch.k8s import K8sShardLauncher
+from batch_pipeline.launch.local import LocalShardLauncher
+from batch_pipeline.pipeline.admission import _units_per_shard, team_shares
+from batch_pipeline.shards.format import ShardSpec
+from batch_pipeline.shards.protocol import ShardTask
 from batch_pipeline.store.jobs import JobStore, SlotUse
 from batch_pipeline.store.schema import JobStatus
-from batch_pipeline.tenancy.fair_share import shard_units
+from batch_pipeline.tenancy.fair_share import declared_units, shard_units
 from batch_pipeline.tenancy.tenants import tenants_at
-from tests.conftest import MODEL
+from tests.api_fixtures import ADMIN_KEY as DEPLOYMENT_ADMIN_KEY
+from tests.conftest import MODEL, step_failure_messages
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 
 A_KEY, B_KEY, ADMIN_KEY = "key-of-team-a", "key-of-team-b", "key-of-the-admins"
@@ -209,12 +215,125 @@ def test_dates_and_datetimes_bound_the_range_in_utc(api):
     ("gpus", "cpus"),
     [(None, None), (2, None), (0, 4), (None, "500m"), (None, 1.5), (None, "2"), (None, "x"), (None, "1e400")],
 )
-def test_a_shards_units_are_fair_shares(gpus, cpus):
+def test_a_shard_no_launcher_charged_is_charged_its_request_at_least_one_slot(gpus, cpus):
     request = {name: value for name, value in (("gpus", gpus), ("cpus", cpus)) if value is not None}
     use = SlotUse("team:a", datetime.now(UTC), None, 1, json.dumps(request))
-    assert shard_units(gpus, cpus) == _units_per_shard(use)
+    assert declared_units(gpus, cpus) == _units_per_shard(use) == max(1.0, shard_units(gpus, cpus))
     # As Postgres reads them: text.
-    assert shard_units(*(None if value is None else str(value) for value in (gpus, cpus))) == _units_per_shard(use)
+    assert declared_units(*(None if value is None else str(value) for value in (gpus, cpus))) == _units_per_shard(use)
+
+
+def _shard_task(shard_count: int, **hardware) -> ShardTask:
+    shard = ShardSpec(shard_index=0, directory="/tmp/work/shards/000", item_count=1, prompt_count=1)
+    return ShardTask(shard=shard, model_config={"model": "m"}, shard_count=shard_count, hardware=hardware)
+
+
+def test_a_local_worker_is_charged_the_cores_it_ran_on_never_the_fraction_its_request_declared():
+    """Found by an attacker's pass (issue 44): a job declaring `cpus: "1m"` ran as the same job without it,
+    on the same cores, and was charged a thousandth of it, so its team won every free slot."""
+    launcher = LocalShardLauncher()
+    machine = os.cpu_count() or 1
+    alone, declared = _shard_task(1), _shard_task(1, cpus="1m")
+    assert launcher.shard_charge(declared) == launcher.shard_charge(alone) == machine  # the whole machine
+    assert launcher._cpu_share(declared) == launcher._cpu_share(alone) == {}
+    # Beside its job's other shards each worker gets its share of the cores, and is charged it.
+    side_by_side = _shard_task(machine, cpus="1m")
+    assert launcher.shard_charge(side_by_side) == 1
+    if machine > 1:
+        assert launcher._cpu_share(side_by_side)["OMP_NUM_THREADS"] == "1"
+    # More than its share, it gets the whole cores it asks for; more than the machine has, it is refused.
+    assert launcher.shard_charge(_shard_task(machine, cpus=machine)) == machine
+    assert launcher.shard_charge(_shard_task(machine, cpus=f"{max(1, machine - 1)}500m")) == machine
+    with pytest.raises(dg.Failure, match=rf"^cpus: {machine + 1} is more than the {machine} cores"):
+        launcher.shard_charge(_shard_task(1, cpus=machine + 1))
+
+
+@pytest.mark.slow
+def test_through_the_pipeline_a_job_declaring_a_thousandth_of_a_cpu_is_charged_as_the_same_job_without(
+    deployment_factory, tmp_path
+):
+    """The real job twice (vLLM on this machine's cores), once with `cpus: "1m"`: /v2/usage charges each
+    second of each the cores its worker ran on."""
+    from batch_pipeline.contract import CreateBatchCompletionsV2Request
+    from batch_pipeline.pipeline.execute import execute_request
+
+    api = deployment_factory()
+    per_second = {}
+    for name, hardware in (("without", {}), ("declared", {"cpus": "1m"})):
+        body = {
+            "output_data_path": str(tmp_path / name / "out.json"),
+            "model_config": {"model": MODEL},
+            "content": {"prompts": ["hi"], "max_new_tokens": 2, "temperature": 0.0},
+            **hardware,
+        }
+        since = datetime.now(UTC)
+        result = execute_request(CreateBatchCompletionsV2Request.model_validate(body), api.instance)
+        assert result.success, step_failure_messages(result)
+        until = datetime.now(UTC) + timedelta(seconds=1)
+        job = api.store.list().jobs[0]  # newest first
+        assert job.request.get("cpus") == hardware.get("cpus") and job.status == "completed"
+        usage = api.client.get(
+            "/v2/usage",
+            params={"since": since.isoformat(), "until": until.isoformat()},
+            headers={"x-api-key": DEPLOYMENT_ADMIN_KEY},
+        ).json()
+        charged = sum(team["gpu_seconds"] for team in usage["teams"])
+        per_second[name] = charged / (job.completed_at - job.started_at).total_seconds()
+    assert per_second["declared"] == pytest.approx(per_second["without"], rel=0.01)
+    assert per_second["without"] == pytest.approx(os.cpu_count() or 1, rel=0.01)  # one shard: the whole machine
+
+
+@pytest.mark.parametrize(
+    ("hardware", "charged"),
+    [
+        ({"gpus": 2}, 2.0),
+        ({}, 1.0),
+        ({"gpus": 0, "cpus": "500m"}, 0.5),
+        ({"gpus": 0, "cpus": 4}, 4.0),
+        ({"gpus": 0}, 1.0),
+    ],
+)
+def test_a_pod_is_charged_by_its_limits(hardware, charged):
+    launcher = K8sShardLauncher(image="i", max_hardware={}, tenants_file="", default_gpus=1)
+    task = _shard_task(4, **hardware)
+    assert launcher.shard_charge(task) == charged
+    limits = launcher.pod_overrides(task)[1]["containers"][0]["resources"]["limits"]
+    assert float(limits.get("nvidia.com/gpu", 0)) == (charged if hardware.get("gpus", 1) else 0)
+
+
+def test_a_resumed_job_is_charged_for_its_runs_not_the_time_it_sat_cancelled(api, teams):
+    """Found by a newcomer (issue 46): /v2/usage billed a job resumed 575 s after its cancel for those 575 s
+    too (it kept its first start), and fair share counted the same. Both count each run from its start to
+    its end; fair share's usage row, counted as the sensor counts it, agrees at every step."""
+    store = JobStore(os.environ["BATCH_PIPELINE_JOBS_DB"])
+    registry = tenants_at(os.environ["BATCH_PIPELINE_TENANTS"])
+    job_id = _submit(api, A_KEY, teams["team-a"] / "out.json")
+    owner = store.get(job_id).owner
+    half_life_s = 1e9  # usage that does not decay in this test: the figures are the seconds themselves
+
+    def fair_share(now: datetime) -> float:
+        counted = team_shares(store, registry, now, half_life_s, count=True)[owner].usage  # the sensor's tick
+        assert team_shares(store, registry, now, half_life_s)[owner].usage == pytest.approx(counted, abs=0.01)
+        return counted
+
+    first = datetime.now(UTC) - timedelta(hours=2)
+    store.mark_started(job_id, "run-1", first)
+    store.record_shards(job_id, {0: 1})
+    store.mark_cancelled(job_id)
+    store.mark_run_ended(job_id, "run-1", JobStatus.CANCELLED, first + timedelta(seconds=30))
+    assert fair_share(first + timedelta(seconds=40)) == pytest.approx(30, abs=0.01)
+    assert store.resume(store.get(job_id), "cancelled", None, 3600)
+    second = first + timedelta(seconds=30 + 575)
+    assert store.mark_started(job_id, "run-2", second)
+    assert store.mark_started(job_id, "run-2", second)  # the same run's start, marked again: nothing changes
+    store.record_shards(job_id, {0: 1})
+    assert fair_share(second + timedelta(seconds=10)) == pytest.approx(30 + 10, abs=0.01)  # running
+    store.mark_run_ended(job_id, "run-2", JobStatus.COMPLETED, second + timedelta(seconds=37))
+    assert fair_share(second + timedelta(seconds=60)) == pytest.approx(30 + 37, abs=0.01)
+
+    (total,) = _usage(api, A_KEY)["teams"]
+    assert total["gpu_seconds"] == pytest.approx(30 + 37, abs=0.01)  # one shard, one slot: its runs' seconds
+    assert store.get(job_id).started_at == first  # the job still says when it first started
 
 
 def test_a_batch_has_usage_once_its_job_has_tokens(api):

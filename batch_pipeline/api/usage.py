@@ -4,10 +4,12 @@ no run, no event log is read).
 A job's work (requests done, prompt and completion tokens, gpu_seconds) counts on the UTC day it ended,
 whole, or today while it runs, so the days' figures of a job sum to its own metadata, and a team's
 tokens of a day are what its `max_tokens_per_day` counts. gpu_seconds is fair share's measure, undecayed:
-from the job's start to its end (or now), times its shards (at least one), times each shard's GPUs (its
-CPUs where it asks for none, else one). Jobs count on the day they were submitted; stored bytes on the
-day they were stored (OpenAI files still kept: uploads and batches' output and error files), a job's inline
-content and checkpoints on the day it was submitted, until retention deletes its work dir.
+the seconds the job's runs ran (each from its start to its end, or now: not the time it sat stopped before
+a resume), times what each of its shards was given (the cores a local worker ran on, a pod's GPU limit,
+else its CPU limit; where the launcher has not said, the shard's GPUs, else its CPUs, at least one). Jobs
+count on the day they were submitted; stored bytes on the day they were stored (OpenAI files still kept:
+uploads and batches' output and error files), a job's inline content and checkpoints on the day it was
+submitted, until retention deletes its work dir.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract.usage import TeamUsage, UsageDay, UsageResponse
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
-from batch_pipeline.tenancy.fair_share import shard_units
+from batch_pipeline.tenancy.fair_share import declared_units
 from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants
 
 OTHER = "other"  # the one label of every owner the tenants file does not name
@@ -150,7 +152,7 @@ def usage_report(
         figures.requests += work.requests_done
         figures.prompt_tokens += work.prompt_tokens
         figures.completion_tokens += work.completion_tokens
-        figures.gpu_seconds += work.shard_seconds * shard_units(work.gpus, work.cpus)
+        figures.gpu_seconds += work.charged_seconds + work.shard_seconds * declared_units(work.gpus, work.cpus)
     for bucket, on, jobs, work_dir_bytes in store.submissions_by_day(start, end, owner, named):
         figures = day(bucket, on)
         figures.jobs += jobs

@@ -142,6 +142,12 @@ class ShardLauncher(dg.ConfigurableResource):
     ) -> ShardResult:
         raise NotImplementedError
 
+    def shard_charge(self, task: ShardTask) -> float | None:
+        """What this launcher gives the shard's worker, in the units fair share and usage charge it by (GPUs,
+        else cores): what it could use, whatever fraction the request declared. Raises dg.Failure for a size
+        it cannot give. None: it cannot say; the shard is charged what its request asks, at least one."""
+        return None
+
     def shard_slots(self) -> int | None:
         """How many shard workers of one job can compute at once; None where the cluster decides (pods
         wait for nodes). A job is not split into more shards than this."""

@@ -205,6 +205,21 @@ class K8sShardLauncher(ShardLauncher):
         size = weights_bytes(task.model_config.model, task.model_config.checkpoint_path)
         return infer_hardware(dict(task.hardware), size, self.default_gpu_type, self.default_gpus)
 
+    def shard_charge(self, task: ShardTask) -> float:
+        """The shard's pod's limits, what it could use: its GPUs, else its CPUs (requests equal limits), else one
+        (a pod bounded in neither: the deployment's unit)."""
+        hardware, _ = self.hardware_for(task)
+        gpus = hardware.get("gpus")
+        gpus = self.default_gpus if gpus is None else gpus
+        if gpus:
+            return float(gpus)
+        if hardware.get("cpus") is None:
+            return 1.0
+        try:
+            return float(kubernetes_quantity("cpus", hardware["cpus"])[1])
+        except InvalidHardware as exc:
+            raise dg.Failure(str(exc), allow_retries=False) from None
+
     def pod_overrides(
         self,
         task: ShardTask,

@@ -3,6 +3,7 @@ output in the shard's worker.log and a share of the cores."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import dagster as dg
 from dagster._core.storage.dagster_run import FINISHED_STATUSES
 from pydantic import Field
 
+from batch_pipeline.admission.hardware import InvalidHardware, kubernetes_quantity
 from batch_pipeline.core import io
 from batch_pipeline.core.environment import child_environment
 from batch_pipeline.launch.base import (
@@ -170,14 +172,41 @@ class LocalShardLauncher(ShardLauncher):
                         "checkpoint"
                     ) from None
 
+    def shard_charge(self, task: ShardTask) -> float:
+        """The cores the shard's worker computes on (`_cores`)."""
+        return float(self._cores(task))
+
+    def _cores(self, task: ShardTask) -> int:
+        """The cores the shard's worker gets: its share of this machine (split with the job's shards running
+        beside it), or the whole cores its request's `cpus` asks for where that is more. A worker is bound by
+        its thread count, to whole cores: a request asking for less than its share gets, and is charged,
+        its share. More cores than the machine has cannot be given: refused, naming the field."""
+        machine = os.cpu_count() or 1
+        side_by_side = min(task.shard_count, self.shard_slots())
+        share = max(1, machine // max(1, side_by_side))
+        asked = task.hardware.get("cpus")
+        if asked is None:
+            return share
+        try:
+            whole = max(1, math.ceil(kubernetes_quantity("cpus", asked)[1]))
+        except InvalidHardware as exc:
+            raise dg.Failure(str(exc), allow_retries=False) from None
+        if whole > machine:
+            raise dg.Failure(
+                f"cpus: {asked!r} is more than the {machine} cores of this machine, where the local launcher runs "
+                "each shard's worker; ask for at most that many",
+                allow_retries=False,
+            )
+        return max(share, whole)
+
     def _cpu_share(self, task: ShardTask) -> dict[str, str]:
-        """Shards running side by side split the cores instead of all computing on the same ones.
+        """Each worker computes on its cores (`_cores`): shards running side by side split the machine's
+        instead of all computing on the same ones, and a request's `cpus` is held to.
 
         vLLM's CPU backend binds its threads to the same cores in every process; two engines so bound ran
         2.5x slower than two with one unbound thread each (measured: 64 prompts over 2 shards, 2 cores).
         """
-        side_by_side = min(task.shard_count, self.shard_slots())
-        if side_by_side <= 1:
-            return {}
-        threads = max(1, (os.cpu_count() or 1) // side_by_side)
-        return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        cores = self._cores(task)
+        if cores >= (os.cpu_count() or 1):
+            return {}  # the whole machine: the engine's own threads and binding
+        return {"OMP_NUM_THREADS": str(cores), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

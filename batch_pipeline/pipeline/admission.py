@@ -30,8 +30,8 @@ from batch_pipeline.tenancy.fair_share import (
     admit,
     decay,
     decayed_slot_seconds,
+    declared_units,
     queue_position,
-    shard_units,
 )
 from batch_pipeline.tenancy.tenants import Tenants
 
@@ -85,8 +85,8 @@ def team_shares(
         changed.add(use.owner)
     running = store.slot_usage_running()
     again = [use for use in running if use.counted_until is not None]
-    for use in again:  # running again after its end was counted: counted from its start while it runs, as before
-        taken = _slot_seconds(use, use.counted_until, now, half_life_s)
+    for use in again:  # running again after its end was counted: counted from its runs' start while it runs
+        taken = _counted_slot_seconds(use, now, half_life_s)
         usage[use.owner] = max(0.0, usage.get(use.owner, 0.0) - taken)
         changed.add(use.owner)
     if count:
@@ -130,17 +130,32 @@ def team_shares(
 
 
 def _slot_seconds(use: SlotUse, end: datetime | None, now: datetime, half_life_s: float) -> float:
-    units = max(use.shards, 1) * _units_per_shard(use)
-    return decayed_slot_seconds(use.started_at, end, units, now, half_life_s)
+    return decayed_slot_seconds(use.started_at, end, _units(use), now, half_life_s)
+
+
+def _counted_slot_seconds(use: SlotUse, now: datetime, half_life_s: float) -> float:
+    """What its team's usage row counted of a job when its end was counted: its runs until then, which are
+    its earlier runs now that another has started (`mark_started` added the one that ended)."""
+    assert use.counted_until is not None
+    start = use.counted_until - timedelta(seconds=use.earlier_runs_s)
+    return decayed_slot_seconds(start, use.counted_until, _units(use), now, half_life_s)
+
+
+def _units(use: SlotUse) -> float:
+    """What the job's shards hold: what the launcher gave each it said of, its request's size for the rest
+    (one shard before any is planned)."""
+    unsized = max(use.shards - use.charged_shards, 0) if use.shards else 1
+    return use.charged_units + unsized * _units_per_shard(use)
 
 
 def _units_per_shard(use: SlotUse) -> float:
-    """What one shard of the job holds (fair_share.shard_units of its request's gpus and cpus)."""
+    """What one shard of the job holds where its launcher has not said (fair_share.declared_units of its
+    request's gpus and cpus)."""
     try:
         request = json.loads(use.request_json)
     except ValueError:
         return 1.0
-    return shard_units(request.get("gpus"), request.get("cpus")) if isinstance(request, dict) else 1.0
+    return declared_units(request.get("gpus"), request.get("cpus")) if isinstance(request, dict) else 1.0
 
 
 def waiting_queues(store: JobStore, registry: Tenants, skip_owners: str | None = None) -> Queues:

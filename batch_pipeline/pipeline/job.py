@@ -377,6 +377,8 @@ def run_shard(
     def record_progress(figures: dict[str, int]) -> None:
         store.record_shard_progress(task.job_id, task.shard.shard_index, figures)
 
+    # What the launcher gives the worker, not what the request declared, is what fair share and usage charge.
+    store.record_shard_charge(task.job_id, task.shard.shard_index, shard_launcher.shard_charge(task))
     try:
         result = shard_launcher.run_shard(context, task, on_progress=record_progress)
     finally:  # however the attempt ended (failed, stopped): its checkpoint is stored until retention deletes it

@@ -169,8 +169,13 @@ class NewJob:
 
 @dataclass(frozen=True)
 class SlotUse:
-    """A job's hold on run slots: from its start to its end (None: still running), over `shards` shards
-    (0 before they are planned), sized by its stored request's hardware."""
+    """A job's hold on run slots: from `started_at` to its end (None: still running), over `shards` shards
+    (0 before they are planned), each sized by what its launcher gave its worker or, for the shards of
+    which the launcher has not said (`shards - charged_shards`), by its stored request's hardware.
+
+    `started_at` is its latest run's start less `earlier_runs_s`, the seconds its earlier runs ran: a
+    resumed job holds slots for as long as its runs ran, not through the time it sat stopped between them
+    (its earlier runs are counted as if just before its latest, which decays them no more than they were)."""
 
     owner: str
     started_at: datetime
@@ -179,13 +184,18 @@ class SlotUse:
     request_json: str = field(repr=False)
     job_id: str = ""
     counted_until: datetime | None = None  # the end up to which its team's `team_usage` counts it
+    charged_shards: int = 0
+    charged_units: float = 0.0  # the sum of what the launcher gave those shards
+    earlier_runs_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class WorkByDay:
     """Jobs' work summed for an owner (None: every owner not named) and a UTC day ("YYYY-MM-DD"), for one
     hardware shape: the `gpus` and `cpus` their stored requests ask for (None: not given), as the database
-    reads them from the JSON (a number or a string)."""
+    reads them from the JSON (a number or a string). `shard_seconds` are of the shards of which the launcher
+    has not said what it gave them (sized by that shape); `charged_seconds` of the others, already times
+    what each was given."""
 
     owner: str | None
     day: str
@@ -195,6 +205,7 @@ class WorkByDay:
     prompt_tokens: int
     completion_tokens: int
     shard_seconds: float
+    charged_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -313,15 +324,9 @@ class JobStore:
 
     def slot_usage_since(self, since: datetime) -> builtins.list[SlotUse]:
         """Each job that held run slots since `since` (running, or ended after it): what fair share counts."""
-        shards = sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id).scalar_subquery()
-        query = sa.select(jobs.c.owner, jobs.c.started_at, jobs.c.completed_at, jobs.c.request, shards).where(
-            jobs.c.started_at.is_not(None), sa.or_(jobs.c.completed_at.is_(None), jobs.c.completed_at >= since)
+        return self._slot_uses(
+            sa.and_(jobs.c.started_at.is_not(None), sa.or_(jobs.c.completed_at.is_(None), jobs.c.completed_at >= since))
         )
-        with self.engine.connect() as connection:
-            return [
-                SlotUse(owner, utc(started), utc(ended), int(count or 0), request)
-                for owner, started, ended, request, count in connection.execute(query)
-            ]
 
     def slot_holders(self) -> dict[str, int]:
         """How many jobs of each owner hold a run slot: running, or given a run that has not started yet."""
@@ -371,15 +376,31 @@ class JobStore:
         return [by_id[job_id] for job_id in wanted if job_id in by_id]
 
     def _slot_uses(self, condition: Any) -> builtins.list[SlotUse]:
-        shards = sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id).scalar_subquery()
+        of_job = job_shards.c.job_id == jobs.c.job_id
+        shards = sa.select(sa.func.count()).where(of_job).scalar_subquery()
+        charged = job_shards.c.charged_units.is_not(None)
+        charged_shards = sa.select(sa.func.count()).where(of_job, charged).scalar_subquery()
+        charged_units = sa.select(sa.func.coalesce(sa.func.sum(job_shards.c.charged_units), 0.0)).where(of_job)
         query = sa.select(
-            jobs.c.job_id, jobs.c.owner, jobs.c.started_at, jobs.c.completed_at, jobs.c.request, shards,
-            jobs.c.usage_counted_until,
+            jobs.c.job_id, jobs.c.owner, jobs.c.started_at, jobs.c.run_started_at, jobs.c.earlier_runs_s,
+            jobs.c.completed_at, jobs.c.request, shards, jobs.c.usage_counted_until, charged_shards,
+            charged_units.scalar_subquery(),
         ).where(condition)  # fmt: skip
         with self.engine.connect() as connection:
             return [
-                SlotUse(owner, utc(started), utc(ended), int(count or 0), request, job_id, utc(counted))
-                for job_id, owner, started, ended, request, count, counted in connection.execute(query)
+                SlotUse(
+                    row.owner,
+                    utc(row.run_started_at or row.started_at) - timedelta(seconds=row.earlier_runs_s or 0.0),
+                    utc(row.completed_at),
+                    int(row[7] or 0),
+                    row.request,
+                    row.job_id,
+                    utc(row.usage_counted_until),
+                    int(row[9] or 0),
+                    float(row[10] or 0.0),
+                    float(row.earlier_runs_s or 0.0),
+                )
+                for row in connection.execute(query)
             ]
 
     def slot_usage_uncounted(self, since: datetime) -> builtins.list[SlotUse]:
@@ -688,9 +709,15 @@ class JobStore:
         now = started_at or utc_now()
         with self.engine.begin() as connection:
             row = connection.execute(
-                sa.select(jobs.c.created_at, jobs.c.started_at, jobs.c.resumed_at, jobs.c.status).where(
-                    jobs.c.job_id == job_id
-                )
+                sa.select(
+                    jobs.c.created_at,
+                    jobs.c.started_at,
+                    jobs.c.resumed_at,
+                    jobs.c.status,
+                    jobs.c.run_started_at,
+                    jobs.c.completed_at,
+                    jobs.c.earlier_runs_s,
+                ).where(jobs.c.job_id == job_id)
             ).first()
             if row is None:
                 return True  # a run with no job behind it (`execute_request` with an id of its own)
@@ -709,8 +736,20 @@ class JobStore:
             }
             if row.started_at is None:
                 values |= {"started_at": now, "queue_wait_s": (now - utc(row.created_at)).total_seconds()}
+            values |= _runs_charged(row, now)
             connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(**values))
         return True
+
+    def record_shard_charge(self, job_id: str, shard_index: int, units: float | None) -> None:
+        """What the launcher gave the shard's worker (its cores, a pod's limits), as the shard starts: the unit
+        of its slot-seconds in fair share and usage from then on. None: the launcher cannot say; the shard
+        is charged what its request asks, at least one slot."""
+        with self.engine.begin() as connection:
+            connection.execute(
+                job_shards.update()
+                .where(job_shards.c.job_id == job_id, job_shards.c.shard_index == shard_index)
+                .values(charged_units=units)
+            )
 
     def mark_retrying(self, job_id: str, run_id: str, reason: str) -> None:
         """The run failed and Dagster retries it: the job still runs, and says why it starts again."""
@@ -964,21 +1003,32 @@ class JobStore:
         self, since: datetime, until: datetime, now: datetime, owner: str | None, named: Collection[str]
     ) -> builtins.list[WorkByDay]:
         """The work of jobs in [since, until), summed by owner and UTC day: each job's requests done, prompt
-        and completion tokens, and shard-seconds (its run slots' hold as fair share counts it: from its
-        start to its end, or now, times its shards, at least one) on the day it ended, or today while it
-        runs; grouped too by its request's `gpus` and `cpus`, for the caller to size a shard's hold.
+        and completion tokens, and shard-seconds (its run slots' hold as fair share counts it: the seconds
+        its runs ran, each from its start to its end or now, times its shards: those the launcher charged,
+        times what it gave each, in `charged_seconds`; the rest, at least one, in `shard_seconds`) on the day
+        it ended, or today while it runs; grouped too by its request's `gpus` and `cpus`, for the caller to
+        size the shards the launcher did not charge.
         `owner`: that owner's jobs only; owners outside `named` are summed as one, owner None. At most
         days x (len(named) + 1) x the hardware shapes asked for rows."""
         now = now.astimezone(UTC)
         stamp = sa.literal(now, sa.DateTime(timezone=True))
-        shards = (
-            sa.select(sa.func.count()).where(job_shards.c.job_id == jobs.c.job_id).correlate(jobs).scalar_subquery()
+        of_job = job_shards.c.job_id == jobs.c.job_id
+        charged = job_shards.c.charged_units.is_not(None)
+        uncharged = sa.select(sa.func.count()).where(of_job, ~charged).correlate(jobs).scalar_subquery()
+        any_shard = sa.select(sa.func.count()).where(of_job).correlate(jobs).scalar_subquery()
+        charged_units = (
+            sa.select(sa.func.coalesce(sa.func.sum(job_shards.c.charged_units), 0.0))
+            .where(of_job)
+            .correlate(jobs)
+            .scalar_subquery()
         )
         end = sa.func.coalesce(jobs.c.completed_at, stamp)
-        held = sa.case(
-            (sa.and_(jobs.c.started_at.is_not(None), end > jobs.c.started_at), seconds_between(jobs.c.started_at, end)),
-            else_=0.0,
+        run_start = sa.func.coalesce(jobs.c.run_started_at, jobs.c.started_at)
+        held = sa.func.coalesce(jobs.c.earlier_runs_s, 0.0) + sa.case(
+            (sa.and_(run_start.is_not(None), end > run_start), seconds_between(run_start, end)), else_=0.0
         )
+        # A job with no shards recorded yet holds one slot, sized by its request.
+        unsized = sa.case((any_shard == 0, 1), else_=uncharged)
         counted: Any = sa.and_(jobs.c.completed_at >= since, jobs.c.completed_at < until)
         if since <= now < until:  # today is in the range: the jobs running now count on it
             counted = sa.or_(counted, sa.and_(jobs.c.completed_at.is_(None), jobs.c.started_at.is_not(None)))
@@ -990,7 +1040,8 @@ class JobStore:
             json_scalar(jobs.c.request, "gpus").label("gpus"),
             json_scalar(jobs.c.request, "cpus").label("cpus"),
             *(sa.func.coalesce(jobs.c[name], 0).label(name) for name in _FIGURES),
-            (held * sa.func.coalesce(sa.func.nullif(shards, 0), 1)).label("shard_seconds"),
+            (held * unsized).label("shard_seconds"),
+            (held * charged_units).label("charged_seconds"),
         ).where(counted)
         if owner is not None:
             per_job = per_job.where(jobs.c.owner == owner)
@@ -1000,10 +1051,21 @@ class JobStore:
             *keys,
             *(sa.func.sum(grouped.c[name]) for name in _FIGURES),
             sa.func.sum(grouped.c.shard_seconds),
+            sa.func.sum(grouped.c.charged_seconds),
         ).group_by(*keys)
         with self.engine.connect() as connection:
             return [
-                WorkByDay(row[0], str(row[1]), row[2], row[3], int(row[4]), int(row[5]), int(row[6]), float(row[7]))
+                WorkByDay(
+                    row[0],
+                    str(row[1]),
+                    row[2],
+                    row[3],
+                    int(row[4]),
+                    int(row[5]),
+                    int(row[6]),
+                    float(row[7]),
+                    float(row[8] or 0),
+                )
                 for row in connection.execute(query)
             ]
 
@@ -1060,6 +1122,19 @@ class JobStore:
         with self.engine.connect() as connection:
             row = connection.execute(sa.select(jobs).where(condition)).first()
         return JobRecord.from_row(row) if row else None
+
+
+def _runs_charged(row: Any, started_at: datetime) -> dict[str, Any]:
+    """A run starting at `started_at`: it is the job's latest, and the one before it (the job's row as read)
+    joins the earlier runs, for as long as it ran: to its recorded end, or (not recorded yet) to this start.
+    The same run's start marked again changes nothing."""
+    previous = utc(row.run_started_at or row.started_at)
+    if previous is None:
+        return {"run_started_at": started_at}
+    if started_at <= previous:
+        return {}
+    ran = max(0.0, ((utc(row.completed_at) or started_at) - previous).total_seconds())
+    return {"run_started_at": started_at, "earlier_runs_s": (row.earlier_runs_s or 0.0) + ran}
 
 
 def _count_queued(connection: sa.Connection, owner: str) -> int:

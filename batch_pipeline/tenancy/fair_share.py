@@ -1,11 +1,13 @@
 """Which waiting jobs take the free run slots, by fair share between teams.
 
-A team's usage is its jobs' slot-seconds (a shard's run time times its GPUs, or its CPUs where it asks
-for none), decayed with a half-life, as Slurm's fair-share factor decays it: a second ago counts whole,
-one half-life ago half. When slots are free, the next job comes from the team with the lowest usage per
-weight (then the fewest running jobs per weight), below its `max_running_jobs` and, where it sets a
-`max_tokens_per_day`, below that many tokens of the UTC day; within a team, the highest priority (capped at
-the team's `max_priority`) first, then the oldest. Every free slot is filled while any team that may start
+A team's usage is its jobs' slot-seconds (a shard's run time times what its launcher gave its worker: the
+cores a local worker ran on, a pod's GPU limit, or its CPU limit where it has none; a shard the launcher has
+not said of, its request's GPUs or CPUs, at least one slot), over the time its runs ran, decayed with a
+half-life, as Slurm's fair-share factor decays it: a second ago counts whole, one half-life ago half.
+When slots are free, the next job comes from the team with the lowest usage per weight (then the fewest
+running jobs per weight), below its `max_running_jobs` and, where it sets a `max_tokens_per_day`, below
+that many tokens of the UTC day; within a team, the highest priority (capped at the team's `max_priority`)
+first, then the oldest. Every free slot is filled while any team that may start
 a job has one waiting, so a team alone uses them all.
 
 Usage is fixed for one decision and each team's standing only rises as it is given slots, so the order
@@ -271,3 +273,10 @@ def shard_units(gpus: Any, cpus: Any) -> float:
             if 0 < number < math.inf:  # rows of older releases may hold "1e400": not a share of anything
                 return number
     return 1.0
+
+
+def declared_units(gpus: Any, cpus: Any) -> float:
+    """What a shard is charged where its launcher has not said what it gave it (a run of an older release,
+    or before its worker starts): what its request asks (`shard_units`), never less than one slot, since no
+    launcher gives a worker less than a core. A declared fraction does not lower a charge."""
+    return max(1.0, shard_units(gpus, cpus))
