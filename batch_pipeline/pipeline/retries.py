@@ -114,7 +114,9 @@ def _other_unfinished_run(instance: dg.DagsterInstance, run: dg.DagsterRun) -> b
     if job_id is None:
         return False
     unfinished = [status for status in dg.DagsterRunStatus if status not in _FINISHED]
-    runs = instance.get_run_ids(dg.RunsFilter(tags={JOB_ID_TAG: job_id}, statuses=unfinished), limit=2)
+    # Of the run's own Dagster job: a keep_partial_results run of the job writes no shard.
+    of_job = dg.RunsFilter(job_name=run.job_name, tags={JOB_ID_TAG: job_id}, statuses=unfinished)
+    runs = instance.get_run_ids(of_job, limit=2)
     return any(run_id != run.run_id for run_id in runs)
 
 
