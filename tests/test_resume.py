@@ -4,6 +4,7 @@ instance and job store, no daemon); `test_resume_e2e` resumes a real job through
 
 import hashlib
 import json
+import shutil
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -512,3 +513,143 @@ def test_a_job_planned_before_plans_were_kept_resumes_in_the_shards_it_was_plann
     step_server.stop()  # the resume's run's steps start with it
     assert _run(api, job_id).success
     assert _shard_items(work_dir) == planned
+
+
+def _results(work_dir: Path) -> dict[int, dict]:
+    """The results the job's shard checkpoints hold, by index."""
+    return {
+        int(index): json.loads(payload)
+        for results in sorted(work_dir.glob("shards/*/results.tsv"))
+        for index, _, payload in (line.partition("\t") for line in results.read_text().splitlines())
+    }
+
+
+def _planned_prompts(work_dir: Path) -> dict[int, str]:
+    """The prompt each request of the job's shards asks, by index: a copy's is its source's."""
+    prompts = {}
+    for shard in sorted((work_dir / "shards").iterdir()):
+        for line in (shard / "input.jsonl").read_text().splitlines():
+            item = json.loads(line)
+            prompts[item["index"]] = item["request"]["prompt"]
+    for copies in sorted(work_dir.glob("shards/*/copies.tsv")):
+        for line in copies.read_text().splitlines():
+            index, source = map(int, line.split("\t"))
+            prompts[index] = prompts[source]
+    return dict(sorted(prompts.items()))
+
+
+def _write_input(path: Path, prompts: list[str]) -> None:
+    path.write_text("".join(json.dumps({"prompt": p, "max_tokens": 4, "temperature": 0.0}) + "\n" for p in prompts))
+
+
+def test_a_resume_after_its_input_file_changed_keeps_no_result_under_a_changed_request(
+    deployment_factory, tmp_path, monkeypatch
+):
+    """Found by an attacker's pass (issue 44): a job resumed after its input file changed kept the old
+    prompts' answers under the new prompts ("Paris." for "Two plus two equals"): checkpoints were kept by
+    index, whatever request was at that index now. Through the real plan_shards op: each result the
+    checkpoints keep answers its request's prompt as the input reads now; the rest are generated again."""
+    monkeypatch.setenv("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "2")
+    monkeypatch.setenv("BATCH_PIPELINE_MIN_SHARD_TOKENS", "0")
+    api = deployment_factory()
+    input_path = tmp_path / "prompts.jsonl"
+    before = ["The capital of France is", "The capital of Italy is", "The capital of Italy is", "Water is", "Fire is"]
+    _write_input(input_path, before)
+    body = _body(tmp_path, data_parallelism=2, input_data_path=str(input_path))
+    del body["content"]
+    job_id, first, work_dir, _ = _planned_job(api, body)
+    assert _planned_prompts(work_dir) == dict(enumerate(before))
+    # What its shard workers left before the run failed: an answer to each request, in its shard's checkpoint.
+    for shard in sorted((work_dir / "shards").iterdir()):
+        copies = (shard / "copies.tsv").read_text().splitlines() if (shard / "copies.tsv").exists() else []
+        indices = _shard_items(work_dir)[shard.name] + [int(line.split("\t")[0]) for line in copies]
+        answers = {i: {"text": f"answers {before[i]}", "num_completion_tokens": 1} for i in sorted(indices)}
+        (shard / "results.tsv").write_text("".join(f"{i}\t{json.dumps(answer)}\n" for i, answer in answers.items()))
+    api.store.mark_run_ended(job_id, first.run_id, JobStatus.FAILED, datetime.now(UTC), "a shard failed")
+    assert _resume(api, job_id).status_code == 200
+
+    # Rewritten in between: a request changed (the source of a repeat, itself unchanged), one is gone from
+    # the end, two more are added.
+    after = ["The capital of France is", "Two plus two equals", "The capital of Italy is", "Water is"]
+    after += ["Air is", "Earth is"]
+    _write_input(input_path, after)
+    step_server.stop()  # the resume's run's steps start with it
+    assert _run(api, job_id).success
+
+    kept = _results(work_dir)
+    assert {index: result["text"] for index, result in kept.items()} == {
+        index: f"answers {after[index]}" for index in (0, 2, 3)
+    }
+    assert api.store.get(job_id).requests_kept == 3
+    # The shards ask what the input asks now; the repeat's earlier source changed, so it is no copy of it.
+    assert _planned_prompts(work_dir) == dict(enumerate(after))
+
+
+def _answer_everything(work_dir: Path, prompts: list[str]) -> None:
+    """Each shard's checkpoint holds an answer to each of its requests, copies included."""
+    for shard in sorted((work_dir / "shards").iterdir()):
+        copies = (shard / "copies.tsv").read_text().splitlines() if (shard / "copies.tsv").exists() else []
+        indices = _shard_items(work_dir)[shard.name] + [int(line.split("\t")[0]) for line in copies]
+        answers = {i: {"text": f"answers {prompts[i]}"} for i in sorted(indices)}
+        (shard / "results.tsv").write_text("".join(f"{i}\t{json.dumps(answer)}\n" for i, answer in answers.items()))
+
+
+def _items(prompts: list[str]):
+    from batch_pipeline.shards.records import work_items
+
+    return work_items((f"line {i}", {"prompt": p, "max_tokens": 4, "temperature": 0.0}) for i, p in enumerate(prompts))
+
+
+def test_shards_written_again_over_a_changed_input_keep_exactly_the_results_of_unchanged_requests(tmp_path):
+    from batch_pipeline.shards.planning import write_shards
+    from batch_pipeline.shards.replanning import rewrite_shards
+
+    before = ["France", "Italy", "Italy", "Ocean", "Water", "Fire", "Fire"]
+    write_shards(_items(before), 2, str(tmp_path), deduplicate=True)
+    assert sum(len(_shard_items(tmp_path)[name]) for name in ("000", "001")) == 5  # 2 and 6 are copies
+    _answer_everything(tmp_path, before)
+
+    # 1 (a copy's source) changed; 3 changed to repeat 0; 6 (a copy) changed; 7 added at the end.
+    after = ["France", "Two plus two", "Italy", "France", "Water", "Fire", "Air", "Sky"]
+    rewritten = rewrite_shards(_items(after), 2, str(tmp_path), deduplicate=True)
+    assert (rewritten.unchanged, rewritten.changed, rewritten.added, rewritten.removed) == (4, 3, 1, 0)
+    assert rewritten.results_dropped == 3
+    assert _planned_prompts(tmp_path) == dict(enumerate(after))
+    kept = _results(tmp_path)
+    assert {i: result["text"] for i, result in kept.items()} == {i: f"answers {after[i]}" for i in (0, 2, 4, 5)}
+    assert sum(shard.item_count for shard in rewritten.shards) == len(after)
+    assert checkpointed(str(tmp_path)).requests == 4
+    # The copy whose source changed still answers its own request: it keeps its result, and is generated
+    # where it was should it have none; the changed request that repeats a kept one is a copy of it.
+    generated = {index for items in _shard_items(tmp_path).values() for index in items}
+    assert {2, 6} <= generated and 3 not in generated
+    assert "3\t0\n" in "".join(path.read_text() for path in tmp_path.glob("shards/*/copies.tsv"))
+
+    # Requests gone from the end take their results with them; the same input again changes nothing more.
+    rewritten = rewrite_shards(_items(after[:5]), 2, str(tmp_path), deduplicate=True)
+    assert (rewritten.unchanged, rewritten.changed, rewritten.added, rewritten.removed) == (5, 0, 0, 3)
+    assert {i: result["text"] for i, result in _results(tmp_path).items()} == {
+        i: f"answers {after[i]}" for i in (0, 2, 4)
+    }
+    assert rewrite_shards(_items(after[:5]), 2, str(tmp_path), deduplicate=True).describe() is None
+    assert _planned_prompts(tmp_path) == dict(enumerate(after[:5]))
+
+
+def test_shards_written_again_over_an_unchanged_input_are_the_shards_the_first_plan_wrote(tmp_path):
+    from batch_pipeline.shards.planning import write_shards
+    from batch_pipeline.shards.replanning import rewrite_shards
+
+    prompts = [f"Prompt {i % 5} " + "word " * (i % 7) for i in range(40)]
+    first = write_shards(_items(prompts), 3, str(tmp_path / "first"), deduplicate=True, group_generations=True)
+    shutil.copytree(tmp_path / "first", tmp_path / "again")
+    _answer_everything(tmp_path / "again", prompts)
+    again = rewrite_shards(_items(prompts), 3, str(tmp_path / "again"), deduplicate=True)
+    assert again.describe() is None and again.results_dropped == 0
+    assert [(s.item_count, s.copy_count, s.prompt_count) for s in again.shards] == [
+        (s.item_count, s.copy_count, s.prompt_count) for s in first
+    ]
+    assert sum(s.copy_count for s in first) > 0
+    for name in ("input.jsonl", "copies.tsv"):
+        written = {path.parent.name: path.read_text() for path in (tmp_path / "first").glob(f"shards/*/{name}")}
+        assert {path.parent.name: path.read_text() for path in (tmp_path / "again").glob(f"shards/*/{name}")} == written
+    assert len(_results(tmp_path / "again")) == len(prompts)

@@ -44,6 +44,7 @@ from batch_pipeline.shards.planning import (
 )
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
+from batch_pipeline.shards.replanning import has_earlier_plan, rewrite_shards
 from batch_pipeline.store.jobs import JobRecord, JobStore
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants
@@ -270,8 +271,10 @@ def plan_shards(
     # Every later run of the job (a retry, a resume) writes the shards its first run planned, whatever the
     # settings say now: each checkpointed result lies in the shard that plan put its request in.
     kept = RecordedPlan.from_json(record.shard_plan) if record is not None and record.shard_plan else None
+    input_changes = None
     try:
         items = work_items(_records(request, job_data_files(context, job_store, job_storage, admission)))
+        planned_before = has_earlier_plan(work_dir)
         recorded = kept
         if recorded is None:
             settings = shard_planning.for_launcher(shard_launcher.shard_slots())
@@ -279,16 +282,20 @@ def plan_shards(
             # A tool loop runs code whose output may change between runs: its requests are never merged.
             deduplicate = settings.deduplicate and request.tool_config is None
             # Shards without a kept plan were written by a release that kept none, and grouped nothing.
-            planned_before = bool(shard_directories(work_dir))
             grouping = GENERATION_GROUPING if deduplicate and not planned_before else 0
             recorded = RecordedPlan(first_plan, deduplicate, generation_grouping=grouping)
-        shards = write_shards(
-            items,
-            recorded.plan.used,
-            work_dir,
-            deduplicate=recorded.deduplicate,
-            group_generations=recorded.group_generations,
-        )
+        if planned_before:
+            # The input file may have changed since: no checkpointed result is kept under a changed request.
+            rewritten = rewrite_shards(items, recorded.plan.used, work_dir, deduplicate=recorded.deduplicate)
+            shards, input_changes = rewritten.shards, rewritten.describe()
+        else:
+            shards = write_shards(
+                items,
+                recorded.plan.used,
+                work_dir,
+                deduplicate=recorded.deduplicate,
+                group_generations=recorded.group_generations,
+            )
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     except io.SymlinkRefused as exc:
@@ -304,6 +311,8 @@ def plan_shards(
         {shard.shard_index: checkpoint_bytes(shard.directory) for shard in shards},
         shard_plan=recorded.to_json(),
     )
+    if input_changes is not None:
+        context.log.warning(input_changes)
     _count_kept(context, store, job_id, work_dir)
     deadline = job_deadline(context, request.max_runtime_sec)
     copies = sum(s.copy_count for s in shards)

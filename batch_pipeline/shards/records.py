@@ -1,6 +1,6 @@
 """Input records as work items: v1 content fanned out per prompt, each item's size estimated without a
-tokenizer, and the digests by which repeats of a deterministic request, and deterministic requests that
-differ only in their output limit, are found."""
+tokenizer, and the digests by which a request is told from a changed one, and repeats of a deterministic
+request, and deterministic requests that differ only in their output limit, are found."""
 
 from __future__ import annotations
 
@@ -88,6 +88,12 @@ def _message_tokens(message: Any) -> int:
 
 def _text_tokens(text: str) -> int:
     return len(text) // CHARS_PER_TOKEN + 1
+
+
+def request_digest(item: WorkItem) -> int:
+    """A 128-bit digest of a request as the plan reads it, whatever its sampling: what a later run of the
+    job compares to tell a request unchanged since its result was checkpointed from one that changed."""
+    return _digest(item.kind, item.request)
 
 
 def repeat_key(item: WorkItem) -> int | None:
