@@ -30,8 +30,10 @@ lint: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(CURDIR)/site
 
+# The example schedule's job is team `demo`'s: with a tenants file, name a schedules file of your teams'.
 serve: model
-	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$(CURDIR)/examples/schedules.yaml} $(PY) -m batch_pipeline.entrypoints.serve
+	BATCH_PIPELINE_SCHEDULES=$${BATCH_PIPELINE_SCHEDULES:-$$([ -n "$$BATCH_PIPELINE_TENANTS" ] || echo $(CURDIR)/examples/schedules.yaml)} \
+		$(PY) -m batch_pipeline.entrypoints.serve
 
 # Measurements against baselines in the same run; results and their charts in bench/results/ (not in git).
 bench: model

@@ -246,3 +246,24 @@ def test_with_a_tenants_file_a_schedule_naming_no_known_team_fails_to_load(teams
         load_schedule_specs(path, tenants_at(str(tmp_path / "tenants.yaml")))
     assert str(error.value).startswith(path + message), str(error.value)
     assert load_schedule_specs(path)  # without a tenants file, the same file loads
+
+
+def test_the_example_schedules_file_works_under_a_tenants_file(tmp_path, monkeypatch, dagster_home):
+    """Its output path is the team's data root's (`{data_root}`), not a relative path every team refuses."""
+    from batch_pipeline.tenancy.tenants import tenants_at
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    tenants_file = tmp_path / "tenants.yaml"
+    tenants_file.write_text(f"tenants:\n  demo:\n    data_roots: [{demo}]\n")
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "schedules.yaml")
+    (spec,) = load_schedule_specs(example, tenants_at(str(tenants_file)))
+    url = f"sqlite:///{tmp_path}/jobs.db"
+
+    tick = _tick(spec, url, dagster_home, tmp_path / "work")
+
+    (job,) = JobStore(url).list().jobs
+    assert job.job_id in tick.skip_message and job.owner == "team:demo"
+    assert job.request["output_data_path"] == f"{demo}/outputs/nightly_sample/2026-11-28.json"
+    assert load_schedule_specs(example)  # and without a tenants file (`make serve`)

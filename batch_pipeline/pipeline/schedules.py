@@ -14,6 +14,7 @@ launches its run.
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -33,7 +34,7 @@ from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.runs import launch_key
 from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
-from batch_pipeline.tenancy.tenants import Tenants
+from batch_pipeline.tenancy.tenants import Team, Tenants
 
 SCHEDULE_LABEL = "schedule"
 # Placeholders a template's paths may use, filled from the tick's time in the schedule's timezone.
@@ -47,6 +48,8 @@ PLACEHOLDERS = {
     "hour": "%H",
 }
 TEMPLATED_FIELDS = ("input_data_path", "output_data_path")
+# `{data_root}`: where the tick's job may read and write, so that one template serves any deployment.
+DATA_ROOT = "data_root"
 RESERVED_NAMES = frozenset({"cleanup"})  # retention's schedule (pipeline/cleanup.py)
 
 
@@ -88,16 +91,26 @@ class ScheduleSpec(WireModel):
             raise ValueError(f"not a valid cron string: {value!r}")
         return value
 
-    def request_at(self, tick: datetime) -> CreateBatchCompletionsV2Request:
-        """The request of one tick: the template's paths filled in, its labels naming the schedule."""
+    def request_at(self, tick: datetime, data_root: str = "/data-root") -> CreateBatchCompletionsV2Request:
+        """The request of one tick: the template's paths filled in (`data_root`: see `data_root_of`), its
+        labels naming the schedule."""
         local = tick.astimezone(ZoneInfo(self.timezone))
-        values = {key: local.strftime(pattern) for key, pattern in PLACEHOLDERS.items()} | {"name": self.name}
+        values = {key: local.strftime(pattern) for key, pattern in PLACEHOLDERS.items()}
+        values |= {"name": self.name, DATA_ROOT: data_root.rstrip("/")}
         body = dict(self.request)
         for field in TEMPLATED_FIELDS:
             if isinstance(body.get(field), str):
                 body[field] = _fill(body[field], values, field)
         body["labels"] = {**(body.get("labels") or {}), SCHEDULE_LABEL: self.name}
         return CreateBatchCompletionsV2Request.model_validate(body)
+
+
+def data_root_of(admission: AdmissionPolicy, team: Team | None) -> str:
+    """What `{data_root}` stands for: the team's first data root (as the tenants file writes it), else the
+    deployment's first (BATCH_PIPELINE_DATA_ROOTS), else the code location's working directory."""
+    if team is not None and team.config.data_roots:
+        return team.config.data_roots[0]
+    return str(admission.paths.roots[0]) if admission.paths.roots else os.getcwd()
 
 
 def _fill(template: str, values: dict[str, str], field: str) -> str:
@@ -203,6 +216,7 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
         tick = context.scheduled_execution_time or datetime.now(UTC)
         at = tick.astimezone(UTC).isoformat()
         registry = admission.teams()
+        team = None
         if registry is not None:
             team = registry.teams.get(spec.team) if spec.team is not None else None
             if team is None:  # the tenants file changed since the schedules loaded
@@ -215,7 +229,7 @@ def schedule_for(spec: ScheduleSpec) -> dg.ScheduleDefinition:
                 job_store.get_store(),
                 job_storage.work_dir,
                 owner,
-                spec.request_at(tick),
+                spec.request_at(tick, data_root_of(admission, team)),
                 admission,
                 idempotency_key=idempotency_key,
             )
