@@ -109,7 +109,10 @@ def test_the_operators_maxima_bound_each_field_in_the_units_kubernetes_compares(
     assert "550G" in dict(hardware_refusals(_request(memory="550G"), maxima))["memory"]
 
 
-def test_no_maxima_set_means_any_valid_size():
+def test_no_maxima_set_means_any_valid_size(monkeypatch):
+    # On Kubernetes: a local deployment bounds cpus by its machine's cores (test_usage).
+    monkeypatch.setenv("BATCH_PIPELINE_SHARD_LAUNCHER", "k8s")
+    monkeypatch.setenv("BATCH_PIPELINE_WORKER_IMAGE", "registry.example/worker:1")
     maxima = AdmissionPolicy.of_deployment(settings()).hardware_maxima
     assert hardware_refusals(_request(gpus=1024, cpus=10_000, memory="100Ti", storage="1Pi"), maxima) == []
 

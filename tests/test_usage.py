@@ -22,10 +22,14 @@ from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.tenancy.fair_share import declared_units, shard_units
 from batch_pipeline.tenancy.tenants import tenants_at
 from tests.api_fixtures import ADMIN_KEY as DEPLOYMENT_ADMIN_KEY
+from tests.api_fixtures import USER_KEY
 from tests.conftest import MODEL, step_failure_messages
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
 
 A_KEY, B_KEY, ADMIN_KEY = "key-of-team-a", "key-of-team-b", "key-of-the-admins"
+
+
+USER = {"x-api-key": USER_KEY}  # a key of the deployment without a tenants file
 
 
 def _digest(key: str) -> str:
@@ -246,6 +250,25 @@ def test_a_local_worker_is_charged_the_cores_it_ran_on_never_the_fraction_its_re
     assert launcher.shard_charge(_shard_task(machine, cpus=f"{max(1, machine - 1)}500m")) == machine
     with pytest.raises(dg.Failure, match=rf"^cpus: {machine + 1} is more than the {machine} cores"):
         launcher.shard_charge(_shard_task(1, cpus=machine + 1))
+
+
+def test_a_local_deployment_refuses_more_cpus_than_its_machine_has_naming_the_field(deployment_factory):
+    """The local launcher cannot give a worker more cores than the machine has: such a request is a 422 at
+    submission, not a job that fails at its launch."""
+    api = deployment_factory()
+    machine = os.cpu_count() or 1
+    body = {
+        "output_data_path": "/tmp/local-cores/out.json",
+        "model_config": {"model": MODEL},
+        "content": {"prompts": ["x"], "max_new_tokens": 1, "temperature": 0.0},
+    }
+    refused = api.client.post("/v2/batch-completions", json={**body, "cpus": machine + 1}, headers=USER)
+    assert refused.status_code == 422, refused.text
+    (error,) = refused.json()["detail"]
+    assert error["loc"] == ["body", "cpus"] and f"maximum of {machine}, the cores of the machine" in error["msg"]
+    assert api.client.get("/v2/batch-completions", headers=USER).json()["jobs"] == []
+    accepted = api.client.post("/v2/batch-completions", json={**body, "cpus": machine}, headers=USER)
+    assert accepted.status_code == 200, accepted.text
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ and again as it changes (a revoked team stops at once).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from decimal import Decimal
@@ -48,7 +49,7 @@ class AdmissionPolicy:
             paths=PathPolicy.of_deployment(configured),
             tenants_file=configured.tenants,
             allow_remote_code=configured.allow_remote_code,
-            hardware_maxima=hardware_maxima(configured_hardware_maxima(configured)),
+            hardware_maxima=_local_cores_bound(configured, hardware_maxima(configured_hardware_maxima(configured))),
             engine_maxima={name: getattr(configured, setting) for name, setting in ENGINE_ARGUMENT_MAXIMA.items()},
         )
 
@@ -90,3 +91,14 @@ class AdmissionPolicy:
         worker (a pod of its own) has no policy to check and must not take the request's word."""
         trusted = bool(model_config.trust_remote_code) and self.allow_remote_code
         return model_config.model_copy(update={"trust_remote_code": trusted})
+
+
+def _local_cores_bound(
+    configured: Settings, maxima: Mapping[str, tuple[str, Decimal]]
+) -> Mapping[str, tuple[str, Decimal]]:
+    """The local launcher runs every shard's worker on this machine's cores: where the operator set no
+    BATCH_PIPELINE_MAX_CPUS, a request for more cores is refused at submission, not failed at its launch."""
+    if configured.shard_launcher != "local" or "cpus" in maxima:
+        return maxima
+    cores = os.cpu_count() or 1
+    return {**maxima, "cpus": (f"{cores}, the cores of the machine the local launcher runs shards on", Decimal(cores))}
