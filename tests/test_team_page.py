@@ -242,6 +242,22 @@ def test_login_and_logout_refuse_a_form_from_another_site(api, teams):
     assert api.get("/team", follow_redirects=False).status_code == 303
 
 
+def test_a_login_form_past_its_bound_is_refused_naming_the_form(api, teams):
+    # Read before anyone is known: an anonymous client's megabytes are not held.
+    form = api.get("/team/login")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', form.text).group(1)
+    huge = api.post("/team/login", data={"key": "x" * 2_000_000, "csrf": csrf}, follow_redirects=False)
+    assert huge.status_code == 413 and "the form: at most 16384 bytes" in huge.text
+    many = api.post(
+        "/team/login",
+        content="&".join(f"f{i}=1" for i in range(50)),
+        follow_redirects=False,
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert many.status_code == 413
+    assert _log_in(api, TEAM_A_KEY).status_code == 303
+
+
 def test_a_label_holding_script_is_escaped_on_every_page(api, teams):
     hostile = _submit(api, TEAM_A_KEY, teams["a"] / "out.json", {HOSTILE_LABEL: HOSTILE_LABEL, "x": '"><img src=x>'})
     _log_in(api, ADMIN_KEY)  # the admin's browser is the one worth attacking

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
 from typing import IO, Annotated, Any
+from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
@@ -54,6 +55,7 @@ JOBS_PER_PAGE = 50
 # the page costs the same whatever the output's size.
 ERRORS_SHOWN, ENTRIES_SCANNED = 20, 20_000
 MAX_KEY_CHARS = 4096
+MAX_FORM_BYTES = 16 * 1024
 _SESSION_PURPOSE = "batch_pipeline team page session"
 _CHUNK = 1 << 16
 
@@ -220,6 +222,23 @@ def _login_form(request: Request, message: str | None = None, status: int = 200)
     return response
 
 
+async def _small_form(request: Request) -> dict[str, str] | None:
+    """A URL-encoded form of at most MAX_FORM_BYTES, else None. Read before anyone is known: a client
+    sending megabytes to the login holds no more than this."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
+        return None
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            return None
+    try:
+        fields = parse_qs(body.decode(), max_num_fields=8, strict_parsing=False)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return {name: values[0] for name, values in fields.items()}
+
+
 def _https(request: Request) -> bool:
     return request.url.scheme == "https"
 
@@ -244,7 +263,9 @@ def login_form(request: Request) -> Response:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
-    form = await request.form(max_files=0, max_fields=4)
+    form = await _small_form(request)
+    if form is None:
+        return _login_form(request, f"the form: at most {MAX_FORM_BYTES} bytes, URL-encoded", 413)
     csrf, cookie = form.get("csrf"), request.cookies.get(CSRF_COOKIE)
     if not _same_origin(request) or not (
         isinstance(csrf, str) and cookie and hmac.compare_digest(csrf.encode(), cookie.encode())
@@ -274,7 +295,7 @@ async def login(request: Request) -> Response:
 
 @router.post("/logout")
 async def logout(request: Request) -> Response:
-    form = await request.form(max_files=0, max_fields=4)
+    form = await _small_form(request) or {}
     session, csrf = request.cookies.get(SESSION_COOKIE), form.get("csrf")
     if not session or not isinstance(csrf, str) or not _same_origin(request):
         return _secured(JSONResponse({"detail": "csrf: log out from the team page's own form"}, status_code=403))
@@ -319,8 +340,8 @@ def job_page(request: Request, job_id: str) -> Response:
         job = service.get(caller, job_id)
     except JobNotFound:
         return _page("no such job", html("<p>No job {job_id} of yours.</p>", job_id=job_id[:100]), caller, status=404)
-    record = service.store.get(job_id)
-    assert record is not None  # service.get found it
+    if (record := service.store.get(job_id)) is None:  # deleted since
+        return _page("no such job", html("<p>No job {job_id} of yours.</p>", job_id=job_id[:100]), caller, status=404)
     output = JobOutput.of(service, record)
     body = joined([_job_summary(job, record, caller, output), _errors_section(job, output)])
     return _page(f"job {job_id}", body, caller, request.cookies.get(SESSION_COOKIE))
