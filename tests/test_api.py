@@ -89,6 +89,9 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
             ["body", "tool_config", "max_iterations"],
         ),
         (_body(tmp_path, nodes_per_worker=2), ["body", "nodes_per_worker"]),
+        # a catalog model misspelled: refused now, not after its engine searched the hub for minutes
+        (_body(tmp_path, model_config={"model": "smollm2-135m"}), ["body", "model_config", "model"]),
+        (_body(tmp_path, model_config={"model": "SmolLM2-135M-instruc"}), ["body", "model_config", "model"]),
         # past the catalog model's 8,192-token context with any prompt, or past the engine's own max_model_len
         (
             _body(tmp_path, content={"prompts": ["x"], "max_new_tokens": 500_000, "temperature": 0}),
@@ -111,6 +114,10 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         response = api.client.post("/v1/llm/batch-completions", json=body, headers=ALICE)
         assert response.status_code == 422, body
         assert any(error["loc"] == location for error in response.json()["detail"]), response.json()
+    typo = api.client.post(
+        "/v2/batch-completions", json=_body(tmp_path, model_config={"model": "smollm2-135m"}), headers=ALICE
+    )
+    assert typo.status_code == 422 and typo.json()["detail"][0]["loc"] == ["body", "model_config", "model"]
     v2 = api.client.post(
         "/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "n": 0}]), headers=ALICE
     )

@@ -179,6 +179,11 @@ def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deploymen
     assert refused["status"] == "failed"
     assert [(e["code"], e["param"]) for e in refused["errors"]["data"]] == [("model_not_served", "body.model")]
     assert "outside the data roots" in refused["errors"]["data"][0]["message"]
+    # A catalog model misspelled fails the batch at once, naming it, not after an engine searched the hub.
+    typo = _create(client, _upload(client, _jsonl([_line("a", model="smollm2-135m")])).json()["id"]).json()
+    assert typo["status"] == "failed"
+    assert [(e["code"], e["param"]) for e in typo["errors"]["data"]] == [("model_not_served", "body.model")]
+    assert "did you mean 'smollm2-135m-instruct'" in typo["errors"]["data"][0]["message"]
 
 
 def test_a_valid_batch_is_queued_as_a_job_outside_the_data_roots_and_cancelled_before_launch_lists_every_request(

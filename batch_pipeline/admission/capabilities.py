@@ -7,12 +7,14 @@ failed validate_input step.
 
 from __future__ import annotations
 
+import difflib
+
 from batch_pipeline.admission.hardware import engine_argument_refusals, hardware_refusals
 from batch_pipeline.admission.paths import request_path_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV1RequestContent, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.requests import CODE_EVALUATOR
-from batch_pipeline.models.catalog import context_tokens
+from batch_pipeline.models.catalog import CATALOG, context_tokens
 
 MAX_EXECUTION_TIMEOUT_S = 600
 
@@ -33,11 +35,37 @@ def refusals(
         )
     found.extend(_tool_refusals(request))
     found.extend(_length_refusals(request))
+    found.extend(_model_refusals(request))
     found.extend(hardware_refusals(request, policy.hardware_maxima))
     found.extend(engine_argument_refusals(request.model_cfg, policy.engine_maxima, policy.max_gpus))
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
     return found
+
+
+def _model_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
+    """A name one typo from a catalog model's is that model misspelled, not a Hugging Face id: refused now,
+    not after its shard's engine searched the hub for it, retried, and failed minutes later."""
+    config = request.model_cfg
+    name = config.model.lower()
+    if config.checkpoint_path is not None or name in CATALOG or "/" in name or ":" in name:
+        return []
+    near = [
+        catalog
+        for catalog in CATALOG
+        if catalog.startswith(name)
+        or name.startswith(catalog)
+        or difflib.SequenceMatcher(None, name, catalog).ratio() >= 0.75
+    ]
+    if not near:
+        return []
+    return [
+        (
+            "model_config.model",
+            f"{config.model!r} is no model of the catalog: did you mean {near[0]!r}? "
+            "(`batch-pipeline models` lists them; a Hugging Face id is org/name)",
+        )
+    ]
 
 
 def _length_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
