@@ -25,8 +25,10 @@ class UsageDay(WireModel):
         description="Completion tokens of those jobs: their metadata's completion_tokens_generated"
     )
     gpu_seconds: float = Field(
-        description="What those jobs held, as fair share counts it: from a job's start to its end (or now), "
-        "times its shards, times each shard's GPUs (its CPUs where it asks for none, else one)"
+        description="What those jobs held, as fair share counts it: the seconds each job's runs ran (each from "
+        "its start to its end, or now; not the time it sat stopped before a resume), times what each of its "
+        "shards' workers was given (a local worker's cores, a pod's GPU, else CPU, limit; a shard not yet "
+        "charged: its GPUs, else its CPUs, at least one)"
     )
     stored_bytes: int = Field(
         description="Bytes the team stored that day and still stores: OpenAI files (uploads, its batches' output "
