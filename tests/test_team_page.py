@@ -3,6 +3,7 @@ through the real app over HTTP, and once in a real headless Chromium."""
 
 import base64
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -217,6 +218,24 @@ def test_the_session_cookie_holds_no_key_is_httponly_strict_and_ends_with_its_ke
     # The key taken out of the tenants file: its session ends at once.
     _write_tenants(tmp_path / "tenants.yaml", teams, team_a_keys=("a-new-key-of-team-a",))
     assert api.get("/team", follow_redirects=False).status_code == 303
+
+
+def test_a_session_forged_from_the_tenants_files_digests_is_no_session(api, teams):
+    """The tenants file (a ConfigMap in a cluster) holds each key's digest, not a secret: whoever reads it
+    must not be able to sign an admin's session from it."""
+    theirs = _submit(api, TEAM_B_KEY, teams["b"] / "out.json", {"project": "bravo-secret"})
+    _log_in(api, TEAM_A_KEY)
+    expires, nonce = int(time.time()) + 3600, "forged-nonce"
+    for signed_with in (bytes.fromhex(_digest(ADMIN_KEY)), b""):
+        for message in (
+            f"batch_pipeline team page session\x00{expires}\x00{nonce}".encode(),
+            b"batch_pipeline team page session\x00%s\x00%d\x00%s"
+            % (bytes.fromhex(_digest(ADMIN_KEY)), expires, nonce.encode()),
+        ):
+            mac = base64.urlsafe_b64encode(hmac.new(signed_with, message, "sha256").digest()).decode().rstrip("=")
+            _set_session(api, f"{expires}.{nonce}.{mac}")
+            page = api.get("/team", follow_redirects=False)
+            assert page.status_code == 303 and theirs not in page.text
 
 
 def test_login_and_logout_refuse_a_form_from_another_site(api, teams):

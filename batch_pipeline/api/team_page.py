@@ -12,10 +12,10 @@ and one small script that refreshes what is still running.
 
 A browser cannot send `x-api-key`, so a login form exchanges the key for a session cookie: HttpOnly,
 SameSite=Strict, Secure over https, for `/team` only, for 8 hours. The cookie holds no key: it is signed
-with the key's sha256, the digest the tenants file keeps, so no secret has to be shared between API
-replicas, and a key taken out of the file ends its sessions at once. Only these routes read the cookie (the
-API's never do, so no other site can have a browser act on the API through it), and each POST carries a
-CSRF token. Scripts may send the key as the API takes it instead of logging in.
+with a secret of the deployment, kept in the Dagster instance's database (which every API replica shares),
+over the key's sha256, so a key taken out of the tenants file ends its sessions at once. Only these routes
+read the cookie (the API's never do, so no other site can have a browser act on the API through it), and
+each POST carries a CSRF token. Scripts may send the key as the API takes it instead of logging in.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ JOBS_PER_PAGE = 50
 ERRORS_SHOWN, ENTRIES_SCANNED = 20, 20_000
 MAX_KEY_CHARS = 4096
 MAX_FORM_BYTES = 16 * 1024
-_SESSION_PURPOSE = "batch_pipeline team page session"
+_SESSION_PURPOSE = b"batch_pipeline team page session"
+_SECRET_NAME = "batch_pipeline/team_page/session_secret"
 _CHUNK = 1 << 16
 
 # What the browser may do with these pages: only this origin's own script, style and requests; no frame,
@@ -98,21 +99,33 @@ def joined(parts: Iterable[Html]) -> Html:
 # --- sessions --------------------------------------------------------------------------------------------
 
 
-def _mac(digest: bytes, expires: int, nonce: str) -> str:
-    signed = hmac.new(digest, f"{_SESSION_PURPOSE}\x00{expires}\x00{nonce}".encode(), hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(signed).decode().rstrip("=")
+def deployment_secret(service: BatchJobService) -> bytes:
+    """The secret the deployment's sessions are signed with: made on first use and kept in the Dagster
+    instance's key-value store, which every API replica shares and only the control plane reads (a tenants
+    file's digests alone, a ConfigMap in a cluster, sign nothing). Read at each use: should two replicas
+    make one at the same instant, the one kept wins everywhere (the other's few sessions log in again)."""
+    storage = service.instance.run_storage
+    if (found := storage.get_cursor_values({_SECRET_NAME}).get(_SECRET_NAME)) is None:
+        storage.set_cursor_values({_SECRET_NAME: secrets.token_hex(32)})
+        found = storage.get_cursor_values({_SECRET_NAME})[_SECRET_NAME]
+    return bytes.fromhex(found)
 
 
-def new_session(presented: bytes, now: float) -> str:
-    """A session of the key `presented` (already identified): `expires.nonce.mac`, the mac keyed by the
-    key's sha256, which only the key's holder and the tenants file know."""
+def _mac(secret: bytes, digest: bytes, expires: int, nonce: str) -> str:
+    signed = hmac.new(secret, b"%s\x00%s\x00%d\x00%s" % (_SESSION_PURPOSE, digest, expires, nonce.encode()), "sha256")
+    return base64.urlsafe_b64encode(signed.digest()).decode().rstrip("=")
+
+
+def new_session(secret: bytes, presented: bytes, now: float) -> str:
+    """A session of the key `presented` (already identified): `expires.nonce.mac`, the mac of the
+    deployment's secret over the key's sha256 (the digest the tenants file keeps), expiry and nonce."""
     expires, nonce = int(now) + SESSION_TTL_S, secrets.token_urlsafe(16)
-    return f"{expires}.{nonce}.{_mac(hashlib.sha256(presented).digest(), expires, nonce)}"
+    return f"{expires}.{nonce}.{_mac(secret, hashlib.sha256(presented).digest(), expires, nonce)}"
 
 
-def session_caller(keys: ApiKeys, token: str, now: float) -> Caller | None:
-    """Whom a session acts for: the key whose digest signed it, if that key is still valid and the session
-    has not expired; else None. Every key's mac is compared, in constant time."""
+def session_caller(keys: ApiKeys, secret: bytes, token: str, now: float) -> Caller | None:
+    """Whom a session acts for: the key whose digest it was signed over, if that key is still valid and the
+    session has not expired; else None. Every key's mac is compared, in constant time."""
     parts = token.split(".")
     if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 12 or len(parts[1]) > 64:
         return None
@@ -121,7 +134,7 @@ def session_caller(keys: ApiKeys, token: str, now: float) -> Caller | None:
         return None
     found = None
     for digest, caller in keys.key_digests():
-        if hmac.compare_digest(_mac(digest, expires, nonce), mac) and found is None:
+        if hmac.compare_digest(_mac(secret, digest, expires, nonce), mac) and found is None:
             found = caller
     return found
 
@@ -138,8 +151,9 @@ def page_caller(request: Request) -> Caller | None:
         return OPEN_ACCESS
     if presented := presented_key(request):  # a key sent on purpose says who calls, whatever the cookie
         return keys.identify(presented)
-    token = request.cookies.get(SESSION_COOKIE)
-    return session_caller(keys, token, time.time()) if token else None
+    if not (token := request.cookies.get(SESSION_COOKIE)):
+        return None
+    return session_caller(keys, deployment_secret(request.app.state.job_service), token, time.time())
 
 
 def _same_origin(request: Request) -> bool:
@@ -282,7 +296,7 @@ async def login(request: Request) -> Response:
     response = _secured(RedirectResponse("/team", status_code=303))
     response.set_cookie(
         SESSION_COOKIE,
-        new_session(presented, time.time()),
+        new_session(deployment_secret(request.app.state.job_service), presented, time.time()),
         max_age=SESSION_TTL_S,
         path="/team",
         httponly=True,
