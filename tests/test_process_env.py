@@ -4,7 +4,10 @@ run` starts ahead) and the dry run's checking process get an environment built f
 a webhook secret, API keys and a database password in the service's environment."""
 
 import os
+import signal
 import stat
+import threading
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -104,3 +107,61 @@ def test_the_local_launchers_worker_gets_no_secret(service_environment, tmp_path
     assert_no_secret(environment)
     assert environment["BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK"] == "1" and environment["HF_HUB_OFFLINE"] == "1"
     assert any(name.startswith("DAGSTER_PIPES_") for name in environment)  # the Pipes bootstrap
+
+
+# A chat template that renders for as long as the dry run lets it: its checking process stays to be read.
+TEMPLATE_WITHOUT_END = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.slow  # the checking processes' server imports vLLM (~10 s)
+def test_the_dry_runs_checking_process_gets_no_secret(service_environment, deployment_factory, monkeypatch, tmp_path):
+    from batch_pipeline.dry_run.child import ChildServer
+    from tests.api_fixtures import USER_KEY
+    from tests.conftest import MODEL
+
+    monkeypatch.setenv("BATCH_PIPELINE_DRY_RUN_TIMEOUT_S", "120")
+    if ChildServer._running is not None:  # one started by an earlier test, in that test's environment
+        ChildServer._running.process.kill()
+        ChildServer._running.process.wait()
+    api = deployment_factory()
+    body = {
+        "output_data_path": str(tmp_path / "out" / "output.json"),
+        "model_config": {"model": MODEL},
+        "content": [
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "chat_template": TEMPLATE_WITHOUT_END}
+        ],
+    }
+    answers: list = []
+    asking = threading.Thread(
+        target=lambda: answers.append(
+            api.client.post(
+                "/v2/batch-completions", params={"dry_run": "true"}, json=body, headers={"x-api-key": USER_KEY}
+            )
+        )
+    )
+    asking.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not (ChildServer._running and children_of(ChildServer._running.process.pid)):
+            assert time.monotonic() < deadline and asking.is_alive(), answers
+            time.sleep(0.2)
+        server = ChildServer._running.process.pid
+        (checking,) = children_of(server)
+        environments = {"the server": environ_of(server), "the checking process": environ_of(checking)}
+    finally:
+        if ChildServer._running is not None:
+            for child in children_of(ChildServer._running.process.pid):
+                os.kill(child, signal.SIGKILL)  # the dry run then ends at once, without an answer
+        asking.join(timeout=60)
+    for environment in environments.values():
+        environment.pop("AWS_SECRET_ACCESS_KEY")  # it reads the request's s3:// paths as the API would
+        assert_no_secret(environment)
+        assert environment["HF_HUB_OFFLINE"] == "1"
+    assert answers and answers[0].status_code == 422, answers
