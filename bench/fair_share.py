@@ -135,7 +135,8 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
         # A GET of the newest waiting job (the last in its team's order), as the API answers it.
         service = BatchJobService.of_deployment(settings(), store, dg.DagsterInstance.ephemeral())
         newest = f"batch-{queued - 1:08d}"
-        caller = Caller(owner=f"team:team-{(queued - 1) % teams}", is_admin=False)
+        # An admin's GET: its place among every team's jobs, the costlier reading (a team's counts its own only).
+        caller = Caller(owner="admins", is_admin=True)
         gets, plain = [], []
         for _ in range(repeat):
             gc.collect()
