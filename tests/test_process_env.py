@@ -165,3 +165,21 @@ def test_the_dry_runs_checking_process_gets_no_secret(service_environment, deplo
         assert_no_secret(environment)
         assert environment["HF_HUB_OFFLINE"] == "1"
     assert answers and answers[0].status_code == 422, answers
+
+
+def test_a_shard_pod_gets_the_workers_settings_and_no_secret(service_environment, monkeypatch, tmp_path):
+    """The Kubernetes launcher the deployment builds: the pod's environment is its `env` (and the Pipes
+    bootstrap), and no Secret is mounted into it."""
+    from batch_pipeline.pipeline.definitions import shard_launcher_from_environment
+
+    monkeypatch.setenv("BATCH_PIPELINE_SHARD_LAUNCHER", "k8s")
+    monkeypatch.setenv("BATCH_PIPELINE_WORKER_IMAGE", "batch-pipeline-worker:test")
+    launcher = shard_launcher_from_environment()
+    assert launcher.env == {"BATCH_PIPELINE_SANDBOX_ALLOW_NETWORK": "1"}  # the operator's opt-in reaches the pod
+    task = shard_task(tmp_path / "job")
+    _, spec = launcher.pod_overrides(
+        ShardTask(shard=task.shard, model_config=task.model_config, tool_config={"name": "code_evaluator"})
+    )
+    (container,) = spec["containers"]
+    assert "envFrom" not in container
+    assert_no_secret({entry["name"]: entry.get("value", "") for entry in container.get("env", [])})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import dagster as dg
@@ -9,6 +10,7 @@ import dagster as dg
 from batch_pipeline.admission.hardware import configured_hardware_maxima
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract.requests import MAX_DATA_PARALLELISM
+from batch_pipeline.core.environment import worker_settings
 from batch_pipeline.core.settings import settings
 from batch_pipeline.launch.base import ShardLauncher
 from batch_pipeline.launch.local import LocalShardLauncher
@@ -55,6 +57,8 @@ def shard_launcher_from_environment() -> ShardLauncher:
         poll_interval_s=configured.k8s_poll_interval_s,
         max_hardware={field: str(bound) for field, bound in configured_hardware_maxima(configured).items()},
         tenants_file=configured.tenants,
+        # a pod gets none of this process's environment: only the worker's own settings, by name
+        env=worker_settings(os.environ),
     )
 
 
