@@ -422,7 +422,7 @@ def test_in_headless_chromium_a_team_logs_in_sees_its_jobs_follow_and_not_anothe
         assert browser.evaluate(row) == "queued"
         cancel = api.post(f"/v2/batch-completions/{queued}/actions/cancel", headers={"x-api-key": TEAM_A_KEY})
         assert cancel.json() == {"success": True}
-        browser.wait_for(f"{row} === 'cancelled'", timeout=30)
+        browser.wait_for(f"{row} === 'cancelled'", timeout=60)  # a queued job's row: every 15 s
         assert browser.evaluate("window.notReloaded") is True
 
         # A job's page: its error entry, and its output downloaded with the session.
