@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from batch_pipeline.store.results import JobResults
+from tests.api_fixtures import ADMIN_KEY as ADMIN_KEY_OF_KEYS
+from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL
 
 TEAM_A_KEY, TEAM_B_KEY, ADMIN_KEY = "acme-team-key", "bravo-team-key", "root-admin-key"
@@ -129,6 +131,19 @@ def test_a_teams_page_lists_its_jobs_and_never_another_teams(api, teams):
     page = api.get("/team")
     assert mine in page.text and theirs in page.text
     assert "<td>team-a</td>" in page.text and "<td>team-b</td>" in page.text
+
+
+def test_without_a_tenants_file_each_key_logs_in_to_its_own_jobs(deployment_factory, tmp_path):
+    # BATCH_PIPELINE_API_KEYS' keys: each key owns its jobs, as on the API.
+    client = deployment_factory().client
+    mine = _submit(client, USER_KEY, tmp_path / "mine.json")
+    theirs = _submit(client, OTHER_KEY, tmp_path / "theirs.json")
+    assert _log_in(client, USER_KEY).status_code == 303
+    page = client.get("/team").text
+    assert mine in page and theirs not in page
+    assert client.get(f"/team/jobs/{theirs}").status_code == 404
+    page = client.get("/team", headers={"x-api-key": ADMIN_KEY_OF_KEYS}).text
+    assert mine in page and theirs in page
 
 
 def test_usage_and_quotas_are_the_teams_own(api, teams):
