@@ -399,6 +399,7 @@ class Browser:
         self.process.wait(timeout=30)
 
 
+@pytest.mark.slow  # a real browser: 25-45 s on 2 cores
 def test_in_headless_chromium_a_team_logs_in_sees_its_jobs_follow_and_not_another_teams(api, teams, tmp_path):
     queued = _submit(api, TEAM_A_KEY, teams["a"] / "queued.json", {"project": "apollo"})
     running = _submit(api, TEAM_A_KEY, teams["a"] / "running.json", {"project": "apollo", "stage": "eval"})
