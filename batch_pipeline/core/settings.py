@@ -255,6 +255,17 @@ class Settings(_EnvironmentSettings):
     k8s_poll_interval_s: float = Field(
         10.0, description="With the `k8s` launcher: seconds between reads of a shard pod's state"
     )
+    # A pod without limits may take a whole node's cores and memory, its neighbours' (other teams') included.
+    k8s_default_cpus: str = Field(
+        "8",
+        description="With the `k8s` launcher: the CPU limit (and request) of a shard pod whose request names no "
+        "`cpus`, a Kubernetes quantity (at most `BATCH_PIPELINE_MAX_CPUS`)",
+    )
+    k8s_default_memory: str = Field(
+        "64Gi",
+        description="With the `k8s` launcher: the memory limit (and request) of a shard pod whose request names no "
+        "`memory` and whose model's weights cannot be listed to size it (at most `BATCH_PIPELINE_MAX_MEMORY`)",
+    )
     # Webhooks (the delivery process, `python -m batch_pipeline.webhooks`)
     webhook_attempt_timeout_s: float = Field(
         30.0,
@@ -305,7 +316,7 @@ class Settings(_EnvironmentSettings):
                 raise ValueError(f"{network!r} is not a network (CIDR, e.g. 10.20.0.0/16)") from None
         return value
 
-    @field_validator("max_cpus", "max_memory", "max_storage")
+    @field_validator("max_cpus", "max_memory", "max_storage", "k8s_default_cpus", "k8s_default_memory")
     @classmethod
     def _positive_quantity(cls, value: str | None) -> str | None:
         if value is not None:
