@@ -653,3 +653,21 @@ def test_shards_written_again_over_an_unchanged_input_are_the_shards_the_first_p
         written = {path.parent.name: path.read_text() for path in (tmp_path / "first").glob(f"shards/*/{name}")}
         assert {path.parent.name: path.read_text() for path in (tmp_path / "again").glob(f"shards/*/{name}")} == written
     assert len(_results(tmp_path / "again")) == len(prompts)
+
+
+def test_shards_written_again_over_an_input_that_fails_midway_are_left_as_they_were(tmp_path):
+    """A record that cannot be read, past changed ones: the run fails, and the shards and their checkpoints
+    are those of the earlier plan still, with no result dropped and none kept under another request."""
+    from batch_pipeline.contract.records import RecordError
+    from batch_pipeline.shards.planning import write_shards
+    from batch_pipeline.shards.records import work_items
+    from batch_pipeline.shards.replanning import rewrite_shards
+
+    before = ["France", "Italy", "Water"]
+    write_shards(_items(before), 2, str(tmp_path), deduplicate=True)
+    _answer_everything(tmp_path, before)
+    files = {path: path.read_text() for path in tmp_path.glob("shards/*/*")}
+    records = [("line 0", {"prompt": "Two plus two", "max_tokens": 4, "temperature": 0.0}), ("line 1", {"nope": 1})]
+    with pytest.raises(RecordError):
+        rewrite_shards(work_items(records), 2, str(tmp_path), deduplicate=True)
+    assert {path: path.read_text() for path in tmp_path.glob("shards/*/*")} == files

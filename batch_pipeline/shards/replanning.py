@@ -12,8 +12,11 @@ and cannot), so every request is compared, at its index, with the one the earlie
 Never an old answer under a changed request. Requests are matched by position: a record inserted or
 removed mid-file moves every later request to another index, and those are generated again.
 
-The results are filtered before the new shard inputs replace the earlier ones: a run stopped in between
-finds the earlier inputs and compares against them again, and dropping a result twice drops nothing more.
+The new shard inputs are written beside the earlier ones (STAGED_SUFFIX), the results filtered, and only
+then the new inputs moved into place: a run stopped before that finds the earlier inputs and compares
+against them again (dropping a result twice drops nothing more); one stopped while they move finds results
+that answer both. On an object store, where a write stopped midway may still publish what it wrote, no
+half-written input ever stands beside results it does not match.
 One pass over the input; the earlier plan is read as a k-way merge by index; memory holds a byte per
 request, the earlier copies' sources, and the repeats table write_shards also holds.
 """
@@ -41,6 +44,10 @@ from batch_pipeline.shards.format import (
 )
 from batch_pipeline.shards.planning import DEDUP_TABLE_LIMIT
 from batch_pipeline.shards.records import ItemSize, repeat_key, request_digest
+
+# The new shard files are written under their names with this suffix, and moved over the earlier ones once
+# the results that answer neither are dropped.
+STAGED_SUFFIX = ".next"
 
 
 @dataclass(frozen=True)
@@ -105,12 +112,13 @@ def rewrite_shards(
         inputs = []
         for directory in directories:
             io.makedirs(directory)
-            inputs.append(stack.enter_context(io.atomic_write(io.join(directory, INPUT_FILE))))
+            inputs.append(stack.enter_context(io.atomic_write(io.join(directory, INPUT_FILE + STAGED_SUFFIX))))
         copy_writers: dict[int, IO[str]] = {}
 
         def copies_of(k: int) -> IO[str]:
             if k not in copy_writers:
-                copy_writers[k] = stack.enter_context(io.atomic_write(io.join(directories[k], COPIES_FILE)))
+                staged = io.join(directories[k], COPIES_FILE + STAGED_SUFFIX)
+                copy_writers[k] = stack.enter_context(io.atomic_write(staged))
             return copy_writers[k]
 
         for k, directory in enumerate(directories):  # an earlier copies file is replaced, if emptied
@@ -160,8 +168,11 @@ def rewrite_shards(
             item_counts[k] += 1
             prompt_counts[k] += size.prompts
         removed = len({entry.index for entry in _rest(before, planned) if entry.index >= len(kept)})
-        # Before the new inputs are in place (the stack's exit): see the module's docstring.
-        dropped = sum(_drop_results(directory, k, kept) for k, directory in enumerate(directories))
+    # Before the new inputs are in place: see the module's docstring.
+    dropped = sum(_drop_results(directory, k, kept) for k, directory in enumerate(directories))
+    for k, directory in enumerate(directories):
+        for name in (INPUT_FILE, *([COPIES_FILE] if k in copy_writers else [])):
+            _move(io.join(directory, name + STAGED_SUFFIX), io.join(directory, name))
     shards = [
         ShardSpec(
             shard_index=k,
@@ -203,6 +214,12 @@ def _planned_copies(directory: str, shard: int) -> Iterator[_Planned]:
         for line in handle:
             index, _, source = line.partition("\t")
             yield _Planned(int(index), shard, source=int(source))
+
+
+def _move(source: str, target: str) -> None:
+    """Put a staged file in its place: a rename locally, a copy and a delete on an object store."""
+    fs, resolved = io.filesystem(source)
+    fs.mv(resolved, io.filesystem(target)[1])
 
 
 def _drop_results(directory: str, shard: int, kept: bytearray) -> int:
