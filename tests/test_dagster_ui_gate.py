@@ -50,7 +50,7 @@ class Process:
             command, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def wait_for(self, url: str, headers: dict[str, str] | None = None, timeout: float = 120) -> None:
+    def wait_for(self, url: str, headers: dict[str, str] | None = None, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -219,6 +219,8 @@ def test_the_sign_in_url_sends_the_browser_on_to_a_page_of_this_host_only(deploy
         ("/runs", url + "/runs"),
         ("//evil.example/x", url + "/"),
         ("http://evil.example", url + "/"),
+        ("/x\r\nSet-Cookie: a=1", url + "/"),  # no header split
+        ("/\t/evil.example", url + "/"),  # a browser strips the tab
     ):
         response = httpx.get(
             f"{url}/_operators/sign-in", params={"next": target}, headers=_basic(ADMIN_KEY), timeout=30

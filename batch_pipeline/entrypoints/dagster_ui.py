@@ -149,7 +149,9 @@ def _same_origin(headers: dict[str, str]) -> bool:
 def _local_target(query: str) -> str:
     """`next` of the sign-in URL, kept to a path of this host (never an open redirect)."""
     target = parse_qs(query).get("next", ["/"])[0]
-    return target if target.startswith("/") and not target.startswith("//") and "\\" not in target else "/"
+    if not target.startswith("/") or target.startswith("//") or "\\" in target or not target.isprintable():
+        return "/"  # control characters would split the Location header, or be stripped into //host by a browser
+    return target
 
 
 async def _redirect(send: Send, location: str) -> None:
