@@ -193,6 +193,19 @@ HOSTILE_EDITS = {
     "a writable root": lambda pod: _container(pod)["securityContext"].update(readOnlyRootFilesystem=False),
     "out of the shard workers' NetworkPolicy": lambda pod: pod["metadata"]["labels"].pop("batch-pipeline.io/component"),
     "the daemon's label (Postgres admits it)": lambda pod: pod["metadata"]["labels"].update(component="dagster-daemon"),
+    "no cpu limit": lambda pod: _container(pod)["resources"]["limits"].pop("cpu"),
+    "no memory limit": lambda pod: _container(pod)["resources"]["limits"].pop("memory"),
+    "no resources at all": lambda pod: _container(pod).pop("resources"),
+    "an init container without limits": lambda pod: pod["spec"].update(
+        initContainers=[{**_container(pod), "name": "init", "resources": {}}]
+    ),
+    "a second container": lambda pod: pod["spec"]["containers"].append({**_container(pod), "name": "second"}),
+    "more GPUs than the maximum": lambda pod: _container(pod)["resources"]["limits"].update({"nvidia.com/gpu": "9"}),
+    "more MIG slices than the maximum": lambda pod: _container(pod)["resources"].update(
+        limits={**_container(pod)["resources"]["limits"], "nvidia.com/mig-1g.20gb": "64"},
+        requests={**_container(pod)["resources"]["requests"], "nvidia.com/mig-1g.20gb": "64"},
+    ),
+    "a resource no integer counts": lambda pod: _container(pod)["resources"]["limits"].update({"hugepages-2Mi": "1Gi"}),
 }
 
 
@@ -403,3 +416,21 @@ def test_the_shipped_manifests_bound_what_a_request_may_ask_for(monkeypatch):
         "model_config.num_gpu_blocks_override",
         "model_config.max_num_seqs",
     }
+
+
+def test_the_policys_gpu_bound_is_the_deployments(deployed_launcher):
+    """The creation policy's `maxGpus` is BATCH_PIPELINE_MAX_GPUS as shipped: a pod of the maximum is
+    admitted, one GPU more is not."""
+    (policy,) = [
+        doc
+        for doc in _documents("admission-policy.yaml")
+        if doc["kind"] == "ValidatingAdmissionPolicy"
+        and doc["metadata"]["name"] == "batch-pipeline-run-account-creates-shard-pods"
+    ]
+    (bound,) = [variable for variable in policy["spec"]["variables"] if variable["name"] == "maxGpus"]
+    maximum = int(_location_env()["BATCH_PIPELINE_MAX_GPUS"])
+    assert int(bound["expression"]) == maximum
+    pod = _pod(deployed_launcher, _task({"gpus": maximum, "gpu_type": "nvidia-ampere-a100e"}))
+    assert ADMISSION.denials("CREATE", pod) == []
+    _container(pod)["resources"]["limits"]["nvidia.com/gpu"] = str(maximum + 1)
+    assert ADMISSION.denials("CREATE", pod) == ["no more GPUs than the deployment's maximum (BATCH_PIPELINE_MAX_GPUS)"]

@@ -55,7 +55,12 @@ def test_each_shard_runs_in_the_pod_built_for_it_and_reports_through_its_log(
         (container,) = pod["spec"]["containers"]
         assert container["image"] == "registry.example/w:1"
         # storage was left out: the catalog model's weights (a quarter GiB) and scratch
-        assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "8Gi", "ephemeral-storage": "11Gi"}
+        assert container["resources"]["limits"] == {
+            "nvidia.com/gpu": "1",
+            "cpu": "8",  # the deployment's default: no pod is unbounded
+            "memory": "8Gi",
+            "ephemeral-storage": "11Gi",
+        }
         assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
         assert pod["metadata"]["labels"]["batch-pipeline.io/team"] == "search-ranking"
         # as the image's non-root user, with no capabilities and no service account token

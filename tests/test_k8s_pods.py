@@ -1043,3 +1043,27 @@ def test_the_api_the_code_location_and_every_run_read_the_same_tenants_file(tmp_
         "run": _tenants_file(run_container["env"], run_pod["volumes"], run_container["volumeMounts"]),
     }
     assert set(found.values()) == {"batch-pipeline-tenants"}, found
+
+
+@pytest.mark.parametrize("tool", [False, True], ids=["plain", "tool_config"])
+def test_a_request_naming_no_cpus_or_memory_gets_the_deployments_limits(tool):
+    """A pod without limits may take its node's cores and memory from the other teams' shards beside it:
+    every container (the tool_config pod's init container too) carries the deployment's default, at most its
+    maximum."""
+    task = _tool_task() if tool else _task()
+    assert "cpus" not in task.hardware and "memory" not in task.hardware
+    launcher = LAUNCHER.model_copy(update={"default_cpus": "6", "default_memory": "48Gi"})
+    pod = _pod(launcher, task)
+    containers = pod["spec"]["containers"] + pod["spec"].get("initContainers", [])
+    assert len(containers) == (2 if tool else 1)
+    for container in containers:
+        assert {name: container["resources"]["limits"][name] for name in ("cpu", "memory")} == {
+            "cpu": "6",
+            "memory": "48Gi",
+        }
+    bounded = launcher.model_copy(update={"max_hardware": {"cpus": "4", "memory": "32Gi"}})
+    limits = _pod(bounded, task)["spec"]["containers"][0]["resources"]["limits"]
+    assert (limits["cpu"], limits["memory"]) == ("4", "32Gi")
+    # what the request names wins
+    named = _pod(launcher, _task({"cpus": 2, "memory": "3Gi"}))["spec"]["containers"][0]["resources"]["limits"]
+    assert (named["cpu"], named["memory"]) == ("2", "3Gi")

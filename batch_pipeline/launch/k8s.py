@@ -191,6 +191,16 @@ class K8sShardLauncher(ShardLauncher):
         "queued in; empty: no teams, no queue label.",
     )
     default_gpu_type: str = Field(default="nvidia-ampere-a100e", description="gpu_type of a request naming none.")
+    # Every pod carries cpu and memory limits (the admission policy refuses one without): an unbounded pod may
+    # take its node's cores and memory from the other teams' shards beside it.
+    default_cpus: str = Field(
+        default="8", description="cpus of a shard whose request names none (BATCH_PIPELINE_K8S_DEFAULT_CPUS)."
+    )
+    default_memory: str = Field(
+        default="64Gi",
+        description="memory of a shard whose request names none and whose weights say nothing "
+        "(BATCH_PIPELINE_K8S_DEFAULT_MEMORY).",
+    )
     kubeconfig_file: str | None = Field(default=None, description="Outside the cluster: the kubeconfig to use.")
     poll_interval_s: float = Field(default=10.0, description="How often the pod's state is read.")
     earlier_pod_stop_timeout_s: float = Field(
@@ -232,7 +242,7 @@ class K8sShardLauncher(ShardLauncher):
         labels and the Pipes bootstrap environment; with `kueue_queue` (the job's team's, `kueue_queue_for`)
         the pod waits in that Kueue LocalQueue. Raises InvalidHardware naming the field, for sizes no pod
         can carry or over the deployment's maxima (what was inferred from the weights too)."""
-        hardware = dict(task.hardware) if hardware is None else hardware
+        hardware = self.with_default_limits(dict(task.hardware) if hardware is None else hardware)
         gpu_type = hardware.get("gpu_type")
         gpus = hardware.get("gpus")
         gpus = self.default_gpus if gpus is None else gpus
@@ -273,7 +283,11 @@ class K8sShardLauncher(ShardLauncher):
         }
         if task.tool_config is not None:
             container["env"] = [{"name": "TMPDIR", "value": WORKER_TMPDIR}]  # where the sandbox's leases go
-            spec["initContainers"] = [self._scratch_modes_container(mounts)]
+            init = self._scratch_modes_container(mounts)
+            # bounded as the worker is (a pod's containers all carry limits), by no more than it
+            bounded = {name: value for name, value in limits.items() if name in ("cpu", "memory")}
+            init["resources"] = {"limits": bounded, "requests": dict(bounded)}
+            spec["initContainers"] = [init]
         if gpu_type is not None:
             if gpu_type not in self.gpu_node_selectors:
                 raise InvalidHardware(f"gpu_type: {gpu_type!r} has no node selector in this deployment")
@@ -292,6 +306,18 @@ class K8sShardLauncher(ShardLauncher):
         if kueue_queue is not None:
             labels[KUEUE_QUEUE_LABEL] = kueue_queue
         return {"labels": labels}, spec
+
+    def with_default_limits(self, hardware: dict[str, Any]) -> dict[str, Any]:
+        """The hardware with the deployment's cpus and memory where it names none, each at most the
+        deployment's maximum. Raises InvalidHardware naming the setting for a default no pod can carry."""
+        maxima = hardware_maxima(self.max_hardware)
+        filled = dict(hardware)
+        for field, default in (("cpus", self.default_cpus), ("memory", self.default_memory)):
+            if filled.get(field) is None:
+                value = kubernetes_quantity(field, default)
+                bound = maxima.get(field)
+                filled[field] = bound[0] if bound is not None and bound[1] < value[1] else value[0]
+        return filled
 
     def kueue_queue_for(self, context: dg.OpExecutionContext, task: ShardTask) -> str | None:
         """The Kueue LocalQueue of the job's shard pods: the `kueue_queue` the operator's tenants file gives

@@ -56,6 +56,8 @@ def shard_launcher_from_environment() -> ShardLauncher:
         kubeconfig_file=configured.kubeconfig or None,
         poll_interval_s=configured.k8s_poll_interval_s,
         max_hardware={field: str(bound) for field, bound in configured_hardware_maxima(configured).items()},
+        default_cpus=configured.k8s_default_cpus,
+        default_memory=configured.k8s_default_memory,
         tenants_file=configured.tenants,
         # a pod gets none of this process's environment: only the worker's own settings, by name
         env=worker_settings(os.environ),
