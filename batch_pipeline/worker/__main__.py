@@ -194,4 +194,10 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # its run was cancelled: the launcher's SIGINT
+        # Every finished result is fsynced and the checkpoint uploaded by now; the interpreter's teardown of
+        # torch and the engine held a cancel ~25 s on 2 cores before the launcher killed the worker.
+        code = 130
+    exit_now(code)
