@@ -85,47 +85,28 @@ def deployment(tmp_path_factory):
     env = {**os.environ, "DAGSTER_HOME": str(home), "BATCH_PIPELINE_TENANTS": str(tenants)}
     workspace = str(REPO / "workspace.yaml")
     gate_port, upstream_port, proxy_port = _free_port(), _free_port(), _free_port()
-    gate = Process(
-        [sys.executable, "-m", "batch_pipeline.entrypoints.dagster_ui", "-w", workspace, "--port", str(gate_port)],
-        tmp / "gate.log",
-        env,
-    )
-    upstream = Process(
-        [
-            str(Path(sys.executable).parent / "dagster-webserver"),
-            "-w",
-            workspace,
-            "-p",
-            str(upstream_port),
-            "--read-only",
-        ],
-        tmp / "upstream.log",
-        env,
-    )
+    gate_command = [sys.executable, "-m", "batch_pipeline.entrypoints.dagster_ui", "-w", workspace]
+    upstream_command = [str(Path(sys.executable).parent / "dagster-webserver"), "-w", workspace, "--read-only"]
     upstream_url = f"http://127.0.0.1:{upstream_port}"
-    proxy = Process(
-        [
-            sys.executable,
-            "-m",
-            "batch_pipeline.entrypoints.dagster_ui",
-            "--upstream",
-            upstream_url,
-            "--port",
-            str(proxy_port),
-        ],
-        tmp / "proxy.log",
-        env,
-    )
+    proxy_command = [sys.executable, "-m", "batch_pipeline.entrypoints.dagster_ui", "--upstream", upstream_url]
+    started: list[Process] = []
     try:
-        for process, port in ((gate, gate_port), (upstream, upstream_port), (proxy, proxy_port)):
-            process.wait_for(f"http://127.0.0.1:{port}/server_info")
+        # One after another: two webservers creating a new instance's SQLite tables at once, one dies of it.
+        for name, command, port in (
+            ("gate", gate_command + ["--port", str(gate_port)], gate_port),
+            ("upstream", upstream_command + ["-p", str(upstream_port)], upstream_port),
+            ("proxy", proxy_command + ["--port", str(proxy_port)], proxy_port),
+        ):
+            started.append(Process(command, tmp / f"{name}.log", env))
+            started[-1].wait_for(f"http://127.0.0.1:{port}/server_info")
         yield {
             "gate": f"http://127.0.0.1:{gate_port}",
             "proxy": f"http://127.0.0.1:{proxy_port}",
             "home": home,
+            "tenants": tenants,
         }
     finally:
-        for process in (gate, upstream, proxy):
+        for process in started:
             process.stop()
 
 
@@ -183,6 +164,48 @@ def test_another_sites_page_cannot_act_through_an_operators_browser(deployment, 
     host = url.removeprefix("http://")
     same_site = httpx.post(f"{url}/graphql", json=TERMINATE, headers={**_basic(ADMIN_KEY), "origin": url}, timeout=30)
     assert same_site.status_code == 200 and "terminateRun" in same_site.json()["data"], (host, same_site.text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["gate", "proxy"])
+def test_a_cross_site_get_runs_no_graphql_but_a_link_to_a_page_opens_it(deployment, front):
+    """A browser sends an operator's cached key with another site's requests too; Dagster runs a mutation
+    sent as GET /graphql?query=... (an <img> would do), so no cross-site request reaches GraphQL."""
+    url = deployment[front]
+    mutation = {"query": "mutation { setAutoMaterializePaused(paused: true) }"}
+    for fetch in (
+        {"sec-fetch-site": "cross-site", "sec-fetch-mode": "no-cors", "accept": "image/*"},
+        {"sec-fetch-site": "same-site", "sec-fetch-mode": "cors"},
+        {"sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate"},
+    ):
+        response = httpx.get(f"{url}/graphql", params=mutation, headers={**_basic(ADMIN_KEY), **fetch}, timeout=30)
+        assert response.status_code == 403, (fetch, response.text)
+    followed = {"sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate", "accept": "text/html"}
+    assert httpx.get(f"{url}/runs", headers={**_basic(ADMIN_KEY), **followed}, timeout=30).status_code == 200
+    embedded = {"sec-fetch-site": "cross-site", "sec-fetch-mode": "no-cors"}
+    assert httpx.get(f"{url}/server_info", headers={**_basic(ADMIN_KEY), **embedded}, timeout=30).status_code == 403
+    # The UI's own requests, and the operator's typed address, pass.
+    for own in ({"sec-fetch-site": "same-origin", "sec-fetch-mode": "cors"}, {"sec-fetch-site": "none"}):
+        query = {"query": "{ version }"}
+        assert httpx.get(f"{url}/graphql", params=query, headers={**_basic(ADMIN_KEY), **own}, timeout=30).json()
+
+
+@pytest.mark.slow
+def test_a_revoked_admin_key_and_a_deleted_operator_key_stop_at_once(deployment):
+    url, tenants, key_file = deployment["gate"], deployment["tenants"], deployment["home"] / OPERATOR_KEY_FILE
+    before, local = tenants.read_text(), key_file.read_text().strip()
+    other_admin = "the-next-operators-key"
+    try:
+        tenants.write_text(before.replace(_digest(ADMIN_KEY), _digest(other_admin)))
+        assert httpx.get(f"{url}/server_info", headers=_basic(ADMIN_KEY), timeout=30).status_code == 401
+        assert httpx.get(f"{url}/server_info", headers=_basic(other_admin), timeout=30).status_code == 200
+        key_file.unlink()  # how an operator rotates it: serve makes a new one when it starts
+        assert httpx.get(f"{url}/server_info", headers=_basic(local), timeout=30).status_code == 401
+    finally:
+        tenants.write_text(before)
+        key_file.write_text(local + "\n")
+        key_file.chmod(0o600)
+    assert httpx.get(f"{url}/server_info", headers=_basic(local), timeout=30).status_code == 200
 
 
 def _subscribe(url: str, headers: dict[str, str]) -> dict:

@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from batch_pipeline.core.settings import SettingsError, settings
-from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants_at
+from batch_pipeline.tenancy.tenants import TenantsFileError, tenants_at
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -48,7 +48,8 @@ REALM = "batch_pipeline operators (an admin key)"
 # Signed in, a browser is sent on to `next`: with the key in a sign-in URL's user info, the UI's own pages
 # then load from URLs without it (the page's scripts cannot fetch from a URL that holds credentials).
 SIGN_IN_PATH = "/_operators/sign-in"
-DEFAULT_LIVE_DATA_POLL_RATE_MS = 2000  # dagster-webserver's --live-data-poll-rate default
+DEFAULT_LIVE_DATA_POLL_RATE_MS = 2000
+GRAPHQL_PATH = "/graphql"  # dagster-webserver's --live-data-poll-rate default
 # Methods a browser sends cross-site without asking the server first: they change nothing.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Hop-by-hop headers (RFC 9110 7.6.1) and the operator's credentials stay at the gate.
@@ -80,21 +81,31 @@ def _read_private(path: Path) -> str:
 
 
 class OperatorKeys:
-    """Which keys open the UI: the tenants file's admin keys, and the local operator key where there is one."""
+    """Which keys open the UI: the tenants file's admin keys, and the local operator key where there is one.
+    Both are read again on every request, so that a revoked admin key or a deleted key file stops at once."""
 
-    def __init__(self, registry: Tenants | None, local_key: str | None = None) -> None:
-        self._registry = registry
-        self._local = hashlib.sha256(local_key.encode()).digest() if local_key else None
+    def __init__(self, tenants_path: str, key_file: Path | None = None) -> None:
+        self._tenants_path = tenants_path
+        self._key_file = key_file
+
+    def _local(self) -> bytes | None:
+        try:
+            return hashlib.sha256(_read_private(self._key_file).encode()).digest() if self._key_file else None
+        except OSError:  # deleted (to rotate it) or made readable by others: it opens nothing
+            return None
 
     def __bool__(self) -> bool:
-        admins = self._registry is not None and any(team is None for _, team in self._registry.key_digests())
-        return self._local is not None or admins
+        registry = tenants_at(self._tenants_path)
+        admins = registry is not None and any(team is None for _, team in registry.key_digests())
+        return self._local() is not None or admins
 
     def accepts(self, key: str) -> bool:
         raw = key.encode()
-        if self._local is not None and hmac.compare_digest(hashlib.sha256(raw).digest(), self._local):
+        local = self._local()
+        if local is not None and hmac.compare_digest(hashlib.sha256(raw).digest(), local):
             return True
-        return self._registry is not None and self._registry.identify(raw) == (None, True)
+        registry = tenants_at(self._tenants_path)
+        return registry is not None and registry.identify(raw) == (None, True)
 
 
 def _basic_credentials(header: str | None) -> tuple[str, str] | None:
@@ -110,8 +121,10 @@ def _basic_credentials(header: str | None) -> tuple[str, str] | None:
 class OperatorsOnly:
     """ASGI middleware: every HTTP request and WebSocket to the wrapped app carries an operator key (basic
     auth; the key is the password, or the user name with no password, as Scale's SDK sends keys), and no
-    other site's page can act through an operator's browser (a state-changing request or a WebSocket whose
-    Origin is not this host is refused)."""
+    other site's page can act through an operator's browser: a browser sends the cached key cross-site too,
+    so a state-changing request or a WebSocket must come from this host's own pages (Origin), and a
+    cross-site request (Sec-Fetch-Site) is refused unless it is a link followed to a page, never GraphQL
+    (whose GET runs mutations)."""
 
     def __init__(self, app: ASGIApp, keys: OperatorKeys) -> None:
         self.app = app
@@ -127,8 +140,7 @@ class OperatorsOnly:
         if key is None or not self.keys.accepts(key):
             await _refuse(scope, send, 401, "the Dagster UI is for operators: sign in with an admin key")
             return
-        cross_site = scope["type"] == "websocket" or scope.get("method", "GET") not in SAFE_METHODS
-        if cross_site and not _same_origin(headers):
+        if _from_another_site(scope, headers):
             await _refuse(scope, send, 403, "refused: the request comes from another site's page")
             return
         if scope["type"] == "http" and scope["path"] == SIGN_IN_PATH:
@@ -137,6 +149,17 @@ class OperatorsOnly:
             await _redirect(send, origin + _local_target(scope.get("query_string", b"").decode("latin-1")))
             return
         await self.app(scope, receive, send)
+
+
+def _from_another_site(scope: Scope, headers: dict[str, str]) -> bool:
+    changes = scope["type"] == "websocket" or scope.get("method", "GET") not in SAFE_METHODS
+    if changes and not _same_origin(headers):
+        return True
+    site = headers.get("sec-fetch-site")
+    if site is None or site in ("same-origin", "none"):  # not a browser's, or typed in by the operator
+        return False
+    followed_link = headers.get("sec-fetch-mode") == "navigate" and not changes
+    return not followed_link or scope["path"].startswith(GRAPHQL_PATH)
 
 
 def _same_origin(headers: dict[str, str]) -> bool:
@@ -278,18 +301,23 @@ def main(argv: Collection[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
         configured = settings()
-        registry = tenants_at(configured.tenants)
+        tenants_at(configured.tenants)  # a wrong file is named now, not at the first request
         home = os.environ.get("DAGSTER_HOME")
-        local_key = operator_key(home) if args.workspace and home else None
+        key_file = None
+        if args.workspace and home:
+            operator_key(home)
+            key_file = Path(home) / OPERATOR_KEY_FILE
     except (SettingsError, TenantsFileError, OSError) as exc:
         parser.error(str(exc))
-    keys = OperatorKeys(registry, local_key)
+    keys = OperatorKeys(configured.tenants, key_file)
     if not keys:
         parser.error("no operator key: name admin keys in the tenants file (BATCH_PIPELINE_TENANTS, `admins:`)")
     import uvicorn
 
     if args.upstream:
-        uvicorn.run(OperatorsOnly(ReverseProxy(args.upstream), keys), host=args.host, port=args.port)
+        # Behind the cluster's TLS ingress: its X-Forwarded-Proto makes the sign-in redirect https.
+        gate = OperatorsOnly(ReverseProxy(args.upstream), keys)
+        uvicorn.run(gate, host=args.host, port=args.port, proxy_headers=True, forwarded_allow_ips="*")
         return 0
     return _serve_webserver(args.workspace, args.host, args.port, keys)
 
