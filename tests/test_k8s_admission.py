@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "batch"
 RUN_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:batch-pipeline-run"
 DAEMON_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:batch-pipeline"
+# A run's pod, as dagster-k8s's K8sRunLauncher names its Job (dagster-run-<run id>) and the Job its pod; and
+# the code server's, as the chart's Deployment names it. Both run as the run account.
+RUN_POD = "dagster-run-5c1e8b1a-3f0d-4f5e-9c43-0f8d2a6b7e91-x7k2p"
+CODE_SERVER_POD = "dagster-dagster-user-deployments-batch-pipeline-7d9f8c6b5-q2w8r"
 
 
 def _documents(name: str) -> list[dict]:
@@ -78,8 +82,15 @@ class Admission:
     def _evaluate(self, expression: str, activation: dict):
         return self.environment.program(self.environment.compile(expression)).evaluate(activation)
 
-    def denials(self, operation: str, pod: dict, username: str = RUN_ACCOUNT) -> list[str]:
-        request = {"operation": operation, "namespace": NAMESPACE, "userInfo": {"username": username}}
+    def denials(
+        self, operation: str, pod: dict, username: str = RUN_ACCOUNT, caller_pod: str | None = RUN_POD
+    ) -> list[str]:
+        """`caller_pod`: the pod the caller's token is bound to (its user's extra, as the API server's
+        authenticator sets it); None for a token bound to none."""
+        user: dict = {"username": username}
+        if caller_pod is not None:
+            user["extra"] = {"authentication.kubernetes.io/pod-name": [caller_pod]}
+        request = {"operation": operation, "namespace": NAMESPACE, "userInfo": user}
         activation = {
             "request": celpy.json_to_cel(request),
             "object": celpy.json_to_cel(pod if operation != "DELETE" else None),
@@ -434,3 +445,25 @@ def test_the_policys_gpu_bound_is_the_deployments(deployed_launcher):
     assert ADMISSION.denials("CREATE", pod) == []
     _container(pod)["resources"]["limits"]["nvidia.com/gpu"] = str(maximum + 1)
     assert ADMISSION.denials("CREATE", pod) == ["no more GPUs than the deployment's maximum (BATCH_PIPELINE_MAX_GPUS)"]
+
+
+@pytest.mark.parametrize("caller", [CODE_SERVER_POD, None], ids=["the code server", "a token bound to no pod"])
+def test_only_a_runs_pod_creates_or_deletes_shard_pods(deployed_launcher, caller):
+    """The code server holds the run account too, and never starts or stops a shard: its token (or one
+    bound to no pod) neither creates nor deletes one."""
+    pod = _pod(deployed_launcher, _task())
+    assert ADMISSION.denials("CREATE", pod) == ADMISSION.denials("DELETE", pod) == []
+    assert ADMISSION.denials("CREATE", pod, caller_pod=caller) == [
+        "only a run's pod (the token bound to it) creates shard pods, not the code server"
+    ]
+    assert ADMISSION.denials("DELETE", pod, caller_pod=caller) == [
+        "only a run's pod (the token bound to it) deletes shard pods, not the code server"
+    ]
+
+
+def test_the_run_pods_dagster_k8s_launches_are_named_as_the_policies_expect():
+    from dagster_k8s.job import get_job_name_from_run_id
+
+    # a run's pod is its Job's, named <job>-<suffix> by the Job controller; a resumed run's Job too
+    assert RUN_POD.startswith(get_job_name_from_run_id("5c1e8b1a-3f0d-4f5e-9c43-0f8d2a6b7e91") + "-")
+    assert get_job_name_from_run_id("5c1e8b1a-3f0d-4f5e-9c43-0f8d2a6b7e91", 1).startswith("dagster-run-")
