@@ -1,5 +1,7 @@
 """`make serve`: the API, the Dagster webserver and the daemon come up together and stop together."""
 
+import base64
+import hashlib
 import os
 import re
 import shutil
@@ -283,3 +285,53 @@ def test_a_taken_port_is_one_line_naming_the_option_and_a_failing_exit(tmp_path,
     assert f"port {busy} on 127.0.0.1 is taken: pass {option} with a free port" in completed.stderr
     assert "Traceback" not in completed.stderr, completed.stderr
     assert not (tmp_path / "home").exists()  # refused before anything started
+
+
+def _environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        pairs = [item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item]
+    return {name.decode(): value.decode(errors="replace") for name, value in pairs}
+
+
+def _command_line(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        return handle.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_each_service_serve_starts_holds_only_its_own_secrets(tmp_path):
+    """The webhook secrets reach the webhook process alone, the API's keys the API alone: the Dagster
+    processes (webserver, daemon, code servers, and what they start) hold neither."""
+    secret = "whsec_" + base64.b64encode(b"team-a's secret, 24 bytes").decode()
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(
+        "tenants:\n  team-a:\n    api_keys_sha256: [" + hashlib.sha256(b"team-a-key").hexdigest() + "]\n"
+        f"    data_roots: [{tmp_path / 'a'}]\n"
+        "    webhooks: [{url: 'https://hooks.example/a', secret_env: TEAM_A_WEBHOOK_SECRET}]\n"
+    )
+    env = {
+        "BATCH_PIPELINE_TENANTS": str(tenants),
+        "TEAM_A_WEBHOOK_SECRET": secret,
+        "BATCH_PIPELINE_API_KEYS": "a-key-of-the-api",
+    }
+    served = Served(tmp_path, env=env)
+    try:
+        served.wait_until_up()
+        time.sleep(2)  # the daemon's code server is up by now too
+        holders: dict[str, set[str]] = {}
+        for pid in _descendants(served.process.pid):
+            try:
+                environment, command = _environment(pid), _command_line(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            for name in ("TEAM_A_WEBHOOK_SECRET", "BATCH_PIPELINE_API_KEYS"):
+                if name in environment:
+                    holders.setdefault(name, set()).add(command)
+        assert holders["TEAM_A_WEBHOOK_SECRET"] and all(
+            "batch_pipeline.webhooks" in command for command in holders["TEAM_A_WEBHOOK_SECRET"]
+        ), holders
+        assert holders["BATCH_PIPELINE_API_KEYS"] and all(
+            "batch_pipeline.api.app" in command for command in holders["BATCH_PIPELINE_API_KEYS"]
+        ), holders
+    finally:
+        served.kill()

@@ -22,7 +22,7 @@ from pathlib import Path
 from batch_pipeline.core.settings import Settings, SettingsError, settings
 from batch_pipeline.entrypoints.dagster_ui import OPERATOR_KEY_FILE, operator_key
 from batch_pipeline.pipeline.service_paths import secure_service_paths
-from batch_pipeline.tenancy.tenants import TenantsFileError, tenants_at
+from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants_at
 from batch_pipeline.webhooks.delivery import WebhookSecretError, check_webhook_secrets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,9 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"port {port} on {host} is taken: pass {option} with a free port")
     try:
         secure_service_paths(configured)
-        check_webhook_secrets(
-            tenants_at(configured.tenants)
-        )  # a webhook's missing secret is named now, not when a job ends
+        registry = tenants_at(configured.tenants)
+        check_webhook_secrets(registry)  # a webhook's missing secret is named now, not when a job ends
     except (TenantsFileError, WebhookSecretError) as exc:
         parser.error(str(exc))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -78,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         # tick, a run or the API (batch_pipeline/webhooks/delivery.py).
         "webhooks": webhooks_command(),
     }
-    processes = {name: subprocess.Popen(command, start_new_session=True) for name, command in commands.items()}
+    environments = service_environments(dict(os.environ), registry)
+    processes = {
+        name: subprocess.Popen(command, start_new_session=True, env=environments[name])
+        for name, command in commands.items()
+    }
     key_file = Path(os.environ["DAGSTER_HOME"]) / OPERATOR_KEY_FILE
     print(
         f"API on http://{args.host}:{args.port}  Dagster UI on http://{DAGSTER_UI_HOST}:{args.dagster_port} "
@@ -106,6 +109,30 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.5)
     _stop_all(processes)
     return 1 if failed else 0
+
+
+# Variables holding the API's keys: the API reads them, no other service.
+API_KEY_VARIABLES = ("BATCH_PIPELINE_API_KEYS",)
+
+
+def service_environments(environment: dict[str, str], registry: Tenants | None) -> dict[str, dict[str, str]]:
+    """Each service's environment: webhook secrets (the tenants file's `secret_env` names) for the webhook
+    process alone, the API's keys for the API alone. The Dagster processes run every team's jobs and start
+    their workers; what they do not hold, no step or worker can leak."""
+    webhook_secrets = {
+        config.secret_env for team in (registry.teams.values() if registry else ()) for config in team.config.webhooks
+    }
+
+    def without(names: set[str] | tuple[str, ...]) -> dict[str, str]:
+        return {name: value for name, value in environment.items() if name not in names}
+
+    dagster = without(webhook_secrets | set(API_KEY_VARIABLES))
+    return {
+        "api": without(webhook_secrets),
+        "dagster-webserver": dagster,
+        "dagster-daemon": dagster,
+        "webhooks": without(API_KEY_VARIABLES),
+    }
 
 
 def dagster_ui_command(workspace: str, port: int) -> list[str]:
