@@ -118,8 +118,8 @@ def test_a_stopped_jobs_resume_waits_for_its_partial_results_output_and_not_for_
         keep_partial_results, run_config=merge.run_config, tags=merge.tags, status=dg.DagsterRunStatus.STARTED
     )
 
-    response = _resume(api, job_id)
-    assert response.status_code == 409 and "still being merged" in response.json()["detail"]
+    response = _resume(api, job_id)  # the job reads running until then (tests/test_cancel.py)
+    assert response.status_code == 409 and "still stopping" in response.json()["detail"]
 
     results = JobResults(job_id=job_id, dagster_run_id="run-1", status="cancelled", num_requests=2, num_finished=1)
     api.store.record_results(job_id, "run-1", results)

@@ -321,7 +321,7 @@ class OpenAIBatchService:
             raise InvalidOpenAIRequest("batch_id", f"the batch is already {describe_batch(batch, job).status}")
         self.jobs.cancel(caller, batch_id)
         batch, job = self._batch(caller, batch_id)
-        if job.status == JobStatus.CANCELLED and not job.requests_total and batch.finalized_at is None:
+        if job.cancelled_at is not None and not job.requests_total and batch.finalized_at is None:
             # Stopped before its shards were planned: no run keeps partial results, so its error file (every
             # request cancelled) is written here.
             work_dir = self.jobs.job_storage.work_dir(batch_id)
@@ -441,6 +441,8 @@ def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
     timestamps: dict[str, int | None] = {"in_progress_at": _unix(job.started_at)}
     if batch.errors:
         status, timestamps = "failed", {"failed_at": _unix(job.failed_at or job.completed_at)}
+    elif job.stopping:  # cancelled once its run has stopped and its finished work is written
+        status, timestamps = "cancelling", timestamps | {"cancelling_at": _unix(job.cancelled_at)}
     elif job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
         total = job.requests_total or 0
         status = "finalizing" if total and (job.requests_done or 0) >= total else "in_progress"
@@ -448,12 +450,10 @@ def describe_batch(batch: BatchRecord, job: JobRecord) -> Batch:
         status = "completed" if batch.finalized_at else "finalizing"
         timestamps |= {"finalizing_at": ended, "completed_at": _unix(batch.finalized_at)}
     elif job.status == JobStatus.CANCELLED:
-        # Its finished work is written by the run that keeps partial results, if its shards were planned.
-        done = batch.finalized_at is not None or (job.completed_at is not None and not job.requests_total)
-        status = "cancelled" if done else "cancelling"
+        # Not stopping: its finished work is written (by the run that keeps partial results, if its shards
+        # were planned).
+        status = "cancelled"
         timestamps |= {"cancelling_at": _unix(job.cancelled_at), "cancelled_at": _unix(batch.finalized_at) or ended}
-        if not done:
-            timestamps["cancelled_at"] = None
     elif expired(job):
         status, timestamps = "expired", timestamps | {"expired_at": ended}
     else:

@@ -166,7 +166,7 @@ class BatchJobService:
 
     def cancel(self, caller: Caller, job_id: str) -> bool:
         record = self._record(caller, job_id)
-        if record.status == JobStatus.CANCELLED:
+        if record.status == JobStatus.CANCELLED or record.stopping:  # asked already
             return True
         if record.is_finished:
             return False
@@ -209,6 +209,11 @@ class BatchJobService:
 
     def _check_resumable(self, record: JobRecord) -> None:
         """Raise ResumeConflict naming why the job cannot be resumed now."""
+        if record.stopping:
+            raise ResumeConflict(
+                f"the job is {record.status_read.value}: it is still stopping, as its cancel asked; resume it once it "
+                "reads cancelled"
+            )
         if record.status not in RESUMABLE:
             raise ResumeConflict(
                 f"the job is {record.status.value}: only a failed, cancelled or expired job can be resumed"
@@ -279,8 +284,11 @@ class BatchJobService:
             metadata["priority_read_as"] = _priority_read_as(record.priority, self.admission.priority_cap(record.owner))
         if record.resume_count:
             metadata |= _resume_metadata(record)
+        if record.cancelled_at is not None:  # a stopping job reads as before until it has stopped (`stopping`)
+            metadata["cancel_requested_at"] = record.cancelled_at.isoformat()
+        ended = record.is_finished and not record.stopping
         try:
-            status = BatchCompletionsJobStatus(record.status)
+            status = BatchCompletionsJobStatus(record.status_read)
         except ValueError:
             status = BatchCompletionsJobStatus.UNKNOWN
         return BatchCompletionsJob(
@@ -293,7 +301,7 @@ class BatchJobService:
             created_at=record.created_at.isoformat(),
             expires_at=record.expires_at.isoformat(),
             # A resumed job waiting for its new run keeps its last end in the row (fair share counts it): not shown.
-            completed_at=record.completed_at.isoformat() if record.completed_at and record.is_finished else None,
+            completed_at=record.completed_at.isoformat() if record.completed_at and ended else None,
             metadata=metadata,
         )
 

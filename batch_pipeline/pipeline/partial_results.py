@@ -58,10 +58,13 @@ def merge_finished_results(
     store = job_store.get_store()
     try:
         return _merge(context, config, store, job_storage, admission)
-    except Exception:
-        if config.held_event and context.retry_number >= MERGE_RETRIES:
-            # Given up: the end is announced without the output it waited for, rather than an hour late.
-            WebhookOutbox(engine=store.engine).release(config.held_event)
+    except Exception as exc:
+        if context.retry_number >= MERGE_RETRIES:
+            # Given up: the job has stopped, without the output it waited for (a cancelled job reads cancelled
+            # once results of its run are recorded), and its end is announced now rather than an hour late.
+            why = f"its finished results could not be merged into its output: {type(exc).__name__}: {exc}"
+            given_up = JobResults(job_id=config.job_id, dagster_run_id=config.run_id, status=config.code, reason=why)
+            store.record_results(config.job_id, config.run_id, given_up, held_event=config.held_event)
         raise
 
 

@@ -96,6 +96,25 @@ class JobRecord:
     def is_finished(self) -> bool:
         return self.status in FINISHED
 
+    @property
+    def stopping(self) -> bool:
+        """A cancel was asked and the job has not stopped yet: its run still runs, or the results its shards
+        finished are not merged into its output yet (keep_partial_results records them, or gives up). It
+        reads as it did before the cancel until then: `cancelled` means stopped, its output written."""
+        if self.cancelled_at is None or self.status in (JobStatus.COMPLETED, JobStatus.FAILED):
+            return False
+        if self.status != JobStatus.CANCELLED:
+            return True
+        kept = self.results is not None and self.results.dagster_run_id == self.run_id
+        return self.run_id is not None and bool(self.requests_total) and not kept
+
+    @property
+    def status_read(self) -> JobStatus:
+        """The status its users read: a stopping job's previous one (`stopping`)."""
+        if self.status == JobStatus.CANCELLED and self.stopping:
+            return JobStatus.RUNNING  # its run planned shards: it ran
+        return self.status
+
     @classmethod
     def from_row(cls, row: Any) -> JobRecord:
         return cls(
@@ -582,7 +601,7 @@ class JobStore:
         if owner is not None:
             query = query.where(jobs.c.owner == owner)
         if status is not None:
-            query = query.where(jobs.c.status == status)
+            query = query.where(_reads_as(status))
         for key, value in (labels or {}).items():
             query = query.where(
                 sa.exists().where(
@@ -695,10 +714,10 @@ class JobStore:
         )
 
     def mark_cancelled(self, job_id: str) -> None:
-        """The job's run was asked to stop: it reads cancelled now; its end is recorded when the run ends."""
+        """The job's run was asked to stop: it reads cancelled once the run has ended (`mark_run_ended`) and its
+        finished results are in its output (`JobRecord.stopping`), not before; until then it keeps its status."""
         self._update(
-            sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED)),
-            status=JobStatus.CANCELLED,
+            sa.and_(jobs.c.job_id == job_id, jobs.c.status.not_in(FINISHED), jobs.c.cancelled_at.is_(None)),
             cancelled_at=utc_now(),
         )
 
@@ -714,6 +733,7 @@ class JobStore:
                     jobs.c.started_at,
                     jobs.c.resumed_at,
                     jobs.c.status,
+                    jobs.c.cancelled_at,
                     jobs.c.run_started_at,
                     jobs.c.completed_at,
                     jobs.c.earlier_runs_s,
@@ -725,7 +745,7 @@ class JobStore:
             resumed_since_start = (
                 row.resumed_at is not None and row.started_at is not None and utc(row.started_at) < utc(row.resumed_at)
             )
-            if row.status == JobStatus.CANCELLED and (row.started_at is None or resumed_since_start):
+            if row.cancelled_at is not None and (row.started_at is None or resumed_since_start):
                 return False
             values: dict[str, Any] = {
                 "run_id": run_id,
@@ -1122,6 +1142,25 @@ class JobStore:
         with self.engine.connect() as connection:
             row = connection.execute(sa.select(jobs).where(condition)).first()
         return JobRecord.from_row(row) if row else None
+
+
+def _reads_as(status: str) -> Any:
+    """The rows of the jobs whose users read `status` (`JobRecord.status_read`): a cancelled job whose run
+    planned shards reads running until the results it finished are recorded."""
+    stopping = sa.and_(
+        jobs.c.status == JobStatus.CANCELLED,
+        jobs.c.run_id.is_not(None),
+        sa.func.coalesce(jobs.c.requests_total, 0) > 0,
+        sa.or_(
+            jobs.c.results.is_(None),
+            sa.func.coalesce(json_scalar(jobs.c.results, "dagster_run_id"), "") != sa.func.coalesce(jobs.c.run_id, ""),
+        ),
+    )
+    if status == JobStatus.CANCELLED:
+        return sa.and_(jobs.c.status == status, sa.not_(stopping))
+    if status == JobStatus.RUNNING:
+        return sa.or_(jobs.c.status == status, stopping)
+    return jobs.c.status == status
 
 
 def _runs_charged(row: Any, started_at: datetime) -> dict[str, Any]:
