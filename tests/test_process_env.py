@@ -3,9 +3,11 @@ run` starts ahead) and the dry run's checking process get an environment built f
 (core/environment.py), read here from the kernel's copy (/proc/<pid>/environ) of the real processes, with
 a webhook secret, API keys and a database password in the service's environment."""
 
+import dataclasses
 import os
 import signal
 import stat
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_pipeline.launch.local import LocalShardLauncher
+from batch_pipeline.launch.local import LocalShardLauncher, worker_log_path
 from batch_pipeline.launch.standby import StartedStandby
 from batch_pipeline.shards.planning import write_shards
 from batch_pipeline.shards.protocol import STANDBY_DIR_ENV, ShardTask
@@ -183,3 +185,24 @@ def test_a_shard_pod_gets_the_workers_settings_and_no_secret(service_environment
     (container,) = spec["containers"]
     assert "envFrom" not in container
     assert_no_secret({entry["name"]: entry.get("value", "") for entry in container.get("env", [])})
+
+
+def test_a_remote_shards_worker_log_is_in_a_directory_only_the_services_user_enters(tmp_path, monkeypatch):
+    """With the work dir on S3 the worker's log (a team's prompts and errors) goes to the temporary directory:
+    never readable there by another local account, nor at a name it could plant a link at."""
+    shared = tmp_path / "tmp"  # as /tmp is: every account writes there
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    local = shard_task(tmp_path / "job")
+    task = ShardTask(
+        shard=dataclasses.replace(local.shard, directory="s3://batch/work/job/shard_000"),
+        model_config={"model": "m"},
+        job_id="batch-abc",
+    )
+    log = Path(worker_log_path(task))
+    assert log.parent.stat().st_uid == os.geteuid() and log.parent.stat().st_mode & 0o777 == 0o700
+    # A directory of that name someone else left open (or a link) is not used: a fresh private one is.
+    log.parent.chmod(0o777)
+    other = Path(worker_log_path(task))
+    assert other.parent != log.parent and other.parent.stat().st_mode & 0o777 == 0o700

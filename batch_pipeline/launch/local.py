@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,22 @@ def worker_log_path(task: ShardTask) -> str:
     the service's user), else in the local temporary directory."""
     if io.is_local(task.shard.directory):
         return os.path.join(io.filesystem(task.shard.directory)[1], WORKER_LOG)
-    name = f"batch_pipeline-{task.job_id or 'job'}-shard{task.shard.shard_index:03d}-{WORKER_LOG}"
-    return os.path.join(tempfile.gettempdir(), name)
+    name = f"{task.job_id or 'job'}-shard{task.shard.shard_index:03d}-{WORKER_LOG}"
+    return os.path.join(_private_temp_dir(), name)
+
+
+def _private_temp_dir() -> str:
+    """A directory of the temporary one that only the service's user can enter: a worker's log holds a team's
+    prompts and errors, and in /tmp itself any local account could read it, or plant a link at its name."""
+    path = os.path.join(tempfile.gettempdir(), f"batch_pipeline-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        return tempfile.mkdtemp(prefix="batch_pipeline-")  # another user's, or a link: one of our own instead
+    return path
 
 
 def worker_environment(task: ShardTask) -> dict[str, str]:
