@@ -151,7 +151,9 @@ class Settings(_EnvironmentSettings):
     )
     max_gpus: int | None = Field(None, ge=0, description="Most GPUs a request may ask for (unset: no bound)")
     max_cpus: str | None = Field(
-        None, description="Most CPUs a request may ask for, a Kubernetes quantity (`64`, `500m`; unset: no bound)"
+        None,
+        description="Most CPUs a request may ask for, a Kubernetes quantity (`64`, `500m`; unset: no bound in a "
+        "cluster, the machine's cores on one machine)",
     )
     max_memory: str | None = Field(
         None, description="Most memory a request may ask for, a Kubernetes quantity in bytes (`512Gi`; unset: no bound)"
