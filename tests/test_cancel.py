@@ -3,8 +3,12 @@ finished are in its output. Until then it reads as it did (Scale's statuses have
 when the cancel was asked, and an OpenAI batch says `cancelling`. Fast tests over the API, a real Dagster
 instance and job store (no daemon); the slow one cancels a real job through `serve`."""
 
+import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+import httpx
+import pytest
 
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.schema import JobStatus
@@ -95,3 +99,61 @@ def test_a_job_whose_partial_output_could_not_be_written_reads_cancelled_once_th
     assert not result.success
     job = api.job(job_id)
     assert job["status"] == "cancelled" and "num_finished" not in job["metadata"]
+
+
+@pytest.mark.slow
+def test_a_batch_cancelled_while_generating_reads_cancelled_only_with_its_output_and_resumes_at_once(tmp_path):
+    """Through `serve` (the API, the daemon, real vLLM): from the cancel until the job reads cancelled it
+    reads running and its OpenAI batch cancelling; it never reads cancelled before its partial output is
+    written; a resume right then is accepted. The times taken are printed (issue 46's figures)."""
+    import openai.types
+
+    from tests.test_openai_batch import _jsonl, _line
+    from tests.test_serve import Served
+
+    served = Served(tmp_path)
+    try:
+        served.wait_until_up()
+        client = httpx.Client(base_url=served.api, timeout=60)
+        short = [_line(f"short-{i}", f"Short {i}:", max_tokens=2, temperature=0) for i in range(8)]
+        long = [_line(f"long-{i}", f"Long {i}:", max_tokens=3000, ignore_eos=True, temperature=0) for i in range(8)]
+        upload = client.post(
+            "/v1/files",
+            data={"purpose": "batch"},
+            files={"file": ("in.jsonl", _jsonl(short + long), "application/jsonl")},
+        )
+        body = {"input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        batch_id = client.post("/v1/batches", json=body).json()["id"]
+
+        def job() -> dict:
+            return client.get(f"/v2/batch-completions/{batch_id}").json()["job"]
+
+        deadline = time.monotonic() + 1200
+        while int(job()["metadata"].get("requests_done", "0")) < 8:  # the short ones done, the long ones generating
+            assert time.monotonic() < deadline, job()
+            time.sleep(1)
+        cancelled_at = time.monotonic()
+        assert client.post(f"/v1/batches/{batch_id}/cancel").json()["status"] == "cancelling"
+        seen: list[tuple[float, str, str]] = []
+        while True:
+            batch = client.get(f"/v1/batches/{batch_id}").json()
+            openai.types.Batch.model_validate(batch)  # the SDK's type reads every status it is given
+            current = job()
+            seen.append((round(time.monotonic() - cancelled_at, 1), current["status"], batch["status"]))
+            if current["status"] == "cancelled":
+                break
+            assert current["status"] == "running" and "cancel_requested_at" in current["metadata"], seen
+            assert batch["status"] == "cancelling" and batch["output_file_id"] is None, seen
+            assert time.monotonic() - cancelled_at < 300, seen
+            time.sleep(0.2)
+        resumed = client.post(f"/v2/batch-completions/{batch_id}/actions/resume")
+        resumed_after = round(time.monotonic() - cancelled_at, 1)
+        # Read as it read cancelled: its partial output was written by then.
+        assert current["metadata"]["num_finished"] == "8" and current["completed_at"] is not None, current
+        assert batch["status"] == "cancelled" and batch["output_file_id"] and batch["error_file_id"], batch
+        assert resumed.status_code == 200, resumed.text
+        print(f"\ncancel -> reads cancelled, output written: {seen[-1][0]} s; resume accepted: {resumed_after} s")
+        first_seen = {(status, batch_status): at for at, status, batch_status in reversed(seen)}
+        print("first seen (job, batch) -> s after cancel:", first_seen)
+    finally:
+        served.kill()
