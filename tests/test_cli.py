@@ -193,3 +193,14 @@ def test_api_commands_submit_follow_list_and_cancel_jobs_on_a_real_server(deploy
     (tmp_path / "bad.json").write_text(json.dumps({"model_config": {"model": MODEL}, "content": request["content"]}))
     bad = cli("submit", "bad.json")
     assert bad.returncode == 2 and "output_data_path" in bad.stderr
+
+
+def test_run_without_dagster_home_uses_the_checkouts_instance_as_make_run_does(monkeypatch):
+    """Outside `make`, DAGSTER_HOME was unset and `run` died of DagsterHomeNotSetError's traceback."""
+    from batch_pipeline.entrypoints.cli import _no_dagster_home
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    assert _no_dagster_home() is None
+    assert os.environ["DAGSTER_HOME"] == str(REPO / "dagster_home")
+    monkeypatch.setenv("DAGSTER_HOME", "/srv/elsewhere")  # one the user named is kept
+    assert _no_dagster_home() is None and os.environ["DAGSTER_HOME"] == "/srv/elsewhere"

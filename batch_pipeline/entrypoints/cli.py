@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models":
         return _prepare(args.prepare) if args.prepare else _models()
     if args.command == "run":
+        if why := _no_dagster_home():
+            parser.error(why)
         code = _run(args.request, args.show, args.team)
         if argv is None:  # the command line's own process: nothing runs after this
             from batch_pipeline.pipeline import step_server
@@ -246,6 +248,21 @@ def _prepare(name: str) -> int:
     path = prepare_catalog_model(CATALOG[name])
     print(f"{name}: {path} ({time.monotonic() - started:.1f}s)")
     return 0
+
+
+def _no_dagster_home() -> str | None:
+    """Why `run` has no Dagster instance to run in, or None: DAGSTER_HOME, else the checkout's dagster_home/
+    (as `make run` and `serve` use), set for the rest of the command."""
+    if os.environ.get("DAGSTER_HOME"):
+        return None
+    checkout = Path(__file__).resolve().parents[2] / "dagster_home"
+    if (checkout / "dagster.yaml").is_file():
+        os.environ["DAGSTER_HOME"] = str(checkout)
+        return None
+    return (
+        "DAGSTER_HOME is not set: point it at a directory for the Dagster instance "
+        "(`export DAGSTER_HOME=$PWD/dagster_home` in the repository, whose dagster.yaml `make run` uses)"
+    )
 
 
 def _run(path: Path, show: int, team: str | None = None) -> int:
