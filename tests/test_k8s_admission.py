@@ -204,6 +204,13 @@ HOSTILE_EDITS = {
     "a writable root": lambda pod: _container(pod)["securityContext"].update(readOnlyRootFilesystem=False),
     "out of the shard workers' NetworkPolicy": lambda pod: pod["metadata"]["labels"].pop("batch-pipeline.io/component"),
     "the daemon's label (Postgres admits it)": lambda pod: pod["metadata"]["labels"].update(component="dagster-daemon"),
+    # the gate's label: the read-only webserver admits its pods without a key
+    "the Dagster UI gate's label": lambda pod: pod["metadata"]["labels"].update(
+        {"app.kubernetes.io/name": "batch-pipeline-dagster-ui"}
+    ),
+    "the API's label (Postgres admits it)": lambda pod: pod["metadata"]["labels"].update(
+        {"app.kubernetes.io/name": "batch-pipeline-api"}
+    ),
     "no cpu limit": lambda pod: _container(pod)["resources"]["limits"].pop("cpu"),
     "no memory limit": lambda pod: _container(pod)["resources"]["limits"].pop("memory"),
     "no resources at all": lambda pod: _container(pod).pop("resources"),
