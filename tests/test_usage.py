@@ -313,7 +313,7 @@ def test_through_the_pipeline_a_job_declaring_a_thousandth_of_a_cpu_is_charged_a
         ({}, 1.0),
         ({"gpus": 0, "cpus": "500m"}, 0.5),
         ({"gpus": 0, "cpus": 4}, 4.0),
-        ({"gpus": 0}, 1.0),
+        ({"gpus": 0}, 8.0),  # BATCH_PIPELINE_K8S_DEFAULT_CPUS, the limit its pod gets
     ],
 )
 def test_a_pod_is_charged_by_its_limits(hardware, charged):

@@ -216,17 +216,15 @@ class K8sShardLauncher(ShardLauncher):
         return infer_hardware(dict(task.hardware), size, self.default_gpu_type, self.default_gpus)
 
     def shard_charge(self, task: ShardTask) -> float:
-        """The shard's pod's limits, what it could use: its GPUs, else its CPUs (requests equal limits), else one
-        (a pod bounded in neither: the deployment's unit)."""
+        """The shard's pod's limits, what it could use: its GPUs, else its CPUs (requests equal limits; the
+        deployment's default where the request names none, as the pod gets)."""
         hardware, _ = self.hardware_for(task)
         gpus = hardware.get("gpus")
         gpus = self.default_gpus if gpus is None else gpus
         if gpus:
             return float(gpus)
-        if hardware.get("cpus") is None:
-            return 1.0
         try:
-            return float(kubernetes_quantity("cpus", hardware["cpus"])[1])
+            return float(kubernetes_quantity("cpus", self.with_default_limits(hardware)["cpus"])[1])
         except InvalidHardware as exc:
             raise dg.Failure(str(exc), allow_retries=False) from None
 
