@@ -271,9 +271,17 @@ def test_login_and_logout_refuse_a_form_from_another_site(api, teams):
     assert api.post("/team/logout", data={}).status_code == 403
     assert api.get("/team", follow_redirects=False).status_code == 200
     token = re.search(r'action="/team/logout"><input type="hidden" name="csrf" value="([^"]+)"', api.get("/team").text)
+    session = api.cookies.get("batch_pipeline_team_session")
     out = api.post("/team/logout", data={"csrf": token.group(1)}, follow_redirects=False)
     assert out.status_code == 303 and out.headers["location"] == "/team/login"
     assert api.get("/team", follow_redirects=False).status_code == 303
+    # A copy of the cookie kept from before (another tab, a stolen copy) ended with it, on the server.
+    _set_session(api, session)
+    assert api.get("/team", follow_redirects=False).status_code == 303
+    time.sleep(1.1)  # a session's expiry is in whole seconds: the next one's is later than the ended one's
+    api.cookies.clear()
+    assert _log_in(api, TEAM_A_KEY).status_code == 303
+    assert api.get("/team", follow_redirects=False).status_code == 200
 
 
 def test_a_login_form_past_its_bound_is_refused_naming_the_form(api, teams):

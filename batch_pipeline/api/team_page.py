@@ -25,7 +25,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
@@ -58,6 +58,7 @@ MAX_KEY_CHARS = 4096
 MAX_FORM_BYTES = 16 * 1024
 _SESSION_PURPOSE = b"batch_pipeline team page session"
 _SECRET_NAME = "batch_pipeline/team_page/session_secret"
+_ENDED_PREFIX = "batch_pipeline/team_page/sessions_ended_until/"
 _CHUNK = 1 << 16
 
 # What the browser may do with these pages: only this origin's own script, style and requests; no frame,
@@ -123,9 +124,20 @@ def new_session(secret: bytes, presented: bytes, now: float) -> str:
     return f"{expires}.{nonce}.{_mac(secret, hashlib.sha256(presented).digest(), expires, nonce)}"
 
 
-def session_caller(keys: ApiKeys, secret: bytes, token: str, now: float) -> Caller | None:
-    """Whom a session acts for: the key whose digest it was signed over, if that key is still valid and the
-    session has not expired; else None. Every key's mac is compared, in constant time."""
+def session_caller(
+    keys: ApiKeys, secret: bytes, token: str, now: float, ended_until: Callable[[bytes], int] = lambda _: 0
+) -> Caller | None:
+    """Whom a session acts for: the key whose digest it was signed over, if that key is still valid, the
+    session has not expired and its key's sessions were not ended since it was made (`ended_until(digest)`:
+    the expiry of the last session logged out with that key); else None. Every key's mac is compared, in
+    constant time."""
+    found = _session_key(keys, secret, token, now)
+    if found is None or int(token.split(".", 1)[0]) <= ended_until(found[0]):
+        return None
+    return found[1]
+
+
+def _session_key(keys: ApiKeys, secret: bytes, token: str, now: float) -> tuple[bytes, Caller] | None:
     parts = token.split(".")
     if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 12 or len(parts[1]) > 64:
         return None
@@ -135,8 +147,19 @@ def session_caller(keys: ApiKeys, secret: bytes, token: str, now: float) -> Call
     found = None
     for digest, caller in keys.key_digests():
         if hmac.compare_digest(_mac(secret, digest, expires, nonce), mac) and found is None:
-            found = caller
+            found = (digest, caller)
     return found
+
+
+def _ended_until(service: BatchJobService) -> Callable[[bytes], int]:
+    """A key's sessions ended by a log out, as the instance's key-value store (which every replica shares)
+    keeps them: a session copied before its log out opens nothing after it."""
+
+    def ended(digest: bytes) -> int:
+        name = _ENDED_PREFIX + digest.hex()
+        return int(service.instance.run_storage.get_cursor_values({name}).get(name) or 0)
+
+    return ended
 
 
 def _logout_token(session: str) -> str:
@@ -153,7 +176,8 @@ def page_caller(request: Request) -> Caller | None:
         return keys.identify(presented)
     if not (token := request.cookies.get(SESSION_COOKIE)):
         return None
-    return session_caller(keys, deployment_secret(request.app.state.job_service), token, time.time())
+    service = request.app.state.job_service
+    return session_caller(keys, deployment_secret(service), token, time.time(), _ended_until(service))
 
 
 def _same_origin(request: Request) -> bool:
@@ -315,6 +339,13 @@ async def logout(request: Request) -> Response:
         return _secured(JSONResponse({"detail": "csrf: log out from the team page's own form"}, status_code=403))
     if not hmac.compare_digest(csrf.encode(), _logout_token(session).encode()):
         return _secured(JSONResponse({"detail": "csrf: log out from the team page's own form"}, status_code=403))
+    service = request.app.state.job_service
+    if (
+        found := _session_key(request.app.state.api_keys, deployment_secret(service), session, time.time())
+    ) is not None:
+        # Every session of this key made up to this one ends (one a copy of the cookie kept too).
+        name, until = _ENDED_PREFIX + found[0].hex(), int(session.split(".", 1)[0])
+        service.instance.run_storage.set_cursor_values({name: str(max(until, _ended_until(service)(found[0])))})
     response = _to_login()
     response.delete_cookie(SESSION_COOKIE, path="/team", httponly=True, samesite="strict", secure=_https(request))
     return response
