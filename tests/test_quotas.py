@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from tempfile import SpooledTemporaryFile
 
 import anyio
+import dagster as dg
 import httpx
 import pytest
 import sqlalchemy as sa
@@ -632,3 +633,53 @@ def test_a_job_naming_its_input_by_file_reserves_its_size_and_a_fifo_reserves_no
     piped = by_path("pipe.jsonl")
     assert piped.status_code == 200, piped.text
     assert _estimate(piped.json()["job_id"]) == 1
+
+
+def _plan(api, job_id: str) -> dg.JobExecutionResult:
+    """The run the jobs sensor asks for the job, executed on the deployment's instance up to its planning."""
+    from batch_pipeline.pipeline.definitions import batch_completions_job
+    from batch_pipeline.pipeline.runs import launch_key
+    from batch_pipeline.pipeline.sensors import run_request_for
+
+    service = api.app.state.job_service
+    request = run_request_for(service.store.get(job_id), None, launch_key(service.instance))
+    return dg.execute_job(
+        dg.reconstructable(batch_completions_job),
+        instance=service.instance,
+        run_config=request.run_config,
+        tags=request.tags,
+        op_selection=["validate_input", "plan_shards"],
+        raise_on_error=False,
+    )
+
+
+def test_jobs_whose_input_files_grew_after_submission_are_held_to_the_day_at_planning(api, teams):
+    """Found by the attacker's pass (issue 44): a file reserves its size at submission, unread, and is read
+    at planning: many jobs naming files of a few bytes each passed a budget their grown files then ran far
+    past. Planning reserves what it read, under the team's lock: once the others hold the day, it stops."""
+    files = [teams["small"] / f"prompts-{n}.jsonl" for n in range(2)]
+    for path in files:
+        path.write_text("")  # a few bytes: each job reserves ~1 token of the team's 100
+    job_ids = []
+    for n, path in enumerate(files):
+        body = _body(teams["small"] / f"out-{n}.json") | {"input_data_path": str(path)}
+        del body["content"]
+        response = api.post("/v2/batch-completions", json=body, headers={"x-api-key": SMALL})
+        assert response.status_code == 200, response.text
+        job_ids.append(response.json()["job_id"])
+    grown = "".join(json.dumps({"prompt": "Tell me more " * 20, "max_tokens": 40}) + "\n" for _ in range(5))
+    for path in files:
+        path.write_text(grown)  # ~100 prompt tokens and 200 of output each: past the day on its own
+
+    store = api.app.state.job_service.store
+    owner, midnight = store.get(job_ids[0]).owner, datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    first = _plan(api, job_ids[0])
+    assert first.success  # the team held ~1 token besides it: it runs, as a submission would be taken
+    held = store.tokens_held_since(owner, midnight).held
+    assert held > 3 * TOKENS_MAX  # what the grown file holds, not its size at submission
+    second = _plan(api, job_ids[1])
+    assert not second.success
+    (failure,) = [event for event in second.all_events if event.is_step_failure]
+    message = failure.step_failure_data.error.message
+    assert "max_tokens_per_day" in message and "resume it after 00:00 UTC" in message, message
+    assert store.tokens_held_since(owner, midnight).held == held  # nothing reserved for what it will not run

@@ -250,6 +250,23 @@ def _register_job(
     return record.job_id
 
 
+def _hold_planned_tokens(store: JobStore, record: JobRecord | None, admission: AdmissionPolicy, tokens: int) -> None:
+    """The job's tokens reserved as its plan reads them, held to its team's max_tokens_per_day as its
+    submission was: its input file, reserved by its size at submission, may hold far more by now (or a
+    growing file each of many jobs), and it is stopped before it generates past the team's day."""
+    team = admission.team_of_owner(record.owner) if record is not None else None
+    limit = team.config.max_tokens_per_day if team is not None else None
+    if record is None or limit is None:
+        return
+    midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    if (others := store.hold_planned_tokens(record.job_id, record.owner, tokens, limit, midnight)) is not None:
+        raise dg.Failure(
+            f"max_tokens_per_day: the team's other jobs hold {others.held}/{limit} tokens of today (UTC) already, "
+            f"and this job's input holds ~{tokens}: it stops before generating; resume it after 00:00 UTC",
+            allow_retries=False,
+        )
+
+
 @dg.op(
     out={"shards": dg.DynamicOut(ShardTask), "plan": dg.Out(PlanSummary)},
     description="Stream the prompts into shard inputs balanced by estimated tokens: `data_parallelism` of them, "
@@ -304,6 +321,7 @@ def plan_shards(
         ) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
+    _hold_planned_tokens(store, record, admission, sum(shard.estimated_tokens for shard in shards))
     plan = recorded.plan
     store.record_shards(
         job_id,

@@ -516,6 +516,20 @@ class JobStore:
         with self.engine.connect() as connection:
             return _tokens_held_since(connection, owner, since)
 
+    def hold_planned_tokens(
+        self, job_id: str, owner: str, tokens: int, limit: int, since: datetime
+    ) -> TokensOfTheDay | None:
+        """The job's reservation made its planned shards' `tokens`, under its owner's admission lock, unless
+        the owner's other jobs already hold its `limit` of the day since `since`: then nothing changes, and
+        their figures are returned. A file's estimate at submission is its size, unread; a file can grow
+        before its job reads it: what the plan read is what counts."""
+        with self._admitting(owner) as connection:
+            others = _tokens_held_since(connection, owner, since, excluding=job_id)
+            if others.held >= limit:
+                return others
+            connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(estimated_tokens=tokens))
+        return None
+
     @contextlib.contextmanager
     def _admitting(self, owner: str) -> Iterator[sa.Connection]:
         """A transaction that holds `owner`'s admission lock from before its first read to its commit: on
@@ -1181,18 +1195,19 @@ def _count_queued(connection: sa.Connection, owner: str) -> int:
     return int(connection.execute(query).scalar_one())
 
 
-def _tokens_held_since(connection: sa.Connection, owner: str, since: datetime) -> TokensOfTheDay:
+def _tokens_held_since(
+    connection: sa.Connection, owner: str, since: datetime, excluding: str | None = None
+) -> TokensOfTheDay:
     spent = sa.func.coalesce(jobs.c.prompt_tokens, 0) + sa.func.coalesce(jobs.c.completion_tokens, 0)
     estimate = sa.func.coalesce(jobs.c.estimated_tokens, 0)
     beyond = sa.case((estimate > spent, estimate - spent), else_=0)
+    mine = jobs.c.owner == owner if excluding is None else sa.and_(jobs.c.owner == owner, jobs.c.job_id != excluding)
     # Three reads, each of an index's rows: the ended, the running (no end), the waiting again after an end.
     ended = sa.select(spent.label("used"), sa.literal(0).label("reserved")).where(
-        jobs.c.owner == owner, jobs.c.completed_at >= since, jobs.c.status != JobStatus.QUEUED
+        mine, jobs.c.completed_at >= since, jobs.c.status != JobStatus.QUEUED
     )
-    running = sa.select(spent, beyond).where(jobs.c.owner == owner, jobs.c.completed_at.is_(None))
-    resumed = sa.select(spent, beyond).where(
-        jobs.c.owner == owner, jobs.c.status == JobStatus.QUEUED, jobs.c.completed_at.is_not(None)
-    )
+    running = sa.select(spent, beyond).where(mine, jobs.c.completed_at.is_(None))
+    resumed = sa.select(spent, beyond).where(mine, jobs.c.status == JobStatus.QUEUED, jobs.c.completed_at.is_not(None))
     both = sa.union_all(ended, running, resumed).subquery()
     query = sa.select(sa.func.coalesce(sa.func.sum(both.c.used), 0), sa.func.coalesce(sa.func.sum(both.c.reserved), 0))
     used, reserved = connection.execute(query).one()
