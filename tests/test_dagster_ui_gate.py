@@ -176,18 +176,31 @@ def test_a_cross_site_get_runs_no_graphql_but_a_link_to_a_page_opens_it(deployme
     for fetch in (
         {"sec-fetch-site": "cross-site", "sec-fetch-mode": "no-cors", "accept": "image/*"},
         {"sec-fetch-site": "same-site", "sec-fetch-mode": "cors"},
-        {"sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate"},
+        {"sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate", "sec-fetch-dest": "document"},
+        {},  # a browser that says nothing of where a request comes from (an <img> in an old one)
+        {"sec-fetch-site": "same-origin", "sec-fetch-mode": "cors"},  # GraphQL takes no GET query at all
     ):
         response = httpx.get(f"{url}/graphql", params=mutation, headers={**_basic(ADMIN_KEY), **fetch}, timeout=30)
         assert response.status_code == 403, (fetch, response.text)
-    followed = {"sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate", "accept": "text/html"}
-    assert httpx.get(f"{url}/runs", headers={**_basic(ADMIN_KEY), **followed}, timeout=30).status_code == 200
+    # A form's POST (no preflight) with no Origin, as an old browser sends it: not JSON, refused.
+    form = httpx.post(f"{url}/graphql", data=mutation, headers=_basic(ADMIN_KEY), timeout=30)
+    assert form.status_code == 403, form.text
+    followed = {"sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate", "sec-fetch-dest": "document"}
+    page = httpx.get(f"{url}/runs", headers={**_basic(ADMIN_KEY), **followed, "accept": "text/html"}, timeout=30)
+    assert page.status_code == 200
+    # ...but never in another site's frame, where a decoy button could launch a run: refused, and every
+    # answer forbids framing.
+    framed = {**followed, "sec-fetch-dest": "iframe"}
+    assert httpx.get(f"{url}/runs", headers={**_basic(ADMIN_KEY), **framed}, timeout=30).status_code == 403
+    assert page.headers["x-frame-options"] == "DENY"
+    assert "frame-ancestors 'none'" in page.headers.get_list("content-security-policy")
     embedded = {"sec-fetch-site": "cross-site", "sec-fetch-mode": "no-cors"}
     assert httpx.get(f"{url}/server_info", headers={**_basic(ADMIN_KEY), **embedded}, timeout=30).status_code == 403
-    # The UI's own requests, and the operator's typed address, pass.
-    for own in ({"sec-fetch-site": "same-origin", "sec-fetch-mode": "cors"}, {"sec-fetch-site": "none"}):
+    # The UI's own requests (a JSON POST), and the operator's typed address, pass.
+    for own in ({"sec-fetch-site": "same-origin", "sec-fetch-mode": "cors", "origin": url}, {"sec-fetch-site": "none"}):
         query = {"query": "{ version }"}
-        assert httpx.get(f"{url}/graphql", params=query, headers={**_basic(ADMIN_KEY), **own}, timeout=30).json()
+        answer = httpx.post(f"{url}/graphql", json=query, headers={**_basic(ADMIN_KEY), **own}, timeout=30)
+        assert answer.json()["data"]["version"], answer.text
 
 
 @pytest.mark.slow

@@ -124,7 +124,7 @@ class OperatorsOnly:
     other site's page can act through an operator's browser: a browser sends the cached key cross-site too,
     so a state-changing request or a WebSocket must come from this host's own pages (Origin), and a
     cross-site request (Sec-Fetch-Site) is refused unless it is a link followed to a page, never GraphQL
-    (whose GET runs mutations)."""
+    (whose GET runs mutations, so it takes a JSON POST only), and no other site may frame it."""
 
     def __init__(self, app: ASGIApp, keys: OperatorKeys) -> None:
         self.app = app
@@ -148,7 +148,35 @@ class OperatorsOnly:
             origin = f"{scope.get('scheme', 'http')}://{headers.get('host', '')}"
             await _redirect(send, origin + _local_target(scope.get("query_string", b"").decode("latin-1")))
             return
-        await self.app(scope, receive, send)
+        if scope["type"] == "http" and _graphql_outside_a_json_post(scope, headers):
+            await _refuse(scope, send, 403, "GraphQL takes a JSON POST from the UI's own pages")
+            return
+        await self.app(scope, receive, _framed_by_none(send) if scope["type"] == "http" else send)
+
+
+def _graphql_outside_a_json_post(scope: Scope, headers: dict[str, str]) -> bool:
+    """Dagster runs a mutation sent as GET /graphql?query=... (an <img> would do, from a browser that says
+    nothing of where a request comes from) or as a form's POST; its own UI POSTs JSON."""
+    if not scope["path"].startswith(GRAPHQL_PATH):
+        return False
+    if scope.get("method") == "POST":
+        return headers.get("content-type", "").split(";")[0].strip().lower() != "application/json"
+    return bool(scope.get("query_string"))
+
+
+def _framed_by_none(send: Send) -> Send:
+    """No other site frames the UI: a page that did could have the operator click its Launch Run button."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [
+                *message.get("headers", []),
+                (b"x-frame-options", b"DENY"),
+                (b"content-security-policy", b"frame-ancestors 'none'"),
+            ]
+        await send(message)
+
+    return sending
 
 
 def _from_another_site(scope: Scope, headers: dict[str, str]) -> bool:
@@ -158,7 +186,10 @@ def _from_another_site(scope: Scope, headers: dict[str, str]) -> bool:
     site = headers.get("sec-fetch-site")
     if site is None or site in ("same-origin", "none"):  # not a browser's, or typed in by the operator
         return False
-    followed_link = headers.get("sec-fetch-mode") == "navigate" and not changes
+    # A link followed to a page, in the operator's own window: an iframe navigates too, but is no document.
+    followed_link = (
+        headers.get("sec-fetch-mode") == "navigate" and headers.get("sec-fetch-dest") == "document" and not changes
+    )
     return not followed_link or scope["path"].startswith(GRAPHQL_PATH)
 
 
