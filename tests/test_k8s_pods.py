@@ -525,6 +525,7 @@ CONTROL_PLANE_PODS = {
     "API": {"app.kubernetes.io/name": "batch-pipeline-api"},
     "webhooks": {"app.kubernetes.io/name": "batch-pipeline-webhooks"},
     "Dagster UI gate": {"app.kubernetes.io/name": "batch-pipeline-dagster-ui"},
+    "writable UI gate": {"app.kubernetes.io/name": "batch-pipeline-dagster-ui-write"},
     "postgres": {"app.kubernetes.io/name": "postgresql"},
     "other": {"app": "anything"},
 }
@@ -579,7 +580,9 @@ def test_the_control_plane_admits_only_the_pods_that_need_it(tmp_path):
     }  # fmt: skip
     assert admitted("webhooks", 80) == set()
     assert admitted("code server", 3030) == {"webserver", "read-only webserver", "daemon"}
-    assert admitted("webserver", 80) == set()  # operators port-forward to it
+    # the writable webserver: its gate alone, to which operators port-forward (never to the webserver)
+    assert admitted("webserver", 80) == {"writable UI gate"}
+    assert admitted("writable UI gate", 8080) == set()
     # every team's run configs and logs: the gate alone, which asks for an operator key first
     assert admitted("read-only webserver", 80) == {"Dagster UI gate"}
     assert admitted("Dagster UI gate", 8080) == everyone and admitted("Dagster UI gate", 80) == set()
@@ -673,13 +676,22 @@ def test_the_api_pod_runs_locked_down_with_a_service_account_of_its_own_with_no_
     assert {"secretRef": {"name": API_KEYS_SECRET}} in container["envFrom"]
 
 
-def test_the_dagster_ui_gate_runs_locked_down_with_the_tenants_file_only_and_reaches_the_webserver_only():
+@pytest.mark.parametrize(
+    ("gate", "upstream", "component"),
+    [
+        (GATE, "http://dagster-webserver-read-only:80", "dagster-webserver-read-only"),
+        (GATE + "-write", "http://dagster-webserver:80", "dagster-webserver"),
+    ],
+)
+def test_the_dagster_ui_gate_runs_locked_down_with_the_tenants_file_only_and_reaches_the_webserver_only(
+    gate, upstream, component
+):
     """The cluster's Dagster UI is the read-only webserver behind the gate `serve` runs locally: the same
     module as a proxy, reading the tenants file's admin keys, with no token, no API keys, no webhook secrets,
     and out only to DNS and the read-only webserver."""
     objects = _manifests()
     deployments = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Deployment"}
-    pod = deployments[GATE]["spec"]["template"]["spec"]
+    pod = deployments[gate]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     _assert_locked_down(pod, container)
     assert pod["automountServiceAccountToken"] is False
@@ -693,19 +705,20 @@ def test_the_dagster_ui_gate_runs_locked_down_with_the_tenants_file_only_and_rea
     assert account["metadata"]["name"] not in bound
     command = container["command"]
     assert command[:3] == ["python", "-m", "batch_pipeline.entrypoints.dagster_ui"]
-    assert command[command.index("--upstream") + 1] == "http://dagster-webserver-read-only:80"
+    assert command[command.index("--upstream") + 1] == upstream
     assert "envFrom" not in container  # no Secret at all: the tenants file holds digests only
     assert _tenants_file(container["env"], pod["volumes"], container["volumeMounts"]) == "batch-pipeline-tenants"
 
-    policy = _network_policy(GATE)
+    policy = _network_policy(gate)
     kubernetes_validate.validate(policy, KUBERNETES_VERSION, strict=True)
     batch = {"kubernetes.io/metadata.name": "batch"}
     assert _egress_allowed(
         policy, 53, "UDP", namespace={"kubernetes.io/metadata.name": "kube-system"}, pod={"k8s-app": "kube-dns"}
     )
-    assert _egress_allowed(policy, 80, namespace=batch, pod={"component": "dagster-webserver-read-only"})
-    for component in ("dagster-webserver", "user-deployments", "dagster-daemon"):
-        assert not _egress_allowed(policy, 80, namespace=batch, pod={"component": component})
+    assert _egress_allowed(policy, 80, namespace=batch, pod={"component": component})
+    others = {"dagster-webserver", "dagster-webserver-read-only", "user-deployments", "dagster-daemon"} - {component}
+    for other in others:
+        assert not _egress_allowed(policy, 80, namespace=batch, pod={"component": other})
     assert not _egress_allowed(policy, 5432, namespace=batch, pod={"app.kubernetes.io/name": "postgresql"})
     for address in ("52.216.8.1", "169.254.169.254", "10.20.30.40"):
         assert not _egress_allowed(policy, 443, ip=address) and not _egress_allowed(policy, 80, ip=address)
