@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -67,7 +68,11 @@ def step_failure_messages(result: dg.JobExecutionResult) -> list[str]:
 
 def worker_pids() -> list[int]:
     """Processes of shard workers (`python -m batch_pipeline.worker`) of this test's deployment: those whose
-    DAGSTER_HOME is this process's, where it has one (a soak or another checkout's tests may run beside)."""
+    shard lies under this process's DAGSTER_HOME, where it has one (a soak or another checkout's tests may run
+    beside). A worker's environment holds only its allow-list (core/environment.py), not DAGSTER_HOME: its
+    Pipes context (DAGSTER_PIPES_CONTEXT) names its shard."""
+    from dagster_pipes import decode_env_var
+
     home = os.environ.get("DAGSTER_HOME")
     pids = []
     for entry in os.listdir("/proc"):
@@ -75,11 +80,14 @@ def worker_pids() -> list[int]:
             try:
                 if b"batch_pipeline.worker" not in Path(f"/proc/{entry}/cmdline").read_bytes():
                     continue
-                if home is None or f"DAGSTER_HOME={home}".encode() in Path(f"/proc/{entry}/environ").read_bytes().split(
-                    b"\0"
-                ):
+                if home is None:
                     pids.append(int(entry))
-            except OSError:
+                    continue
+                for variable in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                    name, _, value = variable.partition(b"=")
+                    if name == b"DAGSTER_PIPES_CONTEXT" and home in json.dumps(decode_env_var(value.decode())):
+                        pids.append(int(entry))
+            except (OSError, ValueError):
                 pass
     return pids
 
