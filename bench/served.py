@@ -68,7 +68,9 @@ def start_serve(home: Path, env: dict[str, str], repo: Path) -> tuple[subprocess
     client = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=120)
     try:
         wait_until_healthy(client, serve, log, "the deployment", interval_s=0.5)
-        with httpx.Client(base_url=f"http://127.0.0.1:{dagster_port}", timeout=30) as ui:
+        # The UI asks for an operator key: the one serve made before it started its services.
+        operator = ("operator", (home / "operator.key").read_text().strip())
+        with httpx.Client(base_url=f"http://127.0.0.1:{dagster_port}", timeout=30, auth=operator) as ui:
             wait_until_healthy(ui, serve, log, "the Dagster webserver", interval_s=0.5, path="/server_info")
         _wait_for_daemon(home, serve, log)
     except BaseException:
