@@ -117,8 +117,11 @@ TEMPLATE_WITHOUT_END = "{% for i in range(100000) %}{% for j in range(100000) %}
 
 def children_of(pid: int) -> list[int]:
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(child) for child in (task / "children").read_text().split()]
+    except FileNotFoundError:  # it has exited
+        return []
     return found
 
 
@@ -132,6 +135,7 @@ def test_the_dry_runs_checking_process_gets_no_secret(service_environment, deplo
     if ChildServer._running is not None:  # one started by an earlier test, in that test's environment
         ChildServer._running.process.kill()
         ChildServer._running.process.wait()
+        ChildServer._running = None  # else the loop below reads the dead one's children
     api = deployment_factory()
     body = {
         "output_data_path": str(tmp_path / "out" / "output.json"),
