@@ -84,8 +84,10 @@ class _Planned:
 
 
 def has_earlier_plan(work_dir: str) -> bool:
-    """Whether an earlier run of the job wrote shards that a later run must be compared with."""
-    return bool(shard_directories(work_dir))
+    """Whether an earlier run of the job wrote shard inputs that a later run must be compared with. (A
+    checkpoint with no input beside it, as an earlier pod uploaded it before this job's first plan, is kept by
+    index as a first plan keeps it: the work dir is the service's, no team writes there.)"""
+    return any(io.exists(io.join(directory, INPUT_FILE)) for directory in shard_directories(work_dir))
 
 
 def rewrite_shards(
