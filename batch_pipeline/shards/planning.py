@@ -226,15 +226,26 @@ def write_shards(
                     sources[key] = item.index * num_shards + k
             item_counts[k] += 1
             prompt_counts[k] += size.prompts
+    return shard_specs(directories, item_counts, prompt_counts, token_counts, copy_counts)
+
+
+def shard_specs(
+    directories: list[str],
+    item_counts: list[int],
+    prompt_counts: list[int],
+    token_counts: list[int],
+    copy_counts: list[int],
+) -> list[ShardSpec]:
+    """The shards a plan wrote, from its per-shard figures: those with something to do."""
     return [
         ShardSpec(
             shard_index=k,
-            directory=directories[k],
+            directory=directory,
             item_count=item_counts[k],
             prompt_count=prompt_counts[k],
             estimated_tokens=token_counts[k],
             copy_count=copy_counts[k],
         )
-        for k in range(num_shards)
+        for k, directory in enumerate(directories)
         if item_counts[k]
     ]

@@ -42,7 +42,7 @@ from batch_pipeline.shards.format import (
     read_work_items,
     shard_directories,
 )
-from batch_pipeline.shards.planning import DEDUP_TABLE_LIMIT
+from batch_pipeline.shards.planning import DEDUP_TABLE_LIMIT, shard_specs
 from batch_pipeline.shards.records import ItemSize, repeat_key, request_digest
 
 # The new shard files are written under their names with this suffix, and moved over the earlier ones once
@@ -175,18 +175,7 @@ def rewrite_shards(
     for k, directory in enumerate(directories):
         for name in (INPUT_FILE, *([COPIES_FILE] if k in copy_writers else [])):
             _move(io.join(directory, name + STAGED_SUFFIX), io.join(directory, name))
-    shards = [
-        ShardSpec(
-            shard_index=k,
-            directory=directories[k],
-            item_count=item_counts[k],
-            prompt_count=prompt_counts[k],
-            estimated_tokens=token_counts[k],
-            copy_count=copy_counts[k],
-        )
-        for k in range(count)
-        if item_counts[k]
-    ]
+    shards = shard_specs(directories, item_counts, prompt_counts, token_counts, copy_counts)
     return Rewritten(shards, unchanged, changed, added, removed, dropped)
 
 
