@@ -383,9 +383,10 @@ def job_page(request: Request, job_id: str) -> Response:
     service: BatchJobService = request.app.state.job_service
     try:
         job = service.get(caller, job_id)
+        record = service.store.get(job_id)  # None: deleted since
     except JobNotFound:
-        return _page("no such job", html("<p>No job {job_id} of yours.</p>", job_id=job_id[:100]), caller, status=404)
-    if (record := service.store.get(job_id)) is None:  # deleted since
+        record = None
+    if record is None:
         return _page("no such job", html("<p>No job {job_id} of yours.</p>", job_id=job_id[:100]), caller, status=404)
     output = JobOutput.of(service, record)
     body = joined([_job_summary(job, record, caller, output), _errors_section(job, output)])
