@@ -153,7 +153,7 @@ def seed_finished_jobs(store, count: int, home: str, seed: int = 0) -> list[str]
     then what `mark_started` and `mark_run_ended` write (status, times, counts, the results summary)."""
     import uuid
 
-    from batch_pipeline.store.jobs import NewJob
+    from batch_pipeline.store.records import NewJob
     from batch_pipeline.store.schema import JobStatus, job_labels, jobs, label_digest
 
     rng = random.Random(seed)
@@ -275,6 +275,7 @@ def make_running_job(store, job_storage, home: str, prompts: int, shard_files: b
     from batch_pipeline.admission.submission import submit
     from batch_pipeline.contract import CreateBatchCompletionsV2Request
     from batch_pipeline.core.settings import settings
+    from batch_pipeline.store.progress import ShardProgressStore
 
     request = CreateBatchCompletionsV2Request.model_validate(
         {
@@ -288,9 +289,9 @@ def make_running_job(store, job_storage, home: str, prompts: int, shard_files: b
     record, _ = submit(store, job_storage.work_dir, "anonymous", request, AdmissionPolicy.of_deployment(settings()))
     store.mark_started(record.job_id, str(uuid.uuid4()))
     per_shard = {k: prompts // SHARDS + (1 if k < prompts % SHARDS else 0) for k in range(SHARDS)}
-    store.record_shards(record.job_id, per_shard)
+    ShardProgressStore(engine=store.engine).record_shards(record.job_id, per_shard)
     for shard, total in per_shard.items():
-        store.record_shard_progress(
+        ShardProgressStore(engine=store.engine).record_shard_progress(
             record.job_id,
             shard,
             {"requests_done": total // 2, "completion_tokens": total * 8, "prompt_tokens": total * 20, "errors": 0},

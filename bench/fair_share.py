@@ -74,7 +74,9 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
     from batch_pipeline.api.service import BatchJobService
     from batch_pipeline.core.settings import settings
     from batch_pipeline.pipeline.admission import admissions, waiting_queues
-    from batch_pipeline.store.jobs import JobStore, NewJob
+    from batch_pipeline.store.jobs import JobStore
+    from batch_pipeline.store.records import NewJob
+    from batch_pipeline.store.sharing import SharingStore
     from batch_pipeline.tenancy.tenants import tenants_at
 
     with tempfile.TemporaryDirectory() as directory:
@@ -104,11 +106,11 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
 
         def tick() -> list:
             """What the jobs sensor does with a tenants file, its store reads and writes included."""
-            now = datetime.now(UTC)
-            store.expired_waiting(now)
-            queues = waiting_queues(store, registry, skip_owners="schedule:")
-            chosen = admissions(queues, store, registry, slots, now, settings().fair_share_half_life_s)
-            return store.waiting_records(admission.job.job_id for admission in chosen)
+            now, sharing = datetime.now(UTC), SharingStore(engine=store.engine)
+            sharing.expired_waiting(now)
+            queues = waiting_queues(sharing, registry, skip_owners="schedule:")
+            chosen = admissions(queues, sharing, registry, slots, now, settings().fair_share_half_life_s)
+            return sharing.waiting_records(admission.job.job_id for admission in chosen)
 
         def before() -> list:
             return _decision_before(store, registry, slots)
@@ -173,6 +175,7 @@ def _decision_before(store, registry, slots: int) -> list[str]:
 
     from batch_pipeline.contract.priority import InvalidPriority, run_priority
     from batch_pipeline.core.settings import settings
+    from batch_pipeline.store.sharing import SharingStore
     from batch_pipeline.tenancy.fair_share import TeamShare, decayed_slot_seconds
     from batch_pipeline.tenancy.tenants import tenants_at
 
@@ -182,12 +185,12 @@ def _decision_before(store, registry, slots: int) -> list[str]:
         records += [record for record in chunk if record.expires_at > now]
     half_life_s = settings().fair_share_half_life_s
     usage: dict[str, float] = {}
-    for use in store.slot_usage_since(now - timedelta(seconds=half_life_s * 10)):
+    for use in SharingStore(engine=store.engine).slot_usage_since(now - timedelta(seconds=half_life_s * 10)):
         gpus = json.loads(use.request_json).get("gpus") or 1
         usage[use.owner] = usage.get(use.owner, 0.0) + decayed_slot_seconds(
             use.started_at, use.ended_at, max(use.shards, 1) * gpus, now, half_life_s
         )
-    holders = store.slot_holders()
+    holders = SharingStore(engine=store.engine).slot_holders()
     teams = {}
     for owner in set(usage) | set(holders):
         team = registry.team_of_owner(owner)

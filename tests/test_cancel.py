@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.schema import JobStatus
 from tests.api_fixtures import USER_KEY
@@ -34,7 +35,7 @@ def test_a_job_cancelled_while_running_reads_running_until_its_run_ended_and_its
     api = deployment_factory()
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
     assert api.store.mark_started(job_id, "run-1")
-    api.store.record_shards(job_id, {0: 2})
+    ShardProgressStore(engine=api.store.engine).record_shards(job_id, {0: 2})
     (Path(api.service.job_storage.work_dir(job_id)) / "shards" / "000").mkdir(parents=True)
 
     api.store.mark_cancelled(job_id)  # what the cancel route does once the run is asked to stop
@@ -50,7 +51,7 @@ def test_a_job_cancelled_while_running_reads_running_until_its_run_ended_and_its
 
     # keep_partial_results recorded the output it wrote: the job has stopped, and may be resumed at once.
     results = JobResults(job_id=job_id, dagster_run_id="run-1", status="cancelled", num_requests=2, num_finished=1)
-    api.store.record_results(job_id, "run-1", results)
+    ShardProgressStore(engine=api.store.engine).record_results(job_id, "run-1", results)
     job = api.job(job_id)
     assert job["status"] == "cancelled" and job["completed_at"] is not None
     assert job["metadata"]["num_finished"] == "1" and "cancel_requested_at" in job["metadata"]
@@ -81,7 +82,7 @@ def test_a_job_whose_partial_output_could_not_be_written_reads_cancelled_once_th
     shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
     shard.mkdir(parents=True)
     (shard / "input.jsonl").write_text('{"index": 0, "kind": "v1", "request": {}}\n')
-    api.store.record_shards(job_id, {0: 1})
+    ShardProgressStore(engine=api.store.engine).record_shards(job_id, {0: 1})
     api.store.mark_cancelled(job_id)
     held = api.store.mark_run_ended(
         job_id, stopped.run_id, JobStatus.CANCELLED, datetime.now(UTC), keeping_partial_results=True

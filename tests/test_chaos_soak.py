@@ -16,7 +16,8 @@ from dagster._daemon.auto_run_reexecution.auto_run_reexecution import filter_run
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.retries import MAX_RETRIES, RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, record_run_end
-from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.records import NewJob
 from batch_pipeline.store.schema import JobStatus
 from tests.api_fixtures import sensor_resources
 from tests.conftest import MODEL

@@ -17,7 +17,8 @@ from dagster._utils.error import serializable_error_info_from_exc_info
 from batch_pipeline.pipeline.retries import MAX_RETRIES, RETRIES_TAG
 from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, failure_reason, record_run_end
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, RESUME_TAG
-from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.records import NewJob
 from batch_pipeline.store.schema import JobStatus
 from tests.conftest import MODEL
 from tests.test_run_workers import _a_job, deployment_with_its_own_code_server

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.store.jobs import NewJob
+from batch_pipeline.store.progress import ShardProgressStore
+from batch_pipeline.store.records import NewJob
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY, sensor_resources
 from tests.conftest import MODEL
 
@@ -88,8 +89,10 @@ def test_metrics_count_jobs_by_status_and_model_and_the_queue_for_admins_only(de
     ]
     api.client.post(f"/v2/batch-completions/{made[0]}/actions/cancel", headers=ALICE)
     api.store.mark_started(made[1], "run-1")  # as the run's first step records it
-    api.store.record_shards(made[1], {0: 4})
-    api.store.record_shard_progress(made[1], 0, {"requests_done": 3, "completion_tokens": 12})
+    ShardProgressStore(engine=api.store.engine).record_shards(made[1], {0: 4})
+    ShardProgressStore(engine=api.store.engine).record_shard_progress(
+        made[1], 0, {"requests_done": 3, "completion_tokens": 12}
+    )
 
     metrics = _metrics(api)
     jobs = {(s.labels["status"], s.labels["model"]): s.value for s in metrics["batch_pipeline_jobs"]}
@@ -125,7 +128,7 @@ def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deploymen
         (directory / "results.tsv").write_text(
             "".join(f"{i}\t{json.dumps({'text': text})}\n" for i, text in results.items())
         )
-    api.store.record_shards(job_id, {0: 2, 1: 1})
+    ShardProgressStore(engine=api.store.engine).record_shards(job_id, {0: 2, 1: 1})
 
     result = keep_partial_results.execute_in_process(
         run_config={

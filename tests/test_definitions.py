@@ -12,7 +12,7 @@ from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.definitions import batch_completions_job, defs
 from batch_pipeline.pipeline.partial_results import partial_results_run_request
-from batch_pipeline.store.jobs import JobRecord
+from batch_pipeline.store.records import JobRecord
 
 REQUEST = {
     "output_data_path": "/tmp/out.json",

@@ -16,7 +16,11 @@ import pytest
 from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_queues
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
-from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.progress import ShardProgressStore
+from batch_pipeline.store.quotas import QuotaStore
+from batch_pipeline.store.records import NewJob
+from batch_pipeline.store.sharing import SharingStore
 from batch_pipeline.tenancy.fair_share import (
     Queues,
     TeamShare,
@@ -385,7 +389,7 @@ def _old_usage(store: JobStore, now: datetime) -> dict[str, float]:
     """Usage as the first release read it: every job that used slots in the last 10 half-lives."""
     half_life_s = HALF_LIFE_S
     usage: dict[str, float] = {}
-    for use in store.slot_usage_since(now - timedelta(seconds=half_life_s * 10)):
+    for use in SharingStore(engine=store.engine).slot_usage_since(now - timedelta(seconds=half_life_s * 10)):
         units = max(use.shards, 1) * json.loads(use.request_json)["gpus"]
         usage[use.owner] = usage.get(use.owner, 0.0) + decayed_slot_seconds(
             use.started_at, use.ended_at, units, now, half_life_s
@@ -407,9 +411,10 @@ def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_p
             if n % 3:
                 ended = started + timedelta(seconds=rng.randint(1, 600))
                 store.mark_run_ended(f"job-{n:02d}", f"run-{n}", "completed", ended)
-    store.record_shards("job-01", {0: 1, 1: 1, 2: 1})  # three shards of two GPUs
-    first = team_shares(store, registry, now, HALF_LIFE_S, count=True)  # the sensor's tick: the ended jobs counted
-    again = team_shares(store, registry, now, HALF_LIFE_S)  # read from the counts now
+    ShardProgressStore(engine=store.engine).record_shards("job-01", {0: 1, 1: 1, 2: 1})  # three shards of two GPUs
+    sharing = SharingStore(engine=store.engine)
+    first = team_shares(sharing, registry, now, HALF_LIFE_S, count=True)  # the sensor's tick: the ended jobs counted
+    again = team_shares(sharing, registry, now, HALF_LIFE_S)  # read from the counts now
     old = _old_usage(store, now)
     for owner in old:
         assert first[owner].usage == pytest.approx(old[owner], rel=1e-6)
@@ -419,14 +424,16 @@ def test_usage_counted_as_jobs_end_is_the_usage_read_from_every_job(teams, tmp_p
     finished = next(f"job-{n:02d}" for n in range(60) if n % 4 and n % 3)
     store.mark_started(finished, "run-again", now - timedelta(seconds=30))
     later = now + timedelta(seconds=10)
-    assert team_shares(store, registry, later, HALF_LIFE_S, count=True)[
+    assert team_shares(SharingStore(engine=store.engine), registry, later, HALF_LIFE_S, count=True)[
         store.get(finished).owner
     ].usage == pytest.approx(_old_usage(store, later)[store.get(finished).owner], rel=1e-6)
     store.mark_run_ended(finished, "run-again", "completed", later)
     latest = later + timedelta(seconds=100)
-    team_shares(store, registry, latest, HALF_LIFE_S, count=True)
+    team_shares(SharingStore(engine=store.engine), registry, latest, HALF_LIFE_S, count=True)
     for owner, value in _old_usage(store, latest).items():
-        assert team_shares(store, registry, latest, HALF_LIFE_S)[owner].usage == pytest.approx(value, rel=1e-6)
+        assert team_shares(SharingStore(engine=store.engine), registry, latest, HALF_LIFE_S)[
+            owner
+        ].usage == pytest.approx(value, rel=1e-6)
 
 
 def test_the_store_read_admits_what_the_reference_admits_from_whole_records(teams, tmp_path):
@@ -437,7 +444,7 @@ def test_the_store_read_admits_what_the_reference_admits_from_whole_records(team
         priority = rng.choice([None, "low", "high", "highest", "15", "-5"])
         _store_job(store, f"job-{n:02d}", rng.choice(["team:bounded", "team:free", "someone", "schedule:s"]), priority)
     now = datetime.now(UTC)
-    shares = team_shares(store, registry, now, HALF_LIFE_S)
+    shares = team_shares(SharingStore(engine=store.engine), registry, now, HALF_LIFE_S)
     records = [record for chunk in store.awaiting_launch() for record in chunk if record.owner != "schedule:s"]
     cap = {"team:bounded": 10}  # the bounded team's max_priority: high
     from batch_pipeline.contract.priority import run_priority
@@ -445,10 +452,11 @@ def test_the_store_read_admits_what_the_reference_admits_from_whole_records(team
     reference = [
         WaitingJob(r.job_id, r.owner, run_priority(r.priority, cap.get(r.owner)), r.created_at) for r in records
     ]
-    queues = waiting_queues(store, registry, skip_owners="schedule:")
+    sharing = SharingStore(engine=store.engine)
+    queues = waiting_queues(sharing, registry, skip_owners="schedule:")
     assert len(queues) == len(records)
     for slots in (None, 1, 5, 30):
-        assert [a.job.job_id for a in admissions(queues, store, registry, slots, now, HALF_LIFE_S, count=False)] == (
+        assert [a.job.job_id for a in admissions(queues, sharing, registry, slots, now, HALF_LIFE_S, count=False)] == (
             _reference_admit(reference, shares, slots)
         )
 
@@ -661,8 +669,10 @@ def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_tak
     # Today: 600 tokens of a job that ended, 399 so far of one still running (a second each: little usage).
     _ran(spent, 600, now - timedelta(seconds=1), now)
     _ran(running, TOKENS_PER_DAY - 600 - 1, now - timedelta(seconds=1), None)
-    assert store.tokens_since_by_owner(["team:capped", "team:free", "team:bounded"], midnight) == {
-        owner: store.tokens_since(owner, midnight) for owner in ("team:capped", "team:free")
+    assert SharingStore(engine=store.engine).tokens_since_by_owner(
+        ["team:capped", "team:free", "team:bounded"], midnight
+    ) == {
+        owner: QuotaStore(engine=store.engine).tokens_since(owner, midnight) for owner in ("team:capped", "team:free")
     }
     # One token below its quota: not held, its jobs stand first.
     below = _metadata(api, CAPPED, waiting[0])
@@ -685,10 +695,9 @@ def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_tak
 
     # The sensor gives the one free slot to the free team; the held team's late job still fails.
     registry = tenants_at(os.environ["BATCH_PIPELINE_TENANTS"])  # the `teams` fixture's
-    queues = waiting_queues(store, registry, skip_owners="schedule:")
-    held = admissions(
-        queues, store, registry, 1, now, HALF_LIFE_S, count=False
-    ).held  # for the sensor's log: one a team
+    sharing = SharingStore(engine=store.engine)
+    queues = waiting_queues(sharing, registry, skip_owners="schedule:")
+    held = admissions(queues, sharing, registry, 1, now, HALF_LIFE_S, count=False).held  # for the sensor's log
     assert held == {
         "team:capped": f"3 waiting jobs are held by its max_tokens_per_day: it has used {TOKENS_PER_DAY}/"
         f"{TOKENS_PER_DAY} tokens today (UTC); they wait until 00:00 UTC"

@@ -7,7 +7,9 @@ from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 
-from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.progress import ShardProgressStore
+from batch_pipeline.store.records import NewJob
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.schema import SCHEMA_VERSION_TABLE
 
@@ -136,10 +138,16 @@ def test_progress_reports_sum_into_the_job_row(tmp_path):
     store = JobStore(f"sqlite:///{tmp_path}/jobs.db")
     job, _ = store.create(_new_job())
     assert store.mark_started(job.job_id, "run-1")
-    store.record_shards(job.job_id, {0: 10, 1: 6})
-    store.record_shard_progress(job.job_id, 0, {"requests_done": 4, "completion_tokens": 40, "errors": 1})
-    store.record_shard_progress(job.job_id, 1, {"requests_done": 6, "completion_tokens": 50})
-    store.record_shard_progress(job.job_id, 0, {"requests_done": 7, "completion_tokens": 70, "errors": 1})
+    ShardProgressStore(engine=store.engine).record_shards(job.job_id, {0: 10, 1: 6})
+    ShardProgressStore(engine=store.engine).record_shard_progress(
+        job.job_id, 0, {"requests_done": 4, "completion_tokens": 40, "errors": 1}
+    )
+    ShardProgressStore(engine=store.engine).record_shard_progress(
+        job.job_id, 1, {"requests_done": 6, "completion_tokens": 50}
+    )
+    ShardProgressStore(engine=store.engine).record_shard_progress(
+        job.job_id, 0, {"requests_done": 7, "completion_tokens": 70, "errors": 1}
+    )
     row = store.get(job.job_id)
     assert (row.status, row.requests_total, row.requests_done, row.completion_tokens, row.errors) == (
         "running",
@@ -158,7 +166,7 @@ def test_a_runs_results_are_recorded_with_their_counts_and_an_older_releases_sti
     results = JobResults(
         num_requests=3, num_errors=1, completion_tokens=30, wall_s=2.5, requests_total=3, requests_done=3, errors=1
     )
-    store.record_results(job.job_id, "run-1", results)
+    ShardProgressStore(engine=store.engine).record_results(job.job_id, "run-1", results)
     row = store.get(job.job_id)
     assert row.results == results and (row.requests_total, row.requests_done, row.errors) == (3, 3, 1)
     with store.engine.begin() as connection:

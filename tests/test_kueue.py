@@ -23,7 +23,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from batch_pipeline.launch.k8s import DEFAULT_GPU_NODE_SELECTORS, KUEUE_QUEUE_LABEL, MIG_RESOURCES, K8sShardLauncher
 from batch_pipeline.pipeline.resources import JobStoreResource
-from batch_pipeline.store.jobs import NewJob
+from batch_pipeline.store.records import NewJob
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
 from tests.test_k8s_pods import KUBERNETES_VERSION, LAUNCHER, NOW, _task
 

@@ -275,8 +275,8 @@ def test_a_batch_past_its_window_reads_expired_and_its_unreached_requests_say_so
 
     from batch_pipeline.api.openai_service import describe_batch
     from batch_pipeline.openai_batch.jobs import expired, write_result_files
-    from batch_pipeline.store.jobs import JobRecord
     from batch_pipeline.store.openai import BatchRecord
+    from batch_pipeline.store.records import JobRecord
     from batch_pipeline.store.schema import JobStatus
 
     created = datetime(2026, 1, 1, tzinfo=UTC)

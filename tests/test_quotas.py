@@ -28,6 +28,7 @@ from batch_pipeline.admission.submission import QuotaExceeded, check_tokens_quot
 from batch_pipeline.core.settings import settings
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import files
+from batch_pipeline.store.quotas import QuotaStore
 from batch_pipeline.store.schema import JobStatus, jobs
 from tests.conftest import MODEL
 from tests.test_openai_batch import _create, _jsonl, _line, _upload
@@ -552,7 +553,7 @@ def race_the_queue_quota(client: httpx.Client, root, store: JobStore) -> None:
         text = answer.text
         # A batch may find every check of its team's input files busy first: a 429 of its own, storing nothing.
         assert "max_queued_jobs: your team has" in text or "batch input files being checked" in text, text
-    assert store.count_queued("team:racer") == QUEUED_MAX
+    assert QuotaStore(engine=store.engine).count_queued("team:racer") == QUEUED_MAX
     assert len(store.list(owner="team:racer").jobs) == QUEUED_MAX
 
     # 19 stopped jobs: made and cancelled one at a time, under the quota.
@@ -565,7 +566,7 @@ def race_the_queue_quota(client: httpx.Client, root, store: JobStore) -> None:
         job_id = made.json()["job_id"]
         assert client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=headers).status_code == 200
         stopped.append(job_id)
-    assert store.count_queued("team:racer") == 0
+    assert QuotaStore(engine=store.engine).count_queued("team:racer") == 0
 
     answers = _at_once(
         [lambda job_id=job_id: client.post(f"/v2/batch-completions/{job_id}/actions/resume", headers=headers)
@@ -576,7 +577,7 @@ def race_the_queue_quota(client: httpx.Client, root, store: JobStore) -> None:
     for answer in answers:
         if answer.status_code != 200:
             assert answer.status_code == 429 and answer.json()["detail"].startswith("max_queued_jobs:"), answer.text
-    assert store.count_queued("team:racer") == QUEUED_MAX
+    assert QuotaStore(engine=store.engine).count_queued("team:racer") == QUEUED_MAX
     assert client.get("/v1/batches", headers=bearer).status_code == 200
 
 
@@ -596,7 +597,12 @@ def race_the_tokens_quota(client: httpx.Client, root, store: JobStore) -> None:
         if answer.status_code != 200:
             assert answer.status_code == 429, answer.text
             assert answer.json()["detail"].startswith("max_tokens_per_day: your team's jobs have used 0/"), answer.text
-    assert store.tokens_held_since("team:spender", datetime.now(UTC) - timedelta(days=1)).reserved == TOKENS_MAX
+    assert (
+        QuotaStore(engine=store.engine)
+        .tokens_held_since("team:spender", datetime.now(UTC) - timedelta(days=1))
+        .reserved
+        == TOKENS_MAX
+    )
     assert len(store.list(owner="team:spender").jobs) == TOKENS_MAX // estimate
 
 
@@ -675,11 +681,13 @@ def test_jobs_whose_input_files_grew_after_submission_are_held_to_the_day_at_pla
     owner, midnight = store.get(job_ids[0]).owner, datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     first = _plan(api, job_ids[0])
     assert first.success  # the team held ~1 token besides it: it runs, as a submission would be taken
-    held = store.tokens_held_since(owner, midnight).held
+    held = QuotaStore(engine=store.engine).tokens_held_since(owner, midnight).held
     assert held > 3 * TOKENS_MAX  # what the grown file holds, not its size at submission
     second = _plan(api, job_ids[1])
     assert not second.success
     (failure,) = [event for event in second.all_events if event.is_step_failure]
     message = failure.step_failure_data.error.message
     assert "max_tokens_per_day" in message and "resume it after 00:00 UTC" in message, message
-    assert store.tokens_held_since(owner, midnight).held == held  # nothing reserved for what it will not run
+    assert (
+        QuotaStore(engine=store.engine).tokens_held_since(owner, midnight).held == held
+    )  # nothing reserved for what it will not run

@@ -18,6 +18,7 @@ from batch_pipeline.pipeline.sensors import run_request_for
 from batch_pipeline.pipeline.tags import RESUME_TAG
 from batch_pipeline.shards.merge import checkpointed
 from batch_pipeline.store import retention
+from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.store.webhooks import WebhookOutbox
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY
@@ -111,7 +112,7 @@ def test_a_stopped_jobs_resume_waits_for_its_partial_results_output_and_not_for_
     api.store.mark_run_ended(job_id, "run-1", JobStatus.CANCELLED, datetime.now(UTC), keeping_partial_results=True)
     merge = partial_results_run_request(api.store.get(job_id), "run-1", "cancelled", "the job was cancelled")
     assert merge is None  # no shards planned: nothing to merge, nothing to wait for
-    api.store.record_shards(job_id, {0: 2})
+    ShardProgressStore(engine=api.store.engine).record_shards(job_id, {0: 2})
     (Path(api.service.job_storage.work_dir(job_id)) / "shards" / "000").mkdir(parents=True)
     merge = partial_results_run_request(api.store.get(job_id), "run-1", "cancelled", "the job was cancelled")
     api.instance.create_run_for_job(
@@ -122,7 +123,7 @@ def test_a_stopped_jobs_resume_waits_for_its_partial_results_output_and_not_for_
     assert response.status_code == 409 and "still stopping" in response.json()["detail"]
 
     results = JobResults(job_id=job_id, dagster_run_id="run-1", status="cancelled", num_requests=2, num_finished=1)
-    api.store.record_results(job_id, "run-1", results)
+    ShardProgressStore(engine=api.store.engine).record_results(job_id, "run-1", results)
     assert api.job(job_id)["metadata"]["num_finished"] == "1"  # what the user waits for
     response = _resume(api, job_id)
     assert response.status_code == 200, response.text
@@ -147,7 +148,7 @@ def test_the_merge_of_a_stopped_runs_results_run_again_writes_nothing_once_they_
         "".join(json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in (0, 1))
     )
     (shard / "results.tsv").write_text(f"0\t{json.dumps({'text': 'kept'})}\n")
-    api.store.record_shards(job_id, {0: 2})
+    ShardProgressStore(engine=api.store.engine).record_shards(job_id, {0: 2})
     api.store.mark_cancelled(job_id)
     held = api.store.mark_run_ended(
         job_id, stopped.run_id, JobStatus.CANCELLED, datetime.now(UTC), keeping_partial_results=True
@@ -175,7 +176,9 @@ def test_the_merge_of_a_stopped_runs_results_run_again_writes_nothing_once_they_
 def test_a_job_whose_checkpoints_are_gone_is_a_409_saying_so(deployment_factory, tmp_path):
     api = deployment_factory()
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
-    api.store.record_shards(job_id, {0: 1})  # it had planned a shard, whose directory is not there
+    ShardProgressStore(engine=api.store.engine).record_shards(
+        job_id, {0: 1}
+    )  # it had planned a shard, whose directory is not there
     assert api.client.post(f"/v2/batch-completions/{job_id}/actions/cancel", headers=ALICE).json() == {"success": True}
     response = _resume(api, job_id)
     assert response.status_code == 409

@@ -15,8 +15,9 @@ import sqlalchemy as sa
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule, delete_work_dir
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store import retention
-from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import files as files_table
+from batch_pipeline.store.records import NewJob
 from batch_pipeline.store.schema import JobStatus
 from tests.api_fixtures import OTHER_KEY, USER_KEY, sensor_resources
 from tests.test_openai_batch import _bearer, _create, _jsonl, _line, _upload
@@ -376,7 +377,7 @@ def test_a_deletion_that_fails_fails_the_run_keeps_the_row_and_the_next_run_comp
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from batch_pipeline.store.jobs import NewJob
+    from batch_pipeline.store.records import NewJob
 
     class Refusing(MemoryFileSystem):
         protocol = "refusing"

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.results import JobResults
 from tests.api_fixtures import ADMIN_KEY as ADMIN_KEY_OF_KEYS
 from tests.api_fixtures import OTHER_KEY, USER_KEY
@@ -102,7 +103,9 @@ def _completed_with_output(api, job_id: str, output: Path) -> None:
         )
     )
     store.mark_run_ended(job_id, "run-of-" + job_id, "completed", datetime.now(UTC))
-    store.record_results(job_id, "run-of-" + job_id, JobResults(num_requests=2, num_errors=1, requests_done=2))
+    ShardProgressStore(engine=store.engine).record_results(
+        job_id, "run-of-" + job_id, JobResults(num_requests=2, num_errors=1, requests_done=2)
+    )
 
 
 def test_a_teams_page_lists_its_jobs_and_never_another_teams(api, teams):
@@ -414,8 +417,10 @@ def test_in_headless_chromium_a_team_logs_in_sees_its_jobs_follow_and_not_anothe
     store = api.app.state.job_service.store
     store.link_run(running, "run-of-" + running)
     assert store.mark_started(running, "run-of-" + running)
-    store.record_shards(running, {0: 4})  # what plan_shards and the shard's worker record as it goes
-    store.record_shard_progress(running, 0, {"requests_done": 1})
+    ShardProgressStore(engine=store.engine).record_shards(
+        running, {0: 4}
+    )  # what plan_shards and the shard's worker record as it goes
+    ShardProgressStore(engine=store.engine).record_shard_progress(running, 0, {"requests_done": 1})
     done = _submit(api, TEAM_A_KEY, teams["a"] / "done.json", {"project": "apollo"})
     _completed_with_output(api, done, teams["a"] / "done.json")
     theirs = _submit(api, TEAM_B_KEY, teams["b"] / "out.json", {"project": "bravo-secret"})
@@ -440,7 +445,7 @@ def test_in_headless_chromium_a_team_logs_in_sees_its_jobs_follow_and_not_anothe
         browser.evaluate("window.notReloaded = true")
         progress = f"document.querySelector('tr[data-job-id=\"{running}\"] [data-field=progress]').textContent"
         assert browser.evaluate(progress) == "1/4"
-        store.record_shard_progress(running, 0, {"requests_done": 3})
+        ShardProgressStore(engine=store.engine).record_shard_progress(running, 0, {"requests_done": 3})
         browser.wait_for(f"{progress} === '3/4'", timeout=30)
         row = f"document.querySelector('tr[data-job-id=\"{queued}\"] [data-field=status]').textContent"
         assert browser.evaluate(row) == "queued"

@@ -17,8 +17,10 @@ from batch_pipeline.launch.local import LocalShardLauncher
 from batch_pipeline.pipeline.admission import _units_per_shard, team_shares
 from batch_pipeline.shards.format import ShardSpec
 from batch_pipeline.shards.protocol import ShardTask
-from batch_pipeline.store.jobs import JobStore, SlotUse
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.sharing import SharingStore, SlotUse
 from batch_pipeline.tenancy.fair_share import declared_units, shard_units
 from batch_pipeline.tenancy.tenants import tenants_at
 from tests.api_fixtures import ADMIN_KEY as DEPLOYMENT_ADMIN_KEY
@@ -86,9 +88,11 @@ def _usage(api, key: str, **params) -> dict:
 def _ran(store: JobStore, job_id: str, shards: dict[int, dict[str, int]], started: datetime, ended: datetime):
     """What a run records of a job: its start, its shards' figures, its end."""
     store.mark_started(job_id, f"run-{job_id}", started)
-    store.record_shards(job_id, {index: figures["requests_done"] for index, figures in shards.items()})
+    ShardProgressStore(engine=store.engine).record_shards(
+        job_id, {index: figures["requests_done"] for index, figures in shards.items()}
+    )
     for index, figures in shards.items():
-        store.record_shard_progress(job_id, index, figures)
+        ShardProgressStore(engine=store.engine).record_shard_progress(job_id, index, figures)
     store.mark_run_ended(job_id, f"run-{job_id}", JobStatus.COMPLETED, ended)
 
 
@@ -335,13 +339,17 @@ def test_a_resumed_job_is_charged_for_its_runs_not_the_time_it_sat_cancelled(api
     half_life_s = 1e9  # usage that does not decay in this test: the figures are the seconds themselves
 
     def fair_share(now: datetime) -> float:
-        counted = team_shares(store, registry, now, half_life_s, count=True)[owner].usage  # the sensor's tick
-        assert team_shares(store, registry, now, half_life_s)[owner].usage == pytest.approx(counted, abs=0.01)
+        counted = team_shares(SharingStore(engine=store.engine), registry, now, half_life_s, count=True)[
+            owner
+        ].usage  # the sensor's tick
+        assert team_shares(SharingStore(engine=store.engine), registry, now, half_life_s)[owner].usage == pytest.approx(
+            counted, abs=0.01
+        )
         return counted
 
     first = datetime.now(UTC) - timedelta(hours=2)
     store.mark_started(job_id, "run-1", first)
-    store.record_shards(job_id, {0: 1})
+    ShardProgressStore(engine=store.engine).record_shards(job_id, {0: 1})
     store.mark_cancelled(job_id)
     store.mark_run_ended(job_id, "run-1", JobStatus.CANCELLED, first + timedelta(seconds=30))
     assert fair_share(first + timedelta(seconds=40)) == pytest.approx(30, abs=0.01)
@@ -349,7 +357,7 @@ def test_a_resumed_job_is_charged_for_its_runs_not_the_time_it_sat_cancelled(api
     second = first + timedelta(seconds=30 + 575)
     assert store.mark_started(job_id, "run-2", second)
     assert store.mark_started(job_id, "run-2", second)  # the same run's start, marked again: nothing changes
-    store.record_shards(job_id, {0: 1})
+    ShardProgressStore(engine=store.engine).record_shards(job_id, {0: 1})
     assert fair_share(second + timedelta(seconds=10)) == pytest.approx(30 + 10, abs=0.01)  # running
     store.mark_run_ended(job_id, "run-2", JobStatus.COMPLETED, second + timedelta(seconds=37))
     assert fair_share(second + timedelta(seconds=60)) == pytest.approx(30 + 37, abs=0.01)

@@ -30,8 +30,10 @@ from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
-from batch_pipeline.store.jobs import JobStore, NewJob
+from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore, batches
+from batch_pipeline.store.progress import ShardProgressStore
+from batch_pipeline.store.records import NewJob
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.store.webhooks import PARTIAL_RESULTS_WAIT, WebhookOutbox
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, WebhookConfig
@@ -318,7 +320,7 @@ class StoppedJob:
                 "".join(f"{i}\t{json.dumps({'text': text})}\n" for i, text in results.items())
             )
         (work_dir / CUSTOM_IDS_FILE).write_text("".join(json.dumps(f"request-{i}") + "\n" for i in range(3)))
-        store.record_shards(self.job_id, {0: 2, 1: 1})
+        ShardProgressStore(engine=store.engine).record_shards(self.job_id, {0: 2, 1: 1})
         store.mark_cancelled(self.job_id)  # the user's cancel; the run then stops
         cancelled = instance.report_run_canceled(run)
         run = instance.get_run_by_id(run.run_id)

@@ -28,8 +28,10 @@ from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchConte
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.shards.records import CHARS_PER_TOKEN, work_items
-from batch_pipeline.store.jobs import Admit, JobRecord, JobStore, NewJob, TeamFigures, TokensOfTheDay
+from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
+from batch_pipeline.store.quotas import Admit, QuotaStore, TeamFigures, TokensOfTheDay
+from batch_pipeline.store.records import JobRecord, NewJob
 from batch_pipeline.tenancy.tenants import Team
 
 # A job's inline content, as written at submission: a JSON array of records, as an input file holds them.
@@ -190,7 +192,7 @@ def check_queue_quota(store: JobStore, owner: str, team: Team | None, idempotenc
     limit = team.config.max_queued_jobs if team is not None else None
     if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
         return
-    if refused := _queue_refusal(store.count_queued(owner), limit):
+    if refused := _queue_refusal(QuotaStore(engine=store.engine).count_queued(owner), limit):
         raise refused
 
 
@@ -212,7 +214,7 @@ def check_tokens_quota(
     store: JobStore, owner: str, team: Team | None, idempotency_key: str | None = None, now: datetime | None = None
 ) -> None:
     """Raise QuotaExceeded when the tokens of `owner`'s `team`'s jobs today (UTC) reach its `max_tokens_per_day`
-    (JobStore.tokens_held_since: the prompt and completion tokens of its jobs that ended today, and of each
+    (QuotaStore.tokens_held_since: the prompt and completion tokens of its jobs that ended today, and of each
     job not yet ended the larger of its estimate and what it has used so far); Retry-After is the next UTC
     midnight. A running job finishes; jobs already waiting are held by the jobs sensor (pipeline/admission.py)
     once what the team's jobs used reaches it. A retry of a submission that made its job is answered with it.
@@ -221,7 +223,9 @@ def check_tokens_quota(
     if limit is None or _retry_of_a_made_job(store, owner, idempotency_key):
         return
     now = now or datetime.now(UTC)
-    if refused := _tokens_refusal(store.tokens_held_since(owner, _utc_midnight(now)), limit, now):
+    if refused := _tokens_refusal(
+        QuotaStore(engine=store.engine).tokens_held_since(owner, _utc_midnight(now)), limit, now
+    ):
         raise refused
 
 
@@ -343,7 +347,9 @@ class _StoredBytesLedger:
 
     def _stored(self, store: JobStore, owner: str, limit: int) -> StoredBytes:
         files = OpenAIStore(engine=store.engine).file_bytes_of(owner)
-        return StoredBytes(files + store.work_dir_bytes_of(owner) + self._held.get(owner, 0), limit)
+        return StoredBytes(
+            files + QuotaStore(engine=store.engine).work_dir_bytes_of(owner) + self._held.get(owner, 0), limit
+        )
 
     def of(self, store: JobStore, owner: str, limit: int | None) -> StoredBytes | None:
         if limit is None:

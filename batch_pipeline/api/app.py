@@ -113,7 +113,7 @@ def metrics(who: CallerDep, service: ServiceDep) -> Response:
     tokens generated. Every tenant's figures: admin keys only (Prometheus sends one as basic_auth's user)."""
     if not who.is_admin:
         raise HTTPException(status_code=403, detail="an admin key is required")
-    return Response(metrics_text(service.store, service.admission.teams()), media_type=CONTENT_TYPE_LATEST)
+    return Response(metrics_text(service.reports, service.admission.teams()), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post(
@@ -265,7 +265,7 @@ def usage(
     tenants file's teams, `admins`, and `other`). The response schema defines each figure; at most 366
     days, and a bad `since` or `until` is a 422 naming it."""
     try:
-        return usage_report(service.store, service.admission.teams(), who, since, until, team)
+        return usage_report(service.reports, service.admission.teams(), who, since, until, team)
     except InvalidUsageQuery as exc:
         raise HTTPException(
             422, detail=[{"loc": ["query", exc.field], "msg": str(exc), "type": "value_error"}]

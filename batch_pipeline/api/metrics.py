@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from batch_pipeline.api.usage import named_owners, team_label
-from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.store.webhooks import WebhookOutbox
 from batch_pipeline.tenancy.tenants import Tenants
@@ -22,7 +22,7 @@ START_LATENCY_BUCKETS = (1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 360
 
 
 class JobStoreCollector(Collector):
-    def __init__(self, store: JobStore, named: list[str]) -> None:
+    def __init__(self, store: ReportStore, named: list[str]) -> None:
         self.store = store
         self.named = named  # the owners whose figures are told apart (`named_owners`)
 
@@ -70,7 +70,7 @@ class JobStoreCollector(Collector):
         )
 
 
-def _team_figures(store: JobStore, named: list[str]) -> Iterator[Metric]:
+def _team_figures(store: ReportStore, named: list[str]) -> Iterator[Metric]:
     """The job, request and token figures by team: the tenants file's teams, `admins`, and `other` for every
     other owner, so the series are as many as the teams (GET /v2/usage has them per day)."""
     jobs = GaugeMetricFamily("batch_pipeline_team_jobs", "Batch jobs by team and status.", labels=["team", "status"])
@@ -102,7 +102,7 @@ def _team_figures(store: JobStore, named: list[str]) -> Iterator[Metric]:
     yield from (jobs, requests, prompt_tokens, completion_tokens)
 
 
-def _webhook_figures(store: JobStore, named: list[str]) -> Iterator[Metric]:
+def _webhook_figures(store: ReportStore, named: list[str]) -> Iterator[Metric]:
     """The webhook outbox's figures by team and event type, read from its rows (the delivery process is
     another process: every API replica reports the same)."""
     labels = ["team", "type"]
@@ -136,7 +136,7 @@ def _webhook_figures(store: JobStore, named: list[str]) -> Iterator[Metric]:
     yield from (events, delivered, given_up, attempts, pending)
 
 
-def metrics_text(store: JobStore, teams: Tenants | None) -> bytes:
+def metrics_text(store: ReportStore, teams: Tenants | None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JobStoreCollector(store, named_owners(teams)))
     return generate_latest(registry)

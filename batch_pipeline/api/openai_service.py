@@ -57,8 +57,8 @@ from batch_pipeline.openai_batch.jobs import (
     model_config_for,
     write_result_files,
 )
-from batch_pipeline.store.jobs import JobRecord, NewJob
 from batch_pipeline.store.openai import BatchRecord, FileRecord, OpenAIStore
+from batch_pipeline.store.records import JobRecord, NewJob
 from batch_pipeline.store.schema import JobStatus
 
 _CHUNK = 1024 * 1024
@@ -295,7 +295,7 @@ class OpenAIBatchService:
                 request = _job_request(
                     checked, body, work_dir, caller.owner, self.jobs.admission, self.limits, dry_run=True
                 )
-                history = self.jobs.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
+                history = self.jobs.reports.completed_figures(request.model_cfg.model, HISTORY_JOBS)
                 files = self.jobs.admission.data_files(caller.owner, own_dir=work_dir)
                 return self.jobs.dry_runs.estimate(request, history, files, team=caller.owner)
             except (ValidationError, UnservableRequest, OSError) as exc:

@@ -36,10 +36,13 @@ from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, STOPPED_RUN_TAG
 from batch_pipeline.shards.format import shard_directories
-from batch_pipeline.store.jobs import IdempotencyConflict, JobRecord, JobStore
+from batch_pipeline.store.jobs import IdempotencyConflict, JobStore
+from batch_pipeline.store.records import JobRecord
+from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.retention import checkpoints_deleted
 from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.sharing import SharingStore
 from batch_pipeline.tenancy.tenants import Tenants
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
@@ -91,6 +94,7 @@ class BatchJobService:
         dry_runs: DryRuns,
     ) -> None:
         self.store = store
+        self.reports = ReportStore(engine=store.engine)
         self.instance = instance
         self.job_storage = job_storage
         # What requests may name and ask for.
@@ -123,7 +127,7 @@ class BatchJobService:
         """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
         submission may not read is read; then the request read and tokenized; no job, no file."""
         check_servable(request, caller.owner, self.admission)
-        history = self.store.completed_figures(request.model_cfg.model, HISTORY_JOBS)
+        history = self.reports.completed_figures(request.model_cfg.model, HISTORY_JOBS)
         return self.dry_runs.estimate(request, history, self.admission.data_files(caller.owner), team=caller.owner)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
@@ -275,7 +279,9 @@ class BatchJobService:
         if waiting and (registry := self.admission.teams()) is not None:
             metadata["waiting_for"] = "a run slot: the jobs sensor gives free ones out by fair share between teams"
             if place_for is not None:
-                metadata |= _place_in_queue(self.store, registry, record, self.fair_share_half_life_s, place_for)
+                metadata |= _place_in_queue(
+                    SharingStore(engine=self.store.engine), registry, record, self.fair_share_half_life_s, place_for
+                )
         if record.results is not None:
             metadata |= _results_metadata(record.results)
         if record.status == JobStatus.FAILED:
@@ -367,7 +373,7 @@ def _stored_max_runtime(record: JobRecord) -> int:
 
 
 def _place_in_queue(
-    store: JobStore, registry: Tenants, record: JobRecord, half_life_s: float, caller: Caller
+    store: SharingStore, registry: Tenants, record: JobRecord, half_life_s: float, caller: Caller
 ) -> dict[str, str]:
     """`queue_position` (1-based) and why, as the jobs sensor's order has it now. A team is told its job's
     place among its own team's waiting jobs, and its own team's standing, never how many jobs other teams

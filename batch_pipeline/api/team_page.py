@@ -42,8 +42,10 @@ from batch_pipeline.api.team_page_assets import TEAM_CSS, TEAM_JS
 from batch_pipeline.api.usage import team_label, usage_report
 from batch_pipeline.contract import BatchCompletionsJob, BatchCompletionsJobStatus, GetBatchCompletionV2Response
 from batch_pipeline.core.io import InputFileError, iter_json_records
-from batch_pipeline.store.jobs import JobRecord
+from batch_pipeline.store.quotas import QuotaStore
+from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.sharing import SharingStore
 from batch_pipeline.tenancy.tenants import Team
 
 SESSION_COOKIE = "batch_pipeline_team_session"
@@ -657,7 +659,7 @@ def _errors_section(job: BatchCompletionsJob, output: JobOutput) -> Html:
 
 
 def _usage_section(service: BatchJobService, caller: Caller) -> Html:
-    report = usage_report(service.store, service.admission.teams(), caller)
+    report = usage_report(service.reports, service.admission.teams(), caller)
     columns = ("jobs", "requests", "prompt_tokens", "completion_tokens", "gpu_seconds", "stored_bytes")
     head = joined(html("<th>{name}</th>", name=name) for name in columns)
     teams = joined(
@@ -700,7 +702,7 @@ def _quotas_section(service: BatchJobService, caller: Caller) -> Html:
     else:
         own = registry.team_of_owner(caller.owner)
         teams = [own] if own is not None else []
-    holding = service.store.slot_holders()
+    holding = SharingStore(engine=service.store.engine).slot_holders()
     midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     rows = joined(_quota_row(service, team, holding, midnight) for team in teams)
     return html(
@@ -713,8 +715,8 @@ def _quotas_section(service: BatchJobService, caller: Caller) -> Html:
 
 
 def _quota_row(service: BatchJobService, team: Team, holding: dict[str, int], midnight: datetime) -> Html:
-    config, store = team.config, service.store
-    stored = stored_bytes_of(store, team.owner, team)
+    config, quotas = team.config, QuotaStore(engine=service.store.engine)
+    stored = stored_bytes_of(service.store, team.owner, team)
     stored_now = stored.stored if stored is not None else None
 
     def used(value: int | None, limit: int | None) -> str:
@@ -726,9 +728,9 @@ def _quota_row(service: BatchJobService, team: Team, holding: dict[str, int], mi
         "<td>{stored}</td><td>{priority}</td><td>{retention}</td></tr>",
         team=team.name,
         weight=f"{config.weight:g}",
-        queued=used(store.count_queued(team.owner), config.max_queued_jobs),
+        queued=used(quotas.count_queued(team.owner), config.max_queued_jobs),
         running=used(holding.get(team.owner, 0), config.max_running_jobs),
-        tokens=used(store.tokens_since(team.owner, midnight), config.max_tokens_per_day),
+        tokens=used(quotas.tokens_since(team.owner, midnight), config.max_tokens_per_day),
         stored=used(stored_now, config.max_stored_bytes),
         priority="no cap" if config.max_priority is None else config.max_priority,
         retention="the deployment's" if config.retention_days is None else config.retention_days,

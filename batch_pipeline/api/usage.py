@@ -22,8 +22,8 @@ from typing import Any
 
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract.usage import TeamUsage, UsageDay, UsageResponse
-from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
+from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.tenancy.fair_share import declared_units
 from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants
 
@@ -122,7 +122,7 @@ class _Figures:
 
 
 def usage_report(
-    store: JobStore,
+    store: ReportStore,
     registry: Tenants | None,
     caller: Caller,
     since: str | None = None,

@@ -71,7 +71,7 @@ class DryRuns:
         """The dry run of a request whose paths and fields `check_servable` accepted, its input opened as its
         job would open it (`files`: beneath the requester's data roots), in one of the slots `team`
         (`Caller.owner`) may hold. `history` is the model's completed jobs' figures, newest first
-        (`JobStore.completed_figures`). Raises UnservableRequest naming the field for what makes the whole
+        (`ReportStore.completed_figures`). Raises UnservableRequest naming the field for what makes the whole
         job fail (an unreadable input, a model with no tokenizer here), and DryRunsBusy when the process
         runs as many dry runs as it takes, or the team holds its share."""
         with self.slots.hold(team):

@@ -29,8 +29,9 @@ from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, Filt
 from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import Settings
-from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import BatchResults, FileRecord, OpenAIStore
+from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.schema import failed_at_deadline
 
 CUSTOM_IDS_FILE = "custom_ids.jsonl"

@@ -3,7 +3,7 @@ slot can take it, and the jobs sensor asks for runs only for the jobs `fair_shar
 Dagster's run queue never holds a deep backlog in the order jobs arrived.
 
 Run slots are the instance's `max_concurrent_runs` (QueuedRunCoordinator) less the runs in progress, of
-any job. A team whose tokens of the UTC day (`JobStore.tokens_since`, as submission counts them) have
+any job. A team whose tokens of the UTC day (`QuotaStore.tokens_since`, as submission counts them) have
 reached its `max_tokens_per_day` is held as a team at its `max_running_jobs` is: none of its waiting jobs
 is admitted until 00:00 UTC, and the other teams' jobs take the slots. Without a tenants file there are
 no teams to share between: every job gets its run at once and waits in Dagster's queue by priority, as
@@ -21,7 +21,8 @@ from dagster._core.storage.dagster_run import IN_PROGRESS_RUN_STATUSES
 
 from batch_pipeline.contract.priority import InvalidPriority, run_priority
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
-from batch_pipeline.store.jobs import JobRecord, JobStore, SlotUse
+from batch_pipeline.store.records import JobRecord
+from batch_pipeline.store.sharing import SharingStore, SlotUse
 from batch_pipeline.tenancy.fair_share import (
     Admission,
     QueuePlace,
@@ -67,7 +68,7 @@ def utc_midnight(now: datetime) -> datetime:
 
 
 def team_shares(
-    store: JobStore, registry: Tenants, now: datetime, half_life_s: float, count: bool = False
+    store: SharingStore, registry: Tenants, now: datetime, half_life_s: float, count: bool = False
 ) -> dict[str, TeamShare]:
     """Each owner's weight, bound, decayed usage and slots held now (owners no team names: weight 1); and
     each team's tokens of the UTC day where it sets a `max_tokens_per_day` (one grouped read of those
@@ -158,7 +159,7 @@ def _units_per_shard(use: SlotUse) -> float:
     return declared_units(request.get("gpus"), request.get("cpus")) if isinstance(request, dict) else 1.0
 
 
-def waiting_queues(store: JobStore, registry: Tenants, skip_owners: str | None = None) -> Queues:
+def waiting_queues(store: SharingStore, registry: Tenants, skip_owners: str | None = None) -> Queues:
     """The queued jobs without a run, by team in the order each gives them out: one read of the waiting
     jobs' index (id, owner, priority, age; no request), each priority read as its team's cap reads it
     once per team and stored priority. A job's `created_at` here is its place in the order of submission
@@ -186,7 +187,7 @@ def waiting_queues(store: JobStore, registry: Tenants, skip_owners: str | None =
 
 def admissions(
     queues: Queues,
-    store: JobStore,
+    store: SharingStore,
     registry: Tenants,
     slots: int | None,
     now: datetime,
@@ -214,7 +215,7 @@ def tokens_hold(share: TeamShare, waiting: int) -> str:
 
 
 def place_in_queue(
-    store: JobStore,
+    store: SharingStore,
     registry: Tenants,
     record: JobRecord,
     now: datetime,

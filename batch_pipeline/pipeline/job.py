@@ -45,7 +45,10 @@ from batch_pipeline.shards.planning import (
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.shards.replanning import has_earlier_plan, rewrite_shards
-from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.progress import ShardProgressStore
+from batch_pipeline.store.quotas import QuotaStore
+from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants
 
@@ -250,7 +253,7 @@ def _register_job(
     return record.job_id
 
 
-def _hold_planned_tokens(store: JobStore, record: JobRecord | None, admission: AdmissionPolicy, tokens: int) -> None:
+def _hold_planned_tokens(store: QuotaStore, record: JobRecord | None, admission: AdmissionPolicy, tokens: int) -> None:
     """The job's tokens reserved as its plan reads them, held to its team's max_tokens_per_day as its
     submission was: its input file, reserved by its size at submission, may hold far more by now (or a
     growing file each of many jobs), and it is stopped before it generates past the team's day."""
@@ -321,9 +324,10 @@ def plan_shards(
         ) from None
     if not shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
-    _hold_planned_tokens(store, record, admission, sum(shard.estimated_tokens for shard in shards))
+    _hold_planned_tokens(job_store.quotas(), record, admission, sum(shard.estimated_tokens for shard in shards))
     plan = recorded.plan
-    store.record_shards(
+    progress = job_store.progress()
+    progress.record_shards(
         job_id,
         {shard.shard_index: shard.item_count for shard in shards},
         {shard.shard_index: checkpoint_bytes(shard.directory) for shard in shards},
@@ -331,7 +335,7 @@ def plan_shards(
     )
     if input_changes is not None:
         context.log.warning(input_changes)
-    _count_kept(context, store, job_id, work_dir)
+    _count_kept(context, store, progress, job_id, work_dir)
     deadline = job_deadline(context, request.max_runtime_sec)
     copies = sum(s.copy_count for s in shards)
     context.log.info(
@@ -361,7 +365,9 @@ def plan_shards(
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
 
 
-def _count_kept(context: OpExecutionContext, store: JobStore, job_id: str, work_dir: str) -> None:
+def _count_kept(
+    context: OpExecutionContext, store: JobStore, progress: ShardProgressStore, job_id: str, work_dir: str
+) -> None:
     """A resumed job's first run counts what the checkpoints already hold, before any shard runs: those
     requests are kept, never generated again (the same plan puts each request in the same shard, whose
     worker skips what its checkpoint holds). A retry of that run finds the count made and keeps it."""
@@ -369,7 +375,7 @@ def _count_kept(context: OpExecutionContext, store: JobStore, job_id: str, work_
     if record is None or not record.resume_count or record.requests_kept is not None:
         return
     kept = checkpointed(work_dir)
-    if store.record_kept(job_id, kept.requests, kept.prompt_tokens, kept.completion_tokens):
+    if progress.record_kept(job_id, kept.requests, kept.prompt_tokens, kept.completion_tokens):
         context.log.info(
             f"resumed from {record.resumed_from} (run {record.resumed_from_run_id}): {kept.requests} requests "
             f"({kept.completion_tokens} completion tokens) kept from the checkpoints; only the rest are generated"
@@ -399,7 +405,7 @@ def _records(request: StoredRequest, files: DataFiles) -> Iterator[tuple[str, An
 def run_shard(
     context: OpExecutionContext, task: ShardTask, shard_launcher: ShardLauncher, job_store: JobStoreResource
 ) -> ShardResult:
-    store = job_store.get_store()
+    store = job_store.progress()
 
     def record_progress(figures: dict[str, int]) -> None:
         store.record_shard_progress(task.job_id, task.shard.shard_index, figures)
@@ -433,7 +439,7 @@ def run_shard(
     return result
 
 
-def _record_checkpoint_bytes(context: OpExecutionContext, store: JobStore, task: ShardTask) -> None:
+def _record_checkpoint_bytes(context: OpExecutionContext, store: ShardProgressStore, task: ShardTask) -> None:
     """What the shard's checkpoint holds now, counted in its team's stored bytes."""
     try:
         store.record_checkpoint_bytes(task.job_id, task.shard.shard_index, checkpoint_bytes(task.shard.directory))
@@ -562,7 +568,7 @@ def write_job_metadata(
         )
     }
     # The job reads completed when Dagster records the run's success (`record_run_end`), not before.
-    job_store.get_store().record_results(metadata["job_id"], context.run_id, results)
+    job_store.progress().record_results(metadata["job_id"], context.run_id, results)
     context.log_event(
         dg.AssetMaterialization(
             asset_key=OUTPUTS_ASSET,

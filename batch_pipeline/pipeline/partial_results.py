@@ -22,7 +22,9 @@ from batch_pipeline.openai_batch.jobs import expired, finalize_batch
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.tags import STOPPED_RUN_TAG
 from batch_pipeline.shards.merge import partial_outputs, progress, write_output_array
-from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.progress import ShardProgressStore
+from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.webhooks import WebhookOutbox
 
@@ -64,7 +66,9 @@ def merge_finished_results(
             # once results of its run are recorded), and its end is announced now rather than an hour late.
             why = f"its finished results could not be merged into its output: {type(exc).__name__}: {exc}"
             given_up = JobResults(job_id=config.job_id, dagster_run_id=config.run_id, status=config.code, reason=why)
-            store.record_results(config.job_id, config.run_id, given_up, held_event=config.held_event)
+            ShardProgressStore(engine=store.engine).record_results(
+                config.job_id, config.run_id, given_up, held_event=config.held_event
+            )
         raise
 
 
@@ -113,7 +117,9 @@ def _merge(
     finalize_batch(store, record.job_id, output_path, work_dir, job_storage.files_dir(), expired=expired(record))
     # Last, once every file is written (a batch's output and error files too): the output is final, and the
     # end's event is released in the same transaction.
-    store.record_results(record.job_id, config.run_id, results, held_event=config.held_event)
+    ShardProgressStore(engine=store.engine).record_results(
+        record.job_id, config.run_id, results, held_event=config.held_event
+    )
     context.instance.add_run_tags(config.run_id, {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
     context.log.info(f"{record.job_id}: kept {done} of {total} results in {output_path}")
     context.add_output_metadata({"output_data_path": output_path, "finished": done, "planned": total})

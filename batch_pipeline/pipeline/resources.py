@@ -13,6 +13,9 @@ from batch_pipeline.core import io
 from batch_pipeline.core.settings import Settings
 from batch_pipeline.shards.planning import PlanningSettings
 from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.progress import ShardProgressStore
+from batch_pipeline.store.quotas import QuotaStore
+from batch_pipeline.store.sharing import SharingStore
 from batch_pipeline.tenancy.tenants import Tenants, tenants_at
 
 
@@ -53,12 +56,21 @@ class JobStorage(dg.ConfigurableResource):
 
 
 class JobStoreResource(dg.ConfigurableResource):
-    """The API's job store, as the sensors see it."""
+    """The API's job store, as the sensors and the ops see it: the same database through a store of each purpose."""
 
     url: str = Field(default="", description="SQLAlchemy URL; empty = SQLite in $DAGSTER_HOME.")
 
     def get_store(self) -> JobStore:
         return JobStore(self.url)
+
+    def progress(self) -> ShardProgressStore:
+        return ShardProgressStore(self.url)
+
+    def quotas(self) -> QuotaStore:
+        return QuotaStore(self.url)
+
+    def sharing(self) -> SharingStore:
+        return SharingStore(self.url)
 
 
 class ShardPlanning(dg.ConfigurableResource):

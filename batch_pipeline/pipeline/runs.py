@@ -18,7 +18,7 @@ import dagster as dg
 from sqlalchemy.exc import IntegrityError
 
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LAUNCH_TAG, RESUME_TAG
-from batch_pipeline.store.jobs import JobRecord
+from batch_pipeline.store.records import JobRecord
 
 ROOT_RUN_ID_TAG = "dagster/root_run_id"  # Dagster's tag on every re-execution
 # Where the instance keeps its launch key: Dagster's key-value store, in the instance's run storage.

@@ -40,8 +40,10 @@ from batch_pipeline.pipeline.retries import (
 )
 from batch_pipeline.pipeline.runs import job_id_of, launch_key, launch_signature, not_the_run_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LAUNCH_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
-from batch_pipeline.store.jobs import JobRecord, JobStore
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.schema import JobStatus
+from batch_pipeline.store.sharing import SharingStore
 from batch_pipeline.tenancy.tenants import Tenants
 
 # A row still unfinished this long after its run ended missed the status sensors (they were stopped, or
@@ -84,14 +86,15 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Te
     # Teams share the run slots: only the jobs fair share picks for the free slots get runs now. The waiting
     # jobs are read light (id, owner, priority, age), and only the chosen ones whole.
     now = datetime.now(UTC)
-    _link_unfinished_runs(context.instance, store, key)
-    _fail_expired(store, now)
-    queues = waiting_queues(store, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
+    sharing = SharingStore(engine=store.engine)
+    _link_unfinished_runs(context.instance, store, sharing, key)
+    _fail_expired(store, sharing, now)
+    queues = waiting_queues(sharing, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
     if not len(queues):
         return
     slots = free_run_slots(context.instance)
-    chosen = admissions(queues, store, registry, slots, now, tenancy.fair_share_half_life_s)
-    records = store.waiting_records(admission.job.job_id for admission in chosen)
+    chosen = admissions(queues, sharing, registry, slots, now, tenancy.fair_share_half_life_s)
+    records = sharing.waiting_records(admission.job.job_id for admission in chosen)
     runs = _tagged_runs(context.instance, records, key)
     for job_id, run_id in runs.items():  # a run the daemon made, already finished: the status sensors record it
         store.link_run(job_id, run_id)
@@ -111,21 +114,21 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Te
 _UNFINISHED = [status for status in dg.DagsterRunStatus if status not in _FINISHED_RUNS]
 
 
-def _link_unfinished_runs(instance: dg.DagsterInstance, store: JobStore, key: bytes) -> None:
+def _link_unfinished_runs(instance: dg.DagsterInstance, store: JobStore, sharing: SharingStore, key: bytes) -> None:
     """The runs the daemon made since the last tick, linked to their jobs, which hold run slots from now
     on (a team's `max_running_jobs` counts them): one query of the unfinished runs, not one per job waiting.
     Only a run launched for its job: another run tagged with the job's id is not the job's."""
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=batch_completions.name, statuses=_UNFINISHED))
     run_of_job = {run.tags[JOB_ID_TAG]: run for run in reversed(runs) if JOB_ID_TAG in run.tags}
-    for record in store.waiting_records(run_of_job):
+    for record in sharing.waiting_records(run_of_job):
         run = run_of_job[record.job_id]
         if run.tags.get(LAUNCH_TAG) == launch_signature(key, record.job_id, record.resume_count):
             store.link_run(record.job_id, run.run_id)
 
 
-def _fail_expired(store: JobStore, now: datetime) -> None:
+def _fail_expired(store: JobStore, sharing: SharingStore, now: datetime) -> None:
     """A job whose deadline passed while it waited fails with the reason, as its run would have."""
-    for job_id, owner, expires_at in store.expired_waiting(now):
+    for job_id, owner, expires_at in sharing.expired_waiting(now):
         if owner.startswith(SCHEDULE_OWNER_PREFIX):
             continue  # its tick launches it
         store.mark_failed(

@@ -7,7 +7,7 @@ import hashlib
 import re
 
 from batch_pipeline.contract.priority import run_priority
-from batch_pipeline.store.jobs import JobRecord
+from batch_pipeline.store.records import JobRecord
 from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX
 
 JOB_ID_TAG = "batch_pipeline/job_id"

@@ -109,3 +109,11 @@ def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
+
+
+class StoreBase:
+    """A store of one purpose over the job store's database: its engine from a URL (`store_url`), or shared
+    with another store's (`engine=`), so that the stores a process uses share one connection pool."""
+
+    def __init__(self, url: str | None = None, engine: sa.Engine | None = None) -> None:
+        self.engine = engine or engine_for(store_url(url))

@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from batch_pipeline.store.engine import engine_for, store_url
+from batch_pipeline.store.engine import StoreBase
 from batch_pipeline.store.sql import owner_bucket, utc, utc_day, utc_now
 
 metadata = sa.MetaData()
@@ -102,10 +102,7 @@ class BatchResults:
     failed: int
 
 
-class OpenAIStore:
-    def __init__(self, url: str | None = None, engine: sa.Engine | None = None) -> None:
-        self.engine = engine or engine_for(store_url(url))
-
+class OpenAIStore(StoreBase):
     # --- files ------------------------------------------------------------------------------------------
 
     def add_file(self, record: FileRecord) -> None:

@@ -71,7 +71,7 @@ class JobResults(BaseModel):
 @dataclass(frozen=True)
 class CompletedFigures:
     """A completed job's figures, with the shard workers it ran in: the history a dry run's time is
-    estimated from (`JobStore.completed_figures`)."""
+    estimated from (`ReportStore.completed_figures`)."""
 
     results: JobResults
     shards: int

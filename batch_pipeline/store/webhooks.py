@@ -24,7 +24,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from batch_pipeline.store.engine import engine_for, store_url
+from batch_pipeline.store.engine import StoreBase
 from batch_pipeline.store.openai import batches
 from batch_pipeline.store.schema import JobStatus, failed_at_deadline, jobs, webhook_events
 from batch_pipeline.store.sql import of_owners, owner_bucket, utc, utc_now
@@ -144,10 +144,7 @@ JOB_STATUS_EVENT = {
 }
 
 
-class WebhookOutbox:
-    def __init__(self, url: str | None = None, engine: sa.Engine | None = None) -> None:
-        self.engine = engine or engine_for(store_url(url))
-
+class WebhookOutbox(StoreBase):
     def events_of_job(self, job_id: str) -> list[WebhookEvent]:
         """The events of one job, oldest first (the caller checks the job is the asker's)."""
         query = (
