@@ -511,9 +511,8 @@ def write_job_metadata(
         metadata = metadata.with_resume(record, metadata.num_requests, metadata.completion_tokens)
     files = job_data_files(context, job_store, job_storage, admission)
     write_metadata(files, metadata_path(merged.output_data_path), metadata)
-    fields = metadata.fields()
-    shards = fields.pop("shards")
-    context.add_output_metadata(fields | {"shards": dg.MetadataValue.json(shards)})
+    shards = dg.MetadataValue.json([entry.model_dump() for entry in metadata.shards or []])
+    context.add_output_metadata(metadata.fields() | {"shards": shards})
     # The job reads completed when Dagster records the run's success (`record_run_end`), not before.
     store.record_results(metadata.job_id, context.run_id, _row_results(metadata))
     context.log_event(_outputs_materialization(metadata, merged.output_data_path))

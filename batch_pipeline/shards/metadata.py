@@ -45,7 +45,7 @@ class ShardEntry(BaseModel):
         return {"stats": {key: value for key, value in raw.items() if key not in pod}, **pod}
 
     @model_serializer(mode="plain")
-    def _flat(self) -> dict[str, Any]:
+    def _flat(self) -> dict[str, object]:
         entry = self.stats.to_dict()
         if self.pod_hardware is not None:
             entry |= {"pod_hardware": self.pod_hardware, "pod_hardware_inferred": self.pod_hardware_inferred}
@@ -152,7 +152,7 @@ class JobMetadata(BaseModel):
         # As the file has always spelt it (`isoformat`: "+00:00", not pydantic's "Z").
         return finished_at.isoformat() if finished_at is not None else None
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> dict[str, object]:
         """The file's fields, as JSON values (as Dagster's run metadata records them too)."""
         return self.model_dump(mode="json", exclude_unset=True)
 
