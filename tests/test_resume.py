@@ -167,10 +167,62 @@ def test_the_merge_of_a_stopped_runs_results_run_again_writes_nothing_once_they_
     kept = json.loads(output.read_text())
     assert kept[0] == {"text": "kept"} and kept[1]["error"]["code"] == "cancelled"
     assert api.job(job_id)["metadata"]["num_finished"] == "1"
+    # Beside it, the summary the job's row keeps: a job never resumed has no resume figures.
+    assert json.loads(Path(f"{output}.metadata.json").read_text()) == {
+        "job_id": job_id,
+        "dagster_run_id": stopped.run_id,
+        "status": "cancelled",
+        "num_requests": 2,
+        "num_finished": 1,
+        "num_unfinished": 1,
+        "reason": "cancelled",
+    }
     output.write_text("what a resumed run wrote")  # the output is the resumed run's now
     assert run_merge().success  # the step run again, as its retry would be
     assert output.read_text() == "what a resumed run wrote"
     assert _resume(api, job_id).status_code == 200
+
+
+def test_a_resumed_job_stopped_again_keeps_its_resume_figures_in_its_metadata_file(deployment_factory, tmp_path):
+    """The file beside a stopped run's partial output has the figures GET shows of a resumed job, as numbers:
+    what its checkpoints kept, and the requests generated since (its tokens are counted once it completes)."""
+    from batch_pipeline.pipeline.partial_results import keep_partial_results, partial_results_run_request
+    from batch_pipeline.pipeline.resources import JobStorage
+    from tests.api_fixtures import sensor_resources
+
+    api = deployment_factory()
+    output = tmp_path / "out" / "output.json"
+    job_id = _cancelled_job(api, tmp_path)
+    assert _resume(api, job_id).status_code == 200
+    run = api.instance.add_run(dg.DagsterRun(job_name="batch_completions", status=dg.DagsterRunStatus.CANCELED))
+    assert api.store.mark_started(job_id, run.run_id)
+    shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
+    shard.mkdir(parents=True)
+    (shard / "input.jsonl").write_text(
+        "".join(json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in (0, 1, 2))
+    )
+    (shard / "results.tsv").write_text("".join(f"{i}\t{json.dumps({'text': 'kept'})}\n" for i in (0, 1)))
+    ShardProgressStore(engine=api.store.engine).record_shards(job_id, {0: 3})
+    assert ShardProgressStore(engine=api.store.engine).record_kept(
+        job_id, 1, 4, 5
+    )  # one result was the checkpoint's when the run planned
+    api.store.mark_cancelled(job_id)
+    held = api.store.mark_run_ended(
+        job_id, run.run_id, JobStatus.CANCELLED, datetime.now(UTC), keeping_partial_results=True
+    )
+    merge = partial_results_run_request(api.store.get(job_id), run.run_id, "cancelled", "cancelled", held)
+    assert keep_partial_results.execute_in_process(
+        run_config=merge.run_config,
+        tags=merge.tags,
+        instance=api.instance,
+        resources=sensor_resources(str(api.store.engine.url), job_storage=JobStorage()),
+    ).success
+
+    written = json.loads(Path(f"{output}.metadata.json").read_text())
+    assert (written["num_requests"], written["num_finished"], written["num_unfinished"]) == (3, 2, 1)
+    assert written["resumed_from"] == "cancelled" and "resumed_from_run_id" in written
+    assert (written["resume_requests_kept"], written["resume_requests_generated"]) == (1, 1)
+    assert written["resume_completion_tokens_kept"] == 5 and "resume_completion_tokens_generated" not in written
 
 
 def test_a_job_whose_checkpoints_are_gone_is_a_409_saying_so(deployment_factory, tmp_path):

@@ -142,3 +142,155 @@ def test_a_task_an_older_release_pickled_comes_back_in_its_contract_types(task):
     assert isinstance(unpickled.tool_config, ToolConfig) and unpickled.tool_config.max_iterations == 3
     assert unpickled.hardware == {"gpus": 2, "memory": "16Gi"} and unpickled.shard == task.shard
     assert pickle.loads(pickle.dumps(unpickled)) == unpickled
+
+
+# The keys of a completed job's metadata file, in order, as docs/jobs.md describes them (and a resumed job's).
+COMPLETED_KEYS = [
+    "job_id",
+    "dagster_run_id",
+    "model",
+    "output_data_path",
+    "num_requests",
+    "num_errors",
+    "prompt_tokens",
+    "completion_tokens",
+    "wall_s",
+    "completion_tokens_per_s",
+    "merge_s",
+    "finished_at",
+    "data_parallelism",
+    "num_deduplicated",
+    "num_cut_from_longer",
+    "dtype",
+    "tool_config",
+    "shards",
+]
+RESUME_KEYS = [
+    "resumed_from",
+    "resumed_from_run_id",
+    "resume_requests_kept",
+    "resume_requests_generated",
+    "resume_completion_tokens_kept",
+    "resume_completion_tokens_generated",
+]
+
+
+def _completed_metadata(task):
+    from datetime import UTC, datetime
+
+    from batch_pipeline.shards.metadata import DataParallelism, JobMetadata, ShardEntry
+
+    stats = ShardStats.from_dict(_stats())
+    pod = ShardResult(task=task, stats=stats, pod=PodHardware(hardware={"gpus": 1}, inferred="gpu_type: the default"))
+    return JobMetadata(
+        job_id="batch-1",
+        dagster_run_id="run-1",
+        model="m",
+        output_data_path="/data/out.json",
+        num_requests=2,
+        num_errors=1,
+        prompt_tokens=10,
+        completion_tokens=7,
+        wall_s=3.5,
+        completion_tokens_per_s=2.0,
+        merge_s=0.01,
+        finished_at=datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC),
+        data_parallelism=DataParallelism(requested=2, used=1, reason="this deployment runs at most 1 shard workers"),
+        num_deduplicated=0,
+        num_cut_from_longer=0,
+        dtype=None,  # a figure not known is written as null, not left out
+        tool_config=None,
+        shards=[
+            ShardEntry.model_validate(ShardResult(task=task, stats=stats).metadata_entry()),
+            ShardEntry.model_validate(pod.metadata_entry()),
+        ],
+    )
+
+
+def test_a_completed_jobs_metadata_file_has_its_keys_and_reads_back_as_it_was_written(task):
+    from batch_pipeline.shards.metadata import JobMetadata
+
+    metadata = _completed_metadata(task)
+    written = json.loads(metadata.to_json())
+    assert list(written) == COMPLETED_KEYS
+    assert written["finished_at"] == "2026-01-02T03:04:05.678901+00:00"  # isoformat, as it always was
+    assert written["dtype"] is None and written["tool_config"] is None
+    reason = "this deployment runs at most 1 shard workers"
+    assert written["data_parallelism"] == {"requested": 2, "used": 1, "reason": reason}
+    # Each shard's entry is flat: the stats, then the pod's fields where a launcher sized one.
+    local, pod = written["shards"]
+    assert local == ShardStats.from_dict(_stats()).to_dict()
+    assert list(pod) == [*local, "pod_hardware", "pod_hardware_inferred"] and pod["pod_hardware"] == {"gpus": 1}
+    again = JobMetadata.from_json(metadata.to_json())
+    assert again == metadata and again.to_json() == metadata.to_json()
+    assert again.shards is not None and again.shards[1].pod_hardware_inferred == "gpu_type: the default"
+
+
+def test_a_shard_entry_of_another_shape_is_refused_naming_the_field(task):
+    from pydantic import ValidationError
+
+    from batch_pipeline.shards.metadata import ShardEntry
+
+    with pytest.raises(ValidationError, match="renamed"):
+        ShardEntry.model_validate(ShardStats.from_dict(_stats()).to_dict() | {"renamed": 1})
+
+
+def test_a_stopped_runs_metadata_file_is_the_summary_its_row_keeps_and_reads_back_the_same():
+    from batch_pipeline.shards.metadata import JobMetadata
+    from batch_pipeline.store.results import JobResults
+
+    results = JobResults(
+        job_id="batch-1",
+        dagster_run_id="run-1",
+        status="cancelled",
+        num_requests=4,
+        num_finished=1,
+        num_unfinished=3,
+        reason="the job was cancelled",
+    )
+    metadata = JobMetadata.model_validate(results.model_dump(exclude_none=True))
+    written = json.loads(metadata.to_json())
+    assert written == results.model_dump(exclude_none=True)  # no completed run's key, not even as null
+    assert JobMetadata.from_json(metadata.to_json()).to_json() == metadata.to_json()
+
+
+class _Resumed:
+    """A job's resume as the job store knows it (a JobRecord's fields)."""
+
+    def __init__(self, resume_count=1, requests_kept=3, completion_tokens_kept=30):
+        self.resume_count = resume_count
+        self.resumed_from = "cancelled"
+        self.resumed_from_run_id = "run-0"
+        self.requests_kept = requests_kept
+        self.completion_tokens_kept = completion_tokens_kept
+
+
+def test_the_resume_figures_are_what_was_kept_and_what_was_generated_since_never_below_zero():
+    from batch_pipeline.shards.metadata import ResumeFigures, resume_figures
+
+    assert resume_figures(_Resumed(resume_count=None), 5, 50) is None  # never resumed
+    assert resume_figures(_Resumed(requests_kept=None), 5, 50) is None  # its run has not counted the checkpoints
+    assert resume_figures(_Resumed(), 5, 50) == ResumeFigures(
+        resume_requests_kept=3,
+        resume_requests_generated=2,
+        resume_completion_tokens_kept=30,
+        resume_completion_tokens_generated=20,
+    )
+    # Tokens not all counted yet (running, or a stopped run): no tokens generated to tell.
+    assert resume_figures(_Resumed(), 4, None).resume_completion_tokens_generated is None
+    # Requests gone from a changed input took their kept results with them.
+    shrunk = resume_figures(_Resumed(requests_kept=3, completion_tokens_kept=None), 2, 0)
+    assert (shrunk.resume_requests_generated, shrunk.resume_completion_tokens_kept) == (0, 0)
+    assert shrunk.resume_completion_tokens_generated == 0
+
+
+def test_a_resumed_jobs_metadata_file_adds_the_resume_figures_and_reads_back_the_same(task):
+    from batch_pipeline.shards.metadata import JobMetadata
+
+    metadata = _completed_metadata(task)
+    assert metadata.with_resume(_Resumed(resume_count=None), 2, 7) == metadata
+    resumed = metadata.with_resume(_Resumed(requests_kept=1, completion_tokens_kept=3), 2, 7)
+    written = json.loads(resumed.to_json())
+    assert list(written) == COMPLETED_KEYS + RESUME_KEYS
+    assert [written[key] for key in RESUME_KEYS] == ["cancelled", "run-0", 1, 1, 3, 4]
+    assert JobMetadata.from_json(resumed.to_json()).to_json() == resumed.to_json()

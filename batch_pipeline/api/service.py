@@ -36,6 +36,7 @@ from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, STOPPED_RUN_TAG
 from batch_pipeline.shards.format import shard_directories
+from batch_pipeline.shards.metadata import resume_figures
 from batch_pipeline.store.jobs import IdempotencyConflict, JobStore
 from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.reports import ReportStore
@@ -344,16 +345,9 @@ def _resume_metadata(record: JobRecord) -> dict[str, str]:
         metadata["resumed_from_run_id"] = record.resumed_from_run_id
     if record.resumed_at:
         metadata["resumed_at"] = record.resumed_at.isoformat()
-    if record.requests_kept is None:
-        return metadata
-    metadata |= {
-        "resume_requests_kept": str(record.requests_kept),
-        "resume_completion_tokens_kept": str(record.completion_tokens_kept or 0),
-        "resume_requests_generated": str(max(0, (record.requests_done or 0) - record.requests_kept)),
-    }
-    if record.status == JobStatus.COMPLETED and record.completion_tokens is not None:
-        generated = record.completion_tokens - (record.completion_tokens_kept or 0)
-        metadata["resume_completion_tokens_generated"] = str(max(0, generated))
+    completed_tokens = record.completion_tokens if record.status == JobStatus.COMPLETED else None
+    if (figures := resume_figures(record, record.requests_done or 0, completed_tokens)) is not None:
+        metadata |= {name: str(figure) for name, figure in figures.model_dump(exclude_none=True).items()}
     return metadata
 
 

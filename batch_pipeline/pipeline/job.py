@@ -3,7 +3,6 @@
 The ops orchestrate; inference happens in the shard workers the launcher starts.
 """
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +34,12 @@ from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of,
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
 from batch_pipeline.shards.format import checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
+from batch_pipeline.shards.metadata import (
+    DataParallelism,
+    JobMetadata,
+    ShardEntry,
+    write_metadata,
+)
 from batch_pipeline.shards.planning import (
     GENERATION_GROUPING,
     RecordedPlan,
@@ -505,59 +510,75 @@ def write_job_metadata(
     job_store: JobStoreResource,
     job_storage: JobStorage,
     admission: Admission,
-) -> dict:
+) -> JobMetadata:
+    store = job_store.get_store()
+    metadata = _finished_metadata(context, request, merged, shard_results, plan)
+    if (record := store.get(metadata.job_id)) is not None:
+        metadata = metadata.with_resume(record, metadata.num_requests, metadata.completion_tokens)
+    files = job_data_files(context, job_store, job_storage, admission)
+    write_metadata(files, metadata_path(merged.output_data_path), metadata)
+    shards = dg.MetadataValue.json([entry.model_dump() for entry in metadata.shards or []])
+    context.add_output_metadata(metadata.fields() | {"shards": shards})
+    # The job reads completed when Dagster records the run's success (`record_run_end`), not before.
+    job_store.progress().record_results(metadata.job_id, context.run_id, _row_results(metadata))
+    context.log_event(_outputs_materialization(metadata, merged.output_data_path))
+    return metadata
+
+
+def _finished_metadata(
+    context: OpExecutionContext,
+    request: StoredRequest,
+    merged: MergedOutput,
+    shard_results: list[ShardResult],
+    plan: PlanSummary,
+) -> JobMetadata:
+    """A completed run's metadata file: its totals, timings, how it was split and each shard's entry."""
     shard_results = sorted(shard_results, key=lambda result: result.stats.shard_index)
     stats = [result.stats for result in shard_results]
-    shards = [result.metadata_entry() for result in shard_results]
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s.completion_tokens for s in stats)
-    errors = sum(s.errors for s in stats)
-    results = JobResults(
+    return JobMetadata(
+        job_id=current_job_id(context),
+        dagster_run_id=context.run_id,
+        model=request.model_cfg.model,
+        output_data_path=merged.output_data_path,
         num_requests=merged.results,
-        num_errors=errors,
+        num_errors=sum(s.errors for s in stats),
         prompt_tokens=sum(s.prompt_tokens for s in stats),
         completion_tokens=completion_tokens,
-        completion_tokens_per_s=round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
         wall_s=wall_s,
+        completion_tokens_per_s=round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
         merge_s=merged.merge_s,
-        # The row's counts: a run that finished did every request it planned.
-        requests_total=merged.results,
-        requests_done=merged.results,
-        errors=errors,
+        finished_at=datetime.now(UTC),
+        data_parallelism=DataParallelism(requested=plan.plan.requested, used=plan.plan.used, reason=plan.plan.reason),
+        num_deduplicated=plan.deduplicated,
+        num_cut_from_longer=sum(s.cut_from_longer for s in stats),
+        dtype=", ".join(sorted({s.dtype for s in stats if s.dtype})) or None,
+        tool_config=next((s.tool_config for s in stats if s.tool_config), None),
+        shards=[ShardEntry.model_validate(result.metadata_entry()) for result in shard_results],
     )
-    metadata: dict[str, Any] = {
-        "job_id": current_job_id(context),
-        "dagster_run_id": context.run_id,
-        "model": request.model_cfg.model,
-        "output_data_path": merged.output_data_path,
-        "num_requests": results.num_requests,
-        "num_errors": results.num_errors,
-        "prompt_tokens": results.prompt_tokens,
-        "completion_tokens": results.completion_tokens,
-        "wall_s": results.wall_s,
-        "completion_tokens_per_s": results.completion_tokens_per_s,
-        "merge_s": results.merge_s,
-        "finished_at": datetime.now(UTC).isoformat(),
-        # How the job ran where it differed from what it asked: fewer shards, outputs shared by repeats,
-        # the dtype chosen for the hardware (each shard's choice and reason are in `shards`).
-        "data_parallelism": plan.plan.to_dict(),
-        "num_deduplicated": plan.deduplicated,
-        "num_cut_from_longer": sum(s.cut_from_longer for s in stats),
-        "dtype": ", ".join(sorted({s.dtype for s in stats if s.dtype})) or None,
-        # Whether the job's tool_config was applied (the code_evaluator loop serves v1 prompts only).
-        "tool_config": next((s.tool_config for s in stats if s.tool_config), None),
-        "shards": shards,
-    }
-    metadata |= _resume_figures(job_store.get_store().get(metadata["job_id"]), merged.results, completion_tokens)
-    files = job_data_files(context, job_store, job_storage, admission)
-    with files.atomic_write(metadata_path(merged.output_data_path)) as handle:
-        json.dump(metadata, handle, indent=2)
-    context.add_output_metadata(
-        {key: value for key, value in metadata.items() if key != "shards"} | {"shards": dg.MetadataValue.json(shards)}
+
+
+def _row_results(metadata: JobMetadata) -> JobResults:
+    """The figures the job's row keeps of a completed run: it did every request it planned."""
+    return JobResults(
+        num_requests=metadata.num_requests,
+        num_errors=metadata.num_errors,
+        prompt_tokens=metadata.prompt_tokens,
+        completion_tokens=metadata.completion_tokens,
+        completion_tokens_per_s=metadata.completion_tokens_per_s,
+        wall_s=metadata.wall_s,
+        merge_s=metadata.merge_s,
+        requests_total=metadata.num_requests,
+        requests_done=metadata.num_requests,
+        errors=metadata.num_errors,
     )
-    summary = {
-        key: metadata[key]
-        for key in (
+
+
+def _outputs_materialization(metadata: JobMetadata, output_data_path: str) -> dg.AssetMaterialization:
+    """The job's outputs as the asset's partition: its summary, and where they are."""
+    summary = metadata.model_dump(
+        include={
             "job_id",
             "model",
             "num_requests",
@@ -565,33 +586,14 @@ def write_job_metadata(
             "completion_tokens",
             "completion_tokens_per_s",
             "wall_s",
-        )
-    }
-    # The job reads completed when Dagster records the run's success (`record_run_end`), not before.
-    job_store.progress().record_results(metadata["job_id"], context.run_id, results)
-    context.log_event(
-        dg.AssetMaterialization(
-            asset_key=OUTPUTS_ASSET,
-            partition=metadata["job_id"],
-            description=f"outputs of job {metadata['job_id']}",
-            metadata=summary | {"output_data_path": dg.MetadataValue.path(merged.output_data_path)},
-        )
+        }
     )
-    return metadata
-
-
-def _resume_figures(record: JobRecord | None, requests: int, completion_tokens: int) -> dict[str, Any]:
-    """A resumed job's metadata: what it was resumed from, what its checkpoints kept, what it generated."""
-    if record is None or not record.resume_count or record.requests_kept is None:
-        return {}
-    return {
-        "resumed_from": record.resumed_from,
-        "resumed_from_run_id": record.resumed_from_run_id,
-        "resume_requests_kept": record.requests_kept,
-        "resume_requests_generated": requests - record.requests_kept,
-        "resume_completion_tokens_kept": record.completion_tokens_kept,
-        "resume_completion_tokens_generated": completion_tokens - (record.completion_tokens_kept or 0),
-    }
+    return dg.AssetMaterialization(
+        asset_key=OUTPUTS_ASSET,
+        partition=metadata.job_id,
+        description=f"outputs of job {metadata.job_id}",
+        metadata=summary | {"output_data_path": dg.MetadataValue.path(output_data_path)},
+    )
 
 
 def _run_start(context: OpExecutionContext) -> float:

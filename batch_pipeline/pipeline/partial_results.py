@@ -22,6 +22,7 @@ from batch_pipeline.openai_batch.jobs import expired, finalize_batch
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource
 from batch_pipeline.pipeline.tags import STOPPED_RUN_TAG
 from batch_pipeline.shards.merge import partial_outputs, progress, write_output_array
+from batch_pipeline.shards.metadata import JobMetadata, write_metadata
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.records import JobRecord
@@ -110,10 +111,7 @@ def _merge(
         num_unfinished=total - done,
         reason=config.reason,
     )
-    # The metadata file beside the output is the summary the job's row keeps.
-    summary = results.model_dump(exclude_none=True)
-    with files.atomic_write(metadata_path(output_path)) as handle:
-        json.dump(summary, handle, indent=2)
+    write_metadata(files, metadata_path(output_path), _stopped_metadata(record, results, done))
     finalize_batch(store, record.job_id, output_path, work_dir, job_storage.files_dir(), expired=expired(record))
     # Last, once every file is written (a batch's output and error files too): the output is final, and the
     # end's event is released in the same transaction.
@@ -123,7 +121,14 @@ def _merge(
     context.instance.add_run_tags(config.run_id, {PARTIAL_RESULTS_TAG: f"{done}/{total}"})
     context.log.info(f"{record.job_id}: kept {done} of {total} results in {output_path}")
     context.add_output_metadata({"output_data_path": output_path, "finished": done, "planned": total})
-    return summary
+    return results.model_dump(exclude_none=True)
+
+
+def _stopped_metadata(record: JobRecord, results: JobResults, done: int) -> JobMetadata:
+    """A stopped run's metadata file: the summary the job's row keeps, and a resumed job's figures (the
+    completion tokens it generated are left out: only a completed run counts its tokens)."""
+    metadata = JobMetadata.model_validate(results.model_dump(exclude_none=True))
+    return metadata.with_resume(record, done, completion_tokens=None)
 
 
 @dg.job(
