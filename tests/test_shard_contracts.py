@@ -127,7 +127,8 @@ def test_a_task_an_older_release_pickled_comes_back_in_its_contract_types(task):
     parts an older release kept as dicts, and the Kubernetes launcher reads them as models."""
     from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
 
-    state = task.__dict__ | {
+    # a release before owner_team (the job's team): its task is of no team's queue
+    state = {name: value for name, value in task.__dict__.items() if name != "owner_team"} | {
         "model_config": {"model": "m", "trust_remote_code": False, "tensor_parallel_size": None},
         "hardware": {"gpus": 2, "memory": "16Gi"},
         "tool_config": {"name": "code_evaluator", "max_iterations": 3},
@@ -141,4 +142,5 @@ def test_a_task_an_older_release_pickled_comes_back_in_its_contract_types(task):
     assert isinstance(unpickled.model_config, BatchCompletionsModelConfig) and unpickled.model_config.model == "m"
     assert isinstance(unpickled.tool_config, ToolConfig) and unpickled.tool_config.max_iterations == 3
     assert unpickled.hardware == {"gpus": 2, "memory": "16Gi"} and unpickled.shard == task.shard
+    assert unpickled.owner_team is None
     assert pickle.loads(pickle.dumps(unpickled)) == unpickled
