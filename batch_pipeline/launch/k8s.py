@@ -32,7 +32,6 @@ from pydantic import Field, PrivateAttr
 from batch_pipeline.admission.hardware import InvalidHardware, hardware_maxima, hardware_problems, kubernetes_quantity
 from batch_pipeline.launch.base import (
     ForwardsProgress,
-    PodHardware,
     ProgressCallback,
     ShardLauncher,
     ShardResult,
@@ -133,6 +132,18 @@ def infer_hardware(
         hardware["storage"] = f"{math.ceil(weights_bytes * 1.2 / 2**30) + 10}Gi"  # the synced weights + scratch
         chosen.append(f"storage {hardware['storage']}")
     return hardware, ("inferred " + ", ".join(chosen)) if chosen else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PodHardware:
+    """What a shard's pod was sized to, and a sentence saying what of it was inferred (None: all asked for):
+    the shard's `pod_hardware` and `pod_hardware_inferred` in the job's metadata file."""
+
+    hardware: dict[str, Any]
+    inferred: str | None
+
+    def metadata_entry(self) -> dict[str, Any]:
+        return {"pod_hardware": self.hardware, "pod_hardware_inferred": self.inferred}
 
 
 def pod_security(task: ShardTask) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -491,7 +502,7 @@ class K8sShardLauncher(ShardLauncher):
             reason = _worker_failure(str(exc)) or str(exc).strip().splitlines()[0]
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker failed: {reason}") from None
         stats = worker_stats(task, completed.get_custom_messages())
-        return ShardResult(task=task, stats=stats, pod=PodHardware(hardware=hardware, inferred=inferred))
+        return ShardResult(task=task, stats=stats, where=PodHardware(hardware=hardware, inferred=inferred))
 
 
 def shard_pod_selector(task: ShardTask) -> dict[str, str]:
