@@ -8,10 +8,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import dagster as dg
 
+from batch_pipeline.launch.kinds import LauncherKind
 from batch_pipeline.shards.protocol import (
     FailureMessage,
     ProgressMessage,
@@ -154,6 +155,9 @@ class ShardLauncher(dg.ConfigurableResource):
     in production. A launcher returns the shard's result (the worker's stats), and raises when the worker
     fails, so that the step's retry policy starts it again and it resumes from its checkpoint.
     """
+
+    # Which of the deployment's launchers it is, and so what it takes (a worker started ahead): each says its own.
+    kind: ClassVar[LauncherKind]
 
     def run_shard(
         self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None

@@ -39,6 +39,7 @@ from batch_pipeline.launch.base import (
     worker_failure,
     worker_stats,
 )
+from batch_pipeline.launch.kinds import KUBERNETES
 from batch_pipeline.shards.protocol import ShardTask
 
 # NVIDIA GPU feature discovery's product label, per GPU type of the spec; MIG types also name their slice.
@@ -193,6 +194,8 @@ def label_key(key: str) -> str:
 
 class K8sShardLauncher(ShardLauncher):
     """Each shard worker in its own pod, sized by the request."""
+
+    kind = KUBERNETES
 
     image: str = Field(description="The worker image (this package on a vLLM base image).")
     namespace: str = Field(default="default", description="Where the shard pods run.")
