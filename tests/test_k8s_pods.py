@@ -3,6 +3,7 @@ Kubernetes API schema (kubernetes-validate); dagster-k8s's Pipes client builds t
 
 import os
 import re
+import typing
 from pathlib import Path
 
 import kubernetes_validate
@@ -148,6 +149,24 @@ def test_a_deployment_chooses_the_kubernetes_launcher_by_its_environment(monkeyp
     launcher = shard_launcher_from_environment()
     assert isinstance(launcher, K8sShardLauncher)
     assert (launcher.image, launcher.namespace) == ("registry.example/worker:2", "batch")
+
+
+def test_each_launcher_says_its_kind_and_only_the_local_one_takes_a_worker_started_ahead(monkeypatch):
+    """`batch-pipeline run` reads whether to start a standby worker from the kind the settings name, before
+    it imports any launcher (which imports Dagster): the kind is the one the deployment's launcher says."""
+    from batch_pipeline.core.settings import Settings, settings
+    from batch_pipeline.launch.kinds import LAUNCHER_KINDS
+    from batch_pipeline.pipeline.definitions import shard_launcher_from_environment
+
+    assert set(LAUNCHER_KINDS) == set(typing.get_args(Settings.model_fields["shard_launcher"].annotation))
+    monkeypatch.setenv("BATCH_PIPELINE_WORKER_IMAGE", "registry.example/worker:2")
+    taken = {}
+    for name in LAUNCHER_KINDS:
+        monkeypatch.setenv("BATCH_PIPELINE_SHARD_LAUNCHER", name)
+        launcher = shard_launcher_from_environment()
+        assert launcher.kind is LAUNCHER_KINDS[settings().shard_launcher]
+        taken[name] = launcher.kind.takes_standby
+    assert taken == {"local": True, "k8s": False}  # a pod's worker never runs on this machine
 
 
 def test_every_shard_pod_of_the_largest_job_waits_at_once_while_local_workers_share_the_cores(monkeypatch):

@@ -8,7 +8,8 @@ LocalQueue of its namespace, and nothing else of Kueue's. Its webhook adds the `
 label, a finalizer and the `kueue.x-k8s.io/admission` scheduling gate, which it removes on admission."""
 
 import copy
-import tempfile
+import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,8 @@ from kubernetes.client import ApiClient
 from kubernetes.utils.quantity import parse_quantity
 
 from batch_pipeline.launch.k8s import DEFAULT_GPU_NODE_SELECTORS, KUEUE_QUEUE_LABEL, MIG_RESOURCES, K8sShardLauncher
-from batch_pipeline.pipeline.resources import JobStoreResource
-from batch_pipeline.store.records import NewJob
-from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError
+from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, owner_team
+from tests.conftest import MODEL
 from tests.test_k8s_pods import KUBERNETES_VERSION, LAUNCHER, NOW, _task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,22 +285,13 @@ def queued_launcher(tmp_path) -> K8sShardLauncher:
     return LAUNCHER.model_copy(update={"tenants_file": str(path)})
 
 
-def _job_context(owner: str | None) -> Any:
-    """A shard step's context whose job store (a real one, SQLite) holds the job under `owner` (None: no
-    record)."""
-    resource = JobStoreResource(url=f"sqlite:///{tempfile.mkdtemp()}/jobs.db")
-    if owner is not None:
-        job = NewJob("batch-0123abcd", owner, "{}", "0" * 64, "m", None, {}, 60)
-        resource.get_store().create(job)
-    return dg.build_op_context(resources={"job_store": resource})
-
-
 def _pod(owner: str | None, task=None, launcher=LAUNCHER) -> dict:
-    """The pod the launcher hands the Pipes client for a job of `owner`, with the queue run_shard looks up,
-    as the API server receives it and validated strictly (as tests/test_k8s_pods.py's)."""
+    """The pod the launcher hands the Pipes client for a job that `owner` holds in the job store (None: no
+    record), the team plan_shards reads from it on the task, as the API server receives the pod and
+    validated strictly (as tests/test_k8s_pods.py's)."""
     task = task or _task({"gpus": 1, "gpu_type": "nvidia-ampere-a100e"})
-    queue = launcher.kueue_queue_for(_job_context(owner), task)
-    meta, spec = launcher.pod_overrides(task, now=NOW, run_id="5c1e8b1a", kueue_queue=queue)
+    task = dataclasses.replace(task, owner_team=owner_team(owner) if owner is not None else None)
+    meta, spec = launcher.pod_overrides(task, now=NOW, run_id="5c1e8b1a")
     pod = build_pod_body(
         pod_name="batch-0123abcd-shard-002",
         image=None,
@@ -413,6 +404,61 @@ def test_request_labels_never_set_a_kueue_key(queued_launcher):
     assert pod["metadata"]["labels"]["batch-pipeline.io/kueue.x-k8s.io-queue-name"] == "team-b"  # renamed, inert
     pod = _pod("team:team-c", task, launcher=queued_launcher)
     assert not any(key.startswith(KUEUE_PREFIX) for key in pod["metadata"]["labels"])
+
+
+TEAM_KEYS = {"team-a": "key-of-team-a", "admins": "key-of-the-admins"}
+
+
+@pytest.fixture
+def kueue_tenants(tmp_path, monkeypatch):
+    """A deployment's tenants file (BATCH_PIPELINE_TENANTS, its path) giving team-a and team-b a
+    `kueue_queue`, team-a a key (TEAM_KEYS) and the admins theirs."""
+    digest = {name: hashlib.sha256(key.encode()).hexdigest() for name, key in TEAM_KEYS.items()}
+    (tmp_path / "team-a").mkdir()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(
+        "tenants:\n"
+        f"  team-a: {{kueue_queue: team-a, api_keys_sha256: [{digest['team-a']}], data_roots: [{tmp_path}/team-a]}}\n"
+        "  team-b: {kueue_queue: team-b}\n"
+        f"admins:\n  api_keys_sha256: [{digest['admins']}]\n"
+    )
+    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(path))
+    return path
+
+
+def test_a_planned_shard_names_the_team_that_owns_the_job_in_the_store_whatever_its_labels_say(
+    tmp_path, kueue_tenants, tenants_api
+):
+    """The trust rule behind the queue: plan_shards puts on each task the team the job store holds as the
+    job's owner (the key's team), never the team a request's labels name; an admin's job is of no team."""
+    from batch_pipeline.pipeline.definitions import batch_completions_job
+    from batch_pipeline.pipeline.runs import launch_key
+    from batch_pipeline.pipeline.sensors import run_request_for
+
+    service = tenants_api.app.state.job_service
+    planned = {}
+    for who, key in TEAM_KEYS.items():
+        body = {
+            "output_data_path": str(tmp_path / "team-a" / f"{who}.json"),
+            "model_config": {"model": MODEL},
+            "labels": {"team": "team-b", KUEUE_QUEUE_LABEL: "team-b"},
+            "content": {"prompts": ["a", "b"], "max_new_tokens": 2, "temperature": 0},
+        }
+        made = tenants_api.post("/v2/batch-completions", json=body, headers={"x-api-key": key})
+        assert made.status_code == 200, made.text
+        request = run_request_for(service.store.get(made.json()["job_id"]), None, launch_key(service.instance))
+        with dg.execute_job(
+            dg.reconstructable(batch_completions_job),
+            instance=service.instance,
+            run_config=request.run_config,
+            tags=request.tags,
+            op_selection=["validate_input", "plan_shards"],
+        ) as result:
+            planned[who] = list(result.output_for_node("plan_shards", "shards").values())
+    assert [task.owner_team for task in planned["team-a"]] == ["team-a"]
+    assert [task.owner_team for task in planned["admins"]] == [None]
+    launcher = LAUNCHER.model_copy(update={"tenants_file": str(kueue_tenants)})
+    assert [launcher.kueue_queue_for(task) for task in planned["team-a"] + planned["admins"]] == ["team-a", None]
 
 
 def _maxima() -> dict[str, str]:

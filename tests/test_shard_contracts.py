@@ -7,7 +7,8 @@ import pickle
 import dagster as dg
 import pytest
 
-from batch_pipeline.launch.base import PodHardware, ShardResult, worker_failure, worker_stats
+from batch_pipeline.launch.base import ShardResult, worker_failure, worker_stats
+from batch_pipeline.launch.k8s import PodHardware
 from batch_pipeline.shards.format import ShardSpec
 from batch_pipeline.shards.protocol import (
     FailureMessage,
@@ -101,9 +102,29 @@ def test_a_shard_result_pickles_and_its_metadata_entry_is_the_stats_and_the_pod(
     local = ShardResult(task=task, stats=stats)
     assert pickle.loads(pickle.dumps(local)) == local  # as Dagster's IO manager passes it between steps
     assert local.metadata_entry() == stats.to_dict()
-    pod = ShardResult(task=task, stats=stats, pod=PodHardware(hardware={"gpus": 1}, inferred=None))
+    pod = ShardResult(task=task, stats=stats, where=PodHardware(hardware={"gpus": 1}, inferred=None))
+    assert pickle.loads(pickle.dumps(pod)) == pod
     assert list(pod.metadata_entry()) == [*stats.to_dict(), "pod_hardware", "pod_hardware_inferred"]
     assert pod.metadata_entry()["pod_hardware"] == {"gpus": 1}
+
+
+def test_a_result_an_older_release_pickled_comes_back_with_its_pod(task):
+    """Dagster keeps run_shard's outputs pickled: a run re-executed after an upgrade reads results whose pod
+    an older release kept in a field of its own, of a class in launch.base."""
+    stats = ShardStats.from_dict(_stats())
+    pod = PodHardware(hardware={"gpus": 2}, inferred="inferred gpus 2")
+
+    class OlderResult:  # what such a pickle holds: the classes by their names, and the fields as they were
+        def __reduce_ex__(self, protocol):
+            return object.__new__, (ShardResult,), {"task": task, "stats": stats, "pod": pod}
+
+    # protocol 0 names each class as `module\nname\n`: the pod's class where the older release had it
+    pickled = pickle.dumps(OlderResult(), protocol=0)
+    older = pickled.replace(b"batch_pipeline.launch.k8s\nPodHardware\n", b"batch_pipeline.launch.base\nPodHardware\n")
+    assert older != pickled
+    unpickled = pickle.loads(older)
+    assert unpickled == ShardResult(task=task, stats=stats, where=pod)
+    assert unpickled.metadata_entry()["pod_hardware_inferred"] == "inferred gpus 2"
 
 
 def test_a_failed_pods_reason_is_the_workers_own_from_its_last_pipes_lines():
@@ -127,7 +148,8 @@ def test_a_task_an_older_release_pickled_comes_back_in_its_contract_types(task):
     parts an older release kept as dicts, and the Kubernetes launcher reads them as models."""
     from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
 
-    state = task.__dict__ | {
+    # a release before owner_team (the job's team): its task is of no team's queue
+    state = {name: value for name, value in task.__dict__.items() if name != "owner_team"} | {
         "model_config": {"model": "m", "trust_remote_code": False, "tensor_parallel_size": None},
         "hardware": {"gpus": 2, "memory": "16Gi"},
         "tool_config": {"name": "code_evaluator", "max_iterations": 3},
@@ -141,6 +163,7 @@ def test_a_task_an_older_release_pickled_comes_back_in_its_contract_types(task):
     assert isinstance(unpickled.model_config, BatchCompletionsModelConfig) and unpickled.model_config.model == "m"
     assert isinstance(unpickled.tool_config, ToolConfig) and unpickled.tool_config.max_iterations == 3
     assert unpickled.hardware == {"gpus": 2, "memory": "16Gi"} and unpickled.shard == task.shard
+    assert unpickled.owner_team is None
     assert pickle.loads(pickle.dumps(unpickled)) == unpickled
 
 

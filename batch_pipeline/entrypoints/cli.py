@@ -266,14 +266,15 @@ def _no_dagster_home() -> str | None:
 
 
 def _run(path: Path, show: int, team: str | None = None) -> int:
+    from batch_pipeline.launch.kinds import LAUNCHER_KINDS
     from batch_pipeline.launch.standby import StartedStandby
 
     # Before the standby worker and the step server: they keep this environment.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # A shard worker importing vLLM while the run starts, validates and plans: the local launcher hands it the
-    # shard (launch/standby.py). A Kubernetes launcher runs shards in pods, and would leave it idle.
+    # A shard worker importing vLLM while the run starts, validates and plans, for a launcher that hands it the
+    # shard (launch/standby.py); one that runs shards elsewhere (pods) would leave it idle.
     standby = None
-    if settings().shard_launcher != "k8s":
+    if LAUNCHER_KINDS[settings().shard_launcher].takes_standby:
         try:
             standby = StartedStandby.start()
         except OSError as exc:  # no temporary directory, no process: the shard's worker starts as it would have

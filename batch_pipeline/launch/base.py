@@ -8,10 +8,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import dagster as dg
 
+from batch_pipeline.launch.kinds import LauncherKind
 from batch_pipeline.shards.protocol import (
     FailureMessage,
     ProgressMessage,
@@ -77,28 +78,46 @@ class ForwardsProgress:
             yield params
 
 
-@dataclass(frozen=True)
-class PodHardware:
-    """What a shard's pod was sized to, and a sentence saying what of it was inferred (None: all asked for)."""
+class ShardPlacement(Protocol):
+    """Where a launcher ran a shard's worker, as that launcher tells it (the Kubernetes launcher's pod,
+    `launch.k8s.PodHardware`): what it adds to the shard's entry in the job's metadata file."""
 
-    hardware: dict[str, Any]
-    inferred: str | None
+    def metadata_entry(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
 class ShardResult:
-    """A shard done: the task its worker ran, the stats it reported, and its pod where the launcher sized one."""
+    """A shard done: the task its worker ran, the stats it reported, and where it ran as its launcher tells
+    it (None: nothing to tell)."""
 
     task: ShardTask
     stats: ShardStats
-    pod: PodHardware | None = None
+    where: ShardPlacement | None = None
 
     def metadata_entry(self) -> dict[str, Any]:
         """The shard's entry in the job's metadata file: what each shard ran on is part of it."""
         entry = self.stats.to_dict()
-        if self.pod is not None:
-            entry |= {"pod_hardware": self.pod.hardware, "pod_hardware_inferred": self.pod.inferred}
+        if self.where is not None:
+            entry |= self.where.metadata_entry()
         return entry
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Dagster keeps run_shard's outputs pickled: a result an earlier release pickled named its pod `pod`.
+        state = dict(state)
+        if "pod" in state:
+            state["where"] = state.pop("pod")
+        self.__dict__.update(state)
+
+
+if not TYPE_CHECKING:  # hidden from mypy, which would take every name of this module for one that exists
+
+    def __getattr__(name: str) -> Any:
+        # Where an earlier release's pickled results look for their pod's class (launch.k8s's now).
+        if name == "PodHardware":
+            from batch_pipeline.launch.k8s import PodHardware
+
+            return PodHardware
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def worker_stats(task: ShardTask, reports: Sequence[Any]) -> ShardStats:
@@ -136,6 +155,9 @@ class ShardLauncher(dg.ConfigurableResource):
     in production. A launcher returns the shard's result (the worker's stats), and raises when the worker
     fails, so that the step's retry policy starts it again and it resumes from its checkpoint.
     """
+
+    # Which of the deployment's launchers it is, and so what it takes (a worker started ahead): each says its own.
+    kind: ClassVar[LauncherKind]
 
     def run_shard(
         self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None

@@ -27,12 +27,11 @@ import time
 from typing import Any
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from batch_pipeline.admission.hardware import InvalidHardware, hardware_maxima, hardware_problems, kubernetes_quantity
 from batch_pipeline.launch.base import (
     ForwardsProgress,
-    PodHardware,
     ProgressCallback,
     ShardLauncher,
     ShardResult,
@@ -40,6 +39,7 @@ from batch_pipeline.launch.base import (
     worker_failure,
     worker_stats,
 )
+from batch_pipeline.launch.kinds import KUBERNETES
 from batch_pipeline.shards.protocol import ShardTask
 
 # NVIDIA GPU feature discovery's product label, per GPU type of the spec; MIG types also name their slice.
@@ -135,6 +135,18 @@ def infer_hardware(
     return hardware, ("inferred " + ", ".join(chosen)) if chosen else None
 
 
+@dataclasses.dataclass(frozen=True)
+class PodHardware:
+    """What a shard's pod was sized to, and a sentence saying what of it was inferred (None: all asked for):
+    the shard's `pod_hardware` and `pod_hardware_inferred` in the job's metadata file."""
+
+    hardware: dict[str, Any]
+    inferred: str | None
+
+    def metadata_entry(self) -> dict[str, Any]:
+        return {"pod_hardware": self.hardware, "pod_hardware_inferred": self.inferred}
+
+
 def pod_security(task: ShardTask) -> tuple[dict[str, Any], dict[str, Any]]:
     """(pod, container) securityContext of a shard: the image's non-root user with every capability
     dropped; a `tool_config` job's worker as uid 0 with only the sandbox's capabilities, so that it can
@@ -155,6 +167,20 @@ def pod_security(task: ShardTask) -> tuple[dict[str, Any], dict[str, Any]]:
     return pod, container
 
 
+def pod_resources(hardware: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """(limits, requests) of the worker's container for `hardware` with its `gpus` filled in: its GPUs (the
+    MIG slice of its gpu_type, else whole GPUs) as limits alone; cpus, memory and storage each requested as
+    much as they are limited to."""
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    if hardware["gpus"]:
+        limits[MIG_RESOURCES.get(hardware.get("gpu_type") or "", "nvidia.com/gpu")] = str(hardware["gpus"])
+    for field, resource in (("cpus", "cpu"), ("memory", "memory"), ("storage", "ephemeral-storage")):
+        if hardware.get(field) is not None:
+            requests[resource] = limits[resource] = kubernetes_quantity(field, hardware[field])[0]
+    return limits, requests
+
+
 def label_value(value: str) -> str:
     """A valid label value: at most 63 of [A-Za-z0-9-_.], starting and ending alphanumeric."""
     cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)[:63]
@@ -168,6 +194,8 @@ def label_key(key: str) -> str:
 
 class K8sShardLauncher(ShardLauncher):
     """Each shard worker in its own pod, sized by the request."""
+
+    kind = KUBERNETES
 
     image: str = Field(description="The worker image (this package on a vLLM base image).")
     namespace: str = Field(default="default", description="Where the shard pods run.")
@@ -208,6 +236,8 @@ class K8sShardLauncher(ShardLauncher):
         description="How long a shard step waits for an earlier pod of its shard (a dead run's) to be gone "
         "before failing rather than running beside it; above the pods' 30 s termination grace.",
     )
+    # (the tenants file it was read from, each team's kueue_queue): see _kueue_queues
+    _kueue_queues_read: tuple[str, dict[str, str]] | None = PrivateAttr(default=None)
 
     def hardware_for(self, task: ShardTask) -> tuple[dict[str, Any], str | None]:
         from batch_pipeline.models.catalog import weights_bytes
@@ -234,41 +264,17 @@ class K8sShardLauncher(ShardLauncher):
         now: float | None = None,
         hardware: dict[str, Any] | None = None,
         run_id: str | None = None,
-        kueue_queue: str | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metadata, spec) of the shard's pod, to which the Pipes client adds only its name, its common
-        labels and the Pipes bootstrap environment; with `kueue_queue` (the job's team's, `kueue_queue_for`)
-        the pod waits in that Kueue LocalQueue. Raises InvalidHardware naming the field, for sizes no pod
-        can carry or over the deployment's maxima (what was inferred from the weights too)."""
-        hardware = self.with_default_limits(dict(task.hardware) if hardware is None else hardware)
-        gpu_type = hardware.get("gpu_type")
-        gpus = hardware.get("gpus")
-        gpus = self.default_gpus if gpus is None else gpus
-        problems = hardware_problems({**hardware, "gpus": gpus}, hardware_maxima(self.max_hardware))
-        if problems:
-            field, why = problems[0]
-            raise InvalidHardware(f"{field}: {why}")
-        limits: dict[str, str] = {}
-        requests: dict[str, str] = {}
-        if gpus:
-            limits[MIG_RESOURCES.get(gpu_type or "", "nvidia.com/gpu")] = str(gpus)  # no gpu_type: whole GPUs
-        for field, resource in (("cpus", "cpu"), ("memory", "memory"), ("storage", "ephemeral-storage")):
-            if hardware.get(field) is not None:
-                requests[resource] = limits[resource] = kubernetes_quantity(field, hardware[field])[0]
+        labels and the Pipes bootstrap environment; a pod of a team with a `kueue_queue` waits in that Kueue
+        LocalQueue (`kueue_queue_for`). Raises InvalidHardware naming the field, for sizes no pod can carry
+        or over the deployment's maxima (what was inferred from the weights too)."""
+        hardware = self.bounded_hardware(dict(task.hardware) if hardware is None else hardware)
+        limits, requests = pod_resources(hardware)
         pod_security_context, container_security_context = pod_security(task)
         scratch = SCRATCH_MOUNTS if task.tool_config is None else TOOL_SCRATCH_MOUNTS
         mounts = [{"name": name, "mountPath": path} for name, path in scratch.items()]
-        container: dict[str, Any] = {
-            "name": "dagster-pipes-execution",
-            "image": self.image,
-            "command": list(WORKER_COMMAND),
-            "imagePullPolicy": self.image_pull_policy,
-            "resources": {"limits": limits, **({"requests": requests} if requests else {})},
-            "securityContext": container_security_context,
-            "volumeMounts": mounts,
-        }
-        if self.env_secrets:
-            container["envFrom"] = [{"secretRef": {"name": name}} for name in self.env_secrets]
+        container = self._worker_container(task, limits, requests, container_security_context, mounts)
         spec: dict[str, Any] = {
             "containers": [container],
             "restartPolicy": "Never",
@@ -280,30 +286,73 @@ class K8sShardLauncher(ShardLauncher):
             "enableServiceLinks": False,
         }
         if task.tool_config is not None:
+            spec["initContainers"] = [self._scratch_modes_container(mounts, limits)]
+        spec |= self._node_placement(hardware.get("gpu_type"))
+        if task.deadline is not None:
+            spec["activeDeadlineSeconds"] = max(1, int(task.deadline - (now or time.time())))
+        return {"labels": self.pod_labels(task, run_id)}, spec
+
+    def bounded_hardware(self, hardware: dict[str, Any]) -> dict[str, Any]:
+        """The hardware a pod is sized to: the deployment's defaults where it names none (`gpus` too), held
+        to the deployment's maxima. Raises InvalidHardware naming the first field no pod can carry."""
+        hardware = self.with_default_limits(hardware)
+        if hardware.get("gpus") is None:
+            hardware["gpus"] = self.default_gpus
+        problems = hardware_problems(hardware, hardware_maxima(self.max_hardware))
+        if problems:
+            field, why = problems[0]
+            raise InvalidHardware(f"{field}: {why}")
+        return hardware
+
+    def _worker_container(
+        self,
+        task: ShardTask,
+        limits: dict[str, str],
+        requests: dict[str, str],
+        security_context: dict[str, Any],
+        mounts: list[dict[str, str]],
+    ) -> dict[str, Any]:
+        """The worker's container: this deployment's image running the worker, sized and locked down."""
+        container: dict[str, Any] = {
+            "name": "dagster-pipes-execution",
+            "image": self.image,
+            "command": list(WORKER_COMMAND),
+            "imagePullPolicy": self.image_pull_policy,
+            "resources": {"limits": limits, **({"requests": requests} if requests else {})},
+            "securityContext": security_context,
+            "volumeMounts": mounts,
+        }
+        if self.env_secrets:
+            container["envFrom"] = [{"secretRef": {"name": name}} for name in self.env_secrets]
+        if task.tool_config is not None:
             container["env"] = [{"name": "TMPDIR", "value": WORKER_TMPDIR}]  # where the sandbox's leases go
-            init = self._scratch_modes_container(mounts)
-            # bounded as the worker is (a pod's containers all carry limits), by no more than it
-            bounded = {name: value for name, value in limits.items() if name in ("cpu", "memory")}
-            init["resources"] = {"limits": bounded, "requests": dict(bounded)}
-            spec["initContainers"] = [init]
+        return container
+
+    def _node_placement(self, gpu_type: str | None) -> dict[str, Any]:
+        """Where the pod may run and as whom: its gpu_type's nodes, the deployment's tolerations and service
+        account. Raises InvalidHardware for a gpu_type this deployment maps to no nodes."""
+        placement: dict[str, Any] = {}
         if gpu_type is not None:
             if gpu_type not in self.gpu_node_selectors:
                 raise InvalidHardware(f"gpu_type: {gpu_type!r} has no node selector in this deployment")
-            spec["nodeSelector"] = dict(self.gpu_node_selectors[gpu_type])
+            placement["nodeSelector"] = dict(self.gpu_node_selectors[gpu_type])
         if self.tolerations:
-            spec["tolerations"] = list(self.tolerations)
+            placement["tolerations"] = list(self.tolerations)
         if self.service_account_name:
-            spec["serviceAccountName"] = self.service_account_name
-        if task.deadline is not None:
-            spec["activeDeadlineSeconds"] = max(1, int(task.deadline - (now or time.time())))
+            placement["serviceAccountName"] = self.service_account_name
+        return placement
+
+    def pod_labels(self, task: ShardTask, run_id: str | None = None) -> dict[str, str]:
+        """The request's labels under LABEL_PREFIX, then ours over them: the network policy's, the shard's,
+        the run's, and the Kueue queue of the job's team (`kueue_queue_for`)."""
         labels = {label_key(key): label_value(value) for key, value in task.labels.items()}
         labels.update(SHARD_POD_LABELS)
         labels.update(shard_pod_selector(task))
         if run_id is not None:
             labels[RUN_ID_LABEL] = label_value(run_id)
-        if kueue_queue is not None:
-            labels[KUEUE_QUEUE_LABEL] = kueue_queue
-        return {"labels": labels}, spec
+        if (queue := self.kueue_queue_for(task)) is not None:
+            labels[KUEUE_QUEUE_LABEL] = queue
+        return labels
 
     def with_default_limits(self, hardware: dict[str, Any]) -> dict[str, Any]:
         """The hardware with the deployment's cpus and memory where it names none, each at most the
@@ -317,22 +366,30 @@ class K8sShardLauncher(ShardLauncher):
                 filled[field] = bound[0] if bound is not None and bound[1] < value[1] else value[0]
         return filled
 
-    def kueue_queue_for(self, context: dg.OpExecutionContext, task: ShardTask) -> str | None:
+    def kueue_queue_for(self, task: ShardTask) -> str | None:
         """The Kueue LocalQueue of the job's shard pods: the `kueue_queue` the operator's tenants file gives
-        the team that owns the job in the job store; None for a job of no team (an admin's, the launchpad's)
-        or a team with none. Never from the request or the run's tags, which the team itself writes."""
+        the job's team (`ShardTask.owner_team`, which the pipeline reads from the job store, never from the
+        request or the run's tags, which the team itself writes); None for a job of no team (an admin's, the
+        launchpad's) or a team with none."""
+        return None if task.owner_team is None else self._kueue_queues().get(task.owner_team)
+
+    def _kueue_queues(self) -> dict[str, str]:
+        """Each team's `kueue_queue` in the tenants file, read once by this launcher rather than per pod."""
         from batch_pipeline.tenancy.tenants import tenants_at
 
-        registry = tenants_at(self.tenants_file)
-        job_store = getattr(context.resources, "job_store", None)  # the run_shard op's own resource
-        if registry is None or job_store is None or not task.job_id:
-            return None
-        record = job_store.get_store().get(task.job_id)
-        return registry.kueue_queue(record.owner) if record is not None else None
+        # Kept with the path it was read from: a copy of the launcher naming another file reads that one.
+        if self._kueue_queues_read is None or self._kueue_queues_read[0] != self.tenants_file:
+            registry = tenants_at(self.tenants_file)
+            teams = registry.teams if registry is not None else {}
+            queues = {name: team.config.kueue_queue for name, team in teams.items() if team.config.kueue_queue}
+            self._kueue_queues_read = (self.tenants_file, queues)
+        return self._kueue_queues_read[1]
 
-    def _scratch_modes_container(self, mounts: list[dict[str, str]]) -> dict[str, Any]:
-        """Sets TOOL_SCRATCH_MODES on the emptyDirs. As uid 0, their owner, it needs no capability."""
+    def _scratch_modes_container(self, mounts: list[dict[str, str]], limits: dict[str, str]) -> dict[str, Any]:
+        """Sets TOOL_SCRATCH_MODES on the emptyDirs. As uid 0, their owner, it needs no capability; bounded as
+        the worker is (a pod's containers all carry limits), by no more than it."""
         modes = [part for path, mode in TOOL_SCRATCH_MODES.items() for part in (path, f"{mode:o}")]
+        bounded = {name: value for name, value in limits.items() if name in ("cpu", "memory")}
         return {
             "name": "scratch-modes",
             "image": self.image,
@@ -345,6 +402,7 @@ class K8sShardLauncher(ShardLauncher):
                 "capabilities": {"drop": ["ALL"]},
             },
             "volumeMounts": mounts,
+            "resources": {"limits": bounded, "requests": dict(bounded)},
         }
 
     def _kubernetes_api(self) -> Any:
@@ -423,9 +481,7 @@ class K8sShardLauncher(ShardLauncher):
             context.log.info(f"shard {task.shard.shard_index}: {inferred}")
         task = engine_spread_over_gpus(task, hardware)
         try:
-            meta, spec = self.pod_overrides(
-                task, hardware=hardware, run_id=context.run_id, kueue_queue=self.kueue_queue_for(context, task)
-            )
+            meta, spec = self.pod_overrides(task, hardware=hardware, run_id=context.run_id)
         except InvalidHardware as exc:
             raise dg.Failure(str(exc), allow_retries=False) from None
         self.stop_earlier_shard_pods(context, task)
@@ -449,7 +505,7 @@ class K8sShardLauncher(ShardLauncher):
             reason = _worker_failure(str(exc)) or str(exc).strip().splitlines()[0]
             raise dg.Failure(f"shard {task.shard.shard_index}: the worker failed: {reason}") from None
         stats = worker_stats(task, completed.get_custom_messages())
-        return ShardResult(task=task, stats=stats, pod=PodHardware(hardware=hardware, inferred=inferred))
+        return ShardResult(task=task, stats=stats, where=PodHardware(hardware=hardware, inferred=inferred))
 
 
 def shard_pod_selector(task: ShardTask) -> dict[str, str]:

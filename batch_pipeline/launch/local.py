@@ -28,6 +28,7 @@ from batch_pipeline.launch.base import (
     worker_failure,
     worker_stats,
 )
+from batch_pipeline.launch.kinds import LOCAL
 from batch_pipeline.launch.standby import claim_standby
 from batch_pipeline.shards.protocol import ShardTask
 
@@ -95,6 +96,8 @@ class _TempFileMessageReader(ForwardsProgress, dg.PipesTempFileMessageReader):
 
 class LocalShardLauncher(ShardLauncher):
     """The shard worker as a subprocess of the step, on this machine."""
+
+    kind = LOCAL
 
     python_executable: str = Field(
         default="", description="Python that runs the worker; empty = the one running Dagster."

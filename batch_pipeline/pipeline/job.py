@@ -55,7 +55,7 @@ from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.quotas import QuotaStore
 from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.results import JobResults
-from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants
+from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants, owner_team
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
@@ -355,6 +355,8 @@ def plan_shards(
     hardware = _HARDWARE.validate_python(
         request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
     )
+    # The job's team as the job store holds it, which a launcher may queue the shards by: not the request's word.
+    team = owner_team(record.owner) if record is not None else None
     for shard in shards:
         task = ShardTask(
             shard=shard,
@@ -362,6 +364,7 @@ def plan_shards(
             shard_count=len(shards),
             deadline=deadline,
             job_id=job_id,
+            owner_team=team,
             hardware=hardware,
             labels=request.labels,
             tool_config=request.tool_config,

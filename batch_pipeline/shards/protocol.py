@@ -68,6 +68,9 @@ class ShardTask:
     shard_count: int = 1  # shards of the job, this one included
     deadline: float | None = None  # epoch seconds; the job's max_runtime_sec
     job_id: str = ""
+    # The team that owns the job in the job store (None: an admin's or the launchpad's job, of no team), as
+    # the pipeline reads it there: never the request's labels or the run's tags, which the team writes.
+    owner_team: str | None = None
     hardware: ShardHardware = field(default_factory=lambda: ShardHardware())
     labels: dict[str, str] = field(default_factory=dict)
     tool_config: ToolConfig | None = None

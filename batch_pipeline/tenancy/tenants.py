@@ -47,6 +47,11 @@ ADMINS_OWNER = "admins"
 RESERVED_TEAM_NAMES = (ADMINS_OWNER, "other")
 
 
+def owner_team(owner: str) -> str | None:
+    """The team a job's owner (as the job store holds it) names, or None for an owner of no team."""
+    return owner.removeprefix(TEAM_OWNER_PREFIX) if owner.startswith(TEAM_OWNER_PREFIX) else None
+
+
 class TenantsFileError(ValueError):
     """A tenants file this service cannot use; the message names the file, the line and the field."""
 
