@@ -204,7 +204,7 @@ def _completed_metadata(task):
     from batch_pipeline.shards.metadata import DataParallelism, JobMetadata, ShardEntry
 
     stats = ShardStats.from_dict(_stats())
-    pod = ShardResult(task=task, stats=stats, pod=PodHardware(hardware={"gpus": 1}, inferred="gpu_type: the default"))
+    pod = ShardResult(task=task, stats=stats, where=PodHardware(hardware={"gpus": 1}, inferred="gpu_type: the default"))
     return JobMetadata(
         job_id="batch-1",
         dagster_run_id="run-1",
