@@ -136,6 +136,36 @@ def plan_shard_count(
     return ShardPlan(requested=requested, used=used, reason=reason), items
 
 
+def first_plan(
+    items: Iterator[tuple[WorkItem, ItemSize]],
+    requested: int,
+    settings: PlanningSettings,
+    tool_loop: bool,
+    planned_before: bool,
+) -> tuple[RecordedPlan, Iterator[tuple[WorkItem, ItemSize]]]:
+    """The plan a job's first run makes, for the job store to keep for its later runs, and the items (those
+    read ahead to count its shards included). `planned_before`: shards of the job are there already,
+    written by a release that kept no plan."""
+    plan, items = plan_shard_count(items, requested, settings)
+    # A tool loop runs code whose output may change between runs: its requests are never merged.
+    deduplicate = settings.deduplicate and not tool_loop
+    # Shards without a kept plan were written by a release that kept none, and grouped nothing.
+    grouping = GENERATION_GROUPING if deduplicate and not planned_before else 0
+    return RecordedPlan(plan, deduplicate, generation_grouping=grouping), items
+
+
+def describe_shards(shards: list[ShardSpec], plan: ShardPlan, work_dir: str, kept: bool) -> str:
+    """The shards a run wrote, for its log; `kept`: as the job's first run planned them."""
+    copies = sum(shard.copy_count for shard in shards)
+    return (
+        f"{sum(shard.item_count for shard in shards)} requests in {len(shards)} shards under {work_dir}: "
+        + ", ".join(f"{shard.prompt_count} prompts (~{shard.estimated_tokens} tokens)" for shard in shards)
+        + (f"; {copies} repeat an earlier deterministic request and take its output" if copies else "")
+        + (f"; {plan.used} shards of the {plan.requested} asked: {plan.reason}" if plan.reason else "")
+        + ("; the shard plan of the job's first run, kept so that its checkpoints line up" if kept else "")
+    )
+
+
 def write_shards(
     items: Iterable[tuple[WorkItem, ItemSize]],
     num_shards: int,

@@ -42,11 +42,16 @@ from batch_pipeline.shards.format import (
     shard_directories,
 )
 from batch_pipeline.shards.planning import (
+    PlanningSettings,
+    RecordedPlan,
     RepeatSources,
     ShardWriter,
+    describe_shards,
+    first_plan,
     open_shard_writers,
     shard_directory,
     shard_specs,
+    write_shards,
 )
 from batch_pipeline.shards.records import ItemSize, repeat_key, request_digest
 
@@ -93,6 +98,58 @@ def has_earlier_plan(work_dir: str) -> bool:
     checkpoint with no input beside it, as an earlier pod uploaded it before this job's first plan, is kept by
     index as a first plan keeps it: the work dir is the service's, no team writes there.)"""
     return any(io.exists(io.join(directory, INPUT_FILE)) for directory in shard_directories(work_dir))
+
+
+@dataclass(frozen=True)
+class JobShards:
+    """The shards a run of a job wrote, the plan they follow (`kept`: the job's first run's, as the job
+    store keeps it), and what changed in its input since an earlier run (None: nothing, or no earlier run)."""
+
+    shards: list[ShardSpec]
+    recorded: RecordedPlan
+    kept: bool
+    input_changes: str | None = None
+
+    @property
+    def estimated_tokens(self) -> int:
+        return sum(shard.estimated_tokens for shard in self.shards)
+
+    @property
+    def copies(self) -> int:
+        """Its requests that repeat an earlier deterministic one and take its output."""
+        return sum(shard.copy_count for shard in self.shards)
+
+    def describe(self, work_dir: str) -> str:
+        """The shards, for the run's log."""
+        return describe_shards(self.shards, self.recorded.plan, work_dir, self.kept)
+
+
+def write_job_shards(
+    items: Iterator[tuple[WorkItem, ItemSize]],
+    work_dir: str,
+    kept: RecordedPlan | None,
+    requested: int,
+    settings: PlanningSettings,
+    tool_loop: bool,
+) -> JobShards:
+    """A run's shards of a job, as the plan its first run recorded (`kept`) places them, else as a first
+    plan of `requested` shards under `settings` does; over the shards an earlier run wrote, if any."""
+    planned_before = has_earlier_plan(work_dir)
+    recorded = kept
+    if recorded is None:
+        recorded, items = first_plan(items, requested, settings, tool_loop, planned_before)
+    if planned_before:
+        # The input file may have changed since: no checkpointed result is kept under a changed request.
+        rewritten = rewrite_shards(items, recorded.plan.used, work_dir, deduplicate=recorded.deduplicate)
+        return JobShards(rewritten.shards, recorded, kept is not None, rewritten.describe())
+    shards = write_shards(
+        items,
+        recorded.plan.used,
+        work_dir,
+        deduplicate=recorded.deduplicate,
+        group_generations=recorded.group_generations,
+    )
+    return JobShards(shards, recorded, kept is not None)
 
 
 def rewrite_shards(
