@@ -726,3 +726,31 @@ def test_shards_written_again_over_an_input_that_fails_midway_are_left_as_they_w
     with pytest.raises(RecordError):
         rewrite_shards(work_items(records), 2, str(tmp_path), deduplicate=True)
     assert {path: path.read_text() for path in tmp_path.glob("shards/*/*")} == files
+
+
+def test_a_later_run_writes_the_shards_of_the_plan_its_first_run_recorded_whatever_the_settings_say_now(tmp_path):
+    from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan
+    from batch_pipeline.shards.replanning import write_job_shards
+
+    prompts = [f"Prompt {i % 5} " + "word " * (i % 7) for i in range(40)]
+    settings = PlanningSettings(max_shards=None, min_tokens_per_shard=0)
+    first = write_job_shards(_items(prompts), str(tmp_path / "job"), None, 3, settings, tool_loop=False)
+    assert (first.recorded.plan.used, first.recorded.deduplicate, first.recorded.group_generations) == (3, True, True)
+    assert not first.kept and first.input_changes is None and first.copies > 0
+    written = {path.relative_to(tmp_path): path.read_text() for path in tmp_path.glob("job/shards/*/*")}
+
+    # Settings now that would plan one shard and no copies: the recorded plan is written again, as it was.
+    recorded = RecordedPlan.from_json(first.recorded.to_json())
+    now = PlanningSettings(max_shards=1, min_tokens_per_shard=0, deduplicate=False)
+    again = write_job_shards(_items(prompts), str(tmp_path / "job"), recorded, 3, now, tool_loop=True)
+    assert again.kept and again.recorded == recorded and again.input_changes is None
+    assert [(s.shard_index, s.item_count, s.copy_count) for s in again.shards] == [
+        (s.shard_index, s.item_count, s.copy_count) for s in first.shards
+    ]
+    assert {path.relative_to(tmp_path): path.read_text() for path in tmp_path.glob("job/shards/*/*")} == written
+    assert "the shard plan of the job's first run, kept" in again.describe(str(tmp_path / "job"))
+
+    # A tool loop's first plan merges none of its requests: its code's output may change between runs.
+    tools = write_job_shards(_items(prompts), str(tmp_path / "tools"), None, 3, settings, tool_loop=True)
+    assert not tools.recorded.deduplicate and tools.copies == 0
+    assert sum(s.item_count for s in tools.shards) == len(prompts)

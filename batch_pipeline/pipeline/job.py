@@ -34,22 +34,11 @@ from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of,
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
 from batch_pipeline.shards.format import checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
-from batch_pipeline.shards.metadata import (
-    DataParallelism,
-    JobMetadata,
-    ShardEntry,
-    write_metadata,
-)
-from batch_pipeline.shards.planning import (
-    GENERATION_GROUPING,
-    RecordedPlan,
-    ShardPlan,
-    plan_shard_count,
-    write_shards,
-)
+from batch_pipeline.shards.metadata import DataParallelism, JobMetadata, ShardEntry, write_metadata
+from batch_pipeline.shards.planning import RecordedPlan, ShardPlan
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
-from batch_pipeline.shards.replanning import has_earlier_plan, rewrite_shards
+from batch_pipeline.shards.replanning import write_job_shards
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.quotas import QuotaStore
@@ -296,79 +285,50 @@ def plan_shards(
     # Every later run of the job (a retry, a resume) writes the shards its first run planned, whatever the
     # settings say now: each checkpointed result lies in the shard that plan put its request in.
     kept = RecordedPlan.from_json(record.shard_plan) if record is not None and record.shard_plan else None
-    input_changes = None
+    settings = shard_planning.for_launcher(shard_launcher.shard_slots())
     try:
         items = work_items(_records(request, job_data_files(context, job_store, job_storage, admission)))
-        planned_before = has_earlier_plan(work_dir)
-        recorded = kept
-        if recorded is None:
-            settings = shard_planning.for_launcher(shard_launcher.shard_slots())
-            first_plan, items = plan_shard_count(items, request.data_parallelism or 1, settings)
-            # A tool loop runs code whose output may change between runs: its requests are never merged.
-            deduplicate = settings.deduplicate and request.tool_config is None
-            # Shards without a kept plan were written by a release that kept none, and grouped nothing.
-            grouping = GENERATION_GROUPING if deduplicate and not planned_before else 0
-            recorded = RecordedPlan(first_plan, deduplicate, generation_grouping=grouping)
-        if planned_before:
-            # The input file may have changed since: no checkpointed result is kept under a changed request.
-            rewritten = rewrite_shards(items, recorded.plan.used, work_dir, deduplicate=recorded.deduplicate)
-            shards, input_changes = rewritten.shards, rewritten.describe()
-        else:
-            shards = write_shards(
-                items,
-                recorded.plan.used,
-                work_dir,
-                deduplicate=recorded.deduplicate,
-                group_generations=recorded.group_generations,
-            )
+        tool_loop = request.tool_config is not None
+        written = write_job_shards(items, work_dir, kept, request.data_parallelism or 1, settings, tool_loop)
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     except io.SymlinkRefused as exc:
-        raise dg.Failure(
-            f"input_data_path: cannot read {request.input_data_path}: {exc}", allow_retries=False
-        ) from None
-    if not shards:
+        message = f"input_data_path: cannot read {request.input_data_path}: {exc}"
+        raise dg.Failure(message, allow_retries=False) from None
+    if not written.shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
-    _hold_planned_tokens(job_store.quotas(), record, admission, sum(shard.estimated_tokens for shard in shards))
-    plan = recorded.plan
+    _hold_planned_tokens(job_store.quotas(), record, admission, written.estimated_tokens)
     progress = job_store.progress()
     progress.record_shards(
         job_id,
-        {shard.shard_index: shard.item_count for shard in shards},
-        {shard.shard_index: checkpoint_bytes(shard.directory) for shard in shards},
-        shard_plan=recorded.to_json(),
+        {shard.shard_index: shard.item_count for shard in written.shards},
+        {shard.shard_index: checkpoint_bytes(shard.directory) for shard in written.shards},
+        shard_plan=written.recorded.to_json(),
     )
-    if input_changes is not None:
-        context.log.warning(input_changes)
+    if written.input_changes is not None:
+        context.log.warning(written.input_changes)
     _count_kept(context, store, progress, job_id, work_dir)
     deadline = job_deadline(context, request.max_runtime_sec)
-    copies = sum(s.copy_count for s in shards)
-    context.log.info(
-        f"{sum(s.item_count for s in shards)} requests in {len(shards)} shards under {work_dir}: "
-        + ", ".join(f"{s.prompt_count} prompts (~{s.estimated_tokens} tokens)" for s in shards)
-        + (f"; {copies} repeat an earlier deterministic request and take its output" if copies else "")
-        + (f"; {plan.used} shards of the {plan.requested} asked: {plan.reason}" if plan.reason else "")
-        + ("; the shard plan of the job's first run, kept so that its checkpoints line up" if kept else "")
-    )
-    yield dg.Output(PlanSummary(plan=plan, deduplicated=copies), "plan")
+    context.log.info(written.describe(work_dir))
+    yield dg.Output(PlanSummary(plan=written.recorded.plan, deduplicated=written.copies), "plan")
     model_config = admission.shard_model_config(request.model_cfg)
     hardware = _HARDWARE.validate_python(
         request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
     )
     # The job's team as the job store holds it, which a launcher may queue the shards by: not the request's word.
     team = owner_team(record.owner) if record is not None else None
-    for shard in shards:
+    for shard in written.shards:
         task = ShardTask(
             shard=shard,
             model_config=model_config,
-            shard_count=len(shards),
+            shard_count=len(written.shards),
             deadline=deadline,
             job_id=job_id,
             owner_team=team,
             hardware=hardware,
             labels=request.labels,
             tool_config=request.tool_config,
-            share_generations=recorded.deduplicate,
+            share_generations=written.recorded.deduplicate,
         )
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
 

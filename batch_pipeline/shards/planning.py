@@ -28,16 +28,6 @@ DEDUP_TABLE_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True)
-class _Group:
-    """Requests one generation may answer, as planned so far: their shard, the input line of the last one
-    there, and their largest output limit."""
-
-    shard: int
-    last_line: int
-    limit: int
-
-
-@dataclass(frozen=True)
 class PlanningSettings:
     """How jobs are split: at most `max_shards` shards (None: no limit), each worth at least
     `min_tokens_per_shard` estimated tokens (0: any), repeats of deterministic requests generated once."""
@@ -146,6 +136,36 @@ def plan_shard_count(
     return ShardPlan(requested=requested, used=used, reason=reason), items
 
 
+def first_plan(
+    items: Iterator[tuple[WorkItem, ItemSize]],
+    requested: int,
+    settings: PlanningSettings,
+    tool_loop: bool,
+    planned_before: bool,
+) -> tuple[RecordedPlan, Iterator[tuple[WorkItem, ItemSize]]]:
+    """The plan a job's first run makes, for the job store to keep for its later runs, and the items (those
+    read ahead to count its shards included). `planned_before`: shards of the job are there already,
+    written by a release that kept no plan."""
+    plan, items = plan_shard_count(items, requested, settings)
+    # A tool loop runs code whose output may change between runs: its requests are never merged.
+    deduplicate = settings.deduplicate and not tool_loop
+    # Shards without a kept plan were written by a release that kept none, and grouped nothing.
+    grouping = GENERATION_GROUPING if deduplicate and not planned_before else 0
+    return RecordedPlan(plan, deduplicate, generation_grouping=grouping), items
+
+
+def describe_shards(shards: list[ShardSpec], plan: ShardPlan, work_dir: str, kept: bool) -> str:
+    """The shards a run wrote, for its log; `kept`: as the job's first run planned them."""
+    copies = sum(shard.copy_count for shard in shards)
+    return (
+        f"{sum(shard.item_count for shard in shards)} requests in {len(shards)} shards under {work_dir}: "
+        + ", ".join(f"{shard.prompt_count} prompts (~{shard.estimated_tokens} tokens)" for shard in shards)
+        + (f"; {copies} repeat an earlier deterministic request and take its output" if copies else "")
+        + (f"; {plan.used} shards of the {plan.requested} asked: {plan.reason}" if plan.reason else "")
+        + ("; the shard plan of the job's first run, kept so that its checkpoints line up" if kept else "")
+    )
+
+
 def write_shards(
     items: Iterable[tuple[WorkItem, ItemSize]],
     num_shards: int,
@@ -162,90 +182,191 @@ def write_shards(
     group's largest limit. One pass; memory bounded by DEDUP_TABLE_LIMIT and the shards' windows. Shards
     with nothing to do are not returned.
     """
-    directories = [io.join(work_dir, "shards", f"{k:03d}") for k in range(num_shards)]
-    loads = [(0, k) for k in range(num_shards)]  # heap of (estimated tokens assigned, shard); stale entries skipped
-    item_counts = [0] * num_shards
-    line_counts = [0] * num_shards  # of item_counts: those in the input, the worker's windows
-    prompt_counts = [0] * num_shards
-    token_counts = [0] * num_shards
-    copy_counts = [0] * num_shards
-    sources: dict[int, int] = {}  # repeat key -> index * num_shards + shard of its first request
-    groups: OrderedDict[int, _Group] = OrderedDict()  # shared generation key -> its group, least recent first
+    with contextlib.ExitStack() as files:
+        shards = open_shard_writers(work_dir, num_shards, files)
+        repeats = RepeatSources(num_shards)
+        groups = GenerationGroups(num_shards)
+        loads = ShardLoads(shards)
+        for item, size in items:
+            key = repeat_key(item) if deduplicate else None
+            source = repeats.source_of(key) if key is not None else None
+            if source is not None:
+                source_index, shard_index = source
+                shards[shard_index].add_copy(item.index, source_index, size)
+                continue
+            generation = shared_generation_key(item) if group_generations else None
+            shard = balance_request(item, size, generation, groups, loads)
+            shard.add_request(item, size)
+            if key is not None:
+                repeats.remember(key, item.index, shard.index)
+    return shard_specs(shards)
 
-    def least_loaded() -> int:
-        while loads[0][0] != token_counts[loads[0][1]]:
-            heapq.heappop(loads)
-        return loads[0][1]
 
-    def add_load(k: int, tokens: int) -> None:
-        if tokens:
-            token_counts[k] += tokens
-            heapq.heappush(loads, (token_counts[k], k))
+def shard_directory(work_dir: str, shard: int) -> str:
+    return io.join(work_dir, "shards", f"{shard:03d}")
 
+
+class ShardWriter:
+    """One shard as a plan writes it: its input, and its copies file once it has one, open until the plan is
+    written (each then put in place whole), and its figures so far. `suffix` names the files it writes
+    (a later run stages them beside the earlier ones)."""
+
+    def __init__(self, index: int, directory: str, files: contextlib.ExitStack, suffix: str = "") -> None:
+        self.index = index
+        self.directory = directory
+        self.items = 0  # outputs the shard owes, copies included
+        self.copies = 0  # of items: repeats filled from their source's output
+        self.prompts = 0
+        self.estimated_tokens = 0
+        self._files = files
+        self._suffix = suffix
+        io.makedirs(directory)
+        self._input = files.enter_context(io.atomic_write(io.join(directory, INPUT_FILE + suffix)))
+        self._copies: IO[str] | None = None
+
+    @property
+    def lines(self) -> int:
+        """The requests in its input so far: the worker's windows are counted in them."""
+        return self.items - self.copies
+
+    @property
+    def has_copies_file(self) -> bool:
+        return self._copies is not None
+
+    def open_copies(self) -> IO[str]:
+        """Its copies file, opened the first time (a shard with no copies has none)."""
+        if self._copies is None:
+            path = io.join(self.directory, COPIES_FILE + self._suffix)
+            self._copies = self._files.enter_context(io.atomic_write(path))
+        return self._copies
+
+    def add_request(self, item: WorkItem, size: ItemSize) -> None:
+        """A request its worker generates; what it weighs is the caller's to add (see ShardLoads)."""
+        self._input.write(item.to_line() + "\n")
+        self.items += 1
+        self.prompts += size.prompts
+
+    def add_copy(self, index: int, source: int, size: ItemSize) -> None:
+        """Request `index`, answered by the output of request `source` in this shard."""
+        self.open_copies().write(f"{index}\t{source}\n")
+        self.copies += 1
+        self.items += 1
+        self.prompts += size.prompts
+
+    def spec(self) -> ShardSpec:
+        return ShardSpec(
+            shard_index=self.index,
+            directory=self.directory,
+            item_count=self.items,
+            prompt_count=self.prompts,
+            estimated_tokens=self.estimated_tokens,
+            copy_count=self.copies,
+        )
+
+
+def open_shard_writers(work_dir: str, count: int, files: contextlib.ExitStack, suffix: str = "") -> list[ShardWriter]:
+    """Writers of the job's `count` shards, their directories made (private, on a local disk)."""
+    directories = [shard_directory(work_dir, k) for k in range(count)]
     if io.is_local(work_dir):  # the job's prompts and outputs: for the worker's user alone
         for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
             make_private_directory(directory)
-    with contextlib.ExitStack() as stack:
-        writers = []
-        copy_writers: dict[int, IO[str]] = {}
-        for directory in directories:
-            io.makedirs(directory)
-            writers.append(stack.enter_context(io.atomic_write(io.join(directory, INPUT_FILE))))
-        for item, size in items:
-            key = repeat_key(item) if deduplicate else None
-            if key is not None and key in sources:
-                source, k = divmod(sources[key], num_shards)
-                if k not in copy_writers:
-                    copy_writers[k] = stack.enter_context(io.atomic_write(io.join(directories[k], COPIES_FILE)))
-                copy_writers[k].write(f"{item.index}\t{source}\n")
-                copy_counts[k] += 1
-            else:
-                generation = shared_generation_key(item) if group_generations else None
-                limit = output_limit(item) or 0
-                group = groups.pop(generation, None) if generation is not None else None
-                if group is not None and line_counts[group.shard] - group.last_line >= WORKER_WINDOW:
-                    group = None  # past the worker's window there: it would be generated on its own
-                least = least_loaded()
-                # In its group's shard its prompt is cached and its tokens come from the group's generation: it
-                # adds only what its limit adds. It goes there unless that leaves more work there than it would
-                # be alone on the least-loaded shard (a sweep of long limits after short ones).
-                extra = max(0, limit - group.limit) * size.prompts if group is not None else 0
-                if group is not None and token_counts[group.shard] + extra <= token_counts[least] + size.tokens:
-                    k, limit = group.shard, max(limit, group.limit)
-                    add_load(k, extra)
-                else:
-                    k = least
-                    add_load(k, size.tokens)
-                if generation is not None:
-                    groups[generation] = _Group(shard=k, last_line=line_counts[k], limit=limit)
-                    if len(groups) > num_shards * WORKER_WINDOW:  # past every shard's window: no longer joined
-                        groups.popitem(last=False)
-                writers[k].write(item.to_line() + "\n")
-                line_counts[k] += 1
-                if key is not None and len(sources) < DEDUP_TABLE_LIMIT:
-                    sources[key] = item.index * num_shards + k
-            item_counts[k] += 1
-            prompt_counts[k] += size.prompts
-    return shard_specs(directories, item_counts, prompt_counts, token_counts, copy_counts)
+    return [ShardWriter(k, directory, files, suffix) for k, directory in enumerate(directories)]
 
 
-def shard_specs(
-    directories: list[str],
-    item_counts: list[int],
-    prompt_counts: list[int],
-    token_counts: list[int],
-    copy_counts: list[int],
-) -> list[ShardSpec]:
-    """The shards a plan wrote, from its per-shard figures: those with something to do."""
-    return [
-        ShardSpec(
-            shard_index=k,
-            directory=directory,
-            item_count=item_counts[k],
-            prompt_count=prompt_counts[k],
-            estimated_tokens=token_counts[k],
-            copy_count=copy_counts[k],
-        )
-        for k, directory in enumerate(directories)
-        if item_counts[k]
-    ]
+def shard_specs(shards: list[ShardWriter]) -> list[ShardSpec]:
+    """The shards a plan wrote: those with something to do."""
+    return [shard.spec() for shard in shards if shard.items]
+
+
+class RepeatSources:
+    """The deterministic requests a plan generates, by repeat key: the one a later repeat copies, and its
+    shard. The first of each is kept, up to DEDUP_TABLE_LIMIT keys."""
+
+    def __init__(self, shard_count: int) -> None:
+        self._shard_count = shard_count
+        self._sources: dict[int, int] = {}  # repeat key -> index * shard count + shard, the smallest to hold
+
+    def source_of(self, key: int) -> tuple[int, int] | None:
+        """The index and shard of the request a repeat of `key` copies; None for the first of its key."""
+        source = self._sources.get(key)
+        return None if source is None else divmod(source, self._shard_count)
+
+    def remember(self, key: int, index: int, shard: int) -> None:
+        if key not in self._sources and len(self._sources) < DEDUP_TABLE_LIMIT:
+            self._sources[key] = index * self._shard_count + shard
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Requests one generation may answer, as planned so far: their shard, the input line of the last one
+    there, and their largest output limit."""
+
+    shard: ShardWriter
+    last_line: int
+    limit: int
+
+
+class GenerationGroups:
+    """The groups of requests sharing a generation, by shared generation key, least recent first: as many
+    as the shards' windows hold, past which a request would be generated on its own anyway."""
+
+    def __init__(self, shard_count: int) -> None:
+        self._most = shard_count * WORKER_WINDOW
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
+
+    def take(self, generation: int) -> _Group | None:
+        """The group a request of `generation` may join, taken out until `put` back; None where none is
+        within its shard's window."""
+        group = self._groups.pop(generation, None)
+        if group is not None and group.shard.lines - group.last_line >= WORKER_WINDOW:
+            return None  # past the worker's window there: it would be generated on its own
+        return group
+
+    def put(self, generation: int, group: _Group) -> None:
+        self._groups[generation] = group
+        if len(self._groups) > self._most:
+            self._groups.popitem(last=False)
+
+
+class ShardLoads:
+    """The shards by the estimated tokens given them: a heap of (tokens, shard index), least loaded first,
+    whose stale entries (a shard since given more) are skipped."""
+
+    def __init__(self, shards: list[ShardWriter]) -> None:
+        self._shards = shards
+        self._heap = [(shard.estimated_tokens, shard.index) for shard in shards]
+        heapq.heapify(self._heap)
+
+    def least_loaded(self) -> ShardWriter:
+        heap = self._heap
+        while heap[0][0] != self._shards[heap[0][1]].estimated_tokens:
+            heapq.heappop(heap)
+        return self._shards[heap[0][1]]
+
+    def add(self, shard: ShardWriter, tokens: int) -> None:
+        if tokens:
+            shard.estimated_tokens += tokens
+            heapq.heappush(self._heap, (shard.estimated_tokens, shard.index))
+
+
+def balance_request(
+    item: WorkItem, size: ItemSize, generation: int | None, groups: GenerationGroups, loads: ShardLoads
+) -> ShardWriter:
+    """The shard a request the plan generates goes to, its weight added there: the least-loaded shard, or
+    the shard of the group it shares a `generation` with (None: it shares none), where its prompt is cached
+    and its tokens come from the group's generation, so it weighs only what its limit adds to the group's.
+    It joins the group unless that leaves more work there than it would be alone on the least-loaded shard
+    (a sweep of long limits after short ones)."""
+    limit = output_limit(item) or 0
+    group = groups.take(generation) if generation is not None else None
+    least = loads.least_loaded()
+    extra = max(0, limit - group.limit) * size.prompts if group is not None else 0
+    if group is not None and group.shard.estimated_tokens + extra <= least.estimated_tokens + size.tokens:
+        shard, limit = group.shard, max(limit, group.limit)
+        loads.add(shard, extra)
+    else:
+        shard = least
+        loads.add(shard, size.tokens)
+    if generation is not None:  # before the request is written: its line is the shard's next
+        groups.put(generation, _Group(shard=shard, last_line=shard.lines, limit=limit))
+    return shard

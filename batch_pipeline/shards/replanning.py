@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO
 
 from batch_pipeline.core import io
-from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.shards.format import (
     COPIES_FILE,
     INPUT_FILE,
@@ -42,7 +41,18 @@ from batch_pipeline.shards.format import (
     read_work_items,
     shard_directories,
 )
-from batch_pipeline.shards.planning import DEDUP_TABLE_LIMIT, shard_specs
+from batch_pipeline.shards.planning import (
+    PlanningSettings,
+    RecordedPlan,
+    RepeatSources,
+    ShardWriter,
+    describe_shards,
+    first_plan,
+    open_shard_writers,
+    shard_directory,
+    shard_specs,
+    write_shards,
+)
 from batch_pipeline.shards.records import ItemSize, repeat_key, request_digest
 
 # The new shard files are written under their names with this suffix, and moved over the earlier ones once
@@ -90,104 +100,166 @@ def has_earlier_plan(work_dir: str) -> bool:
     return any(io.exists(io.join(directory, INPUT_FILE)) for directory in shard_directories(work_dir))
 
 
+@dataclass(frozen=True)
+class JobShards:
+    """The shards a run of a job wrote, the plan they follow (`kept`: the job's first run's, as the job
+    store keeps it), and what changed in its input since an earlier run (None: nothing, or no earlier run)."""
+
+    shards: list[ShardSpec]
+    recorded: RecordedPlan
+    kept: bool
+    input_changes: str | None = None
+
+    @property
+    def estimated_tokens(self) -> int:
+        return sum(shard.estimated_tokens for shard in self.shards)
+
+    @property
+    def copies(self) -> int:
+        """Its requests that repeat an earlier deterministic one and take its output."""
+        return sum(shard.copy_count for shard in self.shards)
+
+    def describe(self, work_dir: str) -> str:
+        """The shards, for the run's log."""
+        return describe_shards(self.shards, self.recorded.plan, work_dir, self.kept)
+
+
+def write_job_shards(
+    items: Iterator[tuple[WorkItem, ItemSize]],
+    work_dir: str,
+    kept: RecordedPlan | None,
+    requested: int,
+    settings: PlanningSettings,
+    tool_loop: bool,
+) -> JobShards:
+    """A run's shards of a job, as the plan its first run recorded (`kept`) places them, else as a first
+    plan of `requested` shards under `settings` does; over the shards an earlier run wrote, if any."""
+    planned_before = has_earlier_plan(work_dir)
+    recorded = kept
+    if recorded is None:
+        recorded, items = first_plan(items, requested, settings, tool_loop, planned_before)
+    if planned_before:
+        # The input file may have changed since: no checkpointed result is kept under a changed request.
+        rewritten = rewrite_shards(items, recorded.plan.used, work_dir, deduplicate=recorded.deduplicate)
+        return JobShards(rewritten.shards, recorded, kept is not None, rewritten.describe())
+    shards = write_shards(
+        items,
+        recorded.plan.used,
+        work_dir,
+        deduplicate=recorded.deduplicate,
+        group_generations=recorded.group_generations,
+    )
+    return JobShards(shards, recorded, kept is not None)
+
+
 def rewrite_shards(
     items: Iterable[tuple[WorkItem, ItemSize]], num_shards: int, work_dir: str, deduplicate: bool
 ) -> Rewritten:
     """Write the job's shard inputs from `items` over the earlier run's, keeping each unchanged request in
     its shard and its checkpointed result, and dropping every result whose request changed or is gone."""
     count = max(num_shards, len(shard_directories(work_dir)))
-    directories = [io.join(work_dir, "shards", f"{k:03d}") for k in range(count)]
-    sources = {entry.source for k, directory in enumerate(directories) for entry in _planned_copies(directory, k)}
-    planned = heapq.merge(
-        *(stream for k, d in enumerate(directories) for stream in (_planned_items(d, k), _planned_copies(d, k))),
-        key=lambda entry: entry.index,
-    )
-    source_digests: dict[int, int] = {}  # of the earlier plan's copies' sources, by index, as it planned them
+    earlier = _EarlierPlan([shard_directory(work_dir, k) for k in range(count)])
     kept = bytearray()  # by index: 1 + the shard whose checkpoint keeps the request's result; 0 for none
-    generated: dict[int, int] = {}  # repeat key -> index * count + shard of a request this plan generates
-    item_counts, prompt_counts, token_counts, copy_counts = ([0] * count for _ in range(4))
-    unchanged = changed = added = 0
-    if io.is_local(work_dir):
-        for directory in [work_dir, io.join(work_dir, "shards"), *directories]:
-            make_private_directory(directory)
-    with contextlib.ExitStack() as stack:
-        inputs = []
-        for directory in directories:
-            io.makedirs(directory)
-            inputs.append(stack.enter_context(io.atomic_write(io.join(directory, INPUT_FILE + STAGED_SUFFIX))))
-        copy_writers: dict[int, IO[str]] = {}
-
-        def copies_of(k: int) -> IO[str]:
-            if k not in copy_writers:
-                staged = io.join(directories[k], COPIES_FILE + STAGED_SUFFIX)
-                copy_writers[k] = stack.enter_context(io.atomic_write(staged))
-            return copy_writers[k]
-
-        for k, directory in enumerate(directories):  # an earlier copies file is replaced, if emptied
-            if io.exists(io.join(directory, COPIES_FILE)):
-                copies_of(k)
-        before = next(planned, None)
+    with contextlib.ExitStack() as files:
+        shards = open_shard_writers(work_dir, count, files, suffix=STAGED_SUFFIX)
+        for shard in shards:  # an earlier copies file is replaced, if emptied
+            if io.exists(io.join(shard.directory, COPIES_FILE)):
+                shard.open_copies()
+        repeats = RepeatSources(count)
         for item, size in items:
-            while before is not None and before.index < item.index:
-                before = next(planned, None)
-            earlier = before if before is not None and before.index == item.index else None
-            digest = request_digest(item)
-            same = False
-            if earlier is None:
-                added += 1
-            elif earlier.source is None:
-                if earlier.index in sources and earlier.digest is not None:
-                    source_digests[earlier.index] = earlier.digest
-                same = earlier.digest == digest
-            else:
-                same = source_digests.get(earlier.source) == digest
-            unchanged += same
-            changed += earlier is not None and not same
+            planned, same = earlier.compare(item)
+            kept.append(planned.shard + 1 if planned is not None and same else 0)
             key = repeat_key(item) if deduplicate else None
-            source: int | None = None
-            if earlier is not None and same:
-                k = earlier.shard
-                kept.append(k + 1)
-                # A copy whose source changed answers its own request still: kept, and generated if need be.
-                if earlier.source is not None and _keeps(kept, earlier.source, k):
-                    source = earlier.source
-            else:
-                kept.append(0)
-                if key is not None and key in generated:
-                    source, k = divmod(generated[key], count)
-                elif earlier is not None:
-                    k = earlier.shard
-                else:
-                    k = min(range(count), key=lambda shard: token_counts[shard])
+            shard, source = _place_again(planned, same, key, kept, repeats, shards)
             if source is not None:
-                copies_of(k).write(f"{item.index}\t{source}\n")
-                copy_counts[k] += 1
+                shard.add_copy(item.index, source, size)
             else:
-                inputs[k].write(item.to_line() + "\n")
-                token_counts[k] += size.tokens
-                if key is not None and key not in generated and len(generated) < DEDUP_TABLE_LIMIT:
-                    generated[key] = item.index * count + k
-            item_counts[k] += 1
-            prompt_counts[k] += size.prompts
-        removed = len({entry.index for entry in _rest(before, planned) if entry.index >= len(kept)})
+                shard.add_request(item, size)
+                shard.estimated_tokens += size.tokens
+                if key is not None:
+                    repeats.remember(key, item.index, shard.index)
+        removed = earlier.removed_from(len(kept))
     # Before the new inputs are in place: see the module's docstring.
-    dropped = sum(_drop_results(directory, k, kept) for k, directory in enumerate(directories))
-    for k, directory in enumerate(directories):
-        for name in (INPUT_FILE, *([COPIES_FILE] if k in copy_writers else [])):
-            _move(io.join(directory, name + STAGED_SUFFIX), io.join(directory, name))
-    shards = shard_specs(directories, item_counts, prompt_counts, token_counts, copy_counts)
-    return Rewritten(shards, unchanged, changed, added, removed, dropped)
+    dropped = sum(_drop_results(shard.directory, shard.index, kept) for shard in shards)
+    _put_staged_in_place(shards)
+    return Rewritten(shard_specs(shards), earlier.unchanged, earlier.changed, earlier.added, removed, dropped)
+
+
+class _EarlierPlan:
+    """The requests an earlier run's plan wrote, read by index as a later run's input is read (a k-way merge
+    of its shards' inputs and copies), each compared with the request now at its index; the tallies."""
+
+    def __init__(self, directories: list[str]) -> None:
+        self._sources = {entry.source for k, d in enumerate(directories) for entry in _planned_copies(d, k)}
+        self._planned = heapq.merge(
+            *(stream for k, d in enumerate(directories) for stream in (_planned_items(d, k), _planned_copies(d, k))),
+            key=lambda entry: entry.index,
+        )
+        self._next = next(self._planned, None)
+        self._source_digests: dict[int, int] = {}  # of its copies' sources, by index, as it planned them
+        self.unchanged = self.changed = self.added = 0
+
+    def compare(self, item: WorkItem) -> tuple[_Planned | None, bool]:
+        """What the earlier plan wrote at the item's index (None: nothing, it is added), and whether that is
+        the same request. Items come by ascending index."""
+        while self._next is not None and self._next.index < item.index:
+            self._next = next(self._planned, None)
+        planned = self._next if self._next is not None and self._next.index == item.index else None
+        if planned is None:
+            self.added += 1
+            return None, False
+        digest = request_digest(item)
+        if planned.source is None:
+            if planned.index in self._sources and planned.digest is not None:
+                self._source_digests[planned.index] = planned.digest
+            same = planned.digest == digest
+        else:  # a copy: the same request as its source was
+            same = self._source_digests.get(planned.source) == digest
+        self.unchanged += same
+        self.changed += not same
+        return planned, same
+
+    def removed_from(self, count: int) -> int:
+        """The requests it planned at index `count` and past: gone from the end of the input."""
+        rest = self._planned if self._next is None else itertools.chain([self._next], self._planned)
+        return len({entry.index for entry in rest if entry.index >= count})
+
+
+def _place_again(
+    planned: _Planned | None,
+    same: bool,
+    key: int | None,
+    kept: bytearray,
+    repeats: RepeatSources,
+    shards: list[ShardWriter],
+) -> tuple[ShardWriter, int | None]:
+    """The shard a request goes to on a later run, and the request whose output it copies (None: it is
+    generated): an unchanged one stays where it was planned, a copy still where its source is kept; a changed
+    one is a copy of a repeat this plan generates, or else stays in its shard; an added one goes to the
+    least-loaded shard."""
+    if planned is not None and same:
+        # A copy whose source changed answers its own request still: kept, and generated if need be.
+        if planned.source is not None and _keeps(kept, planned.source, planned.shard):
+            return shards[planned.shard], planned.source
+        return shards[planned.shard], None
+    repeated = repeats.source_of(key) if key is not None else None
+    if repeated is not None:
+        source, k = repeated
+        return shards[k], source
+    if planned is not None:
+        return shards[planned.shard], None
+    return min(shards, key=lambda shard: shard.estimated_tokens), None
+
+
+def _put_staged_in_place(shards: list[ShardWriter]) -> None:
+    for shard in shards:
+        for name in (INPUT_FILE, *([COPIES_FILE] if shard.has_copies_file else [])):
+            _move(io.join(shard.directory, name + STAGED_SUFFIX), io.join(shard.directory, name))
 
 
 def _keeps(kept: bytearray, index: int, shard: int) -> bool:
     """Whether request `index` is unchanged and stays in `shard`, its result there kept."""
     return index < len(kept) and kept[index] == shard + 1
-
-
-def _rest(head: _Planned | None, planned: Iterator[_Planned]) -> Iterator[_Planned]:
-    if head is not None:
-        yield head
-    yield from planned
 
 
 def _planned_items(directory: str, shard: int) -> Iterator[_Planned]:
