@@ -45,7 +45,7 @@ from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.core.slots import SlotsBusy, TeamSlots
-from batch_pipeline.dry_run.estimate import HISTORY_JOBS
+from batch_pipeline.dry_run.estimate import HISTORY_JOBS, DryRunsBusy
 from batch_pipeline.openai_batch.jobs import (
     CUSTOM_IDS_FILE,
     OUTPUT_FILE,
@@ -232,9 +232,13 @@ class OpenAIBatchService:
                 request = _job_request(
                     checked, body, work_dir, caller.owner, self.jobs.admission, self.limits, dry_run=False
                 )
+                self.jobs.check_model(caller, request)
             except (ValidationError, ValueError, OSError) as exc:
                 errors = _model_errors(exc)
                 request = None
+            except DryRunsBusy:  # nothing stored: the caller tries again
+                io.remove_tree(work_dir)
+                raise
         if request is None:  # stored as it was asked for, to be described; its content was never kept
             request = StoredRequest(
                 content_path=io.join(work_dir, CONTENT_FILE),

@@ -14,6 +14,7 @@ import dagster as dg
 from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
+from batch_pipeline.admission.capabilities import length_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import UnservableRequest, admission_quotas, check_servable, submit
 from batch_pipeline.api.auth import Caller
@@ -114,10 +115,21 @@ class BatchJobService:
     def create(
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
     ) -> BatchCompletionsJob:
+        check_servable(request, caller.owner, self.admission)  # before the model is read: its paths may not be
+        self.check_model(caller, request)
         record, _ = submit(
             self.store, self.job_storage.work_dir, caller.owner, request, self.admission, idempotency_key
         )
         return self.describe(record)
+
+    def check_model(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> None:
+        """Refuse, naming the field, a model its job's engine could not load here (neither on the hub nor a
+        directory: `smollm2-135m`, a hub this server cannot reach) and a max_new_tokens past its context,
+        read as the dry run reads them; a submission's paths are checked first. Its job would otherwise fail
+        at its shards minutes later, each retry starting an engine."""
+        context = self.dry_runs.model_context(request, team=caller.owner)
+        if context is not None and (refused := length_refusals(request, context)):
+            raise UnservableRequest(refused)
 
     def estimate(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> BatchCompletionsEstimate:
         """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
