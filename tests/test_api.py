@@ -122,7 +122,12 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         "/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "n": 0}]), headers=ALICE
     )
     assert v2.status_code == 422
-    assert v2.json()["detail"][0]["loc"] == ["body", "content", "completion", 0, "n"]
+    assert v2.json()["detail"][0]["loc"] == ["body", "content", 0, "n"]  # the wire's path: no `completion` in it
+    mixed = [{"prompt": "a"}, {"prompt": "b"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    both = api.client.post("/v2/batch-completions", json=_body(tmp_path, content=mixed), headers=ALICE)
+    assert both.status_code == 422
+    (error,) = both.json()["detail"]
+    assert error["loc"] == ["body", "content", 2] and "request 2 is a chat request" in error["msg"], error
     # tool_config with a list of requests is accepted, as Scale's server does (the job runs them without the
     # tool: test_code_evaluator_e2e); a tool it does not know or an over-long timeout is still refused.
     tools_on_chat = _body(
