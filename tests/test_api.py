@@ -208,6 +208,30 @@ def test_cancel_before_launch_never_launches(deployment_factory, tmp_path):
     assert [request.run_key for request in _sensor_run_requests(api)] == [kept]
 
 
+def test_cancelling_a_job_that_has_ended_says_why_nothing_was_cancelled(deployment_factory, tmp_path):
+    from datetime import UTC, datetime
+
+    from batch_pipeline.store.schema import JobStatus
+
+    api = deployment_factory()
+    done, broken = (
+        api.client.post("/v2/batch-completions", json=_body(tmp_path, name), headers=ALICE).json()["job_id"]
+        for name in ("done", "broken")
+    )
+    api.store.mark_started(done, f"run-{done}")
+    api.store.mark_run_ended(done, f"run-{done}", JobStatus.COMPLETED, datetime.now(UTC))
+    api.store.mark_failed(broken, "its shard failed")
+    completed = api.client.post(f"/v2/batch-completions/{done}/actions/cancel", headers=ALICE)
+    assert completed.status_code == 200
+    assert completed.json() == {
+        "success": False,
+        "reason": "the job has ended (completed): there is nothing to cancel; its output is final",
+    }
+    failed = api.client.post(f"/v2/batch-completions/{broken}/actions/cancel", headers=ALICE).json()
+    assert failed["success"] is False and f"/v2/batch-completions/{broken}/actions/resume" in failed["reason"]
+    assert api.job(done)["status"] == "completed" and api.job(broken)["status"] == "failed"
+
+
 def test_priority_update_before_launch_reaches_the_run_tags(deployment_factory, tmp_path):
     api = deployment_factory()
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path, priority="low"), headers=ALICE).json()[

@@ -202,10 +202,11 @@ def update_job(job_id: str, body: UpdateBatchCompletionsV2Request, who: CallerDe
 @router.post(
     "/v2/batch-completions/{job_id}/actions/cancel",
     response_model=CancelBatchCompletionsV2Response,
+    response_model_exclude_none=True,  # `{"success": true}` as the spec's, a reason only when not
     responses=_NOT_FOUND,
 )
 def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
-    return CancelBatchCompletionsV2Response(success=service.cancel(who, job_id))
+    return service.cancel_job(who, job_id)
 
 
 @router.get("/v2/batch-completions/{job_id}/webhooks", response_model=WebhookEventsResponse, responses=_NOT_FOUND)

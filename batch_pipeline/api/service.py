@@ -23,6 +23,7 @@ from batch_pipeline.contract import (
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
     BatchCompletionsModelConfig,
+    CancelBatchCompletionsV2Response,
     CreateBatchCompletionsV2Request,
 )
 from batch_pipeline.contract.base import WireModel
@@ -177,11 +178,19 @@ class BatchJobService:
         return self.describe(self._record(caller, job_id)), True
 
     def cancel(self, caller: Caller, job_id: str) -> bool:
+        return self.cancel_job(caller, job_id).success
+
+    def cancel_job(self, caller: Caller, job_id: str) -> CancelBatchCompletionsV2Response:
+        """Cancel the job; a job that has ended already is not, and the answer says so."""
         record = self._record(caller, job_id)
         if record.status == JobStatus.CANCELLED or record.stopping:  # asked already
-            return True
+            return CancelBatchCompletionsV2Response(success=True)
         if record.is_finished:
-            return False
+            return _not_cancelled(record)
+        return CancelBatchCompletionsV2Response(success=self._stop(record))
+
+    def _stop(self, record: JobRecord) -> bool:
+        job_id = record.job_id
         run = find_run(self.instance, job_id, record.resume_count)
         if run is None:
             cancelled_before_launch = self.store.cancel_before_launch(job_id)
@@ -190,7 +199,7 @@ class BatchJobService:
             run = find_run(self.instance, job_id, record.resume_count)
             if run is None:
                 return cancelled_before_launch
-        if run.is_finished:
+        if run.is_finished:  # it ended as it was asked; its job reads how in a moment
             return run.status == DagsterRunStatus.CANCELED
         cancelled = self.instance.run_coordinator.cancel_run(run.run_id)
         if cancelled:
@@ -323,6 +332,17 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
+
+
+def _not_cancelled(record: JobRecord) -> CancelBatchCompletionsV2Response:
+    then = (
+        "its output is final"
+        if record.status == JobStatus.COMPLETED
+        else f"a failed job can be resumed (POST /v2/batch-completions/{record.job_id}/actions/resume)"
+    )
+    return CancelBatchCompletionsV2Response(
+        success=False, reason=f"the job has ended ({record.status.value}): there is nothing to cancel; {then}"
+    )
 
 
 def _results_metadata(results: JobResults) -> dict[str, str]:

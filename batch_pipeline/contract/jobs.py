@@ -64,3 +64,8 @@ class UpdateBatchCompletionsV2Response(BatchCompletionsJob):
 
 class CancelBatchCompletionsV2Response(WireModel):
     success: bool
+    # Not in the spec's shape, which clients parse ignoring what they do not know (the llmengine SDK's
+    # pydantic model does): why nothing was cancelled, left out when something was.
+    reason: str | None = Field(
+        None, description="Why the job was not cancelled (it had ended already); absent when success is true"
+    )

@@ -46,8 +46,9 @@ class BatchClient:
             after = [("after", page["last_id"])]
         return jobs
 
-    def cancel(self, job_id: str) -> bool:
-        return self._call("POST", f"/v2/batch-completions/{job_id}/actions/cancel")["success"]
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """`success`, and where it is false the server's `reason`."""
+        return self._call("POST", f"/v2/batch-completions/{job_id}/actions/cancel")
 
     def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
