@@ -172,6 +172,12 @@ def test_api_commands_submit_follow_list_and_cancel_jobs_on_a_real_server(deploy
     assert f"{job_id} completed" in waited.stdout
     assert "2/2" in waited.stderr  # the progress bar reached every prompt
     assert len(json.loads(output.read_text())) == 2
+    # Followed once it has ended, the job's requests are not read as done in an instant ("282 req/s").
+    again = cli("wait", job_id)
+    assert again.returncode == 0 and "2/2" in again.stderr and "req/s" not in again.stderr, again.stderr
+    ended = cli("cancel", job_id)
+    assert ended.returncode == 1
+    assert f"{job_id} was not cancelled: the job has ended (completed)" in ended.stderr, ended.stderr
 
     status = cli("status", job_id)
     assert f"{job_id}  completed  model {MODEL}" in status.stdout

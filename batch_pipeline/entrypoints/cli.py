@@ -159,10 +159,11 @@ def _list(client, args, parser) -> int:
 
 
 def _cancel(client, args, parser) -> int:
-    if client.cancel(args.job_id):
+    answer = client.cancel(args.job_id)
+    if answer["success"]:
         print(f"{args.job_id} cancelled")
         return 0
-    print(f"{args.job_id} was not cancelled (it had already finished)", file=sys.stderr)
+    print(f"{args.job_id} was not cancelled: {answer.get('reason') or 'it had already finished'}", file=sys.stderr)
     return 1
 
 
@@ -177,8 +178,17 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
     from tqdm import tqdm
 
     started = time.monotonic()
-    bar = tqdm(desc=job_id, unit="req", dynamic_ncols=True, file=sys.stderr)
+    # No requests/s: the bar counts from where it first saw the job, and what was done before that (all of
+    # it, for a job that had ended) would read as done in its first moment ("282 req/s").
+    bar = tqdm(
+        desc=job_id,
+        unit="req",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+    )
     last_tokens, last_time = None, started
+    seen = False
     try:
         while True:
             job = client.get(job_id)
@@ -186,6 +196,8 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
             if "requests_total" in metadata:
                 bar.total = int(metadata["requests_total"])
                 bar.n = int(metadata["requests_done"])
+                if not seen:  # the ETA from the progress watched, not from what was done before
+                    bar.initial, seen = bar.n, True
             now = time.monotonic()
             tokens = int(metadata.get("completion_tokens_generated", 0))
             postfix = {"status": job["status"]}
