@@ -342,13 +342,9 @@ class OpenAIBatchService:
         return describe_batch(batch, job)
 
     def _input_file(self, caller: Caller, file_id: str) -> FileRecord:
-        record = self.store.get_file(file_id)
-        if record is not None and record.owner == caller.owner and record.expired():
-            raise FileNotFound(file_id, "input_file_id")  # the caller's own file, expired: 404, as OpenAI's
-        try:
-            input_file = self._file(caller, file_id)
-        except FileNotFound:
-            raise InvalidOpenAIRequest("input_file_id", f"no file {file_id[:64]!a}") from None
+        # A file that is not the caller's (none, another team's, expired) is the 404 its GET answers, as
+        # OpenAI's: not a 400 here and a 404 there.
+        input_file = self._file(caller, file_id, "input_file_id")
         if input_file.purpose != "batch":
             raise InvalidOpenAIRequest("input_file_id", "the input file must be one uploaded with purpose 'batch'")
         return input_file
