@@ -228,23 +228,6 @@ def test_a_submission_naming_a_model_no_engine_here_could_load_is_a_422_naming_t
     assert api.store.list().jobs[0].status == "failed"  # stored failed, as OpenAI's, never launched
 
 
-def test_a_submission_of_a_local_model_is_held_to_the_context_its_engine_reads(deployment_factory, tmp_path):
-    # Not a catalog name: the 8,192-token context comes from the directory's own config, as the dry run reads it.
-    from batch_pipeline.models.catalog import resolve_model
-
-    api = deployment_factory()
-    model_config = {"model": resolve_model(MODEL)}
-    past = _body(tmp_path, {"prompts": ["x"], "max_new_tokens": CONTEXT, "temperature": 0}, model_config=model_config)
-    refused = api.client.post("/v1/llm/batch-completions", json=past, headers=ALICE)
-    assert refused.status_code == 422, refused.text
-    (error,) = refused.json()["detail"]
-    assert error["loc"] == ["body", "content", "max_new_tokens"] and f"at most {CONTEXT - 1}" in error["msg"]
-    _nothing_stored(api)
-    fits = _body(tmp_path, {"prompts": ["x"], "max_new_tokens": 4, "temperature": 0}, model_config=model_config)
-    accepted = api.client.post("/v2/batch-completions", json=fits, headers=ALICE)
-    assert accepted.status_code == 200 and accepted.json()["status"] == "queued", accepted.text
-
-
 def test_a_checkpoint_on_an_object_store_is_read_for_its_tokenizer_and_config_only(
     deployment_factory, tmp_path, tokenizer, s3, monkeypatch
 ):

@@ -284,6 +284,12 @@ def _without_local_prefix(path: str) -> str:
     return path
 
 
+def names_a_hub_model(name: str) -> bool:
+    """Whether vLLM would look `name` up on the model hub: a valid repo id that is no local directory and
+    no catalog name. (A path or checkpoint is the data roots' business, and the catalog's models ship here.)"""
+    return name.lower() not in CATALOG and _is_hub_id(name) and not os.path.isdir(name)
+
+
 def _is_hub_id(name: str) -> bool:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 

@@ -18,14 +18,13 @@ import statistics
 from dataclasses import dataclass, field
 
 from batch_pipeline.admission.hardware import kubernetes_quantity
-from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.paths import DataFiles, names_a_hub_model
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RuntimeEstimate
 from batch_pipeline.core.settings import Settings
 from batch_pipeline.core.slots import SlotsBusy, TeamSlots
 from batch_pipeline.dry_run.child import counted_apart, model_context_apart
 from batch_pipeline.dry_run.counting import Counts
-from batch_pipeline.models.catalog import CATALOG
 from batch_pipeline.shards.planning import PlanningSettings
 from batch_pipeline.store.results import CompletedFigures
 
@@ -68,13 +67,14 @@ class DryRuns:
         return cls(slots, planning)
 
     def model_context(self, request: CreateBatchCompletionsV2Request, team: str | None) -> int | None:
-        """The context of the model a submission names, read as its dry run reads it (`model_context_apart`),
-        for a request whose paths `check_servable` accepted: so that a name no engine here could load is
-        refused now, naming the field, not after its shards tried it for minutes. None for a catalog model,
-        whose context the catalog says (and whose first reading would convert it). Raises UnservableRequest
-        naming the field, DryRunsBusy as a dry run would."""
+        """The context of a hub model a submission names, read as its dry run reads it
+        (`model_context_apart`), for a request whose paths `check_servable` accepted: so that a name no
+        engine here could load (none on the hub, or a hub this server cannot reach) is refused now, naming
+        the field, not after its shards tried it for minutes. None for what is not looked up on the hub: a
+        catalog model (its context is the catalog's), a local directory or a checkpoint the data roots
+        admitted. Raises UnservableRequest naming the field, DryRunsBusy as a dry run would."""
         config = request.model_cfg
-        if config.checkpoint_path is None and config.model.lower() in CATALOG:
+        if config.checkpoint_path is not None or not names_a_hub_model(config.model):
             return None
         key = config.model_dump_json()
         if (known := self.models_read.get(key)) is not None:
