@@ -62,6 +62,10 @@ def test_v1_and_v2_create_then_get_and_list(deployment_factory, tmp_path):
 
     fetched = api.job(v1.json()["job_id"])
     assert fetched["status"] == "queued" and fetched["metadata"]["labels"] == json.dumps({"team": "a"})
+    # The model config as asked, not a null for each of its ~40 optional fields; the job's own nullable
+    # fields the spec requires stay.
+    assert fetched["model_config"] == {"model": MODEL, "trust_remote_code": False, "num_shards": 1}
+    assert fetched["completed_at"] is None and "input_data_path" in fetched
 
     listed = api.client.get("/v2/batch-completions", headers=ALICE).json()["jobs"]
     assert [j["job_id"] for j in listed] == [job["job_id"], v1.json()["job_id"]]  # newest first
