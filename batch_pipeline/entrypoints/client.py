@@ -26,6 +26,22 @@ class BatchClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._call("POST", path, json=request, headers=headers)
 
+    def dry_run(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The request checked and tokenized as its job would be, nothing created: a BatchCompletionsEstimate."""
+        return self._call("POST", "/v2/batch-completions", params={"dry_run": "true"}, json=request)
+
+    def resume(self, job_id: str, idempotency_key: str | None = None) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._call("POST", f"/v2/batch-completions/{job_id}/actions/resume", headers=headers)
+
+    def set_priority(self, job_id: str, priority: str) -> dict[str, Any]:
+        """The job, with `success`: false once it has started (its run's priority is set)."""
+        return self._call("POST", f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": priority})
+
+    def usage(self, since: str | None = None, until: str | None = None) -> dict[str, Any]:
+        params = {name: value for name, value in (("since", since), ("until", until)) if value}
+        return self._call("GET", "/v2/usage", params=params)
+
     def get(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v2/batch-completions/{job_id}")["job"]
 
