@@ -472,7 +472,8 @@ def test_a_job_that_cannot_become_a_run_is_failed_with_the_reason_and_the_others
     assert listed.status_code == 200 and len(listed.json()["jobs"]) == 4
     # Failed jobs are not taken again, and cannot be reprioritised or cancelled.
     assert [request.run_key for request in _sensor_run_requests(api)] == [good]
-    assert client.post("/v2/batch-completions/batch-poison-invalid/actions/cancel").json() == {"success": False}
+    cancel = client.post("/v2/batch-completions/batch-poison-invalid/actions/cancel").json()
+    assert cancel["success"] is False and cancel["reason"].startswith("the job has ended (failed)")
 
 
 def test_a_sensor_tick_stays_small_whatever_the_jobs_sizes_their_content_is_by_reference(served, tmp_path):
