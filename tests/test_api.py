@@ -62,6 +62,10 @@ def test_v1_and_v2_create_then_get_and_list(deployment_factory, tmp_path):
 
     fetched = api.job(v1.json()["job_id"])
     assert fetched["status"] == "queued" and fetched["metadata"]["labels"] == json.dumps({"team": "a"})
+    # The model config as asked, not a null for each of its ~40 optional fields; the job's own nullable
+    # fields the spec requires stay.
+    assert fetched["model_config"] == {"model": MODEL, "trust_remote_code": False, "num_shards": 1}
+    assert fetched["completed_at"] is None and "input_data_path" in fetched
 
     listed = api.client.get("/v2/batch-completions", headers=ALICE).json()["jobs"]
     assert [j["job_id"] for j in listed] == [job["job_id"], v1.json()["job_id"]]  # newest first
@@ -122,7 +126,12 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         "/v2/batch-completions", json=_body(tmp_path, content=[{"prompt": "x", "n": 0}]), headers=ALICE
     )
     assert v2.status_code == 422
-    assert v2.json()["detail"][0]["loc"] == ["body", "content", "completion", 0, "n"]
+    assert v2.json()["detail"][0]["loc"] == ["body", "content", 0, "n"]  # the wire's path: no `completion` in it
+    mixed = [{"prompt": "a"}, {"prompt": "b"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    both = api.client.post("/v2/batch-completions", json=_body(tmp_path, content=mixed), headers=ALICE)
+    assert both.status_code == 422
+    (error,) = both.json()["detail"]
+    assert error["loc"] == ["body", "content", 2] and "request 2 is a chat request" in error["msg"], error
     # tool_config with a list of requests is accepted, as Scale's server does (the job runs them without the
     # tool: test_code_evaluator_e2e); a tool it does not know or an over-long timeout is still refused.
     tools_on_chat = _body(
@@ -201,6 +210,30 @@ def test_cancel_before_launch_never_launches(deployment_factory, tmp_path):
     job = api.job(dropped)
     assert job["status"] == "cancelled" and job["completed_at"] is not None
     assert [request.run_key for request in _sensor_run_requests(api)] == [kept]
+
+
+def test_cancelling_a_job_that_has_ended_says_why_nothing_was_cancelled(deployment_factory, tmp_path):
+    from datetime import UTC, datetime
+
+    from batch_pipeline.store.schema import JobStatus
+
+    api = deployment_factory()
+    done, broken = (
+        api.client.post("/v2/batch-completions", json=_body(tmp_path, name), headers=ALICE).json()["job_id"]
+        for name in ("done", "broken")
+    )
+    api.store.mark_started(done, f"run-{done}")
+    api.store.mark_run_ended(done, f"run-{done}", JobStatus.COMPLETED, datetime.now(UTC))
+    api.store.mark_failed(broken, "its shard failed")
+    completed = api.client.post(f"/v2/batch-completions/{done}/actions/cancel", headers=ALICE)
+    assert completed.status_code == 200
+    assert completed.json() == {
+        "success": False,
+        "reason": "the job has ended (completed): there is nothing to cancel; its output is final",
+    }
+    failed = api.client.post(f"/v2/batch-completions/{broken}/actions/cancel", headers=ALICE).json()
+    assert failed["success"] is False and f"/v2/batch-completions/{broken}/actions/resume" in failed["reason"]
+    assert api.job(done)["status"] == "completed" and api.job(broken)["status"] == "failed"
 
 
 def test_priority_update_before_launch_reaches_the_run_tags(deployment_factory, tmp_path):

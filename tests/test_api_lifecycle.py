@@ -96,7 +96,11 @@ def test_v1_and_v2_jobs_run_to_completed_with_their_results(deployment_factory, 
     # A finished job can no longer be reprioritised or cancelled.
     update = api.client.post(f"/v2/batch-completions/{v1_id}", json={"job_id": v1_id, "priority": "low"}, headers=ALICE)
     assert update.json()["success"] is False
-    assert api.client.post(f"/v2/batch-completions/{v1_id}/actions/cancel", headers=ALICE).json() == {"success": False}
+    ended = api.client.post(f"/v2/batch-completions/{v1_id}/actions/cancel", headers=ALICE).json()
+    assert ended == {
+        "success": False,
+        "reason": "the job has ended (completed): there is nothing to cancel; its output is final",
+    }
 
 
 def test_cancelling_a_running_job_stops_its_workers_and_keeps_finished_results(deployment_factory, tmp_path):

@@ -172,6 +172,12 @@ def test_api_commands_submit_follow_list_and_cancel_jobs_on_a_real_server(deploy
     assert f"{job_id} completed" in waited.stdout
     assert "2/2" in waited.stderr  # the progress bar reached every prompt
     assert len(json.loads(output.read_text())) == 2
+    # Followed once it has ended, the job's requests are not read as done in an instant ("282 req/s").
+    again = cli("wait", job_id)
+    assert again.returncode == 0 and "2/2" in again.stderr and "req/s" not in again.stderr, again.stderr
+    ended = cli("cancel", job_id)
+    assert ended.returncode == 1
+    assert f"{job_id} was not cancelled: the job has ended (completed)" in ended.stderr, ended.stderr
 
     status = cli("status", job_id)
     assert f"{job_id}  completed  model {MODEL}" in status.stdout
@@ -204,3 +210,36 @@ def test_run_without_dagster_home_uses_the_checkouts_instance_as_make_run_does(m
     assert os.environ["DAGSTER_HOME"] == str(REPO / "dagster_home")
     monkeypatch.setenv("DAGSTER_HOME", "/srv/elsewhere")  # one the user named is kept
     assert _no_dagster_home() is None and os.environ["DAGSTER_HOME"] == "/srv/elsewhere"
+
+
+def test_dry_run_priority_resume_and_usage_commands_on_a_real_server(deployment_factory, tmp_path):
+    """Issue 46: the CLI had no dry-run, resume, priority or usage command; each was a curl away."""
+    api = deployment_factory()  # no daemon: the job stays queued until it is cancelled
+    url = api.serve_http()
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [CLI, "--url", url, "--api-key", USER_KEY, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        )
+
+    (tmp_path / "prompts.txt").write_text("The capital of France is\nWater boils at\n")
+    flags = ("--prompts", "prompts.txt", "--model", MODEL, "--output", str(tmp_path / "out.json"))
+    checked = cli("dry-run", *flags, "--max-new-tokens", "6")
+    assert checked.returncode == 0, checked.stderr
+    assert "2 requests" in checked.stdout and "at most 12 output tokens (context 8192)" in checked.stdout
+    assert "no history" in checked.stdout
+    assert api.store.list().jobs == []  # a dry run creates nothing
+
+    job_id = cli("submit", *flags).stdout.strip()
+    raised = cli("priority", job_id, "high")
+    assert raised.returncode == 0 and f"{job_id} priority 10" in raised.stdout, raised.stdout + raised.stderr
+    queued = cli("resume", job_id)
+    assert queued.returncode == 2 and "409" in queued.stderr, queued.stderr  # only a stopped job resumes
+    assert cli("cancel", job_id).returncode == 0
+    resumed = cli("resume", job_id)
+    assert resumed.returncode == 0 and resumed.stdout.startswith(f"{job_id} queued (resume 1)"), resumed.stdout
+
+    report = cli("usage")
+    assert report.returncode == 0, report.stderr
+    header, *rows = report.stdout.splitlines()
+    assert header.split()[:2] == ["team", "jobs"] and len(rows) == 1 and rows[0].split()[1] == "1", report.stdout

@@ -294,3 +294,9 @@ def test_a_batch_input_line_shown_in_the_docs_is_one_line_as_its_file_needs():
         if block.language == "json" and '"custom_id"' in block.text and len(block.text.strip().splitlines()) > 1
     ]
     assert split == []
+
+
+def test_no_page_points_at_documents_the_repository_does_not_hold():
+    """The site's first line pointed at "the `spec/` documents", which a reader of the repository never finds."""
+    pointing = [str(page.relative_to(REPO)) for page in PAGES if "the `spec/` documents" in page.read_text()]
+    assert pointing == []

@@ -202,6 +202,32 @@ def test_a_model_the_engine_could_not_load_is_a_422_naming_the_field(deployment_
     _nothing_stored(api)
 
 
+def test_a_submission_naming_a_model_no_engine_here_could_load_is_a_422_naming_the_field(deployment_factory, tmp_path):
+    # Issue 46: such a job was accepted, its shard retried twice, each starting an engine, and it failed
+    # ~3.5 minutes later; the dry run already said why. v1, v2 and the OpenAI batch create now read the
+    # model as the dry run does and refuse it before anything is stored.
+    from tests.test_openai_batch import _create, _jsonl, _line, _upload
+
+    api = deployment_factory()
+    content = {"prompts": ["Hello"], "max_new_tokens": 4, "temperature": 0.0}
+    for model in ("no-such-model", "no-such-org/no-such-model"):
+        body = _body(tmp_path, content, model_config={"model": model})
+        for route in ("/v1/llm/batch-completions", "/v2/batch-completions"):
+            response = api.client.post(route, json=body, headers=ALICE)
+            assert response.status_code == 422, (route, response.text)
+            (error,) = response.json()["detail"]
+            assert error["loc"] == ["body", "model_config", "model"]
+            assert "the model cannot be read here" in error["msg"], error
+    _nothing_stored(api)
+
+    batch = _create(api.client, _upload(api.client, _jsonl([_line("a", model="no-such-model")])).json()["id"])
+    assert batch.status_code == 200 and batch.json()["status"] == "failed", batch.text
+    (error,) = batch.json()["errors"]["data"]
+    assert (error["code"], error["param"]) == ("model_not_served", "body.model")
+    assert "the model cannot be read here" in error["message"]
+    assert api.store.list().jobs[0].status == "failed"  # stored failed, as OpenAI's, never launched
+
+
 def test_a_checkpoint_on_an_object_store_is_read_for_its_tokenizer_and_config_only(
     deployment_factory, tmp_path, tokenizer, s3, monkeypatch
 ):

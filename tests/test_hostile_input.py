@@ -99,22 +99,22 @@ def test_non_finite_numbers_get_422_naming_the_field(served, tmp_path):
             "/v2/batch-completions",
             completion,
             "content.0.temperature",
-            ["body", "content", "completion", 0, "temperature"],
+            ["body", "content", 0, "temperature"],
         ),
         (
             "/v2/batch-completions",
             completion,
             "content.0.length_penalty",
-            ["body", "content", "completion", 0, "length_penalty"],
+            ["body", "content", 0, "length_penalty"],
         ),
-        ("/v2/batch-completions", chat, "content.0.top_p", ["body", "content", "chat", 0, "top_p"]),
+        ("/v2/batch-completions", chat, "content.0.top_p", ["body", "content", 0, "top_p"]),
         # Free-form JSON holds no non-finite number either: it could not be written as JSON again.
         ("/v2/batch-completions", v1, "model_config.rope_scaling", ["body", "model_config", "rope_scaling"]),
         (
             "/v2/batch-completions",
             completion,
             "content.0.logit_bias",
-            ["body", "content", "completion", 0, "logit_bias"],
+            ["body", "content", 0, "logit_bias"],
         ),
     ]
     for value in (NAN, INF, -INF):
@@ -140,7 +140,7 @@ def test_lone_surrogates_and_nul_get_422_naming_the_field(served, tmp_path):
         (v1, "priority", ["body", "priority"]),
         (v1, "output_data_path", ["body", "output_data_path"]),
         (v1, "content.prompts.0", ["body", "content", "prompts"]),
-        (chat, "content.0.messages.0.content", ["body", "content", "chat", 0, "messages", 0, "content"]),
+        (chat, "content.0.messages.0.content", ["body", "content", 0, "messages", 0, "content"]),
         (v1, "model_config.rope_scaling", ["body", "model_config", "rope_scaling"]),
     ]
     for route in ("/v1/llm/batch-completions", "/v2/batch-completions"):
@@ -183,11 +183,11 @@ def test_deeply_nested_json_gets_422_naming_the_field_or_the_body(served, tmp_pa
         (v1, "model_config.rope_scaling", ["body", "model_config", "rope_scaling"]),
         (v1, "model_config.override_neuron_config", ["body", "model_config", "override_neuron_config"]),
         (v1, "model_config.mm_processor_kwargs", ["body", "model_config", "mm_processor_kwargs"]),
-        (completion, "content.0.guided_json", ["body", "content", "completion", 0, "guided_json"]),
+        (completion, "content.0.guided_json", ["body", "content", 0, "guided_json"]),
         (
             _with(completion, "content.0.response_format", schema_format),
             "content.0.response_format.json_schema.schema",
-            ["body", "content", "completion", 0, "response_format"],
+            ["body", "content", 0, "response_format"],
         ),
     ]
     for depth in (100, 900):
@@ -215,8 +215,8 @@ def test_huge_numbers_get_422_and_are_never_stored(served, tmp_path):
         (v1, "max_runtime_sec", ["body", "max_runtime_sec"]),
         (v1, "model_config.seed", ["body", "model_config", "seed"]),
         (v1, "model_config.max_model_len", ["body", "model_config", "max_model_len"]),
-        (completion, "content.0.seed", ["body", "content", "completion", 0, "seed"]),
-        (completion, "content.0.max_tokens", ["body", "content", "completion", 0, "max_tokens"]),
+        (completion, "content.0.seed", ["body", "content", 0, "seed"]),
+        (completion, "content.0.max_tokens", ["body", "content", 0, "max_tokens"]),
     ]
     for value in (10**100, -(10**100), HUGE, 2**63):
         for body, path, location in cases:
@@ -472,7 +472,8 @@ def test_a_job_that_cannot_become_a_run_is_failed_with_the_reason_and_the_others
     assert listed.status_code == 200 and len(listed.json()["jobs"]) == 4
     # Failed jobs are not taken again, and cannot be reprioritised or cancelled.
     assert [request.run_key for request in _sensor_run_requests(api)] == [good]
-    assert client.post("/v2/batch-completions/batch-poison-invalid/actions/cancel").json() == {"success": False}
+    cancel = client.post("/v2/batch-completions/batch-poison-invalid/actions/cancel").json()
+    assert cancel["success"] is False and cancel["reason"].startswith("the job has ended (failed)")
 
 
 def test_a_sensor_tick_stays_small_whatever_the_jobs_sizes_their_content_is_by_reference(served, tmp_path):

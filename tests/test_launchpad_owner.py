@@ -76,7 +76,9 @@ def test_a_launchpad_run_naming_team_a_cannot_read_team_bs_file(teams, dagster_h
 
     assert not result.success
     (message,) = step_failure_messages(result)
-    assert message == "input_data_path: outside your team's data roots (after .. and symlinks)", message
+    # It names team-a's own root, where the file must lie, and nothing of team-b's.
+    own = teams["team-a"].resolve()
+    assert message == f"input_data_path: outside your team's data roots (after .. and symlinks); yours are {own}"
     assert JobStore().list().jobs == []  # refused before any job was made
     assert not (teams["team-a"] / "stolen.json").exists()
 
@@ -203,7 +205,8 @@ def test_a_schedule_of_team_a_writing_into_team_bs_root_is_refused(teams, tmp_pa
 
     assert tick.run_requests == []
     assert tick.skip_message.endswith(
-        "was refused: output_data_path: outside your team's data roots (after .. and symlinks)"
+        "was refused: output_data_path: outside your team's data roots (after .. and symlinks); "
+        f"yours are {teams['team-a'].resolve()}"
     )
     assert JobStore(url).list().jobs == []
 

@@ -162,8 +162,17 @@ def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deploymen
     deployment = deployment_factory()
     client = deployment.client
     file_id = _upload(client, _jsonl([_line("a")])).json()["id"]
-    others = _create(client, file_id, key=OTHER_KEY)
-    assert others.status_code == 400 and others.json()["error"]["param"] == "input_file_id"
+    # Another team's file and one that never was are the 404 a GET of them answers, as OpenAI's.
+    for unknown, key in ((file_id, OTHER_KEY), ("file-none", USER_KEY)):
+        created = _create(client, unknown, key=key)
+        fetched = client.get(f"/v1/files/{unknown}", headers=_bearer(key))
+        assert created.status_code == fetched.status_code == 404, created.text
+        assert created.json()["error"]["param"] == "input_file_id"
+        assert (
+            created.json()["error"]["message"]
+            == fetched.json()["error"]["message"]
+            == f"No such File object: '{unknown}'"
+        )
     endpoint = _create(client, file_id, endpoint="/v1/embeddings")
     assert endpoint.status_code == 400 and endpoint.json()["error"]["param"] == "endpoint"
     window = _create(client, file_id, completion_window="72h")

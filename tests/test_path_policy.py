@@ -148,10 +148,13 @@ def test_model_tokenizer_and_checkpoint_paths_are_held_to_the_data_roots(deploym
     for field, configs in refused.items():
         for model_config in configs:
             assert _refused_fields(_post(api, {**base, "model_config": model_config})) == [field], model_config
+    # A hub id passes the data roots; the submission then reads it as its dry run would: 200 where this
+    # machine reaches the hub, else the reading's 422, never a path's.
+    hub = _post(api, {**base, "model_config": {"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}})
+    assert hub.status_code == 200 or "the model cannot be read here" in hub.json()["detail"][0]["msg"], hub.text
     accepted = [
         {"model": MODEL},
         {"model": MODEL.upper()},
-        {"model": "HuggingFaceTB/SmolLM2-135M-Instruct"},
         {"model": f"{root}/models/m"},
         {"model": MODEL, "tokenizer": f"{root}/models/m"},
         {"model": "mine", "checkpoint_path": "s3://b/weights"},

@@ -240,7 +240,7 @@ def test_an_expired_file_is_a_404_everywhere_and_the_cleanup_deletes_its_bytes(d
     as_input = _create(client, file["id"])
     assert as_input.status_code == 404 and as_input.json()["error"]["param"] == "input_file_id", as_input.text
     # Another team's key learns nothing more of it than of any file it cannot see.
-    assert _create(client, file["id"], key=OTHER_KEY).status_code == 400
+    assert _create(client, file["id"], key=OTHER_KEY).status_code == 404
     assert client.get(f"/v1/files/{file['id']}", headers=_bearer(OTHER_KEY)).status_code == 404
     assert os.path.exists(path)  # refused before the cleanup ran
 

@@ -144,6 +144,9 @@ def test_a_team_names_no_path_of_another_team_and_learns_nothing_of_it(api, team
     assert set(existing) == {"input_data_path"}
     assert existing == missing
     assert "team a's system prompt" not in json.dumps(existing)
+    # The refusal says where team b's paths may lie: its own root, nothing of team a's.
+    assert existing["input_data_path"].endswith(f"; yours are {teams['b'].resolve()}"), existing
+    assert str(teams["a"]) not in json.dumps(existing) and "team-a-data" not in json.dumps(existing)
     # Another team's output (and its metadata beside it) would be replaced.
     assert set(refused(_request(str(teams["a"] / "out.json")))) == {"output_data_path"}
     # Another bucket, or team a's bucket: team b has no object store root at all.
@@ -163,14 +166,16 @@ def test_a_symlink_in_a_teams_root_does_not_lead_into_another_teams(api, teams):
 
 def test_object_store_paths_are_held_to_the_teams_bucket_and_prefix(api, teams):
     key = _headers(TEAM_A_KEYS[0])
+    own = teams["a"].resolve()  # a refusal names team a's roots, where its paths may lie
     for url in (
         "s3://team-a-data/other/out.json",
         "s3://team-a-data/batch/../other/out.json",
         "s3://team-a-data2/batch/o",
     ):
-        assert set(_refused_fields(api.post("/v2/batch-completions", json=_request(url), headers=key))) == {
-            "output_data_path"
-        }, url
+        refused = _refused_fields(api.post("/v2/batch-completions", json=_request(url), headers=key))
+        assert set(refused) == {"output_data_path"}, url
+        if url != "s3://team-a-data/batch/../other/out.json":  # that one's refusal is its `..`
+            assert refused["output_data_path"].endswith(f"; yours are {own}, s3://team-a-data/batch/"), refused
     created = api.post("/v2/batch-completions", json=_request("s3://team-a-data/batch/out.json"), headers=key)
     assert created.status_code == 200, created.text
 

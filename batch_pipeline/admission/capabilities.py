@@ -34,7 +34,7 @@ def refusals(
             )
         )
     found.extend(_tool_refusals(request))
-    found.extend(_length_refusals(request))
+    found.extend(length_refusals(request))
     found.extend(_model_refusals(request))
     found.extend(hardware_refusals(request, policy.hardware_maxima))
     found.extend(engine_argument_refusals(request.model_cfg, policy.engine_maxima, policy.max_gpus))
@@ -68,12 +68,14 @@ def _model_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str,
     ]
 
 
-def _length_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
+def length_refusals(request: CreateBatchCompletionsV2Request, context: int | None = None) -> list[tuple[str, str]]:
     """v1 content's max_new_tokens holds for every prompt: past the model's context, every request of the job
-    would fail at its shard. (A list's request past it fails alone, as an error entry at its index.)"""
+    would fail at its shard. (A list's request past it fails alone, as an error entry at its index.)
+    `context`: the model's as its engine read it (a dry run's reading); else the request's max_model_len or
+    the catalog's."""
     if not isinstance(request.content, CreateBatchCompletionsV1RequestContent):
         return []
-    context = request.model_cfg.max_model_len or context_tokens(request.model_cfg.model)
+    context = context or request.model_cfg.max_model_len or context_tokens(request.model_cfg.model)
     wanted = request.content.max_new_tokens
     if context is None or wanted < context:
         return []

@@ -43,6 +43,10 @@ def metadata_path(output_data_path: str) -> str:
     return output_data_path + ".metadata.json"
 
 
+# The roots a refusal names at most.
+MAX_ROOTS_SAID = 8
+
+
 @dataclass(frozen=True)
 class PathPolicy:
     protocols: frozenset[str]
@@ -114,7 +118,7 @@ class PathPolicy:
         if self.remote_roots is None:
             return None
         if not DataRoots((), self.remote_roots).holds_remote(_protocol(path), f"{bucket}/{key}"):
-            return "outside the bucket prefixes of your team's data roots"
+            return f"outside the bucket prefixes of your team's data roots; {self._roots_said()}"
         return None
 
     def _url_refusal(self, path: str) -> str | None:
@@ -141,8 +145,19 @@ class PathPolicy:
         real = Path(resolved).resolve()
         if not any(real.is_relative_to(root) for root in self.roots):
             whose = "your team's data roots" if self.confined else "the data roots this server may read and write"
-            return f"outside {whose} (after .. and symlinks)"
+            return f"outside {whose} (after .. and symlinks); {self._roots_said()}"
         return None
+
+    def _roots_said(self) -> str:
+        """The roots a refused path may lie under, for its refusal: this policy's, which are the caller's own
+        (its team's; an admin's or a single-user server's, all of them), never another team's."""
+        roots = [str(root) for root in self.roots]
+        roots += [f"{protocol}://{prefix}" for protocol, prefix in self.remote_roots or ()]
+        if not roots:
+            return "there are none: ask the operator for a data root in the tenants file"
+        shown = ", ".join(roots[:MAX_ROOTS_SAID])
+        more = f" and {len(roots) - MAX_ROOTS_SAID} more" if len(roots) > MAX_ROOTS_SAID else ""
+        return f"{'yours are' if self.confined else 'they are'} {shown}{more}"
 
 
 class DataFiles:
@@ -267,6 +282,12 @@ def _without_local_prefix(path: str) -> str:
             if path.startswith(protocol + separator):
                 return path.removeprefix(protocol + separator)
     return path
+
+
+def names_a_hub_model(name: str) -> bool:
+    """Whether vLLM would look `name` up on the model hub: a valid repo id that is no local directory and
+    no catalog name. (A path or checkpoint is the data roots' business, and the catalog's models ship here.)"""
+    return name.lower() not in CATALOG and _is_hub_id(name) and not os.path.isdir(name)
 
 
 def _is_hub_id(name: str) -> bool:

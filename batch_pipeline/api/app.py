@@ -122,7 +122,11 @@ def metrics(who: CallerDep, service: ServiceDep) -> Response:
 def create_v1(
     body: CreateBatchCompletionsV1Request, who: CallerDep, service: ServiceDep, idempotency_key: IdempotencyKey = None
 ):
-    return CreateBatchCompletionsV1Response(job_id=service.create(who, from_v1(body), idempotency_key).job_id)
+    try:
+        job = service.create(who, from_v1(body), idempotency_key)
+    except DryRunsBusy as exc:  # the model check at submission reads a model as a dry run does
+        raise HTTPException(status_code=429, detail=str(exc), headers={"Retry-After": "5"}) from None
+    return CreateBatchCompletionsV1Response(job_id=job.job_id)
 
 
 @router.post(
@@ -154,12 +158,10 @@ def create_v2(
         ),
     ] = False,
 ):
-    if dry_run:
-        try:
-            return service.estimate(who, body)
-        except DryRunsBusy as exc:
-            raise HTTPException(status_code=429, detail=str(exc), headers={"Retry-After": "5"}) from None
-    return service.create(who, body, idempotency_key)
+    try:  # a submission's model check reads a model as a dry run does, in the same slots
+        return service.estimate(who, body) if dry_run else service.create(who, body, idempotency_key)
+    except DryRunsBusy as exc:
+        raise HTTPException(status_code=429, detail=str(exc), headers={"Retry-After": "5"}) from None
 
 
 @router.get("/v2/batch-completions", response_model=ListBatchCompletionV2Response)
@@ -200,10 +202,11 @@ def update_job(job_id: str, body: UpdateBatchCompletionsV2Request, who: CallerDe
 @router.post(
     "/v2/batch-completions/{job_id}/actions/cancel",
     response_model=CancelBatchCompletionsV2Response,
+    response_model_exclude_none=True,  # `{"success": true}` as the spec's, a reason only when not
     responses=_NOT_FOUND,
 )
 def cancel_job(job_id: str, who: CallerDep, service: ServiceDep):
-    return CancelBatchCompletionsV2Response(success=service.cancel(who, job_id))
+    return service.cancel_job(who, job_id)
 
 
 @router.get("/v2/batch-completions/{job_id}/webhooks", response_model=WebhookEventsResponse, responses=_NOT_FOUND)

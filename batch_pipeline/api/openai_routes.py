@@ -219,12 +219,10 @@ def create_batch(
     ] = False,
 ):
     """Check the input file (each error in the batch's `errors`, with its line) and queue its job."""
-    if dry_run:
-        try:
-            return service.estimate_batch(who, body)
-        except DryRunsBusy as exc:
-            return openai_error(429, str(exc), code="rate_limit_exceeded")
-    return service.create_batch(who, body)
+    try:  # a batch's model check reads a model as a dry run does, in the same slots
+        return service.estimate_batch(who, body) if dry_run else service.create_batch(who, body)
+    except DryRunsBusy as exc:
+        return openai_error(429, str(exc), code="rate_limit_exceeded")
 
 
 @router.get("/batches", response_model=BatchList)

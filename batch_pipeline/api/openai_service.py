@@ -45,7 +45,7 @@ from batch_pipeline.contract.records import describe_validation_error
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.core.slots import SlotsBusy, TeamSlots
-from batch_pipeline.dry_run.estimate import HISTORY_JOBS
+from batch_pipeline.dry_run.estimate import HISTORY_JOBS, DryRunsBusy
 from batch_pipeline.openai_batch.jobs import (
     CUSTOM_IDS_FILE,
     OUTPUT_FILE,
@@ -232,9 +232,13 @@ class OpenAIBatchService:
                 request = _job_request(
                     checked, body, work_dir, caller.owner, self.jobs.admission, self.limits, dry_run=False
                 )
+                self.jobs.check_model(caller, request)
             except (ValidationError, ValueError, OSError) as exc:
                 errors = _model_errors(exc)
                 request = None
+            except DryRunsBusy:  # nothing stored: the caller tries again
+                io.remove_tree(work_dir)
+                raise
         if request is None:  # stored as it was asked for, to be described; its content was never kept
             request = StoredRequest(
                 content_path=io.join(work_dir, CONTENT_FILE),
@@ -338,13 +342,9 @@ class OpenAIBatchService:
         return describe_batch(batch, job)
 
     def _input_file(self, caller: Caller, file_id: str) -> FileRecord:
-        record = self.store.get_file(file_id)
-        if record is not None and record.owner == caller.owner and record.expired():
-            raise FileNotFound(file_id, "input_file_id")  # the caller's own file, expired: 404, as OpenAI's
-        try:
-            input_file = self._file(caller, file_id)
-        except FileNotFound:
-            raise InvalidOpenAIRequest("input_file_id", f"no file {file_id[:64]!a}") from None
+        # A file that is not the caller's (none, another team's, expired) is the 404 its GET answers, as
+        # OpenAI's: not a 400 here and a 404 there.
+        input_file = self._file(caller, file_id, "input_file_id")
         if input_file.purpose != "batch":
             raise InvalidOpenAIRequest("input_file_id", "the input file must be one uploaded with purpose 'batch'")
         return input_file

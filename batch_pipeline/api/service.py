@@ -14,6 +14,7 @@ import dagster as dg
 from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
+from batch_pipeline.admission.capabilities import length_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import UnservableRequest, admission_quotas, check_servable, submit
 from batch_pipeline.api.auth import Caller
@@ -22,6 +23,7 @@ from batch_pipeline.contract import (
     BatchCompletionsJob,
     BatchCompletionsJobStatus,
     BatchCompletionsModelConfig,
+    CancelBatchCompletionsV2Response,
     CreateBatchCompletionsV2Request,
 )
 from batch_pipeline.contract.base import WireModel
@@ -119,10 +121,21 @@ class BatchJobService:
     def create(
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
     ) -> BatchCompletionsJob:
+        check_servable(request, caller.owner, self.admission)  # before the model is read: its paths may not be
+        self.check_model(caller, request)
         record, _ = submit(
             self.store, self.job_storage.work_dir, caller.owner, request, self.admission, idempotency_key
         )
         return self.describe(record)
+
+    def check_model(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> None:
+        """Refuse, naming the field, a model its job's engine could not load here (neither on the hub nor a
+        directory: `smollm2-135m`, a hub this server cannot reach) and a max_new_tokens past its context,
+        read as the dry run reads them; a submission's paths are checked first. Its job would otherwise fail
+        at its shards minutes later, each retry starting an engine."""
+        context = self.dry_runs.model_context(request, team=caller.owner)
+        if context is not None and (refused := length_refusals(request, context)):
+            raise UnservableRequest(refused)
 
     def estimate(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> BatchCompletionsEstimate:
         """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
@@ -170,11 +183,19 @@ class BatchJobService:
         return self.describe(self._record(caller, job_id)), True
 
     def cancel(self, caller: Caller, job_id: str) -> bool:
+        return self.cancel_job(caller, job_id).success
+
+    def cancel_job(self, caller: Caller, job_id: str) -> CancelBatchCompletionsV2Response:
+        """Cancel the job; a job that has ended already is not, and the answer says so."""
         record = self._record(caller, job_id)
         if record.status == JobStatus.CANCELLED or record.stopping:  # asked already
-            return True
+            return CancelBatchCompletionsV2Response(success=True)
         if record.is_finished:
-            return False
+            return _not_cancelled(record)
+        return CancelBatchCompletionsV2Response(success=self._stop(record))
+
+    def _stop(self, record: JobRecord) -> bool:
+        job_id = record.job_id
         run = find_run(self.instance, job_id, record.resume_count)
         if run is None:
             cancelled_before_launch = self.store.cancel_before_launch(job_id)
@@ -183,7 +204,7 @@ class BatchJobService:
             run = find_run(self.instance, job_id, record.resume_count)
             if run is None:
                 return cancelled_before_launch
-        if run.is_finished:
+        if run.is_finished:  # it ended as it was asked; its job reads how in a moment
             return run.status == DagsterRunStatus.CANCELED
         cancelled = self.instance.run_coordinator.cancel_run(run.run_id)
         if cancelled:
@@ -318,6 +339,17 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
+
+
+def _not_cancelled(record: JobRecord) -> CancelBatchCompletionsV2Response:
+    then = (
+        "its output is final"
+        if record.status == JobStatus.COMPLETED
+        else f"a failed job can be resumed (POST /v2/batch-completions/{record.job_id}/actions/resume)"
+    )
+    return CancelBatchCompletionsV2Response(
+        success=False, reason=f"the job has ended ({record.status.value}): there is nothing to cancel; {then}"
+    )
 
 
 def _results_metadata(results: JobResults) -> dict[str, str]:

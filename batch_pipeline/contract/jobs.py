@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_serializer
 
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
@@ -31,6 +32,12 @@ class BatchCompletionsJob(WireModel):
     expires_at: str
     completed_at: str | None
     metadata: dict[str, str] | None
+
+    @field_serializer("model_cfg")
+    def _model_config_as_asked(self, model_cfg: BatchCompletionsModelConfig) -> dict[str, Any]:
+        # Its ~40 other fields are nullable and not required in the spec's shape: a job says the ones its
+        # request set (and `model`), not a null for each (issue 46).
+        return model_cfg.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 class CreateBatchCompletionsV1Response(WireModel):
@@ -64,3 +71,8 @@ class UpdateBatchCompletionsV2Response(BatchCompletionsJob):
 
 class CancelBatchCompletionsV2Response(WireModel):
     success: bool
+    # Not in the spec's shape, which clients parse ignoring what they do not know (the llmengine SDK's
+    # pydantic model does): why nothing was cancelled, left out when something was.
+    reason: str | None = Field(
+        None, description="Why the job was not cancelled (it had ended already); absent when success is true"
+    )

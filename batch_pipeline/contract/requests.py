@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Self, get_args
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core.core_schema import ErrorType
 
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.labels import MAX_LABELS, Labels
@@ -199,12 +210,54 @@ class CreateBatchCompletionsV2Request(_BatchCompletionsRequestBase):
     @classmethod
     def _one_kind_of_request(cls, content: Any) -> Any:
         """A list mixing chat and completion requests is named for what it is, at the first request of the
-        other kind: otherwise it fails deep inside the kind the first request chose (`content.chat.2...`)."""
+        other kind (`content.2`): otherwise it fails deep inside the kind the first request chose
+        (`content.chat.2.messages`)."""
         if isinstance(content, list) and content and all(isinstance(item, dict) for item in content):
             kinds = ["chat" if "messages" in item else "completion" for item in content]
             if (other := next((i for i, kind in enumerate(kinds) if kind != kinds[0]), None)) is not None:
-                raise ValueError(
+                why = (
                     f"request {other} is a {kinds[other]} request and request 0 a {kinds[0]} request: a job's "
                     "content is all completion requests (`prompt`) or all chat requests (`messages`); send two jobs"
                 )
+                # At the request of the other kind (`content.2`), where the client's list went wrong.
+                raise ValidationError.from_exception_data(
+                    "content",
+                    [
+                        InitErrorDetails(
+                            type=PydanticCustomError("mixed_requests", why), loc=(other,), input=content[other]
+                        )
+                    ],
+                )
         return content
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _errors_at_wire_paths(cls, content: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """An error inside the content is located where it is on the wire (`content.0.n`), without the name
+        of the shape the parser tried (`content.completion.0.n`), which no request spells."""
+        try:
+            return handler(content)
+        except ValidationError as exc:
+            raise ValidationError.from_exception_data(
+                exc.title, [_at_wire_path(error) for error in exc.errors()]
+            ) from None
+
+
+_CONTENT_TAGS = {"v1", "completion", "chat"}
+_BUILT_IN_ERRORS = set(get_args(ErrorType))
+
+
+def _at_wire_path(error: Any) -> InitErrorDetails:
+    """One content error again, its location without the shape's tag."""
+    loc = tuple(error["loc"])
+    if loc and loc[0] in _CONTENT_TAGS:
+        loc = loc[1:]
+    kind = error["type"]
+    if kind in _BUILT_IN_ERRORS:
+        return InitErrorDetails(type=kind, loc=loc, input=error["input"], ctx=error.get("ctx", {}))
+    # The discriminator's own error type: its message is already written out.
+    return InitErrorDetails(
+        type=PydanticCustomError(kind, error["msg"].replace("{", "{{").replace("}", "}}")),
+        loc=loc,
+        input=error["input"],
+    )

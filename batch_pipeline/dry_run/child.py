@@ -44,6 +44,13 @@ class Counted:
 
 
 @dataclass(frozen=True)
+class ModelRead:
+    """The model alone was read (a submission's check): its context."""
+
+    context_length: int
+
+
+@dataclass(frozen=True)
 class Unservable:
     """What makes the whole job fail, by field (`UnservableRequest.refused`)."""
 
@@ -55,15 +62,46 @@ class Failed:
     message: str
 
 
-Outcome = Counted | Unservable | Failed
+Outcome = Counted | ModelRead | Unservable | Failed
 
 
 def counted_apart(request: CreateBatchCompletionsV2Request, files: DataFiles) -> tuple[Counts, int]:
     """The request's counts and the model's context, from a child process that may add at most
     BATCH_PIPELINE_DRY_RUN_MEMORY_MB to what it starts with and is stopped after
     BATCH_PIPELINE_DRY_RUN_TIMEOUT_S."""
+    outcome = _answer_apart(
+        request,
+        files,
+        source_field(request),
+        "(a chat template that does not end?); the job's shards would spend their time on the same requests",
+    )
+    if not isinstance(outcome, Counted):
+        raise RuntimeError(f"the dry run's child answered {type(outcome).__name__}")
+    return outcome.counts, outcome.context_length
+
+
+def model_context_apart(request: CreateBatchCompletionsV2Request) -> int:
+    """The context of the request's model as its job's engine would read it (the dry run's `model_of`, no
+    record read), from a child bounded as a dry run's is. Raises UnservableRequest naming the model's field
+    where the engine could not read it: a name neither on the hub nor on disk, a hub this server cannot
+    reach, a max_model_len past the model's."""
+    outcome = _answer_apart(
+        request,
+        None,
+        "model_config.model",
+        "reading the model (a hub that does not answer?); its job's engine would wait too",
+    )
+    if not isinstance(outcome, ModelRead):
+        raise RuntimeError(f"the dry run's child answered {type(outcome).__name__}")
+    return outcome.context_length
+
+
+def _answer_apart(
+    request: CreateBatchCompletionsV2Request, files: DataFiles | None, field: str, stopped: str
+) -> Counted | ModelRead:
+    """A child's answer: the request counted (`files`), or its model read alone (None). `field` is named
+    where the child was stopped (`stopped` says what it was doing) or died."""
     configured = settings()
-    source = source_field(request)
     memory_bytes = configured.dry_run_memory_mb * 2**20
     # The request's paths may be on an object store, read as the API process would read them.
     environment = child_environment(os.environ, object_store=True)
@@ -74,9 +112,8 @@ def counted_apart(request: CreateBatchCompletionsV2Request, files: DataFiles) ->
             raise UnservableRequest(
                 [
                     (
-                        source,
-                        f"the dry run was stopped after {configured.dry_run_timeout_s:g} s (a chat template that "
-                        "does not end?); the job's shards would spend their time on the same requests",
+                        field,
+                        f"the dry run was stopped after {configured.dry_run_timeout_s:g} s {stopped}",
                     )
                 ]
             )
@@ -86,7 +123,7 @@ def counted_apart(request: CreateBatchCompletionsV2Request, files: DataFiles) ->
             raise UnservableRequest(
                 [
                     (
-                        source,
+                        field,
                         "the dry run's checking process ended without an answer; "
                         f"it may hold at most {configured.dry_run_memory_mb} MiB",
                     )
@@ -97,8 +134,8 @@ def counted_apart(request: CreateBatchCompletionsV2Request, files: DataFiles) ->
             os.kill(child_pid, signal.SIGKILL)
         receiving.close()
     match outcome:
-        case Counted(counts, context_length):
-            return counts, context_length
+        case Counted() | ModelRead():
+            return outcome
         case Unservable(refused):
             raise UnservableRequest(refused)
         case Failed(message):
@@ -173,13 +210,14 @@ def _serve(control_fd: int) -> None:
 def _count_in_child(
     answer: Connection,
     request: CreateBatchCompletionsV2Request,
-    files: DataFiles,
+    files: DataFiles | None,
     memory_bytes: int,
     timeout_s: float,
     environment: dict[str, str],
     cwd: str,
 ) -> None:
-    """The child's side: limits first, then the dry run's reading, rendering and counting; one message back."""
+    """The child's side: limits first, then the dry run's reading, rendering and counting (or, without
+    `files`, the model's reading alone); one message back."""
     # Forked from the server, it has the environment and directory the server started with: it reads the
     # request's paths and the settings as the API process would now (the allow-listed part of them).
     os.environ.clear()
@@ -192,7 +230,10 @@ def _count_in_child(
     outcome: Outcome
     try:
         model = model_of(request.model_cfg)
-        outcome = Counted(count(request, model, records(request, files), source), model.context_length)
+        if files is None:
+            outcome = ModelRead(model.context_length)
+        else:
+            outcome = Counted(count(request, model, records(request, files), source), model.context_length)
     except UnservableRequest as exc:
         outcome = Unservable(exc.refused)
     except MemoryError:

@@ -15,21 +15,24 @@ The reading, rendering and tokenizing (`dry_run.counting`) run in a child proces
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batch_pipeline.admission.hardware import kubernetes_quantity
-from batch_pipeline.admission.paths import DataFiles
+from batch_pipeline.admission.paths import DataFiles, names_a_hub_model
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.contract.estimate import BatchCompletionsEstimate, RuntimeEstimate
 from batch_pipeline.core.settings import Settings
 from batch_pipeline.core.slots import SlotsBusy, TeamSlots
-from batch_pipeline.dry_run.child import counted_apart
+from batch_pipeline.dry_run.child import counted_apart, model_context_apart
 from batch_pipeline.dry_run.counting import Counts
 from batch_pipeline.shards.planning import PlanningSettings
 from batch_pipeline.store.results import CompletedFigures
 
 # Completed jobs of the model whose throughput the estimate takes the median of.
 HISTORY_JOBS = 20
+# Model configs a submission's check has read (and their contexts), kept so that the next job of one is not
+# read again.
+MODELS_KEPT = 64
 
 
 class DryRunsBusy(SlotsBusy):
@@ -44,6 +47,8 @@ class DryRuns:
 
     slots: TeamSlots
     planning: PlanningSettings
+    # A model config's JSON -> its context, for the configs a submission's check read without a refusal.
+    models_read: dict[str, int] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of_deployment(cls, configured: Settings) -> DryRuns:
@@ -60,6 +65,26 @@ class DryRuns:
             configured.max_shards_per_job, configured.min_shard_tokens, configured.deduplicate, slots=None
         )
         return cls(slots, planning)
+
+    def model_context(self, request: CreateBatchCompletionsV2Request, team: str | None) -> int | None:
+        """The context of a hub model a submission names, read as its dry run reads it
+        (`model_context_apart`), for a request whose paths `check_servable` accepted: so that a name no
+        engine here could load (none on the hub, or a hub this server cannot reach) is refused now, naming
+        the field, not after its shards tried it for minutes. None for what is not looked up on the hub: a
+        catalog model (its context is the catalog's), a local directory or a checkpoint the data roots
+        admitted. Raises UnservableRequest naming the field, DryRunsBusy as a dry run would."""
+        config = request.model_cfg
+        if config.checkpoint_path is not None or not names_a_hub_model(config.model):
+            return None
+        key = config.model_dump_json()
+        if (known := self.models_read.get(key)) is not None:
+            return known
+        with self.slots.hold(team):
+            context = model_context_apart(request)
+        if len(self.models_read) >= MODELS_KEPT:
+            self.models_read.pop(next(iter(self.models_read)), None)
+        self.models_read[key] = context
+        return context
 
     def estimate(
         self,

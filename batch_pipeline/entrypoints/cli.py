@@ -30,17 +30,34 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     submit = commands.add_parser("submit", help="submit a request file, or a prompts file with flags")
-    submit.add_argument("request", type=Path, nargs="?", help="a v1 or v2 batch completions request (JSON)")
+    dry_run = commands.add_parser(
+        "dry-run", help="check and tokenize a request as `submit` would send it, and estimate it; create nothing"
+    )
+    for parser_of_request in (submit, dry_run):
+        parser_of_request.add_argument(
+            "request", type=Path, nargs="?", help="a v1 or v2 batch completions request (JSON)"
+        )
+        parser_of_request.add_argument(
+            "--prompts", type=Path, help="a text file of prompts, one per line, instead of a request"
+        )
+        parser_of_request.add_argument("--model", help="with --prompts: model_config.model")
+        parser_of_request.add_argument("--output", help="with --prompts: output_data_path (as the server sees it)")
+        parser_of_request.add_argument("--max-new-tokens", type=int, default=64)
+        parser_of_request.add_argument("--temperature", type=float, default=0.0)
+        parser_of_request.add_argument("--data-parallelism", type=int, default=1)
+        parser_of_request.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--api", choices=("v1", "v2"), default="v2", help="the route to submit to (default v2)")
-    submit.add_argument("--prompts", type=Path, help="a text file of prompts, one per line, instead of a request")
-    submit.add_argument("--model", help="with --prompts: model_config.model")
-    submit.add_argument("--output", help="with --prompts: output_data_path (as the server sees it)")
-    submit.add_argument("--max-new-tokens", type=int, default=64)
-    submit.add_argument("--temperature", type=float, default=0.0)
-    submit.add_argument("--data-parallelism", type=int, default=1)
-    submit.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--idempotency-key", help="submitting again with the same key returns the same job")
     submit.add_argument("--wait", action="store_true", help="then follow the job as `wait` does")
+    resume = commands.add_parser("resume", help="run a failed or cancelled job again on what it has not finished")
+    resume.add_argument("job_id")
+    resume.add_argument("--idempotency-key", help="resuming again with the same key returns the same resume")
+    priority = commands.add_parser("priority", help="set a queued job's priority (lowest..highest, or -20..20)")
+    priority.add_argument("job_id")
+    priority.add_argument("priority")
+    usage = commands.add_parser("usage", help="your team's usage per UTC day (an admin key: every team's)")
+    usage.add_argument("--since", help="a date or RFC 3339 datetime (default: 30 UTC days back)")
+    usage.add_argument("--until", help="a date or RFC 3339 datetime (default: now)")
 
     status = commands.add_parser("status", help="show a job")
     status.add_argument("job_id")
@@ -96,12 +113,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _submit(client, args, parser) -> int:
+    request = _request_of(args, parser)
+    if request is None:
+        return 2
+    job_id = client.create(request, api=args.api, idempotency_key=args.idempotency_key)["job_id"]
+    print(job_id)
+    if args.wait:
+        return _follow(client, job_id, timeout=None, interval=2.0)
+    return 0
+
+
+def _dry_run(client, args, parser) -> int:
+    request = _request_of(args, parser)
+    if request is None:
+        return 2
+    answer = client.dry_run(request)
+    print(
+        f"{answer['num_requests']} requests, {answer['prompt_tokens']} prompt tokens, at most "
+        f"{answer['max_output_tokens']} output tokens (context {answer['context_length']})"
+    )
+    for problem in answer["cannot_run"]:
+        print(f"cannot run: request {problem['index']}: {problem['message']}")
+    if answer["num_cut_at_context"]:
+        print(f"{answer['num_cut_at_context']} requests stop at the context")
+    if estimate := answer.get("estimate"):
+        print(
+            f"estimate: {estimate['wall_s']:.0f} s wall on {estimate['workers']} workers at "
+            f"{estimate['completion_tokens_per_s']} tokens/s (from {estimate['from_jobs']} jobs)"
+        )
+    else:
+        print(answer.get("no_history") or "no estimate")
+    return 1 if answer["num_cannot_run"] else 0
+
+
+def _request_of(args, parser) -> dict | None:
+    """The request a `submit` or `dry-run` sends: a request file, or one made of --prompts and its flags."""
     if (args.request is None) == (args.prompts is None):
-        parser.error("submit: give a request file or --prompts, not both")
+        parser.error(f"{args.command}: give a request file or --prompts, not both")
     labels = _labels(args.label, parser)
     if args.prompts is not None:
         if not (args.model and args.output):
-            parser.error("submit --prompts: --model and --output are required")
+            parser.error(f"{args.command} --prompts: --model and --output are required")
         prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
         request: dict = {
             "output_data_path": args.output,
@@ -114,13 +166,37 @@ def _submit(client, args, parser) -> int:
             request = json.loads(args.request.read_text())
         except json.JSONDecodeError as exc:
             print(f"{args.request}: not JSON: line {exc.lineno} column {exc.colno}: {exc.msg}", file=sys.stderr)
-            return 2
+            return None
     if labels:
         request["labels"] = {**request.get("labels", {}), **labels}
-    job_id = client.create(request, api=args.api, idempotency_key=args.idempotency_key)["job_id"]
-    print(job_id)
-    if args.wait:
-        return _follow(client, job_id, timeout=None, interval=2.0)
+    return request
+
+
+def _resume(client, args, parser) -> int:
+    job = client.resume(args.job_id, args.idempotency_key)
+    print(f"{job['job_id']} {job['status']} (resume {(job.get('metadata') or {}).get('resume_count', '?')})")
+    return 0
+
+
+def _priority(client, args, parser) -> int:
+    job = client.set_priority(args.job_id, args.priority)
+    read_as = (job.get("metadata") or {}).get("priority_read_as", args.priority)
+    if job["success"]:
+        print(f"{args.job_id} priority {read_as}")
+        return 0
+    print(f"{args.job_id}: its priority was not changed: it is {job['status']}, past queued", file=sys.stderr)
+    return 1
+
+
+def _usage(client, args, parser) -> int:
+    report = client.usage(args.since, args.until)
+    print(f"{'team':20} {'jobs':>6} {'requests':>9} {'prompt tok':>11} {'output tok':>11} {'gpu s':>9}  stored bytes")
+    for team in report["teams"]:
+        print(
+            f"{team['team']:20} {team['jobs']:>6} {team['requests']:>9} {team['prompt_tokens']:>11} "
+            f"{team['completion_tokens']:>11} {team['gpu_seconds']:>9.1f}  {team['stored_bytes_now']}"
+        )
+    print(f"from {report['since']} until {report['until']}", file=sys.stderr)
     return 0
 
 
@@ -159,10 +235,11 @@ def _list(client, args, parser) -> int:
 
 
 def _cancel(client, args, parser) -> int:
-    if client.cancel(args.job_id):
+    answer = client.cancel(args.job_id)
+    if answer["success"]:
         print(f"{args.job_id} cancelled")
         return 0
-    print(f"{args.job_id} was not cancelled (it had already finished)", file=sys.stderr)
+    print(f"{args.job_id} was not cancelled: {answer.get('reason') or 'it had already finished'}", file=sys.stderr)
     return 1
 
 
@@ -177,8 +254,17 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
     from tqdm import tqdm
 
     started = time.monotonic()
-    bar = tqdm(desc=job_id, unit="req", dynamic_ncols=True, file=sys.stderr)
+    # No requests/s: the bar counts from where it first saw the job, and what was done before that (all of
+    # it, for a job that had ended) would read as done in its first moment ("282 req/s").
+    bar = tqdm(
+        desc=job_id,
+        unit="req",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+    )
     last_tokens, last_time = None, started
+    seen = False
     try:
         while True:
             job = client.get(job_id)
@@ -186,6 +272,8 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
             if "requests_total" in metadata:
                 bar.total = int(metadata["requests_total"])
                 bar.n = int(metadata["requests_done"])
+                if not seen:  # the ETA from the progress watched, not from what was done before
+                    bar.initial, seen = bar.n, True
             now = time.monotonic()
             tokens = int(metadata.get("completion_tokens_generated", 0))
             postfix = {"status": job["status"]}
@@ -224,7 +312,17 @@ def _labels(pairs: list[str], parser) -> dict[str, str]:
     return labels
 
 
-API_COMMANDS = {"submit": _submit, "status": _status, "list": _list, "cancel": _cancel, "wait": _wait}
+API_COMMANDS = {
+    "submit": _submit,
+    "dry-run": _dry_run,
+    "status": _status,
+    "list": _list,
+    "cancel": _cancel,
+    "resume": _resume,
+    "priority": _priority,
+    "wait": _wait,
+    "usage": _usage,
+}
 
 
 def _models() -> int:

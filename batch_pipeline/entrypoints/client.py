@@ -8,6 +8,10 @@ import httpx
 
 from batch_pipeline.core.settings import client_settings
 
+# A dry run, and a submission whose hub model is read as a dry run reads it, may take the server's
+# BATCH_PIPELINE_DRY_RUN_TIMEOUT_S (300 s) and the checking process's start besides.
+CHECKING_TIMEOUT_S = 360.0
+
 
 class ApiError(RuntimeError):
     """The API answered with an error, or could not be reached; the message is for people."""
@@ -24,7 +28,25 @@ class BatchClient:
     def create(self, request: dict[str, Any], api: str = "v2", idempotency_key: str | None = None) -> dict[str, Any]:
         path = "/v1/llm/batch-completions" if api == "v1" else "/v2/batch-completions"
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self._call("POST", path, json=request, headers=headers)
+        return self._call("POST", path, json=request, headers=headers, timeout=CHECKING_TIMEOUT_S)
+
+    def dry_run(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The request checked and tokenized as its job would be, nothing created: a BatchCompletionsEstimate."""
+        return self._call(
+            "POST", "/v2/batch-completions", params={"dry_run": "true"}, json=request, timeout=CHECKING_TIMEOUT_S
+        )
+
+    def resume(self, job_id: str, idempotency_key: str | None = None) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._call("POST", f"/v2/batch-completions/{job_id}/actions/resume", headers=headers)["job"]
+
+    def set_priority(self, job_id: str, priority: str) -> dict[str, Any]:
+        """The job, with `success`: false once it has started (its run's priority is set)."""
+        return self._call("POST", f"/v2/batch-completions/{job_id}", json={"job_id": job_id, "priority": priority})
+
+    def usage(self, since: str | None = None, until: str | None = None) -> dict[str, Any]:
+        params = {name: value for name, value in (("since", since), ("until", until)) if value}
+        return self._call("GET", "/v2/usage", params=params)
 
     def get(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v2/batch-completions/{job_id}")["job"]
@@ -46,8 +68,9 @@ class BatchClient:
             after = [("after", page["last_id"])]
         return jobs
 
-    def cancel(self, job_id: str) -> bool:
-        return self._call("POST", f"/v2/batch-completions/{job_id}/actions/cancel")["success"]
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """`success`, and where it is false the server's `reason`."""
+        return self._call("POST", f"/v2/batch-completions/{job_id}/actions/cancel")
 
     def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         try:
