@@ -1,6 +1,7 @@
 """Dead run workers are found whoever launched them: the embedded deployment's run launcher
 (pipeline/run_launcher.py) tells Dagster's run monitoring whether a run's worker process still runs."""
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import dagster as dg
 import httpx
 import pytest
 import yaml
-from dagster._core.launcher import WorkerStatus
+from dagster._core.launcher import LaunchRunContext, WorkerStatus
 from dagster._core.storage.tags import GRPC_INFO_TAG
 
 from batch_pipeline.pipeline.run_launcher import LocalRunLauncher, launched_on_this_machine, process_alive_since
@@ -68,6 +69,27 @@ def test_a_run_whose_worker_process_has_exited_is_reported_failed_and_a_living_o
     health = instance.run_launcher.check_run_worker_health(run)
     assert health.status == WorkerStatus.FAILED
     assert f"pid {worker.pid}" in health.msg
+
+
+def test_a_failed_runs_worker_that_still_runs_is_stopped_before_its_retry_is_launched(instance):
+    """A run failed while its worker ran on (a code server's second worker for it exited): its retry must
+    not run beside it, so launching the retry stops that worker first; a running run's worker is never
+    stopped, nor a finished run's pid once another process holds it."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        run = _started_run(instance, worker.pid)
+        assert instance.run_launcher.stop_stale_worker(run) is None  # running: its worker is its own
+        instance.report_run_failed(run, "This run has been marked as failed from outside the execution context.")
+        retry = instance.create_run_for_job(_a_job, parent_run_id=run.run_id, root_run_id=run.run_id)
+        with contextlib.suppress(Exception):  # no code server here: the launch itself fails after the stop
+            instance.run_launcher.launch_run(LaunchRunContext(dagster_run=retry, workspace=None))
+        assert worker.wait(timeout=15) == -signal.SIGTERM
+        events = [e.message for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)]
+        assert any(f"pid {worker.pid}) still ran after the run ended" in (m or "") for m in events), events
+    finally:
+        worker.kill()
+        worker.wait()
+    assert instance.run_launcher.stop_stale_worker(instance.get_run_by_id(run.run_id)) is None  # gone now
 
 
 def test_a_pid_taken_by_a_process_started_after_the_run_worker_is_not_the_run_worker(instance):

@@ -14,6 +14,11 @@ nothing elsewhere; and a process holding that pid now but started after the even
 assumes what `make serve` gives: the daemon sees the run workers' processes (one machine, one PID namespace).
 Where it cannot tell (no /proc, /proc hiding other processes) it says the worker runs: a run is never failed
 on a doubt.
+
+A run can also be failed while its worker runs: a StartRun that a code server still loading took after the
+queue had given up on it starts a second worker, which finds the run started and exits, and the code server
+then fails the run for that worker's exit (a soak of issue 50 saw it). Before a retry of a run is launched,
+the earlier run's worker, where it still runs on this machine, is stopped: a job never has two live runs.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.launcher import CheckRunHealthResult, DefaultRunLauncher, WorkerStatus
+from dagster._core.launcher import CheckRunHealthResult, DefaultRunLauncher, LaunchRunContext, WorkerStatus
 from dagster._core.storage.tags import GRPC_INFO_TAG
 from dagster._serdes.config_class import ConfigurableClassData
 
@@ -33,6 +40,8 @@ from dagster._serdes.config_class import ConfigurableClassData
 # then on, its start in ticks alone, which no clock step moves.
 FIRST_SIGHT_SLACK_S = 60.0
 PROC = Path("/proc")
+# How long an earlier run's worker has to stop on SIGTERM (its steps stop their shard workers) before SIGKILL.
+STALE_WORKER_GRACE_S = 30.0
 
 
 class LocalRunLauncher(DefaultRunLauncher):
@@ -43,6 +52,41 @@ class LocalRunLauncher(DefaultRunLauncher):
     @property
     def supports_check_run_worker_health(self) -> bool:
         return True
+
+    def launch_run(self, context: LaunchRunContext) -> None:
+        parent_id = context.dagster_run.parent_run_id
+        parent = self._instance.get_run_by_id(parent_id) if parent_id else None
+        if parent is not None:
+            self.stop_stale_worker(parent)
+        super().launch_run(context)
+
+    def stop_stale_worker(self, run: dg.DagsterRun, grace_s: float = STALE_WORKER_GRACE_S) -> int | None:
+        """Stop the worker of `run`, a finished run, where it still runs on this machine (SIGTERM, then SIGKILL
+        after `grace_s`); the pid stopped, or None where no such worker runs."""
+        if not run.is_finished or not launched_on_this_machine(run):
+            return None
+        starts = self._instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_START)
+        event = starts[-1].dagster_event if starts else None
+        if event is None or event.pid is None:
+            return None
+        pid, started = event.pid, starts[-1].timestamp
+        ticks = process_start_ticks(pid)
+        if ticks is None or ticks == UNKNOWN or not started_by(ticks, started + 1.0):
+            return None  # exited, unknowable, or a later process holding its pid
+        self._instance.report_engine_event(
+            f"the run's worker (pid {pid}) still ran after the run ended: stopped before its retry starts", run
+        )
+        for sent, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.kill(pid, sent)
+            except ProcessLookupError:
+                return pid
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if process_start_ticks(pid) != ticks:
+                    return pid
+                time.sleep(0.2)
+        return pid
 
     def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
         if not launched_on_this_machine(run):
