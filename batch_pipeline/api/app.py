@@ -327,7 +327,8 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     configured = settings()  # a mistyped variable fails the deployment, not the requests that read it
     secure_service_paths(configured)  # so does a wrong tenants file, or a service path inside a team's roots
     if service is None:
-        service = BatchJobService.of_deployment(configured, JobStore(configured.jobs_db), dg.DagsterInstance.get())
+        store = JobStore(configured.job_store_url)
+        service = BatchJobService.of_deployment(configured, store, dg.DagsterInstance.get())
     app = FastAPI(
         title="batch_pipeline",
         description="Scale LLM Engine batch completions on Dagster and vLLM",
