@@ -53,7 +53,7 @@ def _service_of(policy: AdmissionPolicy, home: Path) -> BatchJobService:
     return BatchJobService(
         JobStore(f"sqlite:///{home}/jobs.db"),
         dg.DagsterInstance.ephemeral(),
-        JobStorage(),
+        JobStorage(work_dir_base=settings().work_dir_base),
         admission=policy,
         fair_share_half_life_s=3600,
         dry_runs=DryRuns.of_deployment(settings()),

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.schema import JobStatus
@@ -79,7 +80,7 @@ def test_a_job_whose_partial_output_could_not_be_written_reads_cancelled_once_th
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
     stopped = api.instance.add_run(dg.DagsterRun(job_name="batch_completions", status=dg.DagsterRunStatus.CANCELED))
     assert api.store.mark_started(job_id, stopped.run_id)
-    shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
+    shard = Path(JobStorage(work_dir_base=settings().work_dir_base).work_dir(job_id)) / "shards" / "000"
     shard.mkdir(parents=True)
     (shard / "input.jsonl").write_text('{"index": 0, "kind": "v1", "request": {}}\n')
     ShardProgressStore(engine=api.store.engine).record_shards(job_id, {0: 1})
@@ -94,7 +95,9 @@ def test_a_job_whose_partial_output_could_not_be_written_reads_cancelled_once_th
         run_config=merge.run_config,
         tags=merge.tags,
         instance=api.instance,
-        resources=sensor_resources(str(api.store.engine.url), job_storage=JobStorage()),
+        resources=sensor_resources(
+            str(api.store.engine.url), job_storage=JobStorage(work_dir_base=settings().work_dir_base)
+        ),
         raise_on_error=False,
     )
     assert not result.success

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline import sensors
 from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage
@@ -118,7 +119,7 @@ def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deploymen
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
     stopped = api.instance.add_run(dg.DagsterRun(job_name="batch_completions", status=dg.DagsterRunStatus.CANCELED))
     api.store.mark_started(job_id, stopped.run_id)
-    work_dir = JobStorage().work_dir(job_id)
+    work_dir = JobStorage(work_dir_base=settings().work_dir_base).work_dir(job_id)
     for shard, (items, results) in enumerate([([0, 2], {0: "a"}), ([1], {1: "b"})]):
         directory = Path(work_dir) / "shards" / f"{shard:03d}"  # as plan_shards and a worker leave them
         directory.mkdir(parents=True)
@@ -139,7 +140,9 @@ def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deploymen
             }
         },
         instance=api.instance,
-        resources=sensor_resources(str(api.store.engine.url), job_storage=JobStorage()),
+        resources=sensor_resources(
+            str(api.store.engine.url), job_storage=JobStorage(work_dir_base=settings().work_dir_base)
+        ),
     )
     assert result.success
     assert json.loads(output.read_text()) == [

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 import pytest
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_queues
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
@@ -111,7 +112,7 @@ def test_a_team_past_its_queue_quota_gets_429_and_nothing_is_stored(api, teams, 
     # Another team's queue is its own.
     assert _submit(api, FREE, teams["free"] / "1.json").status_code == 200
     # Once a job of the team starts, the team may queue one more.
-    JobStore().mark_started(first.json()["job_id"], "run-1", None)
+    JobStore(settings().job_store_url).mark_started(first.json()["job_id"], "run-1", None)
     assert _submit(api, BOUNDED, teams["bounded"] / "3.json").status_code == 200
 
 
@@ -139,7 +140,8 @@ def test_a_priority_above_the_teams_cap_is_read_as_the_cap_and_says_so(api, team
     free = _submit(api, FREE, teams["free"] / "1.json", priority="highest").json()
     # The runs the jobs sensor makes of them.
     context = dg.build_sensor_context(
-        instance=dg.DagsterInstance.get(), resources=sensor_resources(str(JobStore().engine.url))
+        instance=dg.DagsterInstance.get(),
+        resources=sensor_resources(str(JobStore(settings().job_store_url).engine.url)),
     )
     run_priorities = {
         request.tags[JOB_ID_TAG]: request.tags["dagster/priority"]
@@ -469,7 +471,7 @@ def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_adm
         _submit(api, BOUNDED, teams["bounded"] / f"{i}.json", priority="highest").json()["job_id"] for i in range(2)
     ]
     free = [_submit(api, FREE, teams["free"] / f"{i}.json").json()["job_id"] for i in range(3)]
-    store = JobStore()
+    store = JobStore(settings().job_store_url)
     # The free team has used slots lately: the bounded team's jobs go first, then the free team's by age.
     store.mark_started(free[0], "run-free", datetime.now(UTC) - timedelta(seconds=120))
     store.mark_run_ended(free[0], "run-free", "completed", datetime.now(UTC) - timedelta(seconds=60))
@@ -513,7 +515,7 @@ def test_a_waiting_jobs_get_gives_its_queue_position_in_the_order_the_sensor_adm
 def test_a_teams_queue_position_and_waiting_for_say_nothing_of_how_many_jobs_other_teams_have_waiting(api, teams):
     """A team's GET of its waiting job counted the jobs of other teams ahead of it: by submitting one job
     and reading its queue_position, a team learnt how many jobs the others had queued, and when."""
-    store = JobStore()
+    store = JobStore(settings().job_store_url)
     mine = _submit(api, FREE, teams["free"] / "mine.json").json()["job_id"]
     # The free team has used slots lately, so every job of the bounded team stands ahead of its own.
     store.mark_started(mine, "run-free", datetime.now(UTC) - timedelta(seconds=120))
@@ -534,7 +536,7 @@ def test_a_teams_queue_position_and_waiting_for_say_nothing_of_how_many_jobs_oth
 
 
 def test_the_sensor_fails_a_job_whose_deadline_passed_while_it_waited_and_admits_the_rest(api, teams):
-    store = JobStore()
+    store = JobStore(settings().job_store_url)
     _store_job(store, "batch-late", "team:free", runtime=0)
     on_time = _submit(api, FREE, teams["free"] / "1.json").json()["job_id"]
     context = dg.build_sensor_context(
@@ -658,7 +660,7 @@ def _busy_free_team(api, teams, store: JobStore, now: datetime) -> None:
 
 
 def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_takes_the_free_slot(api, capped, tmp_path):
-    store, now = JobStore(), datetime.now(UTC)
+    store, now = JobStore(settings().job_store_url), datetime.now(UTC)
     midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
     _busy_free_team(api, capped, store, now)
     spent, running, *waiting = (
@@ -713,7 +715,7 @@ def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_tak
 
 
 def test_tokens_of_yesterday_do_not_hold_a_team(api, capped, tmp_path):
-    store, now = JobStore(), datetime.now(UTC)
+    store, now = JobStore(settings().job_store_url), datetime.now(UTC)
     midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
     _busy_free_team(api, capped, store, now)
     yesterday, waiting = (_submit(api, CAPPED, capped["capped"] / f"{i}.json").json()["job_id"] for i in range(2))

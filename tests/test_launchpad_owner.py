@@ -79,7 +79,7 @@ def test_a_launchpad_run_naming_team_a_cannot_read_team_bs_file(teams, dagster_h
     # It names team-a's own root, where the file must lie, and nothing of team-b's.
     own = teams["team-a"].resolve()
     assert message == f"input_data_path: outside your team's data roots (after .. and symlinks); yours are {own}"
-    assert JobStore().list().jobs == []  # refused before any job was made
+    assert JobStore(settings().job_store_url).list().jobs == []  # refused before any job was made
     assert not (teams["team-a"] / "stolen.json").exists()
 
 
@@ -92,7 +92,7 @@ def test_a_launchpad_run_naming_no_team_fails_naming_team_and_an_unknown_team_li
     assert not unnamed.success and not unknown.success
     assert step_failure_messages(unnamed)[0].startswith("team: name the team that owns this run")
     assert step_failure_messages(unknown)[0] == "team: no team 'team-c' in the tenants file"
-    assert JobStore().list().jobs == []
+    assert JobStore(settings().job_store_url).list().jobs == []
 
 
 def test_a_launchpad_run_is_its_teams_job_and_carries_the_team_on_its_tags(teams, dagster_home):
@@ -103,7 +103,7 @@ def test_a_launchpad_run_is_its_teams_job_and_carries_the_team_on_its_tags(teams
     # Past validate_input (registered as team-a's job), then planning finds no prompts.
     assert step_failure_messages(result) == ["the request holds no prompts: nothing to generate"]
     run = dagster_home.get_run_by_id(result.run_id)
-    (job,) = JobStore().list().jobs
+    (job,) = JobStore(settings().job_store_url).list().jobs
     assert job.owner == "team:team-a" and run.tags[JOB_ID_TAG] == job.job_id
     assert run.tags[TEAM_TAG] == "team-a"
     # A re-execution of the run (a retry, or the UI's) is the same job's run.
@@ -114,7 +114,7 @@ def test_a_launchpad_run_is_its_teams_job_and_carries_the_team_on_its_tags(teams
         raise_on_error=False,
     )
     assert step_failure_messages(again) == ["the request holds no prompts: nothing to generate"]
-    assert JobStore().get(job.job_id).run_id == again.run_id
+    assert JobStore(settings().job_store_url).get(job.job_id).run_id == again.run_id
 
 
 def _batch_completions_job() -> dg.JobDefinition:
@@ -124,9 +124,9 @@ def _batch_completions_job() -> dg.JobDefinition:
 
 
 def test_a_run_tagged_with_team_bs_waiting_job_is_refused_and_leaves_the_job_untouched(teams, dagster_home):
-    store = JobStore()
+    store = JobStore(settings().job_store_url)
     policy = AdmissionPolicy.of_deployment(settings())
-    work_dir = JobStorage().work_dir
+    work_dir = JobStorage(work_dir_base=settings().work_dir_base).work_dir
     b_request = _request(_prompts(teams["team-b"] / "prompts.json"), teams["team-b"] / "out.json")
     b_job, _ = submit(store, work_dir, "team:team-b", b_request, policy)
     # Anyone who can launch a run can tag it: B's job id on a run reading B's prompts into A's root.

@@ -118,6 +118,29 @@ def test_an_upload_over_the_file_limit_is_refused_and_nothing_is_kept(deployment
     assert len(client.get("/v1/files", headers=_bearer(USER_KEY)).json()["data"]) == 1
 
 
+def test_each_router_answers_its_errors_in_its_own_shape_whatever_the_error(deployment):
+    client = deployment.client
+    # An invalid query parameter: OpenAI's 400 naming it, Scale's 422 naming its location.
+    bad_limit = client.get("/v1/batches?limit=0", headers=_bearer(USER_KEY))
+    assert bad_limit.status_code == 400
+    assert (
+        bad_limit.json()["error"]["param"] == "limit" and bad_limit.json()["error"]["type"] == "invalid_request_error"
+    )
+    scale_limit = client.get("/v2/batch-completions?limit=0", headers=_bearer(USER_KEY))
+    assert scale_limit.status_code == 422 and scale_limit.json()["detail"][0]["loc"] == ["query", "limit"]
+    # A method the route does not take (no handler of the route runs): still the route's own shape.
+    wrong_method = client.delete("/v1/batches", headers=_bearer(USER_KEY))
+    assert wrong_method.status_code == 405
+    assert wrong_method.json() == {
+        "error": {"message": "Method Not Allowed", "type": "invalid_request_error", "param": None, "code": None}
+    }
+    assert client.delete("/v2/batch-completions", headers=_bearer(USER_KEY)).json() == {"detail": "Method Not Allowed"}
+    # No key: OpenAI's authentication error, Scale's detail.
+    assert client.get("/v1/batches").json()["error"]["type"] == "authentication_error"
+    anonymous = client.get("/v2/batch-completions")
+    assert anonymous.status_code == 401 and set(anonymous.json()) == {"detail"}
+
+
 def test_a_file_that_does_not_validate_fails_its_batch_with_each_error_and_its_line(deployment):
     client = deployment.client
     lines = [

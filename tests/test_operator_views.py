@@ -36,7 +36,7 @@ def test_a_run_launched_outside_the_api_is_a_job_the_api_reports_with_its_output
     job_id = run.tags[JOB_ID_TAG]
     assert run.tags[MODEL_TAG] == MODEL and run.tags[LABEL_TAG_PREFIX + "team"] == "ops"
 
-    service = BatchJobService.of_deployment(settings(), JobStore(), dagster_home)
+    service = BatchJobService.of_deployment(settings(), JobStore(settings().job_store_url), dagster_home)
     with TestClient(create_app(service, ApiKeys([]))) as client:
         listed = client.get("/v2/batch-completions").json()["jobs"]
         job = client.get(f"/v2/batch-completions/{job_id}").json()["job"]

@@ -104,7 +104,7 @@ def _on_disk(tmp_path) -> dict[str, list[str]]:
 
 
 def _file_rows() -> int:
-    with JobStore().engine.connect() as connection:
+    with JobStore(settings().job_store_url).engine.connect() as connection:
         return connection.execute(sa.select(sa.func.count()).select_from(files)).scalar_one()
 
 
@@ -221,7 +221,7 @@ def test_inline_content_counts_and_past_the_quota_is_a_429_storing_nothing(api, 
     made = _submit(api, SMALL, teams["small"] / "1.json", idempotency_key="first")
     assert made.status_code == 200, made.text
     job_id = made.json()["job_id"]
-    record = JobStore().get(job_id)
+    record = JobStore(settings().job_store_url).get(job_id)
     assert record.content_bytes == os.path.getsize(record.content_path) > 0  # recorded on the job's row
     kept, jobs_before = _on_disk(tmp_path), _job_ids(api, SMALL)
 
@@ -254,7 +254,7 @@ def test_bytes_being_stored_at_once_are_counted_against_each_other(api, tmp_path
     is checked against it too, so together they cannot pass the quota."""
     data = _jsonl([_line("a", content="x" * 400)])
     small = AdmissionPolicy.of_deployment(settings()).team_of_owner("team:small")  # the API's teams
-    with hold_stored_bytes(JobStore(), "team:small", small, len(data), "an upload in progress"):
+    with hold_stored_bytes(JobStore(settings().job_store_url), "team:small", small, len(data), "an upload in progress"):
         _openai_error(_upload(api, data, key=SMALL), "max_stored_bytes")
         assert _upload(api, data, key=OTHER).status_code == 200  # another team's room is its own
     assert _upload(api, data, key=SMALL).status_code == 200  # held bytes are let go once stored or dropped
@@ -273,7 +273,7 @@ def _ran(job_id: str, tokens: int, started_at: datetime, completed_at: datetime 
         "prompt_tokens": tokens // 2,
         "completion_tokens": tokens - tokens // 2,
     }
-    with JobStore().engine.begin() as connection:
+    with JobStore(settings().job_store_url).engine.begin() as connection:
         connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(**values))
 
 
@@ -283,7 +283,7 @@ def _seconds_to_midnight() -> float:
 
 
 def _estimate(job_id: str) -> int:
-    with JobStore().engine.connect() as connection:
+    with JobStore(settings().job_store_url).engine.connect() as connection:
         return connection.execute(sa.select(jobs.c.estimated_tokens).where(jobs.c.job_id == job_id)).scalar_one()
 
 
@@ -335,7 +335,7 @@ def test_the_tokens_quota_counts_today_utc_and_the_teams_own_only_and_refuses_ev
 
 def test_the_day_of_the_tokens_quota_is_the_utc_day(api, teams):
     """Retry-After counts to the next UTC midnight, whatever the caller's zone; past it the count restarts."""
-    store = JobStore()
+    store = JobStore(settings().job_store_url)
     job_id = _submit(api, SMALL, teams["small"] / "1.json").json()["job_id"]
     day = datetime(2030, 5, 1, tzinfo=UTC)
     _ran(job_id, TOKENS_MAX, day + timedelta(hours=9), day + timedelta(hours=10))
@@ -612,13 +612,13 @@ def test_concurrent_submissions_and_resumes_of_one_team_leave_at_most_its_max_qu
     """Issue 44: 40 concurrent submissions of one team left 6 jobs queued against a quota of 2, and 19
     concurrent resumes left 3: the count and the insert were two steps. Through the real HTTP layer."""
     with served(tenants_api.app) as client:
-        race_the_queue_quota(client, racing_teams["racer"], JobStore())
+        race_the_queue_quota(client, racing_teams["racer"], JobStore(settings().job_store_url))
     assert len(_on_disk(tmp_path)["work"]) == 19  # the refused left no work dir behind
 
 
 def test_concurrent_submissions_cannot_all_pass_the_same_remaining_tokens(racing_teams, tenants_api):
     with served(tenants_api.app) as client:
-        race_the_tokens_quota(client, racing_teams["spender"], JobStore())
+        race_the_tokens_quota(client, racing_teams["spender"], JobStore(settings().job_store_url))
 
 
 def test_a_job_naming_its_input_by_file_reserves_its_size_and_a_fifo_reserves_nothing(api, teams):

@@ -12,6 +12,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.runs import launch_key
 from batch_pipeline.pipeline.sensors import run_request_for
@@ -142,7 +143,7 @@ def test_the_merge_of_a_stopped_runs_results_run_again_writes_nothing_once_they_
     job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
     stopped = api.instance.add_run(dg.DagsterRun(job_name="batch_completions", status=dg.DagsterRunStatus.CANCELED))
     assert api.store.mark_started(job_id, stopped.run_id)
-    shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
+    shard = Path(JobStorage(work_dir_base=settings().work_dir_base).work_dir(job_id)) / "shards" / "000"
     shard.mkdir(parents=True)
     (shard / "input.jsonl").write_text(
         "".join(json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in (0, 1))
@@ -160,7 +161,9 @@ def test_the_merge_of_a_stopped_runs_results_run_again_writes_nothing_once_they_
             run_config=merge.run_config,
             tags=merge.tags,
             instance=api.instance,
-            resources=sensor_resources(str(api.store.engine.url), job_storage=JobStorage()),
+            resources=sensor_resources(
+                str(api.store.engine.url), job_storage=JobStorage(work_dir_base=settings().work_dir_base)
+            ),
         )
 
     assert run_merge().success

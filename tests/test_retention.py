@@ -12,6 +12,7 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule, delete_work_dir
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store import retention
@@ -82,7 +83,7 @@ def test_cleanup_frees_work_dirs_past_retention_and_leaves_user_outputs(teams, t
     api = tenants_api
     url = os.environ["BATCH_PIPELINE_JOBS_DB"]
     store = JobStore(url)
-    storage = JobStorage(retention_days=30)
+    storage = JobStorage(work_dir_base=settings().work_dir_base, retention_days=30)
     instance = dg.DagsterInstance.from_config(os.environ["DAGSTER_HOME"])
     now = datetime.now(UTC)
 
@@ -156,7 +157,7 @@ def test_cleanup_frees_work_dirs_past_retention_and_leaves_user_outputs(teams, t
     again = cleanup.execute_in_process(instance=instance, resources=sensor_resources(url, job_storage=storage))
     assert again.success and again.output_for_node("delete_expired")["work_dirs_deleted"] == 0
     # 0 days keeps work dirs forever.
-    assert _run_cleanup(url, JobStorage(retention_days=0), instance) is None
+    assert _run_cleanup(url, JobStorage(work_dir_base=settings().work_dir_base, retention_days=0), instance) is None
     assert os.path.exists(os.path.join(storage.work_dir(recent_b), "content.json"))
 
 
@@ -425,7 +426,9 @@ def test_a_cleanup_still_running_is_not_joined_by_the_next_hours(tmp_path):
     (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
         running = instance.create_run_for_job(job_def=cleanup, status=dg.DagsterRunStatus.STARTED)
-        resources = sensor_resources(f"sqlite:///{tmp_path}/jobs.db", job_storage=JobStorage())
+        resources = sensor_resources(
+            f"sqlite:///{tmp_path}/jobs.db", job_storage=JobStorage(work_dir_base=settings().work_dir_base)
+        )
         context = dg.build_schedule_context(
             instance=instance, resources=resources, scheduled_execution_time=datetime.now(UTC)
         )
@@ -480,7 +483,7 @@ def test_sent_webhook_events_past_retention_are_deleted_by_the_cleanup_and_pendi
 
     url = os.environ["BATCH_PIPELINE_JOBS_DB"]
     store = JobStore(url)
-    storage = JobStorage(retention_days=30)
+    storage = JobStorage(work_dir_base=settings().work_dir_base, retention_days=30)
     outbox = WebhookOutbox(engine=store.engine)
     # (team, state, age in days): team-a keeps 2 days, team-b the deployment's 30.
     events = {
@@ -597,7 +600,11 @@ def test_an_expired_file_counts_against_max_stored_bytes_until_the_cleanup_delet
     assert team["stored_bytes_now"] == len(data)
 
     instance = dg.DagsterInstance.from_config(os.environ["DAGSTER_HOME"])
-    summary = _run_cleanup(os.environ["BATCH_PIPELINE_JOBS_DB"], JobStorage(retention_days=30), instance)
+    summary = _run_cleanup(
+        os.environ["BATCH_PIPELINE_JOBS_DB"],
+        JobStorage(work_dir_base=settings().work_dir_base, retention_days=30),
+        instance,
+    )
     assert summary == _summary(files_deleted=1)
     assert _usage(api, Q_KEY)["teams"][0]["stored_bytes_now"] == 0
     assert _upload(api, data, key=Q_KEY).status_code == 200

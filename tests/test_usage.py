@@ -12,6 +12,7 @@ import dagster as dg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batch_pipeline.core.settings import settings
 from batch_pipeline.launch.k8s import K8sShardLauncher
 from batch_pipeline.launch.local import LocalShardLauncher
 from batch_pipeline.pipeline.admission import _units_per_shard, team_shares
@@ -495,7 +496,7 @@ def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_dele
 
     store = JobStore(os.environ["BATCH_PIPELINE_JOBS_DB"])
     job_id = _submit(api, A_KEY, teams["team-a"] / "out.json", prompts=["one", "two", "three"])
-    shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
+    shard = Path(JobStorage(work_dir_base=settings().work_dir_base).work_dir(job_id)) / "shards" / "000"
     shard.mkdir(parents=True)
     # What the job's first worker left when it was killed after its last result: every result checkpointed.
     results = [{"text": f"result {i}", "num_prompt_tokens": 1, "num_completion_tokens": 4} for i in range(3)]
@@ -525,7 +526,7 @@ def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_dele
     later = datetime.now(UTC) + timedelta(days=31)
     report = clean_up(
         store,
-        JobStorage(retention_days=30),
+        JobStorage(work_dir_base=settings().work_dir_base, retention_days=30),
         tenants_at(os.environ["BATCH_PIPELINE_TENANTS"]),
         later,
         logging.getLogger(__name__),

@@ -4,7 +4,7 @@ uvicorn --factory batch_pipeline.api.app:create_app
 """
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import dagster as dg
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
@@ -19,6 +19,7 @@ from batch_pipeline.admission.submission import QuotaExceeded, from_v1
 from batch_pipeline.api import openai_routes, team_page
 from batch_pipeline.api.auth import ApiKeys, Caller
 from batch_pipeline.api.body import WireBodyRoute
+from batch_pipeline.api.errors import ErrorShape, ShapedRoute, answer_errors_in_route_shapes, validation_problems
 from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, ConnectionTimeouts, LargeBodySlots
 from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.openai_service import OpenAIBatchService
@@ -70,6 +71,54 @@ def _unprocessable(problems: list[tuple[str, str]]) -> JSONResponse:
     return AsciiJSONResponse(status_code=422, content={"detail": detail})
 
 
+# Scale's error shape: FastAPI's `{"detail": ...}`, a 422's detail a list of problems naming their fields.
+scale_errors = ErrorShape("Scale")
+
+
+@scale_errors.renders(RequestValidationError)
+async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+    detail = [problem.model_dump() for problem in validation_problems(exc)]
+    return AsciiJSONResponse(status_code=422, content={"detail": detail})
+
+
+@scale_errors.renders(InvalidPriority)
+async def _bad_priority(_: Request, exc: InvalidPriority) -> Response:
+    return _unprocessable([("priority", str(exc))])
+
+
+@scale_errors.renders(UnservableRequest)
+async def _unservable(_: Request, exc: UnservableRequest) -> Response:
+    return _unprocessable(exc.refused)
+
+
+@scale_errors.renders(JobNotFound)
+async def _not_found(_: Request, exc: JobNotFound) -> Response:
+    return AsciiJSONResponse(status_code=404, content={"detail": f"no batch job {exc.args[0][:100]!a}"})
+
+
+@scale_errors.renders(IdempotencyConflict, ResumeConflict)
+async def _conflict(_: Request, exc: Exception) -> Response:
+    return AsciiJSONResponse(status_code=409, content={"detail": str(exc)})
+
+
+@scale_errors.renders(SlotsBusy)
+async def _busy(_: Request, exc: SlotsBusy) -> Response:
+    return AsciiJSONResponse(status_code=429, content={"detail": str(exc)}, headers={"Retry-After": "5"})
+
+
+@scale_errors.renders(QuotaExceeded)
+async def _over_quota(_: Request, exc: QuotaExceeded) -> Response:
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+    return AsciiJSONResponse(status_code=429, content={"detail": str(exc)}, headers=headers)
+
+
+scale_errors.renders(StarletteHTTPException)(http_exception_handler)
+
+
+class ScaleRoute(WireBodyRoute, ShapedRoute):
+    error_shape = scale_errors
+
+
 def current_caller(request: Request) -> Caller:
     return request.app.state.api_keys.authenticate(request)
 
@@ -98,7 +147,7 @@ _CONFLICT: _Responses = {
 CallerDep = Annotated[Caller, Depends(current_caller)]
 ServiceDep = Annotated[BatchJobService, Depends(job_service)]
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=256)]
-router = APIRouter(responses=_UNAUTHORIZED, route_class=WireBodyRoute)
+router = APIRouter(responses=_UNAUTHORIZED, route_class=ScaleRoute)
 
 
 @router.get("/healthz")
@@ -281,7 +330,8 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     configured = settings()  # a mistyped variable fails the deployment, not the requests that read it
     secure_service_paths(configured)  # so does a wrong tenants file, or a service path inside a team's roots
     if service is None:
-        service = BatchJobService.of_deployment(configured, JobStore(configured.jobs_db), dg.DagsterInstance.get())
+        store = JobStore(configured.job_store_url)
+        service = BatchJobService.of_deployment(configured, store, dg.DagsterInstance.get())
     app = FastAPI(
         title="batch_pipeline",
         description="Scale LLM Engine batch completions on Dagster and vLLM",
@@ -293,70 +343,11 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
     app.include_router(router)
     app.include_router(openai_routes.router)
     app.include_router(team_page.router)
+    answer_errors_in_route_shapes(app, default=scale_errors, shapes=[openai_routes.openai_errors])
     app.state.large_body_slots = LargeBodySlots.of_deployment(configured)
     app.add_middleware(
         BodySizeLimit, max_bytes=configured.max_body_bytes, larger={"/v1/files": openai_service.limits.max_file_bytes}
     )
     # Outermost: it bounds the client's receive that the others read.
     app.add_middleware(BodyTimeouts, idle_s=configured.body_idle_timeout_s, total_s=configured.body_timeout_s)
-    openai_routes.add_error_handlers(app)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        # FastAPI's default echoes the input, which may be a whole body or a value JSON cannot hold (NaN).
-        detail = [{"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]} for error in exc.errors()]
-        if openai_routes.is_openai_path(request):  # as OpenAI answers an invalid parameter
-            first = detail[0]
-            param = ".".join(str(part) for part in first["loc"][1:]) or None
-            return openai_routes.openai_error(400, f"{param or 'the request'}: {first['msg']}", param=param)
-        return AsciiJSONResponse(status_code=422, content={"detail": detail})
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if openai_routes.is_openai_path(request):
-            kind: Literal["invalid_request_error", "authentication_error"] = (
-                "authentication_error" if exc.status_code == 401 else "invalid_request_error"
-            )
-            response = openai_routes.openai_error(exc.status_code, str(exc.detail), kind=kind)
-            response.headers.update(exc.headers or {})
-            return response
-        return await http_exception_handler(request, exc)
-
-    @app.exception_handler(IdempotencyConflict)
-    async def _conflict(_: Request, exc: IdempotencyConflict) -> JSONResponse:
-        return AsciiJSONResponse(status_code=409, content={"detail": str(exc)})
-
-    @app.exception_handler(ResumeConflict)
-    async def _not_resumable(_: Request, exc: ResumeConflict) -> JSONResponse:
-        return AsciiJSONResponse(status_code=409, content={"detail": str(exc)})
-
-    @app.exception_handler(JobNotFound)
-    async def _not_found(_: Request, exc: JobNotFound) -> JSONResponse:
-        return AsciiJSONResponse(status_code=404, content={"detail": f"no batch job {exc.args[0][:100]!a}"})
-
-    @app.exception_handler(InvalidPriority)
-    async def _bad_priority(_: Request, exc: InvalidPriority) -> JSONResponse:
-        return _unprocessable([("priority", str(exc))])
-
-    @app.exception_handler(SlotsBusy)
-    async def _busy(request: Request, exc: SlotsBusy) -> Response:
-        if openai_routes.is_openai_path(request):
-            response = openai_routes.openai_error(429, str(exc), code="rate_limit_exceeded")
-            response.headers["Retry-After"] = "5"
-            return response
-        return AsciiJSONResponse(status_code=429, content={"detail": str(exc)}, headers={"Retry-After": "5"})
-
-    @app.exception_handler(QuotaExceeded)
-    async def _over_quota(request: Request, exc: QuotaExceeded) -> Response:
-        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
-        if openai_routes.is_openai_path(request):  # as OpenAI answers a rate limit
-            response = openai_routes.openai_error(429, str(exc), code="rate_limit_exceeded")
-            response.headers.update(headers)
-            return response
-        return AsciiJSONResponse(status_code=429, content={"detail": str(exc)}, headers=headers)
-
-    @app.exception_handler(UnservableRequest)
-    async def _unservable(_: Request, exc: UnservableRequest) -> JSONResponse:
-        return _unprocessable(exc.refused)
-
     return app

@@ -8,15 +8,18 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message
 
-from batch_pipeline.admission.submission import StoredBytes
+from batch_pipeline.admission.submission import QuotaExceeded, StoredBytes
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.api.body import WireBodyRoute
+from batch_pipeline.api.errors import ErrorShape, ShapedRoute, validation_problems
 from batch_pipeline.api.limits import MULTIPART_MARGIN
 from batch_pipeline.api.openai_service import BatchNotFound, FileNotFound, InvalidOpenAIRequest, OpenAIBatchService
 from batch_pipeline.contract import BatchCompletionsEstimate
@@ -33,9 +36,16 @@ from batch_pipeline.contract.openai_batch import (
     OpenAIErrorBody,
     OpenAIFile,
 )
+from batch_pipeline.core.slots import SlotsBusy
 from batch_pipeline.dry_run.estimate import DryRunsBusy
 
-PATH_PREFIXES = ("/v1/files", "/v1/batches")
+# OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, for every error of these routes
+# (their 422s answered 400, as OpenAI answers an invalid parameter), so the SDK raises its typed errors.
+openai_errors = ErrorShape("OpenAI")
+
+
+class OpenAIRoute(WireBodyRoute, ShapedRoute):
+    error_shape = openai_errors
 
 
 def _caller(request: Request) -> Caller:
@@ -49,7 +59,7 @@ def _service(request: Request) -> OpenAIBatchService:
 CallerDep = Annotated[Caller, Depends(_caller)]
 ServiceDep = Annotated[OpenAIBatchService, Depends(_service)]
 _ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": OpenAIErrorBody} for status in (400, 401, 404, 413)}
-router = APIRouter(prefix="/v1", tags=["OpenAI Batch API"], responses=_ERRORS, route_class=WireBodyRoute)
+router = APIRouter(prefix="/v1", tags=["OpenAI Batch API"], responses=_ERRORS, route_class=OpenAIRoute)
 
 _UPLOAD_BODY = {
     "required": True,
@@ -262,19 +272,50 @@ def openai_error(
     return JSONResponse(status_code=status, content=body.model_dump())
 
 
-def is_openai_path(request: Request) -> bool:
-    return request.url.path.startswith(PATH_PREFIXES)
+@openai_errors.renders(RequestValidationError)
+async def _invalid_parameter(_: Request, exc: RequestValidationError) -> Response:
+    # As OpenAI answers an invalid parameter: a 400 naming the first one.
+    first = validation_problems(exc)[0]
+    param = ".".join(str(part) for part in first.loc[1:]) or None
+    return openai_error(400, f"{param or 'the request'}: {first.msg}", param=param)
 
 
-def add_error_handlers(app) -> None:
-    @app.exception_handler(FileNotFound)
-    async def _no_file(_: Request, exc: FileNotFound) -> Response:
-        return openai_error(404, f"No such File object: {exc.args[0][:100]!a}", param=exc.param)
+@openai_errors.renders(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    kind: Literal["invalid_request_error", "authentication_error"] = (
+        "authentication_error" if exc.status_code == 401 else "invalid_request_error"
+    )
+    response = openai_error(exc.status_code, str(exc.detail), kind=kind)
+    response.headers.update(exc.headers or {})
+    return response
 
-    @app.exception_handler(BatchNotFound)
-    async def _no_batch(_: Request, exc: BatchNotFound) -> Response:
-        return openai_error(404, f"No such Batch object: {exc.args[0][:100]!a}", param="batch_id")
 
-    @app.exception_handler(InvalidOpenAIRequest)
-    async def _invalid(_: Request, exc: InvalidOpenAIRequest) -> Response:
-        return openai_error(400, str(exc), param=exc.param)
+@openai_errors.renders(SlotsBusy)
+async def _busy(_: Request, exc: SlotsBusy) -> Response:
+    response = openai_error(429, str(exc), code="rate_limit_exceeded")
+    response.headers["Retry-After"] = "5"
+    return response
+
+
+@openai_errors.renders(QuotaExceeded)
+async def _over_quota(_: Request, exc: QuotaExceeded) -> Response:
+    # As OpenAI answers a rate limit.
+    response = openai_error(429, str(exc), code="rate_limit_exceeded")
+    if exc.retry_after_s is not None:
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
+
+
+@openai_errors.renders(FileNotFound)
+async def _no_file(_: Request, exc: FileNotFound) -> Response:
+    return openai_error(404, f"No such File object: {exc.args[0][:100]!a}", param=exc.param)
+
+
+@openai_errors.renders(BatchNotFound)
+async def _no_batch(_: Request, exc: BatchNotFound) -> Response:
+    return openai_error(404, f"No such Batch object: {exc.args[0][:100]!a}", param="batch_id")
+
+
+@openai_errors.renders(InvalidOpenAIRequest)
+async def _invalid(_: Request, exc: InvalidOpenAIRequest) -> Response:
+    return openai_error(400, str(exc), param=exc.param)

@@ -112,7 +112,7 @@ class BatchJobService:
         return cls(
             store,
             instance,
-            JobStorage(work_dir_base=configured.work_dir),
+            JobStorage(work_dir_base=configured.work_dir_base),
             AdmissionPolicy.of_deployment(configured),
             configured.fair_share_half_life_s,
             DryRuns.of_deployment(configured),

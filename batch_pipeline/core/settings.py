@@ -1,4 +1,4 @@
-"""Every BATCH_PIPELINE_* environment variable, with its default and what it does.
+"""Every BATCH_PIPELINE_* environment variable, and DAGSTER_HOME, with its default and what it does.
 
 `settings()` reads the environment when it is called, not when this module is imported, so a process (or a
 test) that changes a variable is seen by the next call; each process calls it once as it starts, so that a
@@ -26,6 +26,8 @@ ENV_PREFIX = "BATCH_PIPELINE_"
 # Kubernetes' quantity grammar without a sign (apimachinery's resource.Quantity). parse_quantity alone
 # would also take what the API server refuses: "NaN", " 8", "1_000", "16 Gi".
 KUBERNETES_QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|[numkMGTPE])?")
+# The variables read under their own names: Dagster's, which the service shares.
+_UNPREFIXED = {"DAGSTER_HOME"}
 # The one variable whose empty value is not "unset": no protocol at all.
 _EMPTY_IS_A_VALUE = {"allowed_protocols"}
 
@@ -189,6 +191,12 @@ class Settings(_EnvironmentSettings):
     )
     max_pipeline_parallel_size: int = Field(8, ge=1, description="Largest `model_config.pipeline_parallel_size`")
     # Where things are kept
+    dagster_home: str = Field(
+        "dagster_home",
+        alias="DAGSTER_HOME",
+        description="Dagster's instance directory (Dagster reads it too; relative: to the working directory): "
+        "the default place of the job store and the work dirs, made private to the service's user at start",
+    )
     jobs_db: str = Field(
         "", description="The job store's SQLAlchemy URL (unset: SQLite `batch_jobs.db` in `$DAGSTER_HOME`)"
     )
@@ -327,6 +335,16 @@ class Settings(_EnvironmentSettings):
                 raise ValueError("must be a positive Kubernetes quantity (e.g. 8, 500m, 16Gi)")
         return value
 
+    @property
+    def job_store_url(self) -> str:
+        """The job store's SQLAlchemy URL: `BATCH_PIPELINE_JOBS_DB`, or SQLite in DAGSTER_HOME."""
+        return self.jobs_db or f"sqlite:///{os.path.abspath(self.dagster_home)}/batch_jobs.db"
+
+    @property
+    def work_dir_base(self) -> str:
+        """Where jobs' work dirs go: `BATCH_PIPELINE_WORK_DIR`, or DAGSTER_HOME's `work/`."""
+        return self.work_dir or os.path.join(self.dagster_home, "work")
+
     @model_validator(mode="after")
     def _k8s_has_an_image(self) -> Settings:
         if self.shard_launcher == "k8s" and not self.worker_image:
@@ -357,7 +375,7 @@ _built: dict[type[_EnvironmentSettings], tuple[tuple[tuple[str, str], ...], Any]
 
 
 def _read(kind: type[Read]) -> Read:
-    environment = tuple(sorted(item for item in os.environ.items() if item[0].startswith(ENV_PREFIX)))
+    environment = tuple(sorted(item for item in os.environ.items() if _is_read(item[0])))
     built = _built.get(kind)
     if built is not None and built[0] == environment:
         return built[1]
@@ -367,6 +385,10 @@ def _read(kind: type[Read]) -> Read:
         raise SettingsError("; ".join(_problem(error) for error in exc.errors(include_url=False))) from None
     _built[kind] = (environment, fresh)
     return fresh
+
+
+def _is_read(variable: str) -> bool:
+    return variable.startswith(ENV_PREFIX) or variable in _UNPREFIXED
 
 
 def _problem(error: ErrorDetails) -> str:

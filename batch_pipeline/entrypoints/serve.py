@@ -193,7 +193,7 @@ def _create_storage(configured: Settings) -> None:
     from batch_pipeline.store.jobs import JobStore
 
     dg.DagsterInstance.get().dispose()
-    JobStore(configured.jobs_db).engine.dispose()
+    JobStore(configured.job_store_url).engine.dispose()
 
 
 def _stop_all(processes: dict[str, subprocess.Popen]) -> None:

@@ -98,7 +98,7 @@ def executor_config(launcher: ShardLauncher, max_shards_per_job: int | None = No
 
 
 # The job store the runs record in; a run executed in a process of its own records how it ended there too.
-job_store = JobStoreResource(url=_loaded_with.jobs_db)
+job_store = JobStoreResource(url=_loaded_with.job_store_url)
 
 local_executor = dg.multiprocess_executor.configured(
     executor_config(_shard_launcher, _loaded_with.max_shards_per_job), name="local_executor"
@@ -117,7 +117,7 @@ defs = dg.Definitions(
         "admission": deployment_resource(AdmissionPolicy.of_deployment(_loaded_with)),
         "shard_launcher": deployment_resource(_shard_launcher),
         "job_storage": deployment_resource(
-            JobStorage(work_dir_base=_loaded_with.work_dir, retention_days=_loaded_with.retention_days)
+            JobStorage(work_dir_base=_loaded_with.work_dir_base, retention_days=_loaded_with.retention_days)
         ),
         "tenancy": deployment_resource(Tenancy.of_deployment(_loaded_with)),
         "run_launching": deployment_resource(RunLaunching.of_deployment(_loaded_with)),

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dagster as dg
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.runs import launch_tags
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
+from batch_pipeline.store.jobs import JobStore
 
 
 def execute_request(
@@ -19,13 +21,16 @@ def execute_request(
 ) -> dg.JobExecutionResult:
     """Run `request` to its end on `instance`: as the run of the stored job `job_id` (launched for it, as the
     jobs sensor would), else as a new job of `team` (required where the deployment has a tenants file)."""
-    from batch_pipeline.pipeline.definitions import batch_completions_job, job_store
+    from batch_pipeline.pipeline.definitions import batch_completions_job
     from batch_pipeline.pipeline.job import TEAM_FIELD
     from batch_pipeline.pipeline.sensors import record_run_end
 
+    # The run's step processes load the definitions afresh, with the settings of now, as this store is: not
+    # the definitions this process may have loaded under another DAGSTER_HOME (a CLI's, a test's).
+    store = JobStore(settings().job_store_url)
     tags = None
     if job_id is not None:
-        record = job_store.get_store().get(job_id)
+        record = store.get(job_id)
         tags = launch_tags(instance, record) if record is not None else {JOB_ID_TAG: job_id}
     run_config = run_config_for(request, log_level)
     if team is not None:
@@ -40,5 +45,5 @@ def execute_request(
     # No daemon runs the status sensors here: how the run ended goes into its job's row now.
     run = instance.get_run_by_id(result.run_id)
     assert run is not None  # execute_job has just stored this run in the instance
-    record_run_end(instance, job_store.get_store(), run)
+    record_run_end(instance, store, run)
     return result

@@ -38,13 +38,13 @@ class JobStorage(dg.ConfigurableResource):
     an s3:// prefix when shards run in pods.
     """
 
-    work_dir_base: str = Field(default="", description="Base path or URL of job work dirs; empty = $DAGSTER_HOME/work.")
+    work_dir_base: str = Field(description="Base path or URL of job work dirs (`Settings.work_dir_base`).")
     retention_days: int = Field(
         default=30, ge=0, description="Days a finished job's work dir is kept (0: forever); a team's own wins."
     )
 
     def base(self) -> str:
-        base = self.work_dir_base or os.path.join(os.environ.get("DAGSTER_HOME", "dagster_home"), "work")
+        base = self.work_dir_base
         return os.path.abspath(base) if io.is_local(base) else base
 
     def work_dir(self, job_id: str) -> str:
@@ -58,7 +58,7 @@ class JobStorage(dg.ConfigurableResource):
 class JobStoreResource(dg.ConfigurableResource):
     """The API's job store, as the sensors and the ops see it: the same database through a store of each purpose."""
 
-    url: str = Field(default="", description="SQLAlchemy URL; empty = SQLite in $DAGSTER_HOME.")
+    url: str = Field(description="SQLAlchemy URL (a deployment's: `Settings.job_store_url`).")
 
     def get_store(self) -> JobStore:
         return JobStore(self.url)

@@ -16,19 +16,14 @@ from sqlalchemy.engine import make_url
 
 from batch_pipeline.core.settings import Settings
 from batch_pipeline.pipeline.resources import JobStorage
-from batch_pipeline.store.engine import store_url
 from batch_pipeline.tenancy.tenants import tenants_at
-
-
-def dagster_home() -> str:
-    return os.path.abspath(os.environ.get("DAGSTER_HOME", "dagster_home"))
 
 
 def secure_service_paths(configured: Settings) -> None:
     """Make DAGSTER_HOME private to the service's user, and raise TenantsFileError when a service path lies
     inside a team's data roots (or the tenants file is wrong): the paths and tenants file of the settings
     the process composes its deployment from."""
-    home = dagster_home()
+    home = os.path.abspath(configured.dagster_home)
     os.makedirs(home, mode=0o700, exist_ok=True)
     if os.stat(home).st_uid == os.geteuid():  # a home another user gave us is theirs to set
         os.chmod(home, 0o700)
@@ -37,9 +32,9 @@ def secure_service_paths(configured: Settings) -> None:
         return
     paths = {
         "DAGSTER_HOME": home,
-        "the work dir (BATCH_PIPELINE_WORK_DIR)": JobStorage(work_dir_base=configured.work_dir).base(),
+        "the work dir (BATCH_PIPELINE_WORK_DIR)": JobStorage(work_dir_base=configured.work_dir_base).base(),
     }
-    store = make_url(store_url(configured.jobs_db))
+    store = make_url(configured.job_store_url)
     if store.get_backend_name() == "sqlite" and store.database:
         paths["the job store (BATCH_PIPELINE_JOBS_DB)"] = store.database
     registry.check_service_paths(paths)

@@ -1,6 +1,6 @@
 """The job store's database: one engine (connection pool) per process and URL, its schema upgraded once
-per process (Alembic, `store/migrations/`). SQLite in dagster_home/ by default, any SQLAlchemy URL
-(Postgres) in production."""
+per process (Alembic, `store/migrations/`). The deployment names its URL (`Settings.job_store_url`: SQLite
+in DAGSTER_HOME by default, any SQLAlchemy URL, Postgres, in production)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,6 @@ from sqlalchemy.engine import make_url
 
 from batch_pipeline.core import io
 from batch_pipeline.store.schema import SCHEMA_VERSION_TABLE
-
-
-def store_url(jobs_db: str | None) -> str:
-    """The job store's URL: the one a deployment names (BATCH_PIPELINE_JOBS_DB), or where it names none (empty
-    or None), SQLite in $DAGSTER_HOME."""
-    if jobs_db:
-        return jobs_db
-    home = os.environ.get("DAGSTER_HOME", "dagster_home")
-    return f"sqlite:///{os.path.abspath(home)}/batch_jobs.db"
-
 
 _engines: dict[str, sa.Engine] = {}
 _engines_lock = threading.Lock()
@@ -112,8 +102,9 @@ def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
 
 
 class StoreBase:
-    """A store of one purpose over the job store's database: its engine from a URL (`store_url`), or shared
-    with another store's (`engine=`), so that the stores a process uses share one connection pool."""
+    """A store of one purpose over the job store's database: its engine from a SQLAlchemy URL (a deployment's:
+    `Settings.job_store_url`), or shared with another store's (`engine=`), so that the stores a process uses
+    share one connection pool."""
 
-    def __init__(self, url: str | None = None, engine: sa.Engine | None = None) -> None:
-        self.engine = engine or engine_for(store_url(url))
+    def __init__(self, url: str = "", engine: sa.Engine | None = None) -> None:
+        self.engine = engine or engine_for(url)

@@ -40,7 +40,7 @@ class IdempotencyConflict(ValueError):
 
 
 class JobStore(StoreBase):
-    """The jobs' rows at `store_url(url)`: a SQLAlchemy URL, or where none is given, SQLite in $DAGSTER_HOME."""
+    """The jobs' rows at a SQLAlchemy URL (a deployment's: `Settings.job_store_url`)."""
 
     # --- submission -------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ _SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens
 
 
 class ShardProgressStore(StoreBase):
-    """Each job's shards and their progress at `store_url(url)` (`JobStore`'s database)."""
+    """Each job's shards and their progress at its URL (`JobStore`'s database)."""
 
     def record_shards(
         self,

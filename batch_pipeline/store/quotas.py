@@ -73,7 +73,7 @@ def admitting(engine: sa.Engine, owner: str) -> Iterator[sa.Connection]:
 
 
 class QuotaStore(StoreBase):
-    """The figures of each team that its quotas count, at `store_url(url)` (`JobStore`'s database)."""
+    """The figures of each team that its quotas count, at its URL (`JobStore`'s database)."""
 
     def count_queued(self, owner: str) -> int:
         """How many of `owner`'s jobs wait to start (queued, with or without a run yet)."""

@@ -43,7 +43,7 @@ class WorkByDay:
 
 
 class ReportStore(StoreBase):
-    """Figures summed over the jobs at `store_url(url)` (`JobStore`'s database), for reports: grouped in SQL,
+    """Figures summed over the jobs at its URL (`JobStore`'s database), for reports: grouped in SQL,
     so that a report costs rows of owners x days, not of jobs."""
 
     def counts_by_status_and_model(self) -> list[tuple[str, str, int, int, int]]:

@@ -44,7 +44,7 @@ class SlotUse:
 
 
 class SharingStore(StoreBase):
-    """The run slots' holders and waiters at `store_url(url)` (`JobStore`'s database): fair share's reads each
+    """The run slots' holders and waiters at its URL (`JobStore`'s database): fair share's reads each
     tick, every one served by an index, and its one write."""
 
     def slot_usage_since(self, since: datetime) -> list[SlotUse]:

@@ -200,7 +200,7 @@ class Deliverer:
             return list(team.config.webhooks) if team is not None else []
 
         return cls(
-            WebhookOutbox(url=configured.jobs_db),
+            WebhookOutbox(url=configured.job_store_url),
             team_endpoints,
             attempt_timeout_s=configured.webhook_attempt_timeout_s,
             allowed_networks=private_networks(configured.webhook_allow_private_networks),
