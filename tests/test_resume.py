@@ -199,7 +199,7 @@ def test_a_resumed_job_stopped_again_keeps_its_resume_figures_in_its_metadata_fi
     assert _resume(api, job_id).status_code == 200
     run = api.instance.add_run(dg.DagsterRun(job_name="batch_completions", status=dg.DagsterRunStatus.CANCELED))
     assert api.store.mark_started(job_id, run.run_id)
-    shard = Path(JobStorage().work_dir(job_id)) / "shards" / "000"
+    shard = Path(JobStorage(work_dir_base=settings().work_dir_base).work_dir(job_id)) / "shards" / "000"
     shard.mkdir(parents=True)
     (shard / "input.jsonl").write_text(
         "".join(json.dumps({"index": i, "kind": "v1", "request": {}}) + "\n" for i in (0, 1, 2))
@@ -218,7 +218,9 @@ def test_a_resumed_job_stopped_again_keeps_its_resume_figures_in_its_metadata_fi
         run_config=merge.run_config,
         tags=merge.tags,
         instance=api.instance,
-        resources=sensor_resources(str(api.store.engine.url), job_storage=JobStorage()),
+        resources=sensor_resources(
+            str(api.store.engine.url), job_storage=JobStorage(work_dir_base=settings().work_dir_base)
+        ),
     ).success
 
     written = json.loads(Path(f"{output}.metadata.json").read_text())
