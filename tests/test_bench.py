@@ -22,6 +22,7 @@ def _bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow  # a benchmark
 def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     out = tmp_path / "data_plane.json"
     _bench("data_plane.py", "--sizes", "50", "120", "--formats", "jsonl", "json", "--shards", "3", "--out", str(out))

@@ -1,14 +1,11 @@
 """model_config as vLLM engine arguments: every non-null field passed through, renamed where vLLM differs."""
 
-import pytest
-
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.models.catalog import resolve_model
 from batch_pipeline.worker.engine import engine_arguments
 from tests.conftest import MODEL
 
 
-@pytest.mark.slow  # imports vLLM (its EngineArgs)
 def test_every_set_field_reaches_the_engine_under_vllms_name():
     config = BatchCompletionsModelConfig(
         model=MODEL,
