@@ -1,17 +1,22 @@
 """A real local deployment for API tests: a Dagster instance in a temporary DAGSTER_HOME, the app over
 HTTP (Starlette's TestClient drives the real ASGI app), and, where runs must execute, the real daemon."""
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import dagster as dg
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from batch_pipeline.admission.policy import AdmissionPolicy
@@ -20,10 +25,45 @@ from batch_pipeline.api.auth import ApiKeys
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.resources import JobStoreResource, RunLaunching, Tenancy
+from batch_pipeline.store.engine import upgrade_schema
 from batch_pipeline.store.jobs import JobStore
 
 REPO = Path(__file__).resolve().parents[1]
 USER_KEY, OTHER_KEY, ADMIN_KEY = "key-alice", "key-bob", "key-admin"
+
+
+# The databases a fresh DAGSTER_HOME holds once its instance and job store have started: Dagster's run, event
+# index and schedule storage, and the job store. Creating them (DDL and Alembic stamps) took a test ~1 s on
+# 2 cores; a test's home starts with copies of ones created once per session instead, the same schema.
+_DAGSTER_DATABASES = ("history/runs.db", "history/runs/index.db", "schedules/schedules.db")
+_JOB_STORE_DATABASE = "batch_jobs.db"
+
+
+@functools.cache
+def _migrated_home() -> Path:
+    home = Path(tempfile.mkdtemp(prefix="batch-pipeline-migrated-home-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    dg.DagsterInstance.from_config(str(home)).dispose()
+    # Not through the store's engine: that one is kept for the process and turns on WAL, which would leave
+    # the schema in a -wal file beside the one copied.
+    engine = sa.create_engine(f"sqlite:///{home}/{_JOB_STORE_DATABASE}")
+    upgrade_schema(engine)
+    engine.dispose()
+    os.chmod(home / _JOB_STORE_DATABASE, 0o600)  # as the store creates it: jobs hold prompts
+    return home
+
+
+def seed_home(home: Path, job_store: bool = True) -> None:
+    """Give a new DAGSTER_HOME the databases its instance (and, with `job_store`, its job store at
+    $DAGSTER_HOME/batch_jobs.db) would create on first use, migrated to the same schema; any already there
+    are kept."""
+    names = _DAGSTER_DATABASES + ((_JOB_STORE_DATABASE,) if job_store else ())
+    for name in names:
+        target = home / name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(_migrated_home() / name, target)
 
 
 def write_instance_config(home: Path, max_concurrent_runs: int) -> None:
@@ -60,6 +100,7 @@ class Deployment:
         if instance_yaml is not None:  # a shipped instance config instead of the test's SQLite one
             (home / "dagster.yaml").write_text(instance_yaml)
         self.home = home
+        seed_home(home, job_store=jobs_db is None)
         self.instance = dg.DagsterInstance.from_config(str(home))
         self.store = JobStore(jobs_db or f"sqlite:///{home}/batch_jobs.db")
         self.service = BatchJobService.of_deployment(settings(), self.store, self.instance)
@@ -157,6 +198,7 @@ def tenants_api(tmp_path, monkeypatch):
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     monkeypatch.setenv("BATCH_PIPELINE_JOBS_DB", f"sqlite:///{home}/batch_jobs.db")
+    seed_home(home)
     instance = dg.DagsterInstance.from_config(str(home))
     service = BatchJobService.of_deployment(settings(), JobStore(f"sqlite:///{home}/batch_jobs.db"), instance)
     with TestClient(create_app(service)) as client:

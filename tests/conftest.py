@@ -34,6 +34,9 @@ def dagster_home(tmp_path, monkeypatch):
     home.mkdir()
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     monkeypatch.delenv("BATCH_PIPELINE_WORK_DIR", raising=False)
+    from tests.api_fixtures import seed_home  # here: pytest_plugins imports it first, rewriting its asserts
+
+    seed_home(home)
     with dg.instance_for_test(temp_dir=str(home)) as instance:
         yield instance
 

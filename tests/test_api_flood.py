@@ -194,6 +194,7 @@ def _closed_within(connection: socket.socket, seconds: float) -> tuple[bytes, fl
     return received, time.monotonic() - started
 
 
+@pytest.mark.slow  # a real `serve` process; clients held to its timeouts
 def test_slow_clients_are_closed_at_their_timeouts_while_others_are_served(api_factory, tmp_path):
     api = api_factory(header_timeout_s="2", body_idle_timeout_s="2", body_timeout_s="4")
     connections = [socket.create_connection(("127.0.0.1", api.port)) for _ in range(4)]
@@ -229,6 +230,7 @@ def test_slow_clients_are_closed_at_their_timeouts_while_others_are_served(api_f
         connection.close()
 
 
+@pytest.mark.slow  # a real `serve` process; clients held to its timeouts
 def test_a_header_sent_a_byte_at_a_time_does_not_hold_the_connection(api_factory):
     api = api_factory(header_timeout_s="2")
     connection = socket.create_connection(("127.0.0.1", api.port))
@@ -279,6 +281,7 @@ def _rest_until_closed(connection: socket.socket, seconds: float) -> int:
 SLOW_READERS = 20
 
 
+@pytest.mark.slow  # a real `serve` process; clients held to its timeouts
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts the API's sockets in /proc")
 def test_clients_that_never_read_their_responses_are_closed_at_the_write_timeout(api_factory, tmp_path):
     # Before BATCH_PIPELINE_WRITE_TIMEOUT_S, 150 such clients each held ~2.2 MiB of the API for ever.
@@ -332,6 +335,7 @@ def _response(connection: socket.socket, seconds: float) -> tuple[int, bytes]:
     return int(lines[0].split()[1]), body
 
 
+@pytest.mark.slow  # a real `serve` process; bodies trickled to it
 def test_a_teams_trickled_bodies_past_its_bound_get_429_while_another_team_is_answered(api_factory, tmp_path):
     # Before BATCH_PIPELINE_MAX_BODIES_PER_TEAM, each body of 8 MiB or less held up to 1 MiB for up to 300 s,
     # with no bound per team: 200 trickled ones took 200 MiB of the API.

@@ -22,6 +22,7 @@ def _bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow  # a benchmark
 def test_the_data_plane_benchmark_plans_and_merges_every_prompt(tmp_path):
     out = tmp_path / "data_plane.json"
     _bench("data_plane.py", "--sizes", "50", "120", "--formats", "jsonl", "json", "--shards", "3", "--out", str(out))
@@ -151,6 +152,7 @@ def test_plots_draws_a_png_per_benchmark(tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", completed.stdout
 
 
+@pytest.mark.slow  # a benchmark
 def test_the_api_memory_benchmark_posts_to_our_api_and_fastapis_default(tmp_path):
     out = tmp_path / "api_memory.json"
     completed = _bench("api_memory.py", "--body-mb", "1", "--concurrency", "2", "--repeat", "1", "--out", str(out))
@@ -219,6 +221,7 @@ def test_the_api_flood_benchmark_measures_team_b_during_team_as_flood(tmp_path):
         assert result[phase]["samples"] >= 3 and result[phase]["p99_s"] >= result[phase]["p50_s"] > 0
 
 
+@pytest.mark.slow  # a benchmark
 def test_the_fair_share_benchmark_times_a_decision_and_its_shares_follow_the_weights(tmp_path):
     out = tmp_path / "fair_share.json"
     tiny = ["--queued", "120", "--teams", "6", "--finished", "60", "--slots", "3", "--window-s", "3600"]
@@ -232,6 +235,7 @@ def test_the_fair_share_benchmark_times_a_decision_and_its_shares_follow_the_wei
     assert shares["first_come_pct"]["team-a"] > 90  # what fair share is measured against
 
 
+@pytest.mark.slow  # a benchmark
 def test_the_api_memory_label_cases_refuse_the_huge_label_and_list_the_largest_allowed(tmp_path):
     out = tmp_path / "api_memory_labels.json"
     tiny = ["--jobs", "2", "--huge-jobs", "1", "--label-mib", "1", "--lists", "1"]

@@ -64,6 +64,7 @@ def test_a_job_cancelled_while_running_reads_running_until_its_run_ended_and_its
     )
 
 
+@pytest.mark.slow  # waits out keep_partial_results' retry delays (2 x 5 s)
 def test_a_job_whose_partial_output_could_not_be_written_reads_cancelled_once_the_merge_gives_up(
     deployment_factory, tmp_path
 ):

@@ -19,7 +19,7 @@ from batch_pipeline.pipeline.sensors import WILL_RETRY_TAG, record_run_end
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.records import NewJob
 from batch_pipeline.store.schema import JobStatus
-from tests.api_fixtures import sensor_resources
+from tests.api_fixtures import seed_home, sensor_resources
 from tests.conftest import MODEL
 from tests.test_run_workers import _a_job
 
@@ -31,6 +31,7 @@ def _instance_retrying_runs(tmp_path) -> dg.DagsterInstance:
         "run_retries:\n  enabled: true\n  max_retries: 2\n  retry_on_asset_or_op_failure: false\n"
         "telemetry:\n  enabled: false\n"
     )
+    seed_home(tmp_path, job_store=False)
     return dg.DagsterInstance.from_config(str(tmp_path))
 
 

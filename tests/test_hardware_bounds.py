@@ -10,7 +10,7 @@ import pytest
 from batch_pipeline.admission.hardware import ENGINE_ARGUMENT_MAXIMA, hardware_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
-from batch_pipeline.core.settings import ENV_PREFIX, settings
+from batch_pipeline.core.settings import ENV_PREFIX, Settings, settings
 
 MAXIMA = (
     "BATCH_PIPELINE_MAX_GPUS",
@@ -94,12 +94,14 @@ def test_every_bad_field_is_named_at_once():
     assert [field for field, _ in refused] == ["gpus", "cpus", "memory", "storage"]
 
 
-def test_the_operators_maxima_bound_each_field_in_the_units_kubernetes_compares(monkeypatch):
-    monkeypatch.setenv("BATCH_PIPELINE_MAX_GPUS", "8")
-    monkeypatch.setenv("BATCH_PIPELINE_MAX_CPUS", "64")
-    monkeypatch.setenv("BATCH_PIPELINE_MAX_MEMORY", "512Gi")
-    monkeypatch.setenv("BATCH_PIPELINE_MAX_STORAGE", "2Ti")
-    maxima = AdmissionPolicy.of_deployment(settings()).hardware_maxima  # as the deployment reads them
+def test_the_operators_maxima_bound_each_field_in_the_units_kubernetes_compares():
+    configured = Settings(
+        BATCH_PIPELINE_MAX_GPUS="8",
+        BATCH_PIPELINE_MAX_CPUS="64",
+        BATCH_PIPELINE_MAX_MEMORY="512Gi",
+        BATCH_PIPELINE_MAX_STORAGE="2Ti",
+    )  # the variables' values, as the deployment reads them
+    maxima = AdmissionPolicy.of_deployment(configured).hardware_maxima
     at_the_maxima = {"gpus": 8, "cpus": "64000m", "memory": 512, "storage": "2048Gi"}
     assert hardware_refusals(_request(**at_the_maxima), maxima) == []
     over = hardware_refusals(_request(gpus=9, cpus=65, memory="513Gi", storage="2.1Ti"), maxima)
@@ -109,11 +111,10 @@ def test_the_operators_maxima_bound_each_field_in_the_units_kubernetes_compares(
     assert "550G" in dict(hardware_refusals(_request(memory="550G"), maxima))["memory"]
 
 
-def test_no_maxima_set_means_any_valid_size(monkeypatch):
+def test_no_maxima_set_means_any_valid_size():
     # On Kubernetes: a local deployment bounds cpus by its machine's cores (test_usage).
-    monkeypatch.setenv("BATCH_PIPELINE_SHARD_LAUNCHER", "k8s")
-    monkeypatch.setenv("BATCH_PIPELINE_WORKER_IMAGE", "registry.example/worker:1")
-    maxima = AdmissionPolicy.of_deployment(settings()).hardware_maxima
+    configured = Settings(BATCH_PIPELINE_SHARD_LAUNCHER="k8s", BATCH_PIPELINE_WORKER_IMAGE="registry.example/worker:1")
+    maxima = AdmissionPolicy.of_deployment(configured).hardware_maxima
     assert hardware_refusals(_request(gpus=1024, cpus=10_000, memory="100Ti", storage="1Pi"), maxima) == []
 
 

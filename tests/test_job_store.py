@@ -5,6 +5,7 @@ import json
 import multiprocessing
 from datetime import UTC, datetime, timedelta
 
+import pytest
 import sqlalchemy as sa
 
 from batch_pipeline.store.jobs import JobStore
@@ -98,6 +99,7 @@ def _open_store(url: str) -> str:
     return JobStore(url).get("batch-queued").status
 
 
+@pytest.mark.slow  # starts processes that upgrade one schema together
 def test_processes_starting_together_upgrade_the_schema_once_without_failing(tmp_path):
     url = _old_database(tmp_path / "raced.db")
     pool = multiprocessing.get_context("spawn").Pool(4)

@@ -455,6 +455,7 @@ def _planned_job(api, body: dict) -> tuple[str, dg.JobExecutionResult, Path, dic
     return job_id, first, work_dir, _shard_items(work_dir)
 
 
+@pytest.mark.slow  # three runs' steps in step processes, their server restarted for the new settings
 def test_a_resumed_job_keeps_the_shard_plan_of_its_first_run_whatever_the_settings_say_now(
     deployment_factory, tmp_path, monkeypatch
 ):
@@ -544,6 +545,7 @@ def test_a_resume_past_the_teams_max_queued_jobs_is_a_429_naming_it_and_resumes_
     assert resumed.json()["job"]["status"] == "queued"
 
 
+@pytest.mark.slow  # two runs' steps in step processes, their server restarted for the new settings
 def test_a_job_planned_before_plans_were_kept_resumes_in_the_shards_it_was_planned_in(
     deployment_factory, tmp_path, monkeypatch
 ):
@@ -602,6 +604,7 @@ def _write_input(path: Path, prompts: list[str]) -> None:
     path.write_text("".join(json.dumps({"prompt": p, "max_tokens": 4, "temperature": 0.0}) + "\n" for p in prompts))
 
 
+@pytest.mark.slow  # two runs' steps in step processes, their server restarted between
 def test_a_resume_after_its_input_file_changed_keeps_no_result_under_a_changed_request(
     deployment_factory, tmp_path, monkeypatch
 ):

@@ -471,6 +471,7 @@ def run_worker(task_path: Path, as_: list[str], env: dict[str, str]) -> subproce
     )
 
 
+@pytest.mark.slow  # the shard worker's own process, under capsh, for each case
 @pytest.mark.skipif(not ROOT, reason="needs root to take the capabilities away")
 @pytest.mark.parametrize(
     ("worker", "capabilities", "why"),

@@ -264,6 +264,7 @@ def test_the_dagster_ui_shows_a_finished_job_and_a_launchpad_run_is_a_job_of_the
         shutil.copy(screenshot, os.environ["BATCH_PIPELINE_SCREENSHOT"])
 
 
+@pytest.mark.slow  # starts `serve` itself, a process per case
 @pytest.mark.parametrize("taken", ["api", "ui"])
 def test_a_taken_port_is_one_line_naming_the_option_and_a_failing_exit(tmp_path, taken):
     with socket.socket() as holder:

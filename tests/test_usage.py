@@ -481,6 +481,7 @@ def test_through_serve_usage_equals_the_jobs_own_figures(teams, tmp_path, monkey
         served.kill()
 
 
+@pytest.mark.slow  # a whole run of the job: step processes and its shard worker's process
 def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_deletes_them(api, teams):
     """Found by review (issue 28): only a job's inline content counted in its team's stored bytes; the
     checkpoints in its work dir, as large as its output, counted nothing in usage or against

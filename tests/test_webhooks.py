@@ -409,6 +409,7 @@ def test_a_stopped_jobs_end_is_announced_once_keep_partial_results_has_written_i
         receiver.stop()
 
 
+@pytest.mark.slow  # waits out keep_partial_results' retry delays (2 x 5 s)
 def test_a_stopped_jobs_end_is_announced_when_keep_partial_results_gives_up_or_never_runs(
     store, dagster_home, tmp_path, monkeypatch
 ):
