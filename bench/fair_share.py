@@ -8,15 +8,15 @@
 1. **Decision time.** A job store (SQLite in a temporary directory) holding `--queued` waiting jobs across
    `--teams` teams (priorities low, none, high) and `--finished` jobs that used run slots in the last
    hours; the time of what the jobs sensor does each tick with a tenants file, its store reads included:
-   the expired waiting jobs, the waiting jobs' index (`pipeline.admission.waiting_queues`), every team's
+   the expired waiting jobs, the waiting jobs' index (`pipeline.run_slots.waiting_queues`), every team's
    usage and holders (`team_shares`, counting the jobs that ended since the last tick) and the picks for
-   `--slots` free slots (`fair_share.admit`), then the chosen jobs' records. Beside it, alternated, the same
+   `--slots` free slots (`fair_share.grant_slots`), then the chosen jobs' records. Beside it, alternated, the same
    tick as it was before (`_decision_before`, kept here: every waiting job read whole, every job of the
    last 10 half-lives read and its request parsed), which must choose the same jobs; and a GET of the
    newest waiting job (`BatchJobService.get`, with its `queue_position`) against describing the same row
    without it. Goal: <= 50 ms.
 2. **Shares.** Three teams with weights 1:1:2 submitting continuously (each always has jobs waiting; every
-   job holds one slot for 60 s), admitted by the same `admit` and `decayed_slot_seconds` over a simulated
+   job holds one slot for 60 s), admitted by the same `grant_slots` and `decayed_slot_seconds` over a simulated
    `--window-s` with `--sim-slots` slots, against first-come-first-served from the same arrivals: each
    team's share of the slot-seconds, against 25/25/50 (goal within +-10 %). A simulation of the policy,
    not of the service: the service's runs are tested through `serve` in tests/test_fair_share.py.
@@ -73,7 +73,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
     from batch_pipeline.api.auth import Caller
     from batch_pipeline.api.service import BatchJobService
     from batch_pipeline.core.settings import settings
-    from batch_pipeline.pipeline.admission import admissions, waiting_queues
+    from batch_pipeline.pipeline.run_slots import slot_grants, waiting_queues
     from batch_pipeline.store.jobs import JobStore
     from batch_pipeline.store.records import NewJob
     from batch_pipeline.store.sharing import SharingStore
@@ -109,7 +109,7 @@ def decision_time(queued: int, teams: int, finished: int, slots: int, repeat: in
             now, sharing = datetime.now(UTC), SharingStore(engine=store.engine)
             sharing.expired_waiting(now)
             queues = waiting_queues(sharing, registry, skip_owners="schedule:")
-            chosen = admissions(queues, sharing, registry, slots, now, settings().fair_share_half_life_s)
+            chosen = slot_grants(queues, sharing, registry, slots, now, settings().fair_share_half_life_s)
             return sharing.waiting_records(admission.job.job_id for admission in chosen)
 
         def before() -> list:
@@ -226,7 +226,7 @@ def _decision_before(store, registry, slots: int) -> list[str]:
 
 
 def simulated_shares(window_s: float, slots: int, job_s: float = 60.0, half_life_s: float = 3600.0) -> dict:
-    from batch_pipeline.tenancy.fair_share import TeamShare, WaitingJob, admit, decayed_slot_seconds
+    from batch_pipeline.tenancy.fair_share import TeamShare, WaitingJob, decayed_slot_seconds, grant_slots
 
     weights = {"team-a": 1.0, "team-b": 1.0, "team-c": 2.0}
     start = datetime(2026, 12, 1, tzinfo=UTC)
@@ -261,7 +261,7 @@ def simulated_shares(window_s: float, slots: int, job_s: float = 60.0, half_life
                         )
                         for team, weight in weights.items()
                     }
-                    chosen = [admission.job for admission in admit(waiting, shares, free)]
+                    chosen = [admission.job for admission in grant_slots(waiting, shares, free)]
                 else:
                     chosen = sorted(waiting, key=lambda job: job.created_at)[:free]
                 held += [(job.owner, now, now + timedelta(seconds=job_s)) for job in chosen]

@@ -14,7 +14,7 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.core.settings import settings
-from batch_pipeline.pipeline.admission import admissions, team_shares, waiting_queues
+from batch_pipeline.pipeline.run_slots import slot_grants, team_shares, waiting_queues
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from batch_pipeline.store.jobs import JobStore
@@ -26,8 +26,8 @@ from batch_pipeline.tenancy.fair_share import (
     Queues,
     TeamShare,
     WaitingJob,
-    admit,
     decayed_slot_seconds,
+    grant_slots,
     queue_position,
 )
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants_at
@@ -202,28 +202,28 @@ def _waiting(owner: str, count: int, priority: int = 0, start: int = 0) -> list[
 def test_a_team_below_its_share_takes_the_next_slot_however_many_highest_jobs_another_queued():
     waiting = _waiting("a", 6, priority=20) + _waiting("b", 1, start=100)
     teams = {"a": TeamShare(usage=120.0, running=2), "b": TeamShare()}
-    assert [chosen.job.job_id for chosen in admit(waiting, teams, slots=1)] == ["b-0"]
+    assert [chosen.job.job_id for chosen in grant_slots(waiting, teams, slots=1)] == ["b-0"]
 
 
 def test_a_lone_team_fills_every_slot_in_its_priority_order_then_age():
     waiting = _waiting("a", 3) + [WaitingJob("a-urgent", "a", 20, datetime(2026, 12, 2, tzinfo=UTC))]
-    chosen = [chosen.job.job_id for chosen in admit(waiting, {"a": TeamShare(usage=1e9)}, slots=3)]
+    chosen = [chosen.job.job_id for chosen in grant_slots(waiting, {"a": TeamShare(usage=1e9)}, slots=3)]
     assert chosen == ["a-urgent", "a-0", "a-1"]
-    assert len(admit(waiting, {}, slots=None)) == 4  # no slot limit: every job at once
+    assert len(grant_slots(waiting, {}, slots=None)) == 4  # no slot limit: every job at once
 
 
 def test_free_slots_alternate_between_teams_of_equal_standing_and_weights_tilt_the_usage():
     waiting = _waiting("a", 4) + _waiting("b", 4, start=10)
-    assert [c.job.owner for c in admit(waiting, {}, slots=4)] == ["a", "b", "a", "b"]
+    assert [c.job.owner for c in grant_slots(waiting, {}, slots=4)] == ["a", "b", "a", "b"]
     # b has used twice a's slot-seconds, with twice the weight: they stand level, so running jobs decide.
     teams = {"a": TeamShare(usage=100.0, weight=1), "b": TeamShare(usage=200.0, weight=2, running=1)}
-    assert [c.job.owner for c in admit(waiting, teams, slots=3)] == ["a", "b", "a"]
+    assert [c.job.owner for c in grant_slots(waiting, teams, slots=3)] == ["a", "b", "a"]
 
 
 def test_a_team_at_its_max_running_jobs_waits_and_leaves_the_slot_to_others():
     waiting = _waiting("a", 3) + _waiting("b", 1, start=10)
     teams = {"a": TeamShare(max_running_jobs=1, running=1), "b": TeamShare(usage=5e6)}
-    assert [c.job.job_id for c in admit(waiting, teams, slots=3)] == ["b-0"]
+    assert [c.job.job_id for c in grant_slots(waiting, teams, slots=3)] == ["b-0"]
 
 
 def test_usage_decays_with_the_half_life():
@@ -320,8 +320,8 @@ def test_the_fast_admission_picks_the_jobs_the_reference_picks_over_random_queue
         waiting, teams = _random_case(rng)
         slots = rng.choice([None, 0, 1, 2, 3, 5, 10, 100])
         expected = _reference_admit(waiting, teams, slots)
-        assert [a.job.job_id for a in admit(waiting, teams, slots)] == expected
-        assert [a.job.job_id for a in admit(Queues(waiting), teams, slots)] == expected
+        assert [a.job.job_id for a in grant_slots(waiting, teams, slots)] == expected
+        assert [a.job.job_id for a in grant_slots(Queues(waiting), teams, slots)] == expected
 
 
 def test_queue_position_is_the_place_in_the_order_admission_gives_slots_out_over_random_queues():
@@ -341,7 +341,7 @@ def test_queue_position_is_the_place_in_the_order_admission_gives_slots_out_over
             firsts = {
                 job.job_id for job in waiting if queue_position(queues, teams, job.job_id, job.owner).position <= slots
             }
-            assert firsts == {a.job.job_id for a in admit(queues, teams, slots)} or len(started) < slots
+            assert firsts == {a.job.job_id for a in grant_slots(queues, teams, slots)} or len(started) < slots
 
 
 def test_a_team_over_its_tokens_of_the_day_is_held_as_one_at_its_bound_over_random_queues():
@@ -359,7 +359,7 @@ def test_a_team_over_its_tokens_of_the_day_is_held_as_one_at_its_bound_over_rand
                 teams[owner] = replace(share, max_tokens_per_day=100, tokens_today=99)  # below it: not held
         over = {owner for owner, share in teams.items() if _over_tokens(share)}
         slots = rng.choice([None, 1, 3, 100])
-        chosen = [a.job.job_id for a in admit(waiting, teams, slots)]
+        chosen = [a.job.job_id for a in grant_slots(waiting, teams, slots)]
         assert chosen == _reference_admit(waiting, teams, slots)
         assert not {job.owner for job in waiting if job.job_id in chosen} & over
         order, queues = _reference_order(waiting, teams), Queues(waiting)
@@ -458,7 +458,7 @@ def test_the_store_read_admits_what_the_reference_admits_from_whole_records(team
     queues = waiting_queues(sharing, registry, skip_owners="schedule:")
     assert len(queues) == len(records)
     for slots in (None, 1, 5, 30):
-        assert [a.job.job_id for a in admissions(queues, sharing, registry, slots, now, HALF_LIFE_S, count=False)] == (
+        assert [a.job.job_id for a in slot_grants(queues, sharing, registry, slots, now, HALF_LIFE_S, count=False)] == (
             _reference_admit(reference, shares, slots)
         )
 
@@ -699,7 +699,7 @@ def test_a_team_over_its_tokens_of_the_day_gets_no_run_and_another_teams_job_tak
     registry = tenants_at(os.environ["BATCH_PIPELINE_TENANTS"])  # the `teams` fixture's
     sharing = SharingStore(engine=store.engine)
     queues = waiting_queues(sharing, registry, skip_owners="schedule:")
-    held = admissions(queues, sharing, registry, 1, now, HALF_LIFE_S, count=False).held  # for the sensor's log
+    held = slot_grants(queues, sharing, registry, 1, now, HALF_LIFE_S, count=False).held  # for the sensor's log
     assert held == {
         "team:capped": f"3 waiting jobs are held by its max_tokens_per_day: it has used {TOKENS_PER_DAY}/"
         f"{TOKENS_PER_DAY} tokens today (UTC); they wait until 00:00 UTC"

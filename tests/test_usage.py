@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batch_pipeline.core.settings import settings
 from batch_pipeline.launch.k8s import K8sShardLauncher
 from batch_pipeline.launch.local import LocalShardLauncher
-from batch_pipeline.pipeline.admission import _units_per_shard, team_shares
+from batch_pipeline.pipeline.run_slots import _units_per_shard, team_shares
 from batch_pipeline.shards.format import ShardSpec
 from batch_pipeline.shards.protocol import ShardTask
 from batch_pipeline.store.jobs import JobStore

@@ -216,7 +216,7 @@ def check_tokens_quota(
     """Raise QuotaExceeded when the tokens of `owner`'s `team`'s jobs today (UTC) reach its `max_tokens_per_day`
     (QuotaStore.tokens_held_since: the prompt and completion tokens of its jobs that ended today, and of each
     job not yet ended the larger of its estimate and what it has used so far); Retry-After is the next UTC
-    midnight. A running job finishes; jobs already waiting are held by the jobs sensor (pipeline/admission.py)
+    midnight. A running job finishes; jobs already waiting are held by the jobs sensor (pipeline/run_slots.py)
     once what the team's jobs used reaches it. A retry of a submission that made its job is answered with it.
     A read ahead of the job's store, as `check_queue_quota` is."""
     limit = team.config.max_tokens_per_day if team is not None else None

@@ -33,8 +33,8 @@ from batch_pipeline.core import io
 from batch_pipeline.core.settings import Settings
 from batch_pipeline.dry_run.estimate import HISTORY_JOBS, DryRuns
 from batch_pipeline.openai_batch.jobs import expired
-from batch_pipeline.pipeline.admission import place_in_queue
 from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.pipeline.run_slots import place_in_queue
 from batch_pipeline.pipeline.runs import find_run
 from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, STOPPED_RUN_TAG
 from batch_pipeline.shards.format import shard_directories

@@ -83,7 +83,7 @@ def current_job_id(context: OpExecutionContext) -> str:
 
 
 # The deployment's admission policy, as an op or schedule takes it: a plain object, bound by definitions.py.
-Admission = dg.ResourceParam[AdmissionPolicy]
+AdmissionPolicyParam = dg.ResourceParam[AdmissionPolicy]
 
 
 def job_data_files(
@@ -125,7 +125,7 @@ def _validate_input_config() -> dg.Shape:
     "submission of the job's team.",
 )
 def validate_input(
-    context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage, admission: Admission
+    context: OpExecutionContext, job_store: JobStoreResource, job_storage: JobStorage, admission: AdmissionPolicyParam
 ) -> StoredRequest:
     config = dict(context.op_config)
     team = config.pop(TEAM_FIELD, None)
@@ -276,7 +276,7 @@ def plan_shards(
     job_store: JobStoreResource,
     shard_launcher: ShardLauncher,
     shard_planning: ShardPlanning,
-    admission: Admission,
+    admission: AdmissionPolicyParam,
 ):
     job_id = current_job_id(context)
     work_dir = job_storage.work_dir(job_id)
@@ -422,7 +422,7 @@ def merge_outputs(
     shard_results: list[ShardResult],
     job_store: JobStoreResource,
     job_storage: JobStorage,
-    admission: Admission,
+    admission: AdmissionPolicyParam,
 ) -> MergedOutput:
     specs = sorted((result.task.shard for result in shard_results), key=lambda spec: spec.shard_index)
     expected = sum(spec.item_count for spec in specs)
@@ -472,7 +472,7 @@ def write_job_metadata(
     plan: PlanSummary,
     job_store: JobStoreResource,
     job_storage: JobStorage,
-    admission: Admission,
+    admission: AdmissionPolicyParam,
 ) -> JobMetadata:
     store = job_store.get_store()
     metadata = _finished_metadata(context, request, merged, shard_results, plan)

@@ -22,7 +22,6 @@ from pydantic import ValidationError
 from batch_pipeline.admission.submission import StoredRequest
 from batch_pipeline.contract.base import wire_value_problem
 from batch_pipeline.contract.records import describe_validation_error
-from batch_pipeline.pipeline.admission import admissions, free_run_slots, waiting_queues
 from batch_pipeline.pipeline.config_schema import run_config_for
 from batch_pipeline.pipeline.job import batch_completions
 from batch_pipeline.pipeline.partial_results import (
@@ -38,6 +37,7 @@ from batch_pipeline.pipeline.retries import (
     retry_after_outage,
     retry_missed_read,
 )
+from batch_pipeline.pipeline.run_slots import free_run_slots, slot_grants, waiting_queues
 from batch_pipeline.pipeline.runs import job_id_of, launch_key, launch_signature, not_the_run_of
 from batch_pipeline.pipeline.tags import JOB_ID_TAG, LAUNCH_TAG, SCHEDULE_OWNER_PREFIX, run_key, run_tags
 from batch_pipeline.store.jobs import JobStore
@@ -93,7 +93,7 @@ def _run_requests(context: SensorEvaluationContext, store: JobStore, tenancy: Te
     if not len(queues):
         return
     slots = free_run_slots(context.instance)
-    chosen = admissions(queues, sharing, registry, slots, now, tenancy.fair_share_half_life_s)
+    chosen = slot_grants(queues, sharing, registry, slots, now, tenancy.fair_share_half_life_s)
     records = sharing.waiting_records(admission.job.job_id for admission in chosen)
     runs = _tagged_runs(context.instance, records, key)
     for job_id, run_id in runs.items():  # a run the daemon made, already finished: the status sensors record it

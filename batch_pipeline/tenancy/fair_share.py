@@ -12,7 +12,7 @@ a job has one waiting, so a team alone uses them all.
 
 Usage is fixed for one decision and each team's standing only rises as it is given slots, so the order
 slots are given out in is the sorted order of every waiting job's standing (its team's usage per weight,
-the team's running jobs per weight counting the ones given before it, its own age): `admit` takes the
+the team's running jobs per weight counting the ones given before it, its own age): `grant_slots` takes the
 first `slots` of it from each team's best few jobs, and `queue_position` counts a job's place in it
 without giving anything out. Both read the same `Queues` and the same `_standing`, so they cannot disagree.
 """
@@ -64,7 +64,7 @@ class TeamShare:
 
 
 @dataclass(frozen=True)
-class Admission:
+class SlotGrant:
     job: WaitingJob
     why: str  # for the sensor's log: the team's standing when it won the slot
 
@@ -128,7 +128,9 @@ def _standing(owner: str, share: TeamShare, given: int, next_job: WaitingJob) ->
     return (share.usage / share.weight, (share.running + given) / share.weight, next_job.created_at, owner)
 
 
-def admit(waiting: Iterable[WaitingJob] | Queues, teams: dict[str, TeamShare], slots: int | None) -> list[Admission]:
+def grant_slots(
+    waiting: Iterable[WaitingJob] | Queues, teams: dict[str, TeamShare], slots: int | None
+) -> list[SlotGrant]:
     """The jobs to start now, in order: at most `slots` (None: no limit), fairly shared out."""
     queues = waiting if isinstance(waiting, Queues) else Queues(waiting)
     heap: list[tuple[Standing, int, Iterator[WaitingJob], WaitingJob]] = []
@@ -141,12 +143,12 @@ def admit(waiting: Iterable[WaitingJob] | Queues, teams: dict[str, TeamShare], s
         if first is not None:
             heap.append((_standing(owner, share, 0, first), 0, jobs, first))
     heapq.heapify(heap)
-    admitted: list[Admission] = []
-    while heap and (slots is None or len(admitted) < slots):
+    granted: list[SlotGrant] = []
+    while heap and (slots is None or len(granted) < slots):
         standing, given, jobs, job = heap[0]
         owner = standing[3]
         share = teams.get(owner, _NO_SHARE)
-        admitted.append(Admission(job, _why(owner, share, given, job)))
+        granted.append(SlotGrant(job, _why(owner, share, given, job)))
         given += 1
         allowed = share.allowed()
         following = next(jobs, None) if allowed is None or given < allowed else None
@@ -154,7 +156,7 @@ def admit(waiting: Iterable[WaitingJob] | Queues, teams: dict[str, TeamShare], s
             heapq.heappop(heap)
         else:
             heapq.heapreplace(heap, (_standing(owner, share, given, following), given, jobs, following))
-    return admitted
+    return granted
 
 
 def _why(owner: str, share: TeamShare, given: int, job: WaitingJob) -> str:
@@ -185,7 +187,7 @@ class QueuePlace:
 def queue_position(
     queues: Queues, teams: dict[str, TeamShare], job_id: str, owner: str, count_other_teams: bool = True
 ) -> QueuePlace | None:
-    """The job's place in the order `admit` gives out slots (with as many slots as jobs), without giving
+    """The job's place in the order `grant_slots` gives out slots (with as many slots as jobs), without giving
     any: the count, team by team, of the standings lower than its own. A job its team's bound holds back,
     or every job of a team over its tokens of the day, comes after every job that may start now, in the
     same order (by standing) among the held ones. None: not waiting.

@@ -1,5 +1,5 @@
-"""Admission by fair share, where a tenants file names the teams: a job waits in the job store until a run
-slot can take it, and the jobs sensor asks for runs only for the jobs `fair_share.admit` picks, so that
+"""Run slots given out by fair share, where a tenants file names the teams: a job waits in the job store until a run
+slot can take it, and the jobs sensor asks for runs only for the jobs `fair_share.grant_slots` picks, so that
 Dagster's run queue never holds a deep backlog in the order jobs arrived.
 
 Run slots are the instance's `max_concurrent_runs` (QueuedRunCoordinator) less the runs in progress, of
@@ -24,14 +24,14 @@ from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX
 from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.sharing import SharingStore, SlotUse
 from batch_pipeline.tenancy.fair_share import (
-    Admission,
     QueuePlace,
     Queues,
+    SlotGrant,
     TeamShare,
-    admit,
     decay,
     decayed_slot_seconds,
     declared_units,
+    grant_slots,
     queue_position,
 )
 from batch_pipeline.tenancy.tenants import Tenants
@@ -52,12 +52,12 @@ def free_run_slots(instance: dg.DagsterInstance) -> int | None:
     return max(0, limit - in_progress)
 
 
-class Admissions(list[Admission]):
+class SlotGrants(list[SlotGrant]):
     """The waiting jobs to give runs now, in order; and `held`: each team with jobs waiting that its
     `max_tokens_per_day` holds now, with why (`{owner}'s {why}` reads as a sentence), for the sensor's log:
     one line a team, not one a job."""
 
-    def __init__(self, admitted: list[Admission], held: dict[str, str]) -> None:
+    def __init__(self, admitted: list[SlotGrant], held: dict[str, str]) -> None:
         super().__init__(admitted)
         self.held = held
 
@@ -185,7 +185,7 @@ def waiting_queues(store: SharingStore, registry: Tenants, skip_owners: str | No
     return queues
 
 
-def admissions(
+def slot_grants(
     queues: Queues,
     store: SharingStore,
     registry: Tenants,
@@ -193,16 +193,16 @@ def admissions(
     now: datetime,
     half_life_s: float,
     count: bool = True,
-) -> Admissions:
+) -> SlotGrants:
     """The waiting jobs to give runs now, in order, each with why it won its slot; and the teams their
-    tokens of the day hold (`Admissions.held`)."""
+    tokens of the day hold (`SlotGrants.held`)."""
     shares = team_shares(store, registry, now, half_life_s, count=count)
     held = {
         owner: tokens_hold(share, queues.count(owner))
         for owner in queues.owners()
         if (share := shares.get(owner)) is not None and share.over_tokens()
     }
-    return Admissions(admit(queues, shares, slots), held)
+    return SlotGrants(grant_slots(queues, shares, slots), held)
 
 
 def tokens_hold(share: TeamShare, waiting: int) -> str:
@@ -223,7 +223,7 @@ def place_in_queue(
     count_other_teams: bool = True,
 ) -> QueuePlace | None:
     """Where a waiting job stands now in the order the jobs sensor gives out run slots, by the same reads
-    and the same order (`fair_share.queue_position` over what `admit` reads); nothing is written. Without
+    and the same order (`fair_share.queue_position` over what `grant_slots` reads); nothing is written. Without
     `count_other_teams`, among its own team's jobs only (what a team may be told)."""
     queues = waiting_queues(store, registry, skip_owners=SCHEDULE_OWNER_PREFIX)
     shares = team_shares(store, registry, now, half_life_s)
