@@ -54,11 +54,11 @@ def _migrated_home() -> Path:
     return home
 
 
-def seed_home(home: Path, job_store: bool = True) -> None:
-    """Give a new DAGSTER_HOME the databases its instance (and, with `job_store`, its job store at
-    $DAGSTER_HOME/batch_jobs.db) would create on first use, migrated to the same schema; any already there
-    are kept."""
-    names = _DAGSTER_DATABASES + ((_JOB_STORE_DATABASE,) if job_store else ())
+def seed_home(home: Path, job_store: bool = True, dagster: bool = True) -> None:
+    """Give a new DAGSTER_HOME the databases its instance (with `dagster`: its SQLite storage, not where its
+    config names another) and, with `job_store`, its job store at $DAGSTER_HOME/batch_jobs.db would create on
+    first use, migrated to the same schema; any already there are kept."""
+    names = (_DAGSTER_DATABASES if dagster else ()) + ((_JOB_STORE_DATABASE,) if job_store else ())
     for name in names:
         target = home / name
         if not target.exists():
@@ -100,7 +100,7 @@ class Deployment:
         if instance_yaml is not None:  # a shipped instance config instead of the test's SQLite one
             (home / "dagster.yaml").write_text(instance_yaml)
         self.home = home
-        seed_home(home, job_store=jobs_db is None)
+        seed_home(home, job_store=jobs_db is None, dagster=instance_yaml is None)
         self.instance = dg.DagsterInstance.from_config(str(home))
         self.store = JobStore(jobs_db or f"sqlite:///{home}/batch_jobs.db")
         self.service = BatchJobService.of_deployment(settings(), self.store, self.instance)
