@@ -31,7 +31,7 @@ from served import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 TEAM_A, TEAM_B = "bench-key-team-a", "bench-key-team-b"
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # named only: nothing runs (no daemon)
+MODEL = "smollm2-135m-instruct"  # the catalog's, named only: nothing runs (no daemon); no hub is read to check it
 # Team B stops sending during the flood after this long, whatever A's requests are doing.
 MOST_DURING_S = 120.0
 
