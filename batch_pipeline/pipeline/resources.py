@@ -15,7 +15,6 @@ from batch_pipeline.shards.planning import PlanningSettings
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.quotas import QuotaStore
-from batch_pipeline.store.sharing import SharingStore
 from batch_pipeline.tenancy.tenants import Tenants, tenants_at
 
 
@@ -68,9 +67,6 @@ class JobStoreResource(dg.ConfigurableResource):
 
     def quotas(self) -> QuotaStore:
         return QuotaStore(self.url)
-
-    def sharing(self) -> SharingStore:
-        return SharingStore(self.url)
 
 
 class ShardPlanning(dg.ConfigurableResource):
