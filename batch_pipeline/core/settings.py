@@ -253,6 +253,24 @@ class Settings(_EnvironmentSettings):
         description="Set by `batch-pipeline run` for the steps of its own run, not by operators: the directory "
         "where the shard worker it started ahead waits for the local launcher (`launch/standby.py`)",
     )
+    engine_pool_dir: str = Field(
+        "",
+        description="Set by `serve` for its services, not by operators: the directory of this machine's warm "
+        "engine pool (`launch/pool.py`), where shard workers wait with their engines for the next shard",
+    )
+    # Each waiting worker holds its engine: ~1.2 GiB for the catalog model on the CPU in float32 (weights,
+    # 1 GiB of KV cache, torch); a GPU worker holds its GPU too.
+    engine_pool_workers: int = Field(
+        2,
+        ge=0,
+        description="With the `local` launcher under `serve`: shard workers kept waiting with a warm engine (0: none)",
+    )
+    engine_pool_idle_s: float = Field(
+        300.0, gt=0, description="How long a warm worker waits for a shard before it leaves (the pool scales to zero)"
+    )
+    engine_pool_memory_mib: int = Field(
+        8192, ge=0, description="The memory the waiting warm workers may hold together, in MiB (0: unbounded)"
+    )
     worker_image: str = Field("", description="With the `k8s` launcher: the shard workers' image (required)")
     k8s_namespace: str = Field("default", description="With the `k8s` launcher: the shard pods' namespace")
     k8s_service_account: str = Field(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from batch_pipeline.core.settings import Settings, SettingsError, settings
+from batch_pipeline.core.settings import ENV_PREFIX, Settings, SettingsError, settings
 from batch_pipeline.entrypoints.dagster_ui import OPERATOR_KEY_FILE, operator_key
 from batch_pipeline.pipeline.service_paths import secure_service_paths
 from batch_pipeline.tenancy.tenants import Tenants, TenantsFileError, tenants_at
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     _create_storage(configured)
+    pool_directory = _start_engine_pool(configured)
     operator_key(os.environ["DAGSTER_HOME"])  # made now, so that the line below can point at it
     bin_dir = Path(sys.executable).parent
     commands = {
@@ -108,7 +110,21 @@ def main(argv: list[str] | None = None) -> int:
             break
         time.sleep(0.5)
     _stop_all(processes)
+    if pool_directory:  # its waiting workers see it gone and leave
+        shutil.rmtree(pool_directory, ignore_errors=True)
     return 1 if failed else 0
+
+
+def _start_engine_pool(configured: Settings) -> str:
+    """The directory of this deployment's warm engine pool (launch/pool.py), named to the services that
+    launch shards: one per start, so that no worker of an earlier start (another release's) is reused."""
+    if configured.shard_launcher != "local" or configured.engine_pool_workers < 1:
+        return ""
+    from batch_pipeline.launch.pool import make_pool_directory
+
+    directory = make_pool_directory()
+    os.environ[ENV_PREFIX + "ENGINE_POOL_DIR"] = directory
+    return directory
 
 
 # Variables holding the API's keys: the API reads them, no other service.

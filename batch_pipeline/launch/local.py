@@ -29,6 +29,7 @@ from batch_pipeline.launch.base import (
     worker_stats,
 )
 from batch_pipeline.launch.kinds import LOCAL
+from batch_pipeline.launch.pool import EnginePool, PoolKey, PoolSize
 from batch_pipeline.launch.standby import claim_standby
 from batch_pipeline.shards.protocol import ShardTask
 
@@ -106,6 +107,14 @@ class LocalShardLauncher(ShardLauncher):
     concurrency: int | None = Field(
         default=None, ge=1, description="Shard workers run at once on this machine; None = one per core."
     )
+    engine_pool_dir: str = Field(
+        default="", description="The warm engine pool's directory, which `serve` makes; empty: no pool."
+    )
+    engine_pool_workers: int = Field(default=2, ge=0, description="Workers the pool keeps waiting; 0: no pool.")
+    engine_pool_idle_s: float = Field(default=300.0, gt=0, description="How long a warm worker waits for a shard.")
+    engine_pool_memory_mib: int = Field(
+        default=8192, ge=0, description="What the waiting workers may hold together, in MiB; 0: unbounded."
+    )
 
     def run_shard(
         self, context: dg.OpExecutionContext, task: ShardTask, on_progress: ProgressCallback | None = None
@@ -114,6 +123,8 @@ class LocalShardLauncher(ShardLauncher):
         reader.on_progress = on_progress
         worker_env = {**worker_environment(task), **self._cpu_share(task), **self.env}
         standby = None if self.python_executable else claim_standby(worker_env)
+        pool = None if standby is not None else self._pool()
+        pooled = None if pool is None else pool.claim(PoolKey.of(task, worker_env))
         try:
             # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
             log_path = worker_log_path(task)
@@ -134,6 +145,18 @@ class LocalShardLauncher(ShardLauncher):
                         f"shard {task.shard.shard_index}: handed to the worker `batch-pipeline run` started ahead "
                         "(vLLM imported while the run was planned)"
                     )
+                elif pool is not None:
+                    pooled = pooled or pool.start(worker_env)
+                    pooled.hand_off(session.get_bootstrap_env_vars(), log_path)
+                    process = pooled
+                    context.log.info(
+                        f"shard {task.shard.shard_index}: "
+                        + (
+                            f"handed to a warm worker of the engine pool (pid {pooled.pid}), its engine built"
+                            if pooled.warm
+                            else f"no warm engine of its kind in the pool: a pool worker started (pid {pooled.pid})"
+                        )
+                    )
                 else:
                     # vLLM's and torch's own output goes to the log: the run's console shows the worker's reports
                     # (progress, the engine's dtype, failures), which come through Pipes.
@@ -150,20 +173,29 @@ class LocalShardLauncher(ShardLauncher):
                     _stop(process)
                     raise
         finally:  # a standby never handed its shard (the session could not open) is killed, not left waiting
-            if standby is not None:
-                standby.close()
+            for claimed in (standby, pooled):
+                if claimed is not None:
+                    claimed.close()
         reports = session.get_custom_messages()
         if returncode != 0:
             raise_if_past_deadline(task)
             failure = worker_failure(reports)
             output = _tail(log_path)
-            if standby is not None and not output.strip():  # it died before it had the shard's log
-                output = standby.early_output()
+            waited = standby or pooled
+            if waited is not None and not output.strip():  # it died before it had the shard's log
+                output = waited.early_output()
             raise dg.Failure(
                 f"shard {task.shard.shard_index}: the worker failed: {failure or f'exit code {returncode}'}"
                 + ("" if failure else f"; the end of its output ({log_path}):\n{output}")
             )
         return ShardResult(task=task, stats=worker_stats(task, reports))
+
+    def _pool(self) -> EnginePool | None:
+        """The deployment's warm engine pool, where `serve` made one (not for another Python's workers)."""
+        if self.python_executable:
+            return None
+        size = PoolSize(self.engine_pool_workers, self.engine_pool_idle_s, self.engine_pool_memory_mib)
+        return EnginePool.at(self.engine_pool_dir, size)
 
     def shard_slots(self) -> int:
         """Each worker holds a whole engine (~2.3 GiB for the catalog model on the CPU), and more workers

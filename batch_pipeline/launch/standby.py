@@ -146,7 +146,7 @@ def claim_standby(worker_env: Mapping[str, str]) -> ClaimedStandby | None:
     environment `worker_env` (what a launched worker would get, torch's thread settings included: they are
     read as it imports). A standby in another environment is killed; None: launch a worker."""
     directory = worker_env.get(STANDBY_DIR_ENV)
-    if not directory or not _private(directory):
+    if not directory or not private_directory(directory):
         return None
     try:
         with open(os.path.join(directory, STANDBY_STARTED)) as handle:
@@ -168,8 +168,9 @@ def claim_standby(worker_env: Mapping[str, str]) -> ClaimedStandby | None:
     return standby
 
 
-def _private(directory: str) -> bool:
-    """Whether `directory` is one `StartedStandby.start` made: a directory (no link) of this user's, 0700."""
+def private_directory(directory: str) -> bool:
+    """Whether `directory` is one `StartedStandby.start` (or `serve`, a pool's) made: a directory (no link) of
+    this user's, 0700."""
     try:
         status = os.lstat(directory)
     except OSError:

@@ -46,7 +46,13 @@ def shard_launcher_from_environment() -> ShardLauncher:
     outside the cluster BATCH_PIPELINE_KUBECONFIG."""
     configured = settings()
     if configured.shard_launcher != "k8s":
-        return LocalShardLauncher(concurrency=configured.local_shard_concurrency)
+        return LocalShardLauncher(
+            concurrency=configured.local_shard_concurrency,
+            engine_pool_dir=configured.engine_pool_dir,
+            engine_pool_workers=configured.engine_pool_workers,
+            engine_pool_idle_s=configured.engine_pool_idle_s,
+            engine_pool_memory_mib=configured.engine_pool_memory_mib,
+        )
     from batch_pipeline.launch.k8s import K8sShardLauncher
 
     return K8sShardLauncher(

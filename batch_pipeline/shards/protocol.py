@@ -4,6 +4,8 @@ release's fields."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Any, Literal, cast
@@ -41,11 +43,56 @@ class StandbyStarted(BaseModel):
 
 
 class StandbyHandoff(BaseModel):
-    """What the launcher hands a standby worker: its shard's Pipes bootstrap environment, and its log."""
+    """What the launcher hands a standby or pool worker: its shard's Pipes bootstrap environment, its log,
+    and (to a pool worker, which is not its child) the launcher's pid, whose exit stops the shard."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     env: dict[str, str]
     log: str
+    launcher_pid: int | None = None
+
+
+# A warm engine pool (`launch/pool.py`, BATCH_PIPELINE_ENGINE_POOL_DIR): each pool worker
+# (`python -m batch_pipeline.worker --pool DIR`) waits in a directory of its own under the pool's, keeping
+# its engine between shards. Its files, beside STANDBY_HANDOFF:
+POOL_STARTED = "worker.json"  # a PoolWorkerStarted, by the launcher that started it
+POOL_IDLE = "idle.json"  # a PoolWorkerIdle, by the worker: there while it waits for a shard
+POOL_CLAIMED = "claimed.json"  # POOL_IDLE renamed by the one launcher that takes it (a rename: one wins)
+POOL_RETIRED = "retired.json"  # POOL_IDLE renamed by whoever ends its wait (its idle time, an eviction)
+POOL_SHARD_EXIT = "shard-exit"  # the code its last shard ended with, written whole; the launcher removes it
+POOL_OUTPUT = "pool.log"  # its output between shards
+POOL_OWNER = "owner"  # in the pool's own directory: the pid of the `serve` that made it, whose exit ends the pool
+
+
+class PoolWorkerStarted(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pid: int
+    env_digest: str  # of the environment it started in (launch/standby.py:environment_digest)
+
+
+class PoolWorkerIdle(BaseModel):
+    """A pool worker waiting for a shard, with the engine it keeps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    engine_key: str  # `engine_key` of the model_config its engine was built for
+    shards_served: int
+    idle_since: float  # epoch seconds
+    rss_bytes: int  # its memory as it went idle, for the pool's bound
+
+
+# Fields of model_config that shape the handlers or the deployment, never the engine: two shards differing
+# only in these can run on one engine.
+_NOT_ENGINE_SHAPING = frozenset(
+    {"labels", "num_shards", "response_role", "chat_template", "tool_call_parser", "enable_auto_tool_choice"}
+)
+
+
+def engine_key(model_config: BatchCompletionsModelConfig) -> str:
+    """What an engine built for `model_config` is, as a digest: every field that may change the engine
+    (the model, its checkpoint and revision, every engine argument, dtype, max length). A field counted here
+    that did not matter costs a cold start; one left out would serve a shard on the wrong engine."""
+    shaping = model_config.model_dump(mode="json", exclude_none=True, exclude=set(_NOT_ENGINE_SHAPING))
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 
 
 class ShardHardware(TypedDict, total=False):
@@ -126,6 +173,11 @@ class ShardStats:
     tool_timed_out_executions: int = 0
     sandbox: dict[str, str] | None = None
     tool_config: str | None = None  # with a tool_config: TOOL_APPLIED, or TOOL_NOT_APPLIED and why
+    # A pool worker's engine (`launch/pool.py`): whether this shard found it built (warm), how many shards it
+    # had served before this one, and the start it saved (what building it took); false, 0, 0 otherwise.
+    engine_warm: bool = False
+    engine_shards_before: int = 0
+    engine_start_saved_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -5,7 +5,9 @@ extras, reports progress as Pipes log lines and as progress messages (`shards.pr
 sent as Pipes custom messages; the orchestrator writes them into the job store), then its stats, or why it
 failed, as the last message. Started by hand, `--task FILE` names a JSON task instead. Started ahead by
 `batch-pipeline run` (`--standby DIR`, launch/standby.py), it imports vLLM first and takes its Pipes
-bootstrap from the launcher's handoff. It knows nothing of HTTP or of the job store.
+bootstrap from the launcher's handoff. Started into a warm engine pool (`--pool DIR`, launch/pool.py), it
+takes shard after shard that way, keeping its engine between them. It knows nothing of HTTP or of the job
+store.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from batch_pipeline.worker.engine import set_engine_environment
 from batch_pipeline.worker.sandbox import SandboxSettings
 
 if TYPE_CHECKING:
+    from batch_pipeline.worker.engine import KeptEngine
     from batch_pipeline.worker.runner import ShardRunner
 
 HANDOFF_POLL_S = 0.02
@@ -46,9 +49,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--starter", type=int, help="with --standby: the pid of the batch-pipeline run whose exit ends the wait"
     )
+    parser.add_argument(
+        "--pool",
+        metavar="DIR",
+        help="import vLLM now, then run the shards launchers hand over in DIR, keeping the engine between them",
+    )
+    parser.add_argument("--idle-s", type=float, default=300.0, help="with --pool: how long to wait for a shard")
+    parser.add_argument("--max-idle", type=int, default=1, help="with --pool: workers the pool keeps waiting")
+    parser.add_argument(
+        "--max-idle-memory-mib", type=int, default=0, help="with --pool: their memory together (0: unbounded)"
+    )
     args = parser.parse_args(argv)
     configured = settings()  # a bad BATCH_PIPELINE_ value fails the shard now, naming it
     set_engine_environment()
+    if args.pool:
+        from batch_pipeline.worker.pool_worker import PoolLimits, serve_pool_shards
+
+        limits = PoolLimits(args.idle_s, args.max_idle, args.max_idle_memory_mib * 2**20)
+        return serve_pool_shards(
+            args.pool,
+            limits,
+            lambda kept: _run_pipes_task(parser, configured, kept_engine=kept),
+            import_engine=_import_engine,
+            write_output_to=_write_output_to,
+        )
     if args.standby:
         # Its parent by its own word: a parent that died before this line ran is no longer what getppid says.
         return _standby(args.standby, args.starter or os.getppid(), parser, configured)
@@ -71,8 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     return _run_pipes_task(parser, configured)
 
 
-def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings, imported_ahead_s: float = 0.0) -> int:
-    from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
+def _run_pipes_task(
+    parser: argparse.ArgumentParser,
+    configured: Settings,
+    imported_ahead_s: float = 0.0,
+    kept_engine: KeptEngine | None = None,
+) -> int:
+    from dagster_pipes import (
+        PipesContext,
+        PipesDefaultContextLoader,
+        PipesDefaultMessageWriter,
+        PipesEnvVarParamsLoader,
+    )
 
     from batch_pipeline.shards.protocol import (
         FailureMessage,
@@ -83,9 +117,11 @@ def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings, impor
     )
     from batch_pipeline.worker.runner import ShardRunner
 
-    if not PipesEnvVarParamsLoader().is_dagster_pipes_process():
+    params = PipesEnvVarParamsLoader()
+    if not params.is_dagster_pipes_process():
         parser.error("not launched by Dagster Pipes: pass --task FILE")
-    with open_dagster_pipes() as pipes:
+    # A context of its own, not open_dagster_pipes' process-wide one: a pool worker opens one per shard.
+    with PipesContext(params, PipesDefaultContextLoader(), PipesDefaultMessageWriter()) as pipes:
         task = ShardTask.from_dict(pipes.get_extra("task"))
         prefix = f"shard {task.shard.shard_index:03d}: "
         try:
@@ -98,8 +134,10 @@ def _run_pipes_task(parser: argparse.ArgumentParser, configured: Settings, impor
                 ),
                 imported_ahead_s=imported_ahead_s,
                 sandbox_settings=sandbox_settings(configured),
+                kept_engine=kept_engine,
             )
-            _RUNNERS.append(runner)
+            if kept_engine is None:
+                _RUNNERS.append(runner)
             stats = runner.run()
         except Exception as exc:  # the step's failure message, e.g. a full disk under the checkpoint
             pipes.report_custom_message(worker_message_payload(FailureMessage(f"{type(exc).__name__}: {exc}")))

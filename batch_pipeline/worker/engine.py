@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import platform
+import time
 from collections.abc import Set
 from typing import Any
 
@@ -177,6 +178,31 @@ def build_llm(model_config: BatchCompletionsModelConfig) -> Engine:
         str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
         reason,
     )
+
+
+@dataclasses.dataclass
+class KeptEngine:
+    """A pool worker's engine, kept from one shard to the next (`launch/pool.py`): a shard whose model_config
+    builds the same engine (`engine_key`) runs on it; another's replaces it."""
+
+    key: str = ""
+    engine: Engine | None = None
+    built_s: float = 0.0  # what building it took: the start each later shard on it saves
+    shards_served: int = 0
+
+    def engine_for(self, model_config: BatchCompletionsModelConfig) -> tuple[Engine, bool]:
+        """The engine for `model_config`, and whether it was already built (warm)."""
+        from batch_pipeline.shards.protocol import engine_key
+
+        key = engine_key(model_config)
+        if self.engine is not None and key == self.key:
+            return self.engine, True
+        self.engine = None  # before the next one is built: two engines would not fit where one does
+        gc.collect()
+        started = time.monotonic()
+        self.engine = build_llm(model_config)
+        self.key, self.built_s, self.shards_served = key, time.monotonic() - started, 0
+        return self.engine, False
 
 
 def _on_cpu() -> bool:

@@ -35,7 +35,7 @@ from batch_pipeline.worker.shared_generation import SharedGenerations, text_piec
 from batch_pipeline.worker.v1_requests import V1Requests
 
 if TYPE_CHECKING:
-    from batch_pipeline.worker.engine import Engine
+    from batch_pipeline.worker.engine import Engine, KeptEngine
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +138,11 @@ class ShardRunner:
         report_progress: Callable[[dict[str, int]], None] | None = None,
         imported_ahead_s: float = 0.0,
         sandbox_settings: SandboxSettings | None = None,
+        kept_engine: KeptEngine | None = None,
     ) -> None:
         self.task = task
+        # A pool worker's engine, kept between its shards; None: this shard builds its own.
+        self.kept_engine = kept_engine
         self.sandbox_settings = sandbox_settings or SandboxSettings()
         # How often a checkpoint on an object store is uploaded (BATCH_PIPELINE_CHECKPOINT_UPLOAD_S).
         self.checkpoint_upload_s = checkpoint_upload_s
@@ -215,13 +218,19 @@ class ShardRunner:
                     self._write(results, unserved.index, error_output("tool_unavailable", str(exc), "tool_config"))
                 return
         t0 = time.monotonic()
-        built = self.engine = build_llm(model_config)
+        if self.kept_engine is None:
+            built = self.engine = build_llm(model_config)
+        else:
+            built, warm = self.kept_engine.engine_for(model_config)
+            self._count_warm_start(warm)
         llm = built.llm
         self.stats.unsupported_engine_args = built.unsupported
         self.stats.dtype, self.stats.dtype_reason = built.dtype, built.dtype_reason
         self.stats.engine_start_s = round(time.monotonic() - t0, 3)
         self.report(
-            f"engine ready in {self.stats.engine_start_s:.1f}s, computing in {built.dtype}: {built.dtype_reason}"
+            f"engine {'warm' if self.stats.engine_warm else 'ready'} in {self.stats.engine_start_s:.1f}s"
+            + (f" (it served {self.stats.engine_shards_before} shards before)" if self.stats.engine_warm else "")
+            + f", computing in {built.dtype}: {built.dtype_reason}"
         )
         engine = built.engine
 
@@ -273,6 +282,15 @@ class ShardRunner:
                 handler.close(self.stats)
         self.stats.generate_s = round(time.monotonic() - t0, 3)
         self._report_progress(already_done, self.stats.generate_s)
+
+    def _count_warm_start(self, warm: bool) -> None:
+        kept = self.kept_engine
+        assert kept is not None
+        if warm:
+            self.stats.engine_warm = True
+            self.stats.engine_shards_before = kept.shards_served
+            self.stats.engine_start_saved_s = round(kept.built_s, 3)
+        kept.shards_served += 1
 
     def _combine(self, window: list[WorkItem]) -> list[WorkItem]:
         return self.shared.combine(window) if self.shared is not None else window

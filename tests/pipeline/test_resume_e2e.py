@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from batch_pipeline.shards.protocol import POOL_IDLE
 from tests.conftest import MODEL
 from tests.entrypoints.test_serve import Served, _descendants
 
@@ -31,14 +32,18 @@ def _wait_for(served: Served, job_id: str, predicate, timeout: float) -> dict:
 
 
 def _worker_pids(served: Served) -> list[int]:
-    """This deployment's shard workers (others' tests may run workers on the same machine)."""
+    """This deployment's shard workers running a shard (others' tests may run workers on the same machine):
+    a worker of the engine pool waiting for its next shard, with its engine, runs none."""
     found = []
     for pid in _descendants(served.process.pid):
         try:
-            if b"batch_pipeline.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
+            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
-            pass
+            continue
+        if b"batch_pipeline.worker" in arguments:
+            pool = arguments[arguments.index(b"--pool") + 1].decode() if b"--pool" in arguments else None
+            if pool is None or not Path(pool, POOL_IDLE).exists():
+                found.append(pid)
     return found
 
 

@@ -1,0 +1,241 @@
+"""The warm engine pool on this machine: shard workers that stay alive after their shard, each keeping its
+vLLM engine, for the local launcher to hand the next shard built for the same engine to.
+
+`serve` makes the pool's directory (BATCH_PIPELINE_ENGINE_POOL_DIR, private to the service's user) and
+removes it as it stops, which ends every worker in it. A shard's step claims a waiting worker whose engine
+and environment match its own (`PoolKey`), or starts a new one into the pool; either way it hands the worker
+its Pipes bootstrap, as the standby hand-off does, and waits for the shard's exit code, so that the step
+keeps its progress, checkpoints, retries and resume. The worker's side, and the bound on waiting workers and
+their memory, is worker/pool_worker.py; each worker's files are named in shards/protocol.py.
+
+A `tool_config` shard runs sandboxed code whose traces a process could keep: its worker serves one team.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from batch_pipeline.core import io
+from batch_pipeline.launch.standby import environment_digest, private_directory
+from batch_pipeline.shards.protocol import (
+    POOL_CLAIMED,
+    POOL_IDLE,
+    POOL_OUTPUT,
+    POOL_OWNER,
+    POOL_SHARD_EXIT,
+    POOL_STARTED,
+    STANDBY_HANDOFF,
+    PoolWorkerIdle,
+    PoolWorkerStarted,
+    ShardTask,
+    StandbyHandoff,
+    engine_key,
+)
+
+WAIT_POLL_S = 0.05
+_Announcement = TypeVar("_Announcement", PoolWorkerIdle, PoolWorkerStarted)
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """The deployment's bound on its pool (BATCH_PIPELINE_ENGINE_POOL_*)."""
+
+    max_idle: int  # workers kept waiting at once; 0: no pool
+    idle_s: float  # how long a worker waits for a shard before it leaves
+    max_idle_memory_mib: int  # what the waiting workers may hold together; 0: no bound
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What a shard needs of a pool worker: the engine, the environment it was started in (torch reads its
+    thread settings as it imports), and for a `tool_config` shard its team."""
+
+    engine: str
+    env_digest: str
+
+    @classmethod
+    def of(cls, task: ShardTask, worker_env: Mapping[str, str]) -> PoolKey:
+        key = engine_key(task.model_config)
+        if task.tool_config is not None:
+            team = hashlib.sha256(f"team:{task.owner_team or ''}".encode()).hexdigest()
+            key = hashlib.sha256(f"{key}:{team}".encode()).hexdigest()
+        return cls(key, environment_digest(worker_env))
+
+
+class PoolWorker:
+    """The launcher's handle on the pool worker running its shard: waited for, signalled and killed as a
+    `subprocess.Popen` is (a pidfd: it may not be the launcher's child, and a reused pid is never hit)."""
+
+    def __init__(self, directory: str, pid: int, pidfd: int, warm: bool) -> None:
+        self.directory = directory
+        self.pid = pid
+        self.warm = warm  # claimed waiting, its engine built for this shard's key
+        self._pidfd = pidfd
+        self._code: int | None = None
+
+    def hand_off(self, env: Mapping[str, str], log_path: str) -> None:
+        with io.atomic_write(os.path.join(self.directory, STANDBY_HANDOFF)) as handle:
+            handle.write(StandbyHandoff(env=dict(env), log=log_path, launcher_pid=os.getpid()).model_dump_json())
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The shard's exit code, which the worker leaves as it finishes the shard (and stays, or leaves)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._code is None:
+            gone = bool(select.select([self._pidfd], [], [], WAIT_POLL_S)[0])
+            code = self._read_exit()
+            if code is not None:
+                self._code = code
+            elif gone:
+                self._code = -signal.SIGKILL  # it left no code: killed
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pool worker {self.pid}", timeout or 0)
+        return self._code
+
+    def _read_exit(self) -> int | None:
+        path = os.path.join(self.directory, POOL_SHARD_EXIT)
+        try:
+            with open(path) as handle:
+                code = int(handle.read())
+        except (OSError, ValueError):
+            return None
+        os.unlink(path)  # read: the worker may go on to wait for the next shard
+        return code
+
+    def early_output(self, limit: int = 3000) -> str:
+        try:
+            with open(os.path.join(self.directory, POOL_OUTPUT), "rb") as output:
+                output.seek(max(0, os.fstat(output.fileno()).st_size - limit))
+                return output.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            signal.pidfd_send_signal(self._pidfd, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Done with it. A worker whose shard failed, or that never got one, is of no use to the pool."""
+        if self._code is None:
+            self.kill()
+        if self._code != 0:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        os.close(self._pidfd)
+
+
+class EnginePool:
+    """The pool's directory as a launcher uses it."""
+
+    def __init__(self, directory: str, size: PoolSize) -> None:
+        self.directory = directory
+        self.size = size
+
+    @classmethod
+    def at(cls, directory: str, size: PoolSize) -> EnginePool | None:
+        """The pool at `directory`, when there is one there that `serve` made (private to this user) and the
+        deployment keeps workers in it."""
+        if not directory or size.max_idle < 1 or not private_directory(directory):
+            return None
+        return cls(directory, size)
+
+    def claim(self, key: PoolKey) -> PoolWorker | None:
+        """A waiting worker of `key`, taken (a rename of its announcement: one launcher wins); None when
+        none waits. The one that waited longest is taken, so the others' idle time runs out first."""
+        waiting: list[tuple[float, str]] = []
+        for entry in os.scandir(self.directory):
+            idle = _read_model(os.path.join(entry.path, POOL_IDLE), PoolWorkerIdle)
+            if idle is not None and idle.engine_key == key.engine:
+                waiting.append((idle.idle_since, entry.path))
+        for _, directory in sorted(waiting):
+            started = _read_model(os.path.join(directory, POOL_STARTED), PoolWorkerStarted)
+            if started is None or started.env_digest != key.env_digest:
+                continue
+            try:
+                os.rename(os.path.join(directory, POOL_IDLE), os.path.join(directory, POOL_CLAIMED))
+            except FileNotFoundError:  # taken, or retired, just now
+                continue
+            with_exit = os.path.join(directory, POOL_SHARD_EXIT)
+            if os.path.exists(with_exit):  # its last launcher did not read it: not this shard's
+                os.unlink(with_exit)
+            worker = _open(directory, started.pid, warm=True)
+            if worker is not None:
+                return worker
+            shutil.rmtree(directory, ignore_errors=True)  # killed while it waited
+        return None
+
+    def start(self, env: Mapping[str, str], python: str = "") -> PoolWorker:
+        """A new worker into the pool, started in `env` (what a launched worker would get): it imports vLLM
+        and builds its engine for the shard it is handed next."""
+        directory = tempfile.mkdtemp(prefix="worker-", dir=self.directory)
+        with open(os.path.join(directory, POOL_OUTPUT), "ab") as log:
+            process = subprocess.Popen(
+                [
+                    python or sys.executable,
+                    "-m",
+                    "batch_pipeline.worker",
+                    "--pool",
+                    directory,
+                    "--idle-s",
+                    str(self.size.idle_s),
+                    "--max-idle",
+                    str(self.size.max_idle),
+                    "--max-idle-memory-mib",
+                    str(self.size.max_idle_memory_mib),
+                ],
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        with io.atomic_write(os.path.join(directory, POOL_STARTED)) as started:
+            started.write(PoolWorkerStarted(pid=process.pid, env_digest=environment_digest(env)).model_dump_json())
+        return PoolWorker(directory, process.pid, os.pidfd_open(process.pid), warm=False)
+
+
+def make_pool_directory() -> str:
+    """A new pool's directory, private to this user (0700), for `serve` to name in its services' environment;
+    its workers leave when this process does, however it ends."""
+    directory = tempfile.mkdtemp(prefix="batch_pipeline-engine-pool-")
+    with io.atomic_write(os.path.join(directory, POOL_OWNER)) as owner:
+        owner.write(str(os.getpid()))
+    return directory
+
+
+def _open(directory: str, pid: int, warm: bool) -> PoolWorker | None:
+    """A handle on worker `pid` of `directory`; None where that process is gone (its pid maybe reused)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            ours = os.fsencode(directory) in cmdline.read().split(b"\0")
+    except OSError:
+        ours = False
+    if not ours or select.select([pidfd], [], [], 0)[0]:
+        os.close(pidfd)
+        return None
+    return PoolWorker(directory, pid, pidfd, warm)
+
+
+def _read_model(path: str, model: type[_Announcement]) -> _Announcement | None:
+    try:
+        with open(path) as handle:
+            return model.model_validate_json(handle.read())
+    except (OSError, ValueError):
+        return None

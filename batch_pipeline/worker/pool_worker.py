@@ -1,0 +1,234 @@
+"""A pool worker's side of the warm engine pool (`python -m batch_pipeline.worker --pool DIR`; the
+launcher's side, and the files they share, are in launch/pool.py).
+
+It imports vLLM, then runs each shard a launcher hands it (as a standby worker runs its one), keeping its
+engine between them: a shard built for the same engine (`shards.protocol.engine_key`) starts at once. After
+a shard it waits in the pool for the next one, announcing the engine it keeps, unless the pool's bound on
+waiting workers or their memory has no room even after the longest-waiting workers are evicted. It leaves
+after waiting `idle_s` (the pool scales to zero), when evicted, or when its pool is gone (`serve` stopped).
+A shard it fails, or that is stopped (cancelled, its launcher gone), is its last: the engine may still
+hold the shard's requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import resource
+import select
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from batch_pipeline.core import io
+from batch_pipeline.shards.protocol import (
+    POOL_CLAIMED,
+    POOL_IDLE,
+    POOL_OUTPUT,
+    POOL_OWNER,
+    POOL_RETIRED,
+    POOL_SHARD_EXIT,
+    STANDBY_HANDOFF,
+    PoolWorkerIdle,
+    StandbyHandoff,
+)
+from batch_pipeline.worker.engine import KeptEngine
+
+HANDOFF_POLL_S = 0.02
+# A launcher claims a waiting worker and hands it the shard in the same breath; one that claimed and never
+# handed it over (killed in between) has left this worker with nobody to wait for.
+CLAIM_TIMEOUT_S = 60.0
+POOL_LOCK = "pool.lock"  # in the pool's directory: one worker at a time decides whether it stays
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    idle_s: float  # a worker waiting this long for a shard leaves
+    max_idle: int  # workers the pool keeps waiting at once
+    max_idle_memory: int  # bytes those waiting workers may hold together; 0: no bound
+
+
+def serve_pool_shards(
+    directory: str,
+    limits: PoolLimits,
+    run_shard: Callable[[KeptEngine], int],
+    import_engine: Callable[[], None],
+    write_output_to: Callable[[str, str], None],
+) -> int:
+    """Shard after shard in `directory` until the pool has no more use for this worker; the exit code."""
+    owner_gone = pool_owner(os.path.dirname(directory))
+    import_engine()
+    kept = KeptEngine()
+    pool_output = os.path.join(directory, POOL_OUTPUT)
+    while (handoff := wait_for_shard(directory, limits.idle_s, owner_gone)) is not None:
+        write_output_to(handoff.log, pool_output)
+        os.truncate(pool_output, 0)  # copied to the shard's log
+        os.environ.update(handoff.env)  # this shard's Pipes bootstrap, in place of the last one's
+        code = 1  # what an exception leaves
+        try:
+            with stopped_when_gone(handoff.launcher_pid):
+                code = run_shard(kept)
+        except KeyboardInterrupt:  # cancelled, or its launcher is gone: the launcher removes the directory
+            code = 130
+            raise
+        finally:
+            with io.atomic_write(os.path.join(directory, POOL_SHARD_EXIT)) as exit_file:
+                exit_file.write(str(code))
+        if code != 0:
+            return code  # its launcher removes the directory
+        _output_to(pool_output)
+        if not stay_warm(directory, kept, limits):
+            _leave_after_launcher_read(directory)
+            return 0
+    shutil.rmtree(directory, ignore_errors=True)  # nobody waits for this worker
+    return 0
+
+
+def _leave_after_launcher_read(directory: str, timeout_s: float = 10.0) -> None:
+    """Remove the worker's directory once its launcher has read the shard's exit code there."""
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(os.path.join(directory, POOL_SHARD_EXIT)) and time.monotonic() < deadline:
+        time.sleep(HANDOFF_POLL_S)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def pool_owner(pool: str) -> Callable[[], bool]:
+    """Whether the `serve` that made the pool (POOL_OWNER) is gone, asked without a syscall's wait."""
+    try:
+        with open(os.path.join(pool, POOL_OWNER)) as handle:
+            pidfd = os.pidfd_open(int(handle.read()))
+    except ProcessLookupError:  # gone before this worker started
+        return lambda: True
+    except (OSError, ValueError):  # a pool made by hand, with no owner to watch
+        return lambda: False
+    return lambda: bool(select.select([pidfd], [], [], 0)[0])
+
+
+def wait_for_shard(
+    directory: str, idle_s: float, owner_gone: Callable[[], bool] = lambda: False
+) -> StandbyHandoff | None:
+    """The next shard's handoff; None once this worker has waited `idle_s`, was evicted, was claimed by a
+    launcher that never handed a shard over, or its pool is gone (its directory, or its `serve`, killed
+    before it could remove it)."""
+    handoff_path = os.path.join(directory, STANDBY_HANDOFF)
+    claimed_path = os.path.join(directory, POOL_CLAIMED)
+    deadline = time.monotonic() + idle_s
+    claimed_at: float | None = None
+    while True:
+        if os.path.exists(handoff_path):
+            with open(handoff_path) as handle:
+                handoff = StandbyHandoff.model_validate_json(handle.read())
+            os.unlink(handoff_path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claimed_path)
+            return handoff
+        if not os.path.isdir(os.path.dirname(directory)) or os.path.exists(os.path.join(directory, POOL_RETIRED)):
+            return None
+        if owner_gone():
+            return None
+        now = time.monotonic()
+        if os.path.exists(claimed_path):
+            claimed_at = claimed_at or now
+            if now - claimed_at > CLAIM_TIMEOUT_S:
+                return None
+        elif now > deadline and retire(directory):
+            return None
+        time.sleep(HANDOFF_POLL_S)
+
+
+def retire(directory: str) -> bool:
+    """End a waiting worker's wait (its own idle time, or an eviction); False if a launcher claimed it first."""
+    try:
+        os.rename(os.path.join(directory, POOL_IDLE), os.path.join(directory, POOL_RETIRED))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def stay_warm(directory: str, kept: KeptEngine, limits: PoolLimits) -> bool:
+    """Announce this worker as waiting, with its engine, if the pool's bound has room for it once the
+    longest-waiting workers are evicted; False: it leaves instead."""
+    pool = os.path.dirname(directory)
+    own = _rss_bytes()
+    if limits.max_idle < 1 or (limits.max_idle_memory and own > limits.max_idle_memory):
+        return False
+    try:
+        lock = os.open(os.path.join(pool, POOL_LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    except FileNotFoundError:  # the pool is gone
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiting = sorted(waiting_workers(pool), key=lambda entry: entry[1].idle_since)
+        while waiting and (
+            len(waiting) + 1 > limits.max_idle
+            or (limits.max_idle_memory and sum(idle.rss_bytes for _, idle in waiting) + own > limits.max_idle_memory)
+        ):
+            retire(waiting.pop(0)[0])
+        idle = PoolWorkerIdle(
+            engine_key=kept.key, shards_served=kept.shards_served, idle_since=time.time(), rss_bytes=own
+        )
+        with io.atomic_write(os.path.join(directory, POOL_IDLE)) as idle_file:
+            idle_file.write(idle.model_dump_json())
+    finally:
+        os.close(lock)
+    return True
+
+
+def waiting_workers(pool: str) -> Iterator[tuple[str, PoolWorkerIdle]]:
+    """The pool's waiting workers: each one's directory and what it announced."""
+    for entry in os.scandir(pool):
+        try:
+            with open(os.path.join(entry.path, POOL_IDLE)) as handle:
+                yield entry.path, PoolWorkerIdle.model_validate_json(handle.read())
+        except (OSError, ValueError):  # not a worker's, not waiting, or claimed just now
+            continue
+
+
+@contextlib.contextmanager
+def stopped_when_gone(launcher_pid: int | None) -> Iterator[None]:
+    """While the shard runs, a launcher (its step) that exits stops it as a cancel does: a pool worker is not
+    its launcher's child, and a retry of the step would otherwise run the shard beside it."""
+    if launcher_pid is None:
+        yield
+        return
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        raise KeyboardInterrupt from None
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if select.select([pidfd], [], [], 0.5)[0]:
+                if not done.is_set():
+                    os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    watcher = threading.Thread(target=watch, name="launcher-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        os.close(pidfd)
+
+
+def _output_to(path: str) -> None:
+    log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (its engine's weights and KV cache included)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
