@@ -34,6 +34,24 @@ def test_the_openai_request_defaults_the_worker_falls_back_to_are_readable():
         assert defaults["temperature"] == 1.0 and defaults["top_p"] == 1.0
 
 
+def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does():
+    from batch_pipeline.contract.kinds import KINDS
+    from batch_pipeline.dry_run.counting import model_of
+    from batch_pipeline.worker.kinds import HANDLERS, kind_handlers
+    from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
+    from batch_pipeline.worker.v1_requests import V1Requests
+
+    assert set(HANDLERS) == {kind.name for kind in KINDS}
+    model_config = BatchCompletionsModelConfig(model=MODEL)
+    # The model as the dry run reads it (its tokenizer and config, no weights): what a handler reads of an LLM.
+    handlers = kind_handlers(model_of(model_config), model_config)
+    assert {name: type(handler) for name, handler in handlers.items()} == {
+        "v1": V1Requests,
+        "completion": CompletionRequests,
+        "chat": ChatRequests,
+    }
+
+
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_name"):
         vllm_api.no_such_name  # noqa: B018
@@ -57,18 +75,11 @@ def _engine_and_handlers() -> tuple[Any, dict[str, Any]]:
     """In the engine's process: the built-in model's engine, built as a shard worker builds it, and the
     worker's handlers."""
     from batch_pipeline.worker.engine import build_llm, set_engine_environment
-    from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
-    from batch_pipeline.worker.v1_requests import V1Requests
+    from batch_pipeline.worker.kinds import kind_handlers
 
     set_engine_environment()
     built = build_llm(BatchCompletionsModelConfig(model=MODEL, max_model_len=256, dtype="float32"))
-    model_config = BatchCompletionsModelConfig(model=MODEL)
-    handlers = {
-        "v1": V1Requests(),
-        "completion": CompletionRequests(built.llm, model_config),
-        "chat": ChatRequests(built.llm, model_config),
-    }
-    return built, handlers
+    return built, kind_handlers(built.llm, BatchCompletionsModelConfig(model=MODEL))
 
 
 def _outputs_added_without_deprecation(items: list[WorkItem]) -> list[dict[str, Any]]:
