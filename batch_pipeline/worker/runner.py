@@ -31,6 +31,7 @@ from batch_pipeline.worker.handlers import (
     refused_output,
 )
 from batch_pipeline.worker.kinds import kind_handlers
+from batch_pipeline.worker.prefix_cache import SaltedEngine
 from batch_pipeline.worker.sandbox import Sandbox, SandboxSettings, SandboxUnavailable
 from batch_pipeline.worker.shared_generation import SharedGenerations, text_pieces
 
@@ -216,7 +217,7 @@ class ShardRunner:
         self.report(
             f"engine ready in {self.stats.engine_start_s:.1f}s, computing in {built.dtype}: {built.dtype_reason}"
         )
-        engine = built.engine
+        engine = SaltedEngine(built.engine, self.task.owner_team)  # the team's own prefix cache
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
         multi_round = [handler for handler in self.handlers.values() if isinstance(handler, MultiRoundHandler)]

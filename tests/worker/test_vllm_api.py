@@ -114,6 +114,44 @@ def _refusal(item: WorkItem) -> tuple[str, dict[str, Any], bool]:
     raise AssertionError(f"the engine took {item}")
 
 
+def _cached_tokens_one_at_a_time(turns: list[tuple[str | None, WorkItem]]) -> list[int]:
+    """In the engine's process: each item added for its team, as a shard of that team adds it, and run to
+    the end before the next is added; the prompt tokens each found in the prefix cache."""
+    from batch_pipeline.worker.prefix_cache import SaltedEngine
+
+    built, handlers = _engine_and_handlers()
+    cached = []
+    for team, item in turns:
+        (request_id,) = handlers[item.kind].submit(SaltedEngine(built.engine, team), item)
+        finished = None
+        while finished is None:
+            finished = next((r for r in built.engine.step() if r.finished and r.request_id == request_id), None)
+        cached.append(finished.num_cached_tokens)
+    return cached
+
+
+@pytest.mark.slow
+def test_one_teams_prefix_cache_never_serves_another_teams_request_in_one_engine(engine_process, tokenizer):
+    """vLLM's prefix cache, salted per team (worker/prefix_cache.py): a team's second request with a long
+    prefix reads it from the cache; another team's identical request computes it again, as does the
+    first request of that team, whose own second then hits."""
+    prefix = "You are a careful assistant who answers in one word. " * 10
+    assert len(tokenizer.encode(prefix)) > 3 * 32  # several whole KV blocks (32 tokens on the CPU) shared
+
+    def item(index: int, question: str) -> WorkItem:
+        return WorkItem(index, "completion", {"prompt": prefix + question, "max_tokens": 2, "temperature": 0})
+
+    turns = [
+        ("team-a", item(100, "Q: sky colour? A:")),
+        ("team-a", item(101, "Q: grass colour? A:")),
+        ("team-b", item(102, "Q: grass colour? A:")),  # the same prompt as team-a's second
+        ("team-b", item(103, "Q: snow colour? A:")),
+    ]
+    a_first, a_second, b_first, b_second = engine_process.submit(_cached_tokens_one_at_a_time, turns).result()
+    assert a_first == 0 and b_first == 0, (a_first, b_first)
+    assert a_second >= 3 * 32 and b_second >= 3 * 32, (a_second, b_second)
+
+
 @pytest.mark.slow
 def test_every_kind_of_prompt_reaches_the_engine_rendered_with_no_deprecation(engine_process, tokenizer):
     token_ids = tokenizer.encode("Hello there")
