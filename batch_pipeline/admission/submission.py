@@ -23,11 +23,12 @@ from batch_pipeline.admission.capabilities import refusals
 from batch_pipeline.admission.paths import DataFiles
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request
+from batch_pipeline.contract.kinds import CHARS_PER_TOKEN
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
-from batch_pipeline.shards.records import CHARS_PER_TOKEN, work_items
+from batch_pipeline.shards.records import work_items
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
 from batch_pipeline.store.quotas import Admit, QuotaStore, TeamFigures, TokensOfTheDay

@@ -13,6 +13,7 @@ from batch_pipeline.contract.jobs import (
     UpdateBatchCompletionsV2Request,
     UpdateBatchCompletionsV2Response,
 )
+from batch_pipeline.contract.kinds.v1 import CreateBatchCompletionsV1RequestContent
 from batch_pipeline.contract.model_config import BatchCompletionsModelConfig, CreateBatchCompletionsV1ModelConfig
 from batch_pipeline.contract.openai import (
     ChatMessage,
@@ -25,7 +26,6 @@ from batch_pipeline.contract.openai import (
 from batch_pipeline.contract.outputs import CompletionOutput, ErrorDetail, ErrorOutput, TokenOutput
 from batch_pipeline.contract.requests import (
     CreateBatchCompletionsV1Request,
-    CreateBatchCompletionsV1RequestContent,
     CreateBatchCompletionsV2Request,
     GpuType,
     ToolConfig,

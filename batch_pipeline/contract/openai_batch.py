@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
 from batch_pipeline.contract.labels import OpenAIMetadata
 
-# The endpoints a batch may target, and the kind of request each line's body is.
-BATCH_ENDPOINTS: dict[str, Literal["chat", "completion"]] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-}
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
+# The endpoints a batch may target: those of the registry's kinds (contract/kinds).
+if TYPE_CHECKING:
+    BatchEndpoint = str
+else:
+    BatchEndpoint = Literal[tuple(BATCH_ENDPOINTS)]
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
@@ -178,6 +178,13 @@ class BatchInputLine(BatchInputLineBase):
     """One line of a batch's input file."""
 
     body: dict[str, Any]
+
+
+# A line of each endpoint, its body the endpoint's kind's wire model: parsed and validated in one pass.
+BATCH_LINES: dict[str, type[BatchInputLineBase]] = {
+    url: create_model(f"{kind.name.title()}BatchInputLine", __base__=BatchInputLineBase, body=(kind.wire_model, ...))
+    for url, kind in BATCH_ENDPOINTS.items()
+}
 
 
 class OpenAIError(WireModel):

@@ -1,22 +1,21 @@
-"""Reading the records of an input file (or of inline content) as typed requests."""
+"""Reading the records of an input file (or of inline content) as typed requests, each of the kind the
+registry (`contract/kinds`) recognizes it as."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
-from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
+from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.kinds import KINDS, UnknownRecord, kind_of_record
 
-InputRecord = CreateBatchCompletionsV1RequestContent | FilteredCompletionV2Request | FilteredChatCompletionV2Request
-RecordKind = Literal["v1", "completion", "chat"]
+# A parsed record: the wire model of its kind.
+InputRecord = WireModel
+# A kind's name, as work items carry it (one of `contract.kinds.KINDS`).
+RecordKind = str
 
-_ADAPTERS: dict[RecordKind, TypeAdapter[Any]] = {
-    "v1": TypeAdapter(CreateBatchCompletionsV1RequestContent),
-    "completion": TypeAdapter(FilteredCompletionV2Request),
-    "chat": TypeAdapter(FilteredChatCompletionV2Request),
-}
+_ADAPTERS: dict[RecordKind, TypeAdapter[Any]] = {kind.name: TypeAdapter(kind.wire_model) for kind in KINDS}
 
 
 class RecordError(ValueError):
@@ -24,16 +23,11 @@ class RecordError(ValueError):
 
 
 def record_kind(record: Any) -> RecordKind:
-    """Which request type a raw record is: v1 content has `prompts`, a chat request `messages`."""
-    if not isinstance(record, dict):
-        raise RecordError(f"expected a JSON object, found {type(record).__name__}")
-    if "messages" in record:
-        return "chat"
-    if "prompts" in record:
-        return "v1"
-    if "prompt" in record:
-        return "completion"
-    raise RecordError("expected `prompts` (v1 content), `prompt` (completion) or `messages` (chat)")
+    """Which kind of request a raw record is: v1 content has `prompts`, a chat request `messages`."""
+    try:
+        return kind_of_record(record).name
+    except UnknownRecord as exc:
+        raise RecordError(str(exc)) from None
 
 
 def parse_record(record: Any, where: str) -> tuple[RecordKind, InputRecord]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Any, Self, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Self, Union, get_args
 
 from pydantic import (
     Discriminator,
@@ -19,9 +19,16 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_core.core_schema import ErrorType
 
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.kinds import (
+    INLINE_LIST_KINDS,
+    INLINE_OBJECT_KINDS,
+    KINDS,
+    inline_content_kind,
+    inline_list_kind,
+)
+from batch_pipeline.contract.kinds.v1 import CreateBatchCompletionsV1RequestContent
 from batch_pipeline.contract.labels import MAX_LABELS, Labels
 from batch_pipeline.contract.model_config import BatchCompletionsModelConfig, CreateBatchCompletionsV1ModelConfig
-from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
 
 
 class GpuType(str, Enum):
@@ -55,32 +62,6 @@ class ToolConfig(WireModel):
     def _at_least_one(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("must be at least 1")
-        return value
-
-
-class CreateBatchCompletionsV1RequestContent(WireModel):
-    """Prompts sharing one set of sampling parameters."""
-
-    text_fields = frozenset({"prompts", "stop_sequences"})
-
-    prompts: list[str]
-    max_new_tokens: int
-    temperature: float = Field(ge=0.0, le=1.0)
-    stop_sequences: list[str] | None = None
-    return_token_log_probs: bool | None = False
-    presence_penalty: float | None = Field(None, ge=0.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=0.0, le=2.0)
-    top_k: int | None = Field(None, ge=-1)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    skip_special_tokens: bool | None = True
-
-    # Not a bound of the spec's schema, but no engine can generate fewer than one token: refusing it here
-    # names the field instead of failing every prompt of the batch later.
-    @field_validator("max_new_tokens")
-    @classmethod
-    def _at_least_one_token(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("max_new_tokens must be at least 1")
         return value
 
 
@@ -172,28 +153,25 @@ class CreateBatchCompletionsV1Request(_BatchCompletionsRequestBase):
         return model_cfg
 
 
-def _content_kind(value: Any) -> str | None:
-    """Which of the three content shapes a value is, judged the way a reader of the spec would."""
-    if isinstance(value, (CreateBatchCompletionsV1RequestContent, dict)):
-        return "v1"
-    if isinstance(value, list):
-        first = value[0] if value else None
-        if isinstance(first, FilteredChatCompletionV2Request) or (isinstance(first, dict) and "messages" in first):
-            return "chat"
-        return "completion"
-    return None
+def _inline_content() -> Any:
+    """v2 content: one of the inline shapes of the registry's kinds, told apart by `inline_content_kind`."""
+    shapes = tuple(Annotated[kind.inline_content, Tag(kind.name)] for kind in KINDS if kind.inline_content is not None)
+    objects = " or ".join(kind.prompt_field for kind in INLINE_OBJECT_KINDS)
+    lists = " or ".join(kind.name for kind in INLINE_LIST_KINDS)
+    return Annotated[
+        Union[shapes],  # noqa: UP007 (a union of a tuple of types, built at runtime)
+        Discriminator(
+            inline_content_kind,
+            custom_error_type="invalid_content",
+            custom_error_message=f"content must be an object of {objects}, or a list of {lists} requests",
+        ),
+    ]
 
 
-BatchContent = Annotated[
-    Annotated[CreateBatchCompletionsV1RequestContent, Tag("v1")]
-    | Annotated[list[FilteredCompletionV2Request], Tag("completion")]
-    | Annotated[list[FilteredChatCompletionV2Request], Tag("chat")],
-    Discriminator(
-        _content_kind,
-        custom_error_type="invalid_content",
-        custom_error_message="content must be an object of prompts, or a list of completion or chat requests",
-    ),
-]
+if TYPE_CHECKING:
+    BatchContent = Any
+else:
+    BatchContent = _inline_content()
 
 
 class CreateBatchCompletionsV2Request(_BatchCompletionsRequestBase):
@@ -213,11 +191,12 @@ class CreateBatchCompletionsV2Request(_BatchCompletionsRequestBase):
         other kind (`content.2`): otherwise it fails deep inside the kind the first request chose
         (`content.chat.2.messages`)."""
         if isinstance(content, list) and content and all(isinstance(item, dict) for item in content):
-            kinds = ["chat" if "messages" in item else "completion" for item in content]
+            kinds = [inline_list_kind(item).name for item in content]
             if (other := next((i for i, kind in enumerate(kinds) if kind != kinds[0]), None)) is not None:
+                each = " or ".join(f"all {kind.name} requests (`{kind.prompt_field}`)" for kind in INLINE_LIST_KINDS)
                 why = (
                     f"request {other} is a {kinds[other]} request and request 0 a {kinds[0]} request: a job's "
-                    "content is all completion requests (`prompt`) or all chat requests (`messages`); send two jobs"
+                    f"content is {each}; send two jobs"
                 )
                 # At the request of the other kind (`content.2`), where the client's list went wrong.
                 raise ValidationError.from_exception_data(
@@ -243,7 +222,7 @@ class CreateBatchCompletionsV2Request(_BatchCompletionsRequestBase):
             ) from None
 
 
-_CONTENT_TAGS = {"v1", "completion", "chat"}
+_CONTENT_TAGS = {kind.name for kind in KINDS}
 _BUILT_IN_ERRORS = set(get_args(ErrorType))
 
 

@@ -93,15 +93,10 @@ def count(
     request: CreateBatchCompletionsV2Request, model: Model, records: Iterator[tuple[str, Any]], source: str
 ) -> Counts:
     # The worker's handlers import vLLM: in the dry run's child (its forkserver), never in the API process.
-    from batch_pipeline.worker.handlers import RequestHandler, RequestRefused
-    from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
-    from batch_pipeline.worker.v1_requests import V1Requests
+    from batch_pipeline.worker.handlers import RequestRefused
+    from batch_pipeline.worker.kinds import kind_handlers
 
-    handlers: dict[str, RequestHandler] = {
-        "v1": V1Requests(),
-        "completion": CompletionRequests(model, request.model_cfg),
-        "chat": ChatRequests(model, request.model_cfg),
-    }
+    handlers = kind_handlers(model, request.model_cfg)
     counts = Counts()
     items = work_items(records)
     while True:

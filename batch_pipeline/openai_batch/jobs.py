@@ -25,8 +25,7 @@ from pydantic import ValidationError
 
 from batch_pipeline.admission.submission import CONTENT_FILE
 from batch_pipeline.contract import BatchCompletionsModelConfig
-from batch_pipeline.contract.openai import FilteredChatCompletionV2Request, FilteredCompletionV2Request
-from batch_pipeline.contract.openai_batch import BATCH_ENDPOINTS, BatchError, BatchInputLine, BatchInputLineBase
+from batch_pipeline.contract.openai_batch import BATCH_LINES, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import Settings
 from batch_pipeline.store.jobs import JobStore
@@ -84,7 +83,7 @@ def check_input_file(source: str, endpoint: str, work_dir: str, max_requests: in
     fields, the body for the endpoint, one `model` for the file, `custom_id`s unique) and write the job's
     content and custom ids into `work_dir` as it goes. On errors those files are removed and the errors
     say which lines; the file is read once, streaming, whatever its size."""
-    kind = BATCH_ENDPOINTS[endpoint]
+    typed_line = BATCH_LINES[endpoint]
     checked = CheckedInput()
     seen: set[bytes] = set()  # 128-bit digests of the custom ids: a few MB for the most a batch holds
     limit = max_requests
@@ -101,7 +100,7 @@ def check_input_file(source: str, endpoint: str, work_dir: str, max_requests: in
             if checked.total > limit:
                 checked.add_error("too_many_requests", f"a batch holds at most {limit} requests here", number)
                 break
-            line = _checked_line(raw, number, endpoint, kind, checked)
+            line = _checked_line(raw, number, endpoint, typed_line, checked)
             if line is None:
                 continue
             digest = hashlib.blake2b(line.custom_id.encode(), digest_size=16).digest()
@@ -125,23 +124,13 @@ def check_input_file(source: str, endpoint: str, work_dir: str, max_requests: in
     return checked
 
 
-class _ChatLine(BatchInputLineBase):
-    body: FilteredChatCompletionV2Request
-
-
-class _CompletionLine(BatchInputLineBase):
-    body: FilteredCompletionV2Request
-
-
-# A line parsed and validated in one pass (pydantic from its bytes); the slow path only names what is wrong.
-_TYPED_LINES: dict[str, type[_ChatLine] | type[_CompletionLine]] = {"chat": _ChatLine, "completion": _CompletionLine}
-
-
 def _checked_line(
-    raw: bytes, number: int, endpoint: str, kind: str, checked: CheckedInput
-) -> _ChatLine | _CompletionLine | None:
+    raw: bytes, number: int, endpoint: str, typed_line: type[BatchInputLineBase], checked: CheckedInput
+) -> Any:
+    """The line parsed and validated in one pass (pydantic from its bytes), or None when it is wrong; the
+    slow path only names what is wrong."""
     try:
-        line = _TYPED_LINES[kind].model_validate_json(raw)
+        line: Any = typed_line.model_validate_json(raw)
     except ValidationError as exc:
         _name_the_error(raw, number, endpoint, exc, checked)
         return None

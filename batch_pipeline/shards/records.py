@@ -10,15 +10,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batch_pipeline.contract.openai import FilteredChatCompletionV2Request
-from batch_pipeline.contract.records import InputRecord, RecordKind, parse_record
-from batch_pipeline.contract.requests import CreateBatchCompletionsV1RequestContent
+from batch_pipeline.contract.kinds import kind_named
+from batch_pipeline.contract.records import RecordKind, parse_record
 from batch_pipeline.shards.format import WorkItem
-
-# Estimating a request's cost without its tokenizer: characters per token of English text, and the output
-# of a request that sets no limit (chat; a completion's default is 16, as in the OpenAI API).
-CHARS_PER_TOKEN = 4
-UNBOUNDED_OUTPUT_ESTIMATE = 256
 
 
 @dataclass(frozen=True)
@@ -30,64 +24,23 @@ class ItemSize:
 
 
 def work_items(records: Iterable[tuple[str, Any]]) -> Iterator[tuple[WorkItem, ItemSize]]:
-    """Typed work items and their size, from raw records; v1 content fans out per prompt."""
+    """Typed work items and their size, from raw records, split as their kind splits them (v1 content fans
+    out per prompt)."""
     index = 0
     for where, raw in records:
-        kind, record = parse_record(raw, where)
-        for request, size in _split(kind, record):
-            yield WorkItem(index=index, kind=kind, request=request), size
+        name, record = parse_record(raw, where)
+        kind = kind_named(name)
+        for work in kind.work_requests(record):
+            output = kind.expected_output_tokens(work.request)
+            size = ItemSize(len(work.prompt_tokens) * work.candidates, sum(t + output for t in work.prompt_tokens))
+            yield WorkItem(index=index, kind=name, request=work.request), size
             index += 1
-
-
-def _split(kind: RecordKind, record: InputRecord) -> Iterator[tuple[dict[str, Any], ItemSize]]:
-    if isinstance(record, CreateBatchCompletionsV1RequestContent):
-        shared = record.model_dump(exclude={"prompts"}, exclude_none=True)
-        for text in record.prompts:
-            yield {"prompt": text, **shared}, ItemSize(1, _text_tokens(text) + record.max_new_tokens)
-        return
-    request = record.model_dump(exclude_none=True, by_alias=True)
-    prompts: list[Any]
-    if isinstance(record, FilteredChatCompletionV2Request):
-        prompts = [record.messages]
-    else:
-        prompt = record.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompts = list(prompt)  # several prompts: strings, or lists of token ids
-        else:
-            prompts = [prompt]
-    output = expected_output_tokens(kind, request)
-    yield request, ItemSize(len(prompts) * (record.n or 1), sum(_prompt_tokens(prompt) + output for prompt in prompts))
 
 
 def expected_output_tokens(kind: RecordKind, request: dict[str, Any]) -> int:
     """The most tokens one prompt of a request may generate, all its `n` candidates together; an estimate
     where the request sets no limit."""
-    if kind == "v1":
-        return int(request["max_new_tokens"])
-    if kind == "chat":
-        limit = request.get("max_completion_tokens") or request.get("max_tokens") or UNBOUNDED_OUTPUT_ESTIMATE
-    else:
-        limit = request.get("max_tokens", 16)
-    return limit * (request.get("n") or 1)
-
-
-def _prompt_tokens(prompt: Any) -> int:
-    if isinstance(prompt, str):
-        return _text_tokens(prompt)
-    if prompt and isinstance(prompt[0], int):  # token ids
-        return len(prompt)
-    return sum(_message_tokens(message) for message in prompt)
-
-
-def _message_tokens(message: Any) -> int:
-    content = message.content
-    if isinstance(content, str):
-        return _text_tokens(content)
-    return sum(_text_tokens(getattr(part, "text", "")) for part in content or [])
-
-
-def _text_tokens(text: str) -> int:
-    return len(text) // CHARS_PER_TOKEN + 1
+    return kind_named(kind).expected_output_tokens(request)
 
 
 def request_digest(item: WorkItem) -> int:
@@ -112,17 +65,9 @@ def _digest(kind: RecordKind, request: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=16).digest())
 
 
-# The fields that cap a request's output, by kind; a chat request's newer name wins where both are set.
-_OUTPUT_LIMIT_FIELDS: dict[RecordKind, tuple[str, ...]] = {
-    "v1": ("max_new_tokens",),
-    "completion": ("max_tokens",),
-    "chat": ("max_completion_tokens", "max_tokens"),
-}
-
-
 def output_limit(item: WorkItem) -> int | None:
     """The most tokens the request asks for a prompt; None where it sets no limit."""
-    for name in _OUTPUT_LIMIT_FIELDS[item.kind]:
+    for name in kind_named(item.kind).output_limit_fields:
         if item.request.get(name) is not None:
             return int(item.request[name])
     return None
@@ -130,7 +75,7 @@ def output_limit(item: WorkItem) -> int | None:
 
 def with_output_limit(item: WorkItem, limit: int) -> WorkItem:
     """The same request asking for at most `limit` tokens a prompt."""
-    names = _OUTPUT_LIMIT_FIELDS[item.kind]
+    names = kind_named(item.kind).output_limit_fields
     name = next((name for name in names if item.request.get(name) is not None), names[-1])
     return replace(item, request={**item.request, name: limit})
 
@@ -147,6 +92,5 @@ def shared_generation_key(item: WorkItem) -> int | None:
     limit = output_limit(item)
     if limit is None or limit < 1:  # the engine refuses a limit of 0: such a request gets its own error
         return None
-    return _digest(
-        item.kind, {name: value for name, value in request.items() if name not in _OUTPUT_LIMIT_FIELDS[item.kind]}
-    )
+    limits = kind_named(item.kind).output_limit_fields
+    return _digest(item.kind, {name: value for name, value in request.items() if name not in limits})

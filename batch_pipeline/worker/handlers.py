@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from batch_pipeline.contract import ErrorDetail, ErrorOutput
+from batch_pipeline.contract.kinds import find_kind
 from batch_pipeline.shards.format import WorkItem
 from batch_pipeline.shards.protocol import ShardStats
 
@@ -68,10 +69,6 @@ def refused_output(exc: RequestRefused) -> dict[str, Any]:
     return error_output(exc.code, str(exc), exc.param)
 
 
-# The field holding the prompt, by kind of request: what a prompt past the context blames.
-PROMPT_FIELDS = {"v1": "prompts", "completion": "prompt", "chat": "messages"}
-
-
 def is_request_error(exc: Exception) -> bool:
     """Whether the engine refused a request as invalid (past the context, a value out of range), rather
     than failed."""
@@ -88,5 +85,6 @@ def engine_error_output(exc: Exception, kind: str) -> dict[str, Any]:
         return error_output("engine_error", f"{type(exc).__name__}: {exc}")
     message = str(exc)
     if "maximum context length" in message or "maximum model length" in message:
-        return error_output("prompt_too_long", message, PROMPT_FIELDS.get(kind))
+        known = find_kind(kind)  # the field holding the prompt is what a prompt past the context blames
+        return error_output("prompt_too_long", message, known.prompt_field if known is not None else None)
     return error_output("invalid_request", message, getattr(exc, "parameter", None))

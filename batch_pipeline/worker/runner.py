@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
+from batch_pipeline.contract.kinds import kind_named
 from batch_pipeline.shards.format import WorkItem, format_result, read_copies, read_work_items
 from batch_pipeline.shards.protocol import WORKER_WINDOW, ShardStats, ShardTask
 from batch_pipeline.shards.records import expected_output_tokens
@@ -30,9 +30,10 @@ from batch_pipeline.worker.handlers import (
     error_output,
     refused_output,
 )
+from batch_pipeline.worker.kinds import kind_handlers
+from batch_pipeline.worker.prefix_cache import SaltedEngine
 from batch_pipeline.worker.sandbox import Sandbox, SandboxSettings, SandboxUnavailable
 from batch_pipeline.worker.shared_generation import SharedGenerations, text_pieces
-from batch_pipeline.worker.v1_requests import V1Requests
 
 if TYPE_CHECKING:
     from batch_pipeline.worker.engine import Engine, KeptEngine
@@ -112,16 +113,9 @@ def engine_order(
 
 
 def _shared_context(item: WorkItem) -> str:
-    """What requests of a batch usually share: a chat's messages before its last, a prompt before its last
-    line (the whole of either where there is no such part)."""
-    request = item.request
-    messages = request.get("messages")
-    if isinstance(messages, list):
-        return json.dumps(messages[:-1] if len(messages) > 1 else messages)
-    prompt = request.get("prompt")
-    if isinstance(prompt, str):
-        return prompt.rsplit("\n", 1)[0]
-    return json.dumps(prompt)
+    """What requests of a batch usually share, as the item's kind says (a chat's messages before its last, a
+    prompt before its last line)."""
+    return kind_named(item.kind).shared_context(item.request)
 
 
 class ShardRunner:
@@ -150,7 +144,7 @@ class ShardRunner:
         self.report = report
         self.report_progress = report_progress or (lambda figures: None)
         self.max_in_flight = max_in_flight
-        self.handlers: dict[str, RequestHandler] = {"v1": V1Requests()}  # the others need the engine
+        self.handlers: dict[str, RequestHandler] = {}  # by kind name, built with the engine
         self.stats = ShardStats(
             shard_index=self.shard.shard_index, items=self.shard.item_count, imported_ahead_s=imported_ahead_s
         )
@@ -181,7 +175,7 @@ class ShardRunner:
             items = read_work_items(self.shard.input_path)
             head = next(items, None)
             if self.task.tool_config is not None and head is not None:  # said also when resumed with nothing left
-                self.stats.tool_config = TOOL_APPLIED if head.kind == "v1" else TOOL_NOT_APPLIED
+                self.stats.tool_config = TOOL_APPLIED if kind_named(head.kind).takes_tool_config else TOOL_NOT_APPLIED
                 self.report(f"tool_config: {self.stats.tool_config}")
             pending = (item for item in itertools.chain([head] if head else [], items) if item.index not in done)
             first = next(pending, None)
@@ -232,7 +226,7 @@ class ShardRunner:
             + (f" (it served {self.stats.engine_shards_before} shards before)" if self.stats.engine_warm else "")
             + f", computing in {built.dtype}: {built.dtype_reason}"
         )
-        engine = built.engine
+        engine = SaltedEngine(built.engine, self.task.owner_team)  # the team's own prefix cache
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
         multi_round = [handler for handler in self.handlers.values() if isinstance(handler, MultiRoundHandler)]
@@ -370,14 +364,13 @@ class ShardRunner:
         tool_config: ToolConfig | None,
         sandbox: Sandbox | None,
     ) -> None:
-        from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
-
-        self.handlers["completion"] = CompletionRequests(llm, model_config)
-        self.handlers["chat"] = ChatRequests(llm, model_config)
+        self.handlers = kind_handlers(llm, model_config)
         if tool_config is not None and sandbox is not None:
             self.stats.sandbox = sandbox.isolation.to_dict()
             self.report(f"code_evaluator sandbox: {self.stats.sandbox}")
-            self.handlers["v1"] = CodeEvaluatorRequests(self.handlers["v1"], tool_config, llm.get_tokenizer(), sandbox)
+            for name, handler in list(self.handlers.items()):  # the kinds the tool loop runs (v1 content)
+                if kind_named(name).takes_tool_config:
+                    self.handlers[name] = CodeEvaluatorRequests(handler, tool_config, llm.get_tokenizer(), sandbox)
 
     def _check_deadline(
         self, engine: Any | None = None, in_flight: InFlight | None = None, unfinished: int = 0

@@ -241,3 +241,99 @@ def test_every_status_the_store_holds_is_a_status_the_wire_reports():
     assert {status.value for status in JobStatus} == {status.value for status in BatchCompletionsJobStatus} - {
         "unknown"
     }
+
+
+# --- The registry of request kinds ------------------------------------------------------------------------
+
+
+def test_the_registry_lists_each_kind_once_with_what_every_layer_asks_of_it():
+    from batch_pipeline.contract.kinds import _RECOGNIZED_FIRST, KINDS, RequestKind, kind_named
+
+    names = [kind.name for kind in KINDS]
+    assert names == ["v1", "completion", "chat"] and len(set(names)) == len(names)
+    assert sorted(_RECOGNIZED_FIRST, key=KINDS.index) == list(KINDS)  # every kind recognized, none twice
+    for kind in KINDS:
+        assert isinstance(kind, RequestKind) and kind_named(kind.name) is kind
+        assert kind.prompt_field in kind.wire_model.model_fields, kind
+        assert set(kind.output_limit_fields) <= set(kind.wire_model.model_fields), kind
+        for method in ("work_requests", "expected_output_tokens", "shared_context"):
+            assert getattr(type(kind), method) is not getattr(RequestKind, method), f"{kind} lacks {method}"
+
+
+@pytest.mark.parametrize(
+    "record, kind",
+    [
+        ({"prompts": ["a"], "max_new_tokens": 1, "temperature": 0}, "v1"),
+        ({"prompt": "a"}, "completion"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "chat"),
+        # unknown fields are ignored, so a record holding several kinds' prompt fields is the most specific's
+        ({"messages": [{"role": "user", "content": "hi"}], "prompt": "a", "prompts": ["b"]}, "chat"),
+        ({"prompts": ["a"], "prompt": "b", "max_new_tokens": 1, "temperature": 0}, "v1"),
+    ],
+)
+def test_a_record_is_the_kind_whose_prompt_field_it_holds(record, kind):
+    from batch_pipeline.contract.records import parse_record
+
+    parsed_kind, parsed = parse_record(record, "line 1")
+    assert parsed_kind == kind
+    assert isinstance(
+        parsed,
+        {
+            "v1": CreateBatchCompletionsV1RequestContent,
+            "completion": FilteredCompletionV2Request,
+            "chat": FilteredChatCompletionV2Request,
+        }[kind],
+    )
+
+
+def test_a_record_of_no_kind_is_named_with_what_each_kind_holds():
+    from batch_pipeline.contract.records import RecordError, parse_record
+
+    with pytest.raises(RecordError) as caught:
+        parse_record({"input": "a"}, "line 3")
+    assert str(caught.value) == ("line 3: expected `prompts` (v1 content), `prompt` (completion) or `messages` (chat)")
+
+
+def test_each_kind_with_an_openai_url_is_a_batch_endpoint_and_nothing_else_is():
+    from batch_pipeline.contract.kinds import BATCH_ENDPOINTS, KINDS
+    from batch_pipeline.contract.openai_batch import BATCH_LINES, CreateBatchRequest
+
+    assert {url: kind.name for url, kind in BATCH_ENDPOINTS.items()} == {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completion",
+    }
+    assert set(BATCH_LINES) == set(BATCH_ENDPOINTS) == {kind.openai_url for kind in KINDS if kind.openai_url}
+    for url, kind in BATCH_ENDPOINTS.items():
+        assert CreateBatchRequest(input_file_id="file-1", endpoint=url).endpoint == url
+        assert BATCH_LINES[url].model_fields["body"].annotation is kind.wire_model
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchRequest(input_file_id="file-1", endpoint="/v1/embeddings")
+    assert caught.value.errors()[0]["loc"] == ("endpoint",)
+    assert "'/v1/chat/completions' or '/v1/completions'" in caught.value.errors()[0]["msg"]
+
+
+def test_the_v2_content_error_names_the_registry_shapes():
+    with pytest.raises(ValidationError) as caught:
+        CreateBatchCompletionsV2Request.model_validate(_v1(content="prompts"))
+    assert "content must be an object of prompts, or a list of completion or chat requests" in str(caught.value)
+
+
+def test_no_module_outside_the_kind_registries_names_a_kind():
+    """A kind is looked up in the registry (contract/kinds, and worker/kinds.py for its handler), never
+    switched on by name: a string equal to a kind's name elsewhere is such a switch. (The `v1` of the
+    command line and the client is the API's version, Scale's v1 route, not the kind.)"""
+    import ast
+
+    from batch_pipeline.contract.kinds import KINDS
+
+    package = Path(__file__).resolve().parents[2] / "batch_pipeline"
+    names = {kind.name for kind in KINDS}
+    allowed = {"entrypoints/cli.py", "entrypoints/client.py", "worker/kinds.py"}
+    found = [
+        f"{module}:{node.lineno} {node.value!r}"
+        for path in sorted(package.rglob("*.py"))
+        if not (module := path.relative_to(package).as_posix()).startswith("contract/kinds/") and module not in allowed
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+    assert not found, f"kinds switched on by name outside the registry: {found}"

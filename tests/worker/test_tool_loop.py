@@ -119,8 +119,14 @@ class ScriptedEngine:  # test double: stands for vLLM's LLMEngine, which cannot 
         self.most_pending = 0  # requests in the engine at once
         self.finished_at: dict[str, float] = {}  # request id -> time.monotonic() when its step returned it
         self.faults: list[str] = []
+        self.cache_salts: list[str | None] = []  # each request's, in the order added
 
-    def add_request(self, request_id: str, prompt: str, params: Any, tokenization_kwargs: Any = None) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any, tokenization_kwargs: Any = None) -> None:
+        if isinstance(prompt, dict):  # a prompt with its team's cache_salt, as the shard runner adds it
+            self.cache_salts.append(prompt.get("cache_salt"))
+            prompt = prompt["prompt"]
+        else:
+            self.cache_salts.append(None)
         if request_id in self.pending:  # vLLM refuses an id in use; a finished one may come again
             self._fault(f"request id {request_id} used twice at once")
         if len(prompt) > self.max_model_len:
@@ -231,6 +237,7 @@ def run_shard(
     max_in_flight: int = 1024,
     share_generations: bool = True,
     pieces: Any = char_pieces,
+    owner_team: str | None = None,
 ) -> ShardStats:
     """The real ShardRunner on the shard, its engine the scripted one (None: no engine may be built), the
     text its tokenizer's stream writes `pieces`."""
@@ -247,6 +254,7 @@ def run_shard(
         tool_config=tool_config,
         deadline=deadline,
         share_generations=share_generations,
+        owner_team=owner_team,
     )
     try:
         return ShardRunner(task, checkpoint_upload_s=60, max_in_flight=max_in_flight).run()
@@ -682,3 +690,26 @@ def test_requests_owed_again_wait_for_room_in_flight(monkeypatch, tmp_path):
 
     assert engine.most_pending <= 2
     assert [output["text"] for output in outputs(shard)] == ["ab", "abcd", "abcdef"] * 3
+
+
+@pytest.mark.parametrize("team", ["team-a", None])
+def test_every_request_a_shard_adds_carries_its_teams_cache_salt(monkeypatch, tmp_path, team):
+    """Rounds, shared generations and requests generated again alone alike: one team's prompts never meet
+    another's in the engine's prefix cache. A job of no team has a salt too, one no team has."""
+    from batch_pipeline.worker.prefix_cache import team_cache_salt
+
+    shard = make_shard_of(
+        tmp_path,
+        [
+            {"prompts": ["Q: one\n", "Q: two\n"], "max_new_tokens": 4, "temperature": 0.0},
+            {"prompts": ["Q: one\n"], "max_new_tokens": 2, "temperature": 0.0},  # shares one generation
+        ],
+    )
+    engine = ScriptedEngine({"Q: one\n": ["1111"], "Q: two\n": ["2222"]})
+    run_shard(monkeypatch, shard, engine, owner_team=team)
+
+    assert outputs(shard)[2]["text"] == "11"
+    salt = team_cache_salt(team)
+    assert engine.cache_salts == [salt, salt]
+    assert len(salt) == 64 and team_cache_salt("team-b") != salt and (team is None or team not in salt)
+    assert team_cache_salt(None) == team_cache_salt("") != team_cache_salt("team-a")

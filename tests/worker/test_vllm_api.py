@@ -34,6 +34,24 @@ def test_the_openai_request_defaults_the_worker_falls_back_to_are_readable():
         assert defaults["temperature"] == 1.0 and defaults["top_p"] == 1.0
 
 
+def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does():
+    from batch_pipeline.contract.kinds import KINDS
+    from batch_pipeline.dry_run.counting import model_of
+    from batch_pipeline.worker.kinds import HANDLERS, kind_handlers
+    from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
+    from batch_pipeline.worker.v1_requests import V1Requests
+
+    assert set(HANDLERS) == {kind.name for kind in KINDS}
+    model_config = BatchCompletionsModelConfig(model=MODEL)
+    # The model as the dry run reads it (its tokenizer and config, no weights): what a handler reads of an LLM.
+    handlers = kind_handlers(model_of(model_config), model_config)
+    assert {name: type(handler) for name, handler in handlers.items()} == {
+        "v1": V1Requests,
+        "completion": CompletionRequests,
+        "chat": ChatRequests,
+    }
+
+
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_name"):
         vllm_api.no_such_name  # noqa: B018
@@ -57,18 +75,11 @@ def _engine_and_handlers() -> tuple[Any, dict[str, Any]]:
     """In the engine's process: the built-in model's engine, built as a shard worker builds it, and the
     worker's handlers."""
     from batch_pipeline.worker.engine import build_llm, set_engine_environment
-    from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
-    from batch_pipeline.worker.v1_requests import V1Requests
+    from batch_pipeline.worker.kinds import kind_handlers
 
     set_engine_environment()
     built = build_llm(BatchCompletionsModelConfig(model=MODEL, max_model_len=256, dtype="float32"))
-    model_config = BatchCompletionsModelConfig(model=MODEL)
-    handlers = {
-        "v1": V1Requests(),
-        "completion": CompletionRequests(built.llm, model_config),
-        "chat": ChatRequests(built.llm, model_config),
-    }
-    return built, handlers
+    return built, kind_handlers(built.llm, BatchCompletionsModelConfig(model=MODEL))
 
 
 def _outputs_added_without_deprecation(items: list[WorkItem]) -> list[dict[str, Any]]:
@@ -101,6 +112,44 @@ def _refusal(item: WorkItem) -> tuple[str, dict[str, Any], bool]:
             built.llm.llm_engine.has_unfinished_requests(),
         )
     raise AssertionError(f"the engine took {item}")
+
+
+def _cached_tokens_one_at_a_time(turns: list[tuple[str | None, WorkItem]]) -> list[int]:
+    """In the engine's process: each item added for its team, as a shard of that team adds it, and run to
+    the end before the next is added; the prompt tokens each found in the prefix cache."""
+    from batch_pipeline.worker.prefix_cache import SaltedEngine
+
+    built, handlers = _engine_and_handlers()
+    cached = []
+    for team, item in turns:
+        (request_id,) = handlers[item.kind].submit(SaltedEngine(built.engine, team), item)
+        finished = None
+        while finished is None:
+            finished = next((r for r in built.engine.step() if r.finished and r.request_id == request_id), None)
+        cached.append(finished.num_cached_tokens)
+    return cached
+
+
+@pytest.mark.slow
+def test_one_teams_prefix_cache_never_serves_another_teams_request_in_one_engine(engine_process, tokenizer):
+    """vLLM's prefix cache, salted per team (worker/prefix_cache.py): a team's second request with a long
+    prefix reads it from the cache; another team's identical request computes it again, as does the
+    first request of that team, whose own second then hits."""
+    prefix = "You are a careful assistant who answers in one word. " * 10
+    assert len(tokenizer.encode(prefix)) > 3 * 32  # several whole KV blocks (32 tokens on the CPU) shared
+
+    def item(index: int, question: str) -> WorkItem:
+        return WorkItem(index, "completion", {"prompt": prefix + question, "max_tokens": 2, "temperature": 0})
+
+    turns = [
+        ("team-a", item(100, "Q: sky colour? A:")),
+        ("team-a", item(101, "Q: grass colour? A:")),
+        ("team-b", item(102, "Q: grass colour? A:")),  # the same prompt as team-a's second
+        ("team-b", item(103, "Q: snow colour? A:")),
+    ]
+    a_first, a_second, b_first, b_second = engine_process.submit(_cached_tokens_one_at_a_time, turns).result()
+    assert a_first == 0 and b_first == 0, (a_first, b_first)
+    assert a_second >= 3 * 32 and b_second >= 3 * 32, (a_second, b_second)
 
 
 @pytest.mark.slow
