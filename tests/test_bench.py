@@ -310,3 +310,20 @@ def test_the_worker_loop_benchmark_runs_the_worker_alone_and_raw_on_the_same_req
     assert worker[0]["dtype"] == raw[0]["dtype"]
     assert result["summary"]["text_mismatches"] == [0]
     assert 0 < worker[0]["generate_s"] < worker[0]["wall_s"]
+
+
+@pytest.mark.slow  # a benchmark: two deployments and two raw processes
+def test_the_warm_engines_benchmark_runs_small_jobs_through_serve_with_and_without_the_pool(tmp_path):
+    out = tmp_path / "warm_engines.json"
+    _bench(
+        "warm_engines.py",
+        *("--jobs", "2", "--prompts", "2", "--max-tokens", "2", "--rounds", "1", "--out", str(out)),
+        timeout=1200,
+    )
+    summary = json.loads(out.read_text())
+    assert set(summary["walls_s"]) == {"pool", "no_pool", "raw_defaults", "raw_ours"}
+    [warm] = summary["small_job"]["pool"]
+    [cold] = summary["small_job"]["no_pool"]
+    # After the first jobs, the small job's shard found a warm engine in the pool, and none without it.
+    assert (warm["small_engine_warm"], cold["small_engine_warm"]) == (True, False)
+    assert "run_shard[shard_000]:start" in warm["small_timeline_s"]
