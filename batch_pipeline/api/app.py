@@ -25,12 +25,13 @@ from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.openai_service import OpenAIBatchService
 from batch_pipeline.api.service import (
     BatchJobService,
+    ForbiddenTeam,
     IdempotencyConflict,
     JobNotFound,
     ResumeConflict,
     UnservableRequest,
 )
-from batch_pipeline.api.usage import ForbiddenTeam, InvalidUsageQuery, usage_report
+from batch_pipeline.api.usage import InvalidUsageQuery, usage_report
 from batch_pipeline.api.webhooks import job_webhooks
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
@@ -213,7 +214,11 @@ def create_v2(
         raise HTTPException(status_code=429, detail=str(exc), headers={"Retry-After": "5"}) from None
 
 
-@router.get("/v2/batch-completions", response_model=ListBatchCompletionV2Response)
+@router.get(
+    "/v2/batch-completions",
+    response_model=ListBatchCompletionV2Response,
+    responses={403: {"model": ErrorBody, "description": "A team's key naming another team"}},
+)
 def list_jobs(
     who: CallerDep,
     service: ServiceDep,
@@ -221,7 +226,15 @@ def list_jobs(
     label: Annotated[list[str] | None, Query(description="KEY:VALUE; repeat to require several")] = None,
     limit: Annotated[int, Query(ge=1, le=1000, description="jobs per page")] = 100,
     after: Annotated[str | None, Query(description="the last_id of the previous page")] = None,
+    team: Annotated[
+        str | None,
+        Query(
+            description="Admin keys: that team's jobs alone (as their metadata.owner names it); a team's key: its "
+            "own only"
+        ),
+    ] = None,
 ):
+    """A page of the caller's jobs (an admin key: every team's, each with `metadata.owner`)."""
     wanted = {}
     for item in label or []:
         key, sep, value = item.partition(":")
@@ -230,7 +243,10 @@ def list_jobs(
                 422, detail=[{"loc": ["query", "label"], "msg": "expected KEY:VALUE", "type": "value_error"}]
             )
         wanted[key] = value
-    jobs, next_after = service.list(who, status, wanted, limit, after)
+    try:
+        jobs, next_after = service.list(who, status, wanted, limit, after, team)
+    except ForbiddenTeam as exc:
+        raise HTTPException(status_code=403, detail=str(exc)) from None
     last_id = jobs[-1].job_id if jobs else None
     return ListBatchCompletionV2Response(jobs=jobs, has_more=next_after is not None, last_id=last_id)
 

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     listing.add_argument("--status", choices=("queued", "running", "completed", "failed", "cancelled"))
     listing.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     listing.add_argument("--limit", type=int, default=100, help="at most this many jobs, newest first (default 100)")
+    listing.add_argument("--team", help="an admin key: that team's jobs alone (each job's owner is shown to admins)")
     cancel = commands.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job_id")
     wait = commands.add_parser("wait", help="follow a job to its end with a progress bar")
@@ -224,11 +225,15 @@ def _status(client, args, parser) -> int:
 def _list(client, args, parser) -> int:
     if args.limit < 1:
         parser.error("--limit must be at least 1")
-    jobs = client.list(args.status, _labels(args.label, parser), args.limit)
+    jobs = client.list(args.status, _labels(args.label, parser), args.limit, team=args.team)
     for job in jobs:
         metadata = job.get("metadata") or {}
         done = f"{metadata['requests_done']}/{metadata['requests_total']}" if "requests_total" in metadata else "-"
-        print(f"{job['job_id']:40} {job['status']:10} {done:>13} {job['model_config']['model']:28} {job['created_at']}")
+        owner = f" {metadata['owner']}" if "owner" in metadata else ""  # admin keys only
+        print(
+            f"{job['job_id']:40} {job['status']:10} {done:>13} {job['model_config']['model']:28} {job['created_at']}"
+            f"{owner}"
+        )
     if not jobs:
         print("no jobs", file=sys.stderr)
     return 0
