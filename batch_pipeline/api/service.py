@@ -41,6 +41,7 @@ from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, STOPPED_RUN_TAG
 from batch_pipeline.shards.format import shard_directories
 from batch_pipeline.shards.metadata import resume_figures
 from batch_pipeline.store.jobs import IdempotencyConflict, JobStore
+from batch_pipeline.store.progress import ShardPhase
 from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.store.results import JobResults
@@ -322,6 +323,8 @@ class BatchJobService:
                 "requests_total": str(record.requests_total),
                 "completion_tokens_generated": str(record.completion_tokens or 0),
             }
+        if (phase := job_phase(record)) is not None:
+            metadata["phase"] = phase
         if record.status_detail:
             metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
         waiting = record.status == JobStatus.QUEUED and record.run_id is None
@@ -366,6 +369,28 @@ class BatchJobService:
         if record is None or (record.owner != caller.owner and not caller.is_admin):
             raise JobNotFound(job_id)
         return record
+
+
+def job_phase(record: JobRecord) -> str | None:
+    """Where a job that has not ended is, from its row: `queued`, `planning shards`, `starting workers`,
+    `starting engine`, `generating n/N` (requests done of the job's), `merging` (every shard done, its output
+    being written), `stopping` (a cancel was asked); None once it has ended."""
+    if record.stopping:
+        return "stopping"
+    if record.status == JobStatus.QUEUED:
+        return "queued"
+    if record.status != JobStatus.RUNNING:
+        return None
+    total, done = record.requests_total, record.requests_done or 0
+    if total is None:  # validate_input and plan_shards have not recorded its shards yet
+        return "planning shards"
+    if done >= total:
+        return "merging"
+    if record.shard_phase == ShardPhase.GENERATING:
+        return f"generating {done}/{total}"
+    if record.shard_phase == ShardPhase.ENGINE:
+        return "starting engine"
+    return "starting workers"  # launched (importing vLLM, a pod scheduled), or waiting for its step
 
 
 def _not_cancelled(record: JobRecord) -> CancelBatchCompletionsV2Response:

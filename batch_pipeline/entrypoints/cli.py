@@ -208,6 +208,8 @@ def _status(client, args, parser) -> int:
         return 0
     metadata = job.get("metadata") or {}
     print(f"{job['job_id']}  {job['status']}  model {job['model_config']['model']}  created {job['created_at']}")
+    if "phase" in metadata:  # where a job that has not ended is: starting engine, generating n/N, ...
+        print(f"phase: {metadata['phase']}")
     if "requests_total" in metadata:
         print(f"progress: {metadata['requests_done']}/{metadata['requests_total']} requests")
     if "num_requests" in metadata:
@@ -281,7 +283,7 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
                     bar.initial, seen = bar.n, True
             now = time.monotonic()
             tokens = int(metadata.get("completion_tokens_generated", 0))
-            postfix = {"status": job["status"]}
+            postfix = {"status": metadata.get("phase", job["status"])}  # "starting engine", not just "running"
             if last_tokens is not None and now > last_time:
                 postfix["tokens/s"] = f"{(tokens - last_tokens) / (now - last_time):.0f}"
             last_tokens, last_time = tokens, now
