@@ -413,6 +413,7 @@ def _results_metadata(results: JobResults) -> dict[str, str]:
         "prompt_tokens": results.prompt_tokens,
         "completion_tokens": results.completion_tokens,
         "completion_tokens_per_s": results.completion_tokens_per_s,
+        "completion_tokens_per_wall_s": results.completion_tokens_per_wall_s,
         "wall_s": results.wall_s,
         "num_finished": results.num_finished,
         "num_unfinished": results.num_unfinished,

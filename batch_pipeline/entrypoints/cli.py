@@ -139,8 +139,9 @@ def _dry_run(client, args, parser) -> int:
         print(f"{answer['num_cut_at_context']} requests stop at the context")
     if estimate := answer.get("estimate"):
         print(
-            f"estimate: {estimate['wall_s']:.0f} s wall on {estimate['workers']} workers at "
-            f"{estimate['completion_tokens_per_s']} tokens/s (from {estimate['from_jobs']} jobs)"
+            f"estimate: {estimate['wall_s']:.0f} s wall on {estimate['workers']} workers: an engine start of "
+            f"{estimate.get('engine_start_s', 0):.0f} s, then {estimate['completion_tokens_per_s']} tokens/s "
+            f"each (from {estimate['from_jobs']} jobs)"
         )
     else:
         print(answer.get("no_history") or "no estimate")
@@ -216,7 +217,7 @@ def _status(client, args, parser) -> int:
         print(
             f"results: {metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
             f"{metadata.get('completion_tokens')} completion tokens, "
-            f"{metadata.get('completion_tokens_per_s')} tokens/s"
+            f"{metadata.get('completion_tokens_per_s')} tokens/s per worker while generating"
         )
     if "failure_reason" in metadata:
         print(f"failure: {metadata['failure_reason']}")
@@ -304,7 +305,7 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
         print(
             f"{metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
             f"{metadata.get('completion_tokens')} completion tokens at {metadata.get('completion_tokens_per_s')}"
-            f" tokens/s -> {job['output_data_path']}"
+            f" tokens/s per worker while generating -> {job['output_data_path']}"
         )
     return 0 if job["status"] == "completed" else 1
 
@@ -430,7 +431,8 @@ def _run_request(path: Path, show: int, team: str | None = None) -> int:
         f"{metadata['num_requests']} requests ({metadata['num_errors']} errors) in {len(metadata['shards'])} "
         f"shard{'s' if len(metadata['shards']) != 1 else ''}, "
         f"{metadata['prompt_tokens']} prompt + {metadata['completion_tokens']} completion tokens, "
-        f"{metadata['wall_s']:.1f}s wall, {metadata['completion_tokens_per_s']} completion tokens/s"
+        f"{metadata['wall_s']:.1f}s wall, {metadata['completion_tokens_per_s']} completion tokens/s per worker "
+        "while generating"
     )
     plan = metadata["data_parallelism"]
     if plan["reason"]:

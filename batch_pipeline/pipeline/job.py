@@ -500,6 +500,10 @@ def _finished_metadata(
     stats = [result.stats for result in shard_results]
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s.completion_tokens for s in stats)
+    # A resumed shard's tokens include those its checkpoint kept, which this attempt did not generate.
+    generated = [s for s in stats if s.resumed == 0 and s.generate_s > 0]
+    generate_s = sum(s.generate_s for s in generated)
+    generation_rate = round(sum(s.completion_tokens for s in generated) / generate_s, 2) if generated else None
     return JobMetadata(
         job_id=current_job_id(context),
         dagster_run_id=context.run_id,
@@ -510,7 +514,9 @@ def _finished_metadata(
         prompt_tokens=sum(s.prompt_tokens for s in stats),
         completion_tokens=completion_tokens,
         wall_s=wall_s,
-        completion_tokens_per_s=round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
+        completion_tokens_per_s=generation_rate,
+        completion_tokens_per_wall_s=round(completion_tokens / wall_s, 2) if wall_s > 0 else None,
+        engine_start_s=max((s.engine_start_s for s in stats if s.generate_s > 0), default=None),
         merge_s=merged.merge_s,
         finished_at=datetime.now(UTC),
         data_parallelism=DataParallelism(requested=plan.plan.requested, used=plan.plan.used, reason=plan.plan.reason),
@@ -535,6 +541,8 @@ def _row_results(metadata: JobMetadata) -> JobResults:
         requests_total=metadata.num_requests,
         requests_done=metadata.num_requests,
         errors=metadata.num_errors,
+        completion_tokens_per_wall_s=metadata.completion_tokens_per_wall_s,
+        engine_start_s=metadata.engine_start_s,
     )
 
 
@@ -548,6 +556,7 @@ def _outputs_materialization(metadata: JobMetadata, output_data_path: str) -> dg
             "num_errors",
             "completion_tokens",
             "completion_tokens_per_s",
+            "completion_tokens_per_wall_s",
             "wall_s",
         }
     )
