@@ -22,6 +22,7 @@ from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.errors import ErrorShape, ShapedRoute, answer_errors_in_route_shapes, validation_problems
 from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, ConnectionTimeouts, LargeBodySlots
 from batch_pipeline.api.metrics import metrics_text
+from batch_pipeline.api.offline_docs import add_offline_docs, swagger_assets_dir
 from batch_pipeline.api.openai_service import OpenAIBatchService
 from batch_pipeline.api.service import (
     BatchJobService,
@@ -352,7 +353,9 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
         title="batch_pipeline",
         description="Scale LLM Engine batch completions on Dagster and vLLM",
         lifespan=ConnectionTimeouts.of_deployment(configured).lifespan(),
+        docs_url=None,  # add_offline_docs: FastAPI's page loads its assets from a CDN
     )
+    add_offline_docs(app, swagger_assets_dir())
     app.state.job_service = service
     app.state.openai_service = openai_service = OpenAIBatchService(service, BatchApiLimits.of_deployment(configured))
     app.state.api_keys = keys or ApiKeys.of_deployment(configured, service.admission)
