@@ -79,6 +79,6 @@ def run_config_for(request: CreateBatchCompletionsV2Request, log_level: str | No
     config: dict[str, Any] = {
         "ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}
     }
-    if log_level:
-        config["loggers"] = {"console": {"config": {"log_level": log_level}}}
+    # Always named: a job's own logger (pipeline/console_logger.py) is used only where its run config names it.
+    config["loggers"] = {"console": {"config": {"log_level": log_level}} if log_level else {}}
     return config

@@ -29,6 +29,7 @@ from batch_pipeline.core import io
 from batch_pipeline.launch.base import ShardLauncher, ShardResult
 from batch_pipeline.openai_batch.jobs import finalize_batch
 from batch_pipeline.pipeline.config_schema import config_schema_for
+from batch_pipeline.pipeline.console_logger import console_logger
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
 from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
@@ -575,6 +576,7 @@ def _run_start(context: OpExecutionContext) -> float:
 
 @dg.job(
     description="One batch completions request: its prompts through vLLM, sharded, merged in input order.",
+    logger_defs={"console": console_logger},
 )
 def batch_completions():
     request = validate_input()

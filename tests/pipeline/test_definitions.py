@@ -10,6 +10,7 @@ import pytest
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.config_schema import run_config_for
+from batch_pipeline.pipeline.console_logger import console_logger
 from batch_pipeline.pipeline.definitions import batch_completions_job, defs
 from batch_pipeline.pipeline.partial_results import partial_results_run_request
 from batch_pipeline.store.records import JobRecord
@@ -46,6 +47,10 @@ def test_a_request_is_a_valid_run_config_and_gets_the_spec_defaults():
     assert config["model_config"]["max_model_len"] == 2048
     assert config["model_config"]["trust_remote_code"] is False
     assert CreateBatchCompletionsV2Request.model_validate(config).gpu_type == "nvidia-ampere-a10"
+    # Its runs log through the job's console logger (a cancel's events in one line each), at every level as
+    # Dagster's own default.
+    assert validated["loggers"]["console"]["config"]["log_level"] == "DEBUG"
+    assert batch_completions_job().loggers["console"] is console_logger
 
 
 @pytest.mark.parametrize("held_event", [None, "event-1"])
