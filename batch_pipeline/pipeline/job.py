@@ -26,9 +26,10 @@ from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings as deployment_settings
 from batch_pipeline.launch.base import ShardLauncher, ShardResult
 from batch_pipeline.openai_batch.jobs import finalize_batch
-from batch_pipeline.pipeline.config_schema import config_schema_for
+from batch_pipeline.pipeline.config_schema import config_schema_for, launchpad_template
 from batch_pipeline.pipeline.console_logger import console_logger
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
 from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of, tagged_job_id
@@ -577,6 +578,7 @@ def _run_start(context: OpExecutionContext) -> float:
 @dg.job(
     description="One batch completions request: its prompts through vLLM, sharded, merged in input order.",
     logger_defs={"console": console_logger},
+    config=launchpad_template(deployment_settings()),  # what the launchpad opens with; every launched run gives its own
 )
 def batch_completions():
     request = validate_input()

@@ -187,3 +187,30 @@ def test_the_sensors_tick_as_often_as_the_deployment_says(tmp_path):
             ("record_succeeded_runs", 7),
         ]
     )
+
+
+def test_the_launchpad_opens_with_a_sample_request_this_deployment_runs_and_a_given_one_is_taken_whole(tmp_path):
+    """Issue 46: the launchpad had no template; a newcomer wrote the request's YAML from the docs."""
+    from batch_pipeline.admission.policy import AdmissionPolicy
+    from batch_pipeline.admission.submission import check_servable
+    from batch_pipeline.core.settings import Settings, settings
+    from batch_pipeline.pipeline.config_schema import launchpad_template
+    from batch_pipeline.pipeline.job import DAGSTER_OWNER
+
+    job = batch_completions_job()
+    assert job.run_config == launchpad_template(settings())  # what the launchpad is filled with
+    # A run given nothing runs the template, which the deployment's checks admit as it is.
+    sample = dg.validate_run_config(job, {})["ops"]["validate_input"]["config"]
+    request = CreateBatchCompletionsV2Request.model_validate(sample)
+    assert request.content is not None and request.model_cfg.model == "smollm2-135m-instruct"
+    check_servable(request, DAGSTER_OWNER, AdmissionPolicy.of_deployment(settings()))
+    # Under data roots its output lies in the first.
+    rooted = Settings.model_validate({"BATCH_PIPELINE_DATA_ROOTS": f"{tmp_path}/a{os.pathsep}{tmp_path}/b"})
+    output = launchpad_template(rooted)["ops"]["validate_input"]["config"]["output_data_path"]
+    assert output.startswith(f"{tmp_path}/a/")
+
+    # A run's own request is taken whole: nothing of the template is merged into it.
+    given = dg.validate_run_config(job, run_config_for(CreateBatchCompletionsV2Request.model_validate(REQUEST)))
+    config = given["ops"]["validate_input"]["config"]
+    assert config["labels"] == {"team": "ml"} and config["output_data_path"] == "/tmp/out.json"
+    assert config["content"]["prompts"] == ["hi"]
