@@ -50,6 +50,18 @@ from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants, owner_tea
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
+# Its definition in the catalog, which without one called it "External asset ... no software definition".
+OUTPUTS_ASSET_SPEC = dg.AssetSpec(
+    OUTPUTS_ASSET,
+    description=(
+        "Each finished job's outputs, one materialization a job (its partition: the job id): the output file "
+        "and its .metadata.json at output_data_path, with the job's counts and token figures. Written by "
+        "write_job_metadata, the last step of the job's batch_completions run; a job is made by submitting "
+        "it (the API, the launchpad of batch_completions, a schedule), not by materializing this here."
+    ),
+    group_name="batch_completions",
+    kinds={"json"},
+)
 SHARD_STEP_TAG = "batch_pipeline/step"
 # The request's fields a launcher sizes a shard's machine by.
 HARDWARE_FIELDS = ("gpus", "gpu_type", "cpus", "memory", "storage")
