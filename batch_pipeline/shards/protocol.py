@@ -218,6 +218,11 @@ class ProgressMessage:
     kind: Literal["progress"] = "progress"
 
 
+# A ProgressMessage figure (sent as 1, alone): the worker is building its engine; its reports after that one
+# are of generation. A job's status read tells its phase by them (`store.progress.ShardPhase`).
+ENGINE_STARTING = "engine_starting"
+
+
 @dataclass(frozen=True)
 class FailureMessage:
     """Why the worker is failing (e.g. a full disk under the checkpoint), sent just before it exits."""

@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
 from batch_pipeline.contract.kinds import kind_named
 from batch_pipeline.shards.format import WorkItem, format_result, read_copies, read_work_items
-from batch_pipeline.shards.protocol import WORKER_WINDOW, ShardStats, ShardTask
+from batch_pipeline.shards.protocol import ENGINE_STARTING, WORKER_WINDOW, ShardStats, ShardTask
 from batch_pipeline.shards.records import expected_output_tokens
 from batch_pipeline.worker.checkpoint import Checkpoint, copy_lines, token_counts, write_sorted_output
 from batch_pipeline.worker.code_evaluator import TOOL_APPLIED, TOOL_NOT_APPLIED, CodeEvaluatorRequests
@@ -211,6 +211,7 @@ class ShardRunner:
                 for unserved in pending:
                     self._write(results, unserved.index, error_output("tool_unavailable", str(exc), "tool_config"))
                 return
+        self.report_progress({ENGINE_STARTING: 1})  # its job reads "starting engine" until the next report
         t0 = time.monotonic()
         if self.kept_engine is None:
             built = self.engine = build_llm(model_config)
