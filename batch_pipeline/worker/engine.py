@@ -190,13 +190,19 @@ class KeptEngine:
     built_s: float = 0.0  # what building it took: the start each later shard on it saves
     shards_served: int = 0
 
+    def holds(self, model_config: BatchCompletionsModelConfig) -> bool:
+        """Whether the engine kept is the one `model_config` builds."""
+        from batch_pipeline.shards.protocol import engine_key
+
+        return self.engine is not None and engine_key(model_config) == self.key
+
     def engine_for(self, model_config: BatchCompletionsModelConfig) -> tuple[Engine, bool]:
         """The engine for `model_config`, and whether it was already built (warm)."""
         from batch_pipeline.shards.protocol import engine_key
 
-        key = engine_key(model_config)
-        if self.engine is not None and key == self.key:
+        if self.engine is not None and self.holds(model_config):
             return self.engine, True
+        key = engine_key(model_config)
         self.engine = None  # before the next one is built: two engines would not fit where one does
         gc.collect()
         started = time.monotonic()

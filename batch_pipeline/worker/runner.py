@@ -211,7 +211,8 @@ class ShardRunner:
                 for unserved in pending:
                     self._write(results, unserved.index, error_output("tool_unavailable", str(exc), "tool_config"))
                 return
-        self.report_progress({ENGINE_STARTING: 1})  # its job reads "starting engine" until the next report
+        if self.kept_engine is None or not self.kept_engine.holds(model_config):
+            self.report_progress({ENGINE_STARTING: 1})  # its job reads "starting engine" until the next report
         t0 = time.monotonic()
         if self.kept_engine is None:
             built = self.engine = build_llm(model_config)
@@ -227,6 +228,7 @@ class ShardRunner:
             + (f" (it served {self.stats.engine_shards_before} shards before)" if self.stats.engine_warm else "")
             + f", computing in {built.dtype}: {built.dtype_reason}"
         )
+        self.report_progress({"requests_done": already_done})  # generating from now on
         engine = SaltedEngine(built.engine, self.task.owner_team)  # the team's own prefix cache
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
