@@ -164,7 +164,8 @@ def metrics(who: CallerDep, service: ServiceDep) -> Response:
     tokens generated. Every tenant's figures: admin keys only (Prometheus sends one as basic_auth's user)."""
     if not who.is_admin:
         raise HTTPException(status_code=403, detail="an admin key is required")
-    return Response(metrics_text(service.reports, service.admission.teams()), media_type=CONTENT_TYPE_LATEST)
+    text = metrics_text(service.reports, service.admission.teams(), service.engine_pool_dir)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post(

@@ -104,6 +104,7 @@ class BatchJobService:
         admission: AdmissionPolicy,
         fair_share_half_life_s: float,
         dry_runs: DryRuns,
+        engine_pool_dir: str = "",
     ) -> None:
         self.store = store
         self.reports = ReportStore(engine=store.engine)
@@ -114,6 +115,7 @@ class BatchJobService:
         # The jobs sensor's fair-share decay: a queued job's place is told as the sensor will pick it.
         self.fair_share_half_life_s = fair_share_half_life_s
         self.dry_runs = dry_runs
+        self.engine_pool_dir = engine_pool_dir  # this machine's warm engine pool, for /metrics
 
     @classmethod
     def of_deployment(cls, configured: Settings, store: JobStore, instance: dg.DagsterInstance) -> BatchJobService:
@@ -125,6 +127,7 @@ class BatchJobService:
             AdmissionPolicy.of_deployment(configured),
             configured.fair_share_half_life_s,
             DryRuns.of_deployment(configured),
+            configured.engine_pool_dir,
         )
 
     def create(

@@ -30,6 +30,7 @@ from batch_pipeline.core import io
 from batch_pipeline.launch.standby import environment_digest, private_directory
 from batch_pipeline.shards.protocol import (
     POOL_CLAIMED,
+    POOL_EVICTIONS,
     POOL_IDLE,
     POOL_OUTPUT,
     POOL_OWNER,
@@ -205,6 +206,33 @@ class EnginePool:
         with io.atomic_write(os.path.join(directory, POOL_STARTED)) as started:
             started.write(PoolWorkerStarted(pid=process.pid, env_digest=environment_digest(env)).model_dump_json())
         return PoolWorker(directory, process.pid, os.pidfd_open(process.pid), warm=False)
+
+
+@dataclass(frozen=True)
+class PoolGauges:
+    """The pool as `/metrics` tells it: what waits now, and the evictions so far."""
+
+    waiting_workers: int
+    waiting_bytes: int
+    evictions: int
+
+
+def pool_gauges(directory: str) -> PoolGauges | None:
+    """The figures of the pool at `directory`; None where there is none (no pool, or not on this machine)."""
+    if not directory or not private_directory(directory):
+        return None
+    waiting = [
+        idle
+        for entry in os.scandir(directory)
+        if entry.is_dir(follow_symlinks=False)
+        and (idle := _read_model(os.path.join(entry.path, POOL_IDLE), PoolWorkerIdle)) is not None
+    ]
+    try:
+        with open(os.path.join(directory, POOL_EVICTIONS)) as handle:
+            evictions = int(handle.read())
+    except (OSError, ValueError):
+        evictions = 0
+    return PoolGauges(len(waiting), sum(idle.rss_bytes for idle in waiting), evictions)
 
 
 def make_pool_directory() -> str:

@@ -399,6 +399,8 @@ def run_shard(
     finally:  # however the attempt ended (failed, stopped): its checkpoint is stored until retention deletes it
         _record_checkpoint_bytes(context, store, task)
     stats = result.stats
+    if stats.engine_pooled:
+        store.record_shard_engine(task.job_id, task.shard.shard_index, stats.engine_warm, stats.engine_start_saved_s)
     record_progress(
         {
             "requests_done": stats.items,
@@ -416,6 +418,7 @@ def run_shard(
             "imported_ahead_s": stats.imported_ahead_s,
             "generate_s": stats.generate_s,
             "resumed": stats.resumed,
+            "engine_warm": stats.engine_warm,
         }
     )
     return result

@@ -62,6 +62,7 @@ POOL_RETIRED = "retired.json"  # POOL_IDLE renamed by whoever ends its wait (its
 POOL_SHARD_EXIT = "shard-exit"  # the code its last shard ended with, written whole; the launcher removes it
 POOL_OUTPUT = "pool.log"  # its output between shards
 POOL_OWNER = "owner"  # in the pool's own directory: the pid of the `serve` that made it, whose exit ends the pool
+POOL_EVICTIONS = "evictions"  # in the pool's own directory: how many waiting workers were evicted, for /metrics
 
 
 class PoolWorkerStarted(BaseModel):
@@ -173,8 +174,10 @@ class ShardStats:
     tool_timed_out_executions: int = 0
     sandbox: dict[str, str] | None = None
     tool_config: str | None = None  # with a tool_config: TOOL_APPLIED, or TOOL_NOT_APPLIED and why
-    # A pool worker's engine (`launch/pool.py`): whether this shard found it built (warm), how many shards it
-    # had served before this one, and the start it saved (what building it took); false, 0, 0 otherwise.
+    # A pool worker's engine (`launch/pool.py`): whether the shard ran in the pool, whether it found the engine
+    # built (warm), how many shards it had served before this one, and the start it saved (what building it
+    # took); false, false, 0, 0 elsewhere.
+    engine_pooled: bool = False
     engine_warm: bool = False
     engine_shards_before: int = 0
     engine_start_saved_s: float = 0.0

@@ -95,6 +95,15 @@ class ShardProgressStore(StoreBase):
             )
             self._total_shards(connection, job_id)
 
+    def record_shard_engine(self, job_id: str, shard_index: int, warm: bool, start_saved_s: float) -> None:
+        """A completed shard that ran in the warm engine pool: whether its engine was warm, and what that saved."""
+        with self.engine.begin() as connection:
+            connection.execute(
+                job_shards.update()
+                .where(job_shards.c.job_id == job_id, job_shards.c.shard_index == shard_index)
+                .values(engine_warm=warm, engine_start_saved_s=start_saved_s)
+            )
+
     def record_checkpoint_bytes(self, job_id: str, shard_index: int, checkpoint_bytes: int) -> None:
         """What a shard's checkpoint holds as one of its attempts ended, and the job's total with it."""
         with self.engine.begin() as connection:

@@ -164,6 +164,10 @@ job_shards = sa.Table(
     sa.Column("charged_units", sa.Float, nullable=True),
     # Where its current attempt is (`ShardPhase`): NULL until its step starts a worker.
     sa.Column("phase", sa.String(16), nullable=True),
+    # Its completed attempt's engine, where it ran in the warm engine pool (NULL elsewhere, and until then):
+    # whether it found the engine built, and the start that saved. /metrics counts them.
+    sa.Column("engine_warm", sa.Boolean, nullable=True),
+    sa.Column("engine_start_saved_s", sa.Float, nullable=True),
 )
 
 

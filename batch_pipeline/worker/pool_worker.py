@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from batch_pipeline.core import io
 from batch_pipeline.shards.protocol import (
     POOL_CLAIMED,
+    POOL_EVICTIONS,
     POOL_IDLE,
     POOL_OUTPUT,
     POOL_OWNER,
@@ -167,7 +168,8 @@ def stay_warm(directory: str, kept: KeptEngine, limits: PoolLimits) -> bool:
             len(waiting) + 1 > limits.max_idle
             or (limits.max_idle_memory and sum(idle.rss_bytes for _, idle in waiting) + own > limits.max_idle_memory)
         ):
-            retire(waiting.pop(0)[0])
+            if retire(waiting.pop(0)[0]):
+                _count_eviction(pool)
         idle = PoolWorkerIdle(
             engine_key=kept.key, shards_served=kept.shards_served, idle_since=time.time(), rss_bytes=own
         )
@@ -176,6 +178,18 @@ def stay_warm(directory: str, kept: KeptEngine, limits: PoolLimits) -> bool:
     finally:
         os.close(lock)
     return True
+
+
+def _count_eviction(pool: str) -> None:
+    """One more in the pool's count of evictions (under the pool's lock, held by the caller)."""
+    path = os.path.join(pool, POOL_EVICTIONS)
+    try:
+        with open(path) as handle:
+            count = int(handle.read())
+    except (OSError, ValueError):
+        count = 0
+    with io.atomic_write(path) as handle:
+        handle.write(str(count + 1))
 
 
 def waiting_workers(pool: str) -> Iterator[tuple[str, PoolWorkerIdle]]:

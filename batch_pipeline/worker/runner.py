@@ -283,6 +283,7 @@ class ShardRunner:
     def _count_warm_start(self, warm: bool) -> None:
         kept = self.kept_engine
         assert kept is not None
+        self.stats.engine_pooled = True
         if warm:
             self.stats.engine_warm = True
             self.stats.engine_shards_before = kept.shards_served

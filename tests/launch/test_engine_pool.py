@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.contract import ToolConfig
 from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 from batch_pipeline.core.environment import child_environment
-from batch_pipeline.launch.pool import EnginePool, PoolKey, PoolSize
+from batch_pipeline.core.settings import settings
+from batch_pipeline.launch.pool import EnginePool, PoolKey, PoolSize, pool_gauges
 from batch_pipeline.shards.format import ShardSpec
 from batch_pipeline.shards.protocol import (
     POOL_CLAIMED,
@@ -27,6 +29,7 @@ from batch_pipeline.shards.protocol import (
     ShardTask,
     engine_key,
 )
+from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.worker.engine import KeptEngine
 from batch_pipeline.worker.pool_worker import PoolLimits, stay_warm
 from tests.conftest import MODEL
@@ -164,6 +167,9 @@ def test_a_worker_going_idle_evicts_the_longest_waiting_beyond_the_pools_bound(t
     assert (oldest / POOL_RETIRED).exists() and not (oldest / POOL_IDLE).exists()
     assert (newer / POOL_IDLE).exists()
     assert PoolWorkerIdle.model_validate_json((own / POOL_IDLE).read_text()).engine_key == "mine"
+    gauges = pool_gauges(str(pool_dir))  # what /metrics tells of the pool
+    assert gauges is not None and (gauges.waiting_workers, gauges.evictions) == (2, 1)
+    assert gauges.waiting_bytes > 2**30  # the newer worker's, and this process's own
     # A memory bound no waiting set fits (this process alone holds more than a byte): it leaves instead.
     (own / POOL_IDLE).unlink()
     assert not stay_warm(str(own), kept, PoolLimits(idle_s=60, max_idle=2, max_idle_memory=1))
@@ -242,6 +248,14 @@ def test_jobs_reuse_a_warm_engine_a_worker_killed_on_it_loses_nothing_and_the_po
     assert shard["engine_warm"] is False  # the retry's worker was started for it
     [restarted] = pool_worker_pids(engine_pool)
     assert restarted != waiting
+    # /metrics: the second job's shard warm; the first's and the third's retry started their engines.
+    scraped = metrics_text(ReportStore(settings().job_store_url), None, str(engine_pool)).decode()
+    for line in (
+        "batch_pipeline_engine_pool_hits_total 1.0",
+        "batch_pipeline_engine_pool_misses_total 2.0",
+        "batch_pipeline_engine_pool_waiting_workers 1.0",
+    ):
+        assert line in scraped.splitlines(), scraped
 
     deadline = time.monotonic() + 30 + 60
     while pool_worker_pids(engine_pool) or [path for path in engine_pool.iterdir() if path.is_dir()]:
