@@ -222,7 +222,7 @@ class ShardRunner:
         llm = built.llm
         self.stats.unsupported_engine_args = built.unsupported
         self.stats.dtype, self.stats.dtype_reason = built.dtype, built.dtype_reason
-        self.stats.engine_start_s = round(time.monotonic() - t0, 3)
+        self.stats.engine_start_s = round(time.monotonic() - t0 + self._imports_before(), 3)
         self.report(
             f"engine {'warm' if self.stats.engine_warm else 'ready'} in {self.stats.engine_start_s:.1f}s"
             + (f" (it served {self.stats.engine_shards_before} shards before)" if self.stats.engine_warm else "")
@@ -279,6 +279,12 @@ class ShardRunner:
                 handler.close(self.stats)
         self.stats.generate_s = round(time.monotonic() - t0, 3)
         self._report_progress(already_done, self.stats.generate_s)
+
+    def _imports_before(self) -> float:
+        """A cold pool worker's import of torch and vLLM, done before its shard's engine was built: part of
+        the shard's engine start, as a launched worker's is."""
+        kept = self.kept_engine
+        return kept.imported_s if kept is not None and not self.stats.engine_warm else 0.0
 
     def _count_warm_start(self, warm: bool) -> None:
         kept = self.kept_engine
