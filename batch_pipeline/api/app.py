@@ -22,15 +22,17 @@ from batch_pipeline.api.body import WireBodyRoute
 from batch_pipeline.api.errors import ErrorShape, ShapedRoute, answer_errors_in_route_shapes, validation_problems
 from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, ConnectionTimeouts, LargeBodySlots
 from batch_pipeline.api.metrics import metrics_text
+from batch_pipeline.api.offline_docs import add_offline_docs, swagger_assets_dir
 from batch_pipeline.api.openai_service import OpenAIBatchService
 from batch_pipeline.api.service import (
     BatchJobService,
+    ForbiddenTeam,
     IdempotencyConflict,
     JobNotFound,
     ResumeConflict,
     UnservableRequest,
 )
-from batch_pipeline.api.usage import ForbiddenTeam, InvalidUsageQuery, usage_report
+from batch_pipeline.api.usage import InvalidUsageQuery, usage_report
 from batch_pipeline.api.webhooks import job_webhooks
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
@@ -162,7 +164,8 @@ def metrics(who: CallerDep, service: ServiceDep) -> Response:
     tokens generated. Every tenant's figures: admin keys only (Prometheus sends one as basic_auth's user)."""
     if not who.is_admin:
         raise HTTPException(status_code=403, detail="an admin key is required")
-    return Response(metrics_text(service.reports, service.admission.teams()), media_type=CONTENT_TYPE_LATEST)
+    text = metrics_text(service.reports, service.admission.teams(), service.engine_pool_dir)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post(
@@ -213,7 +216,11 @@ def create_v2(
         raise HTTPException(status_code=429, detail=str(exc), headers={"Retry-After": "5"}) from None
 
 
-@router.get("/v2/batch-completions", response_model=ListBatchCompletionV2Response)
+@router.get(
+    "/v2/batch-completions",
+    response_model=ListBatchCompletionV2Response,
+    responses={403: {"model": ErrorBody, "description": "A team's key naming another team"}},
+)
 def list_jobs(
     who: CallerDep,
     service: ServiceDep,
@@ -221,7 +228,15 @@ def list_jobs(
     label: Annotated[list[str] | None, Query(description="KEY:VALUE; repeat to require several")] = None,
     limit: Annotated[int, Query(ge=1, le=1000, description="jobs per page")] = 100,
     after: Annotated[str | None, Query(description="the last_id of the previous page")] = None,
+    team: Annotated[
+        str | None,
+        Query(
+            description="Admin keys: that team's jobs alone (as their metadata.owner names it); a team's key: its "
+            "own only"
+        ),
+    ] = None,
 ):
+    """A page of the caller's jobs (an admin key: every team's, each with `metadata.owner`)."""
     wanted = {}
     for item in label or []:
         key, sep, value = item.partition(":")
@@ -230,7 +245,10 @@ def list_jobs(
                 422, detail=[{"loc": ["query", "label"], "msg": "expected KEY:VALUE", "type": "value_error"}]
             )
         wanted[key] = value
-    jobs, next_after = service.list(who, status, wanted, limit, after)
+    try:
+        jobs, next_after = service.list(who, status, wanted, limit, after, team)
+    except ForbiddenTeam as exc:
+        raise HTTPException(status_code=403, detail=str(exc)) from None
     last_id = jobs[-1].job_id if jobs else None
     return ListBatchCompletionV2Response(jobs=jobs, has_more=next_after is not None, last_id=last_id)
 
@@ -336,7 +354,9 @@ def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = No
         title="batch_pipeline",
         description="Scale LLM Engine batch completions on Dagster and vLLM",
         lifespan=ConnectionTimeouts.of_deployment(configured).lifespan(),
+        docs_url=None,  # add_offline_docs: FastAPI's page loads its assets from a CDN
     )
+    add_offline_docs(app, swagger_assets_dir())
     app.state.job_service = service
     app.state.openai_service = openai_service = OpenAIBatchService(service, BatchApiLimits.of_deployment(configured))
     app.state.api_keys = keys or ApiKeys.of_deployment(configured, service.admission)

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from batch_pipeline.api.usage import named_owners, team_label
+from batch_pipeline.launch.pool import pool_gauges
 from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.store.webhooks import WebhookOutbox
@@ -22,9 +23,10 @@ START_LATENCY_BUCKETS = (1, 2, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 360
 
 
 class JobStoreCollector(Collector):
-    def __init__(self, store: ReportStore, named: list[str]) -> None:
+    def __init__(self, store: ReportStore, named: list[str], engine_pool_dir: str = "") -> None:
         self.store = store
         self.named = named  # the owners whose figures are told apart (`named_owners`)
+        self.engine_pool_dir = engine_pool_dir  # this machine's warm engine pool, where `serve` made one
 
     def collect(self) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("batch_pipeline_jobs", "Batch jobs by status and model.", labels=["status", "model"])
@@ -50,6 +52,7 @@ class JobStoreCollector(Collector):
         yield from (jobs, requests, tokens)
         yield from _team_figures(self.store, self.named)
         yield from _webhook_figures(self.store, self.named)
+        yield from _engine_pool_figures(self.store, self.engine_pool_dir)
         yield GaugeMetricFamily(
             "batch_pipeline_queue_depth", "Jobs waiting for their first run to start.", value=queued
         )
@@ -136,7 +139,42 @@ def _webhook_figures(store: ReportStore, named: list[str]) -> Iterator[Metric]:
     yield from (events, delivered, given_up, attempts, pending)
 
 
-def metrics_text(store: ReportStore, teams: Tenants | None) -> bytes:
+def _engine_pool_figures(store: ReportStore, pool_directory: str) -> Iterator[Metric]:
+    """The warm engine pool's: shards that found their engine warm or started one there, and the engine
+    starts that saved (from the job store); what waits in this machine's pool now, and its evictions."""
+    warm, cold, saved = store.engine_pool_figures()
+    yield CounterMetricFamily(
+        "batch_pipeline_engine_pool_hits", "Shards that ran on a warm engine of the pool.", value=warm
+    )
+    yield CounterMetricFamily(
+        "batch_pipeline_engine_pool_misses",
+        "Shards that started an engine in the pool (none warm for them).",
+        value=cold,
+    )
+    yield CounterMetricFamily(
+        "batch_pipeline_engine_pool_engine_seconds_saved",
+        "Engine-start seconds the pool's warm engines saved (what building each had taken).",
+        value=saved,
+    )
+    gauges = pool_gauges(pool_directory)
+    if gauges is None:
+        return
+    yield GaugeMetricFamily(
+        "batch_pipeline_engine_pool_waiting_workers",
+        "Workers waiting with a warm engine now.",
+        value=gauges.waiting_workers,
+    )
+    yield GaugeMetricFamily(
+        "batch_pipeline_engine_pool_waiting_bytes", "Memory the waiting workers hold.", value=gauges.waiting_bytes
+    )
+    yield CounterMetricFamily(
+        "batch_pipeline_engine_pool_evictions",
+        "Waiting workers evicted to keep the pool within its bound (since serve started).",
+        value=gauges.evictions,
+    )
+
+
+def metrics_text(store: ReportStore, teams: Tenants | None, engine_pool_dir: str = "") -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(JobStoreCollector(store, named_owners(teams)))
+    registry.register(JobStoreCollector(store, named_owners(teams), engine_pool_dir))
     return generate_latest(registry)

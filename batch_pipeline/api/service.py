@@ -18,6 +18,7 @@ from batch_pipeline.admission.capabilities import length_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import UnservableRequest, admission_quotas, check_servable, submit
 from batch_pipeline.api.auth import Caller
+from batch_pipeline.api.usage import ForbiddenTeam
 from batch_pipeline.contract import (
     BatchCompletionsEstimate,
     BatchCompletionsJob,
@@ -40,13 +41,14 @@ from batch_pipeline.pipeline.tags import SCHEDULE_OWNER_PREFIX, STOPPED_RUN_TAG
 from batch_pipeline.shards.format import shard_directories
 from batch_pipeline.shards.metadata import resume_figures
 from batch_pipeline.store.jobs import IdempotencyConflict, JobStore
+from batch_pipeline.store.progress import ShardPhase
 from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.retention import checkpoints_deleted
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.store.sharing import SharingStore
-from batch_pipeline.tenancy.tenants import Tenants
+from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants, owner_name
 
 _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 # A LIST page ends once its jobs' labels and requests pass this many bytes, whatever its `limit`, and the
@@ -55,7 +57,14 @@ _NOT_STARTED = {DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED}
 LIST_PAGE_BYTES = 8 * 2**20
 
 
-__all__ = ["BatchJobService", "IdempotencyConflict", "JobNotFound", "ResumeConflict", "UnservableRequest"]
+__all__ = [
+    "BatchJobService",
+    "ForbiddenTeam",
+    "IdempotencyConflict",
+    "JobNotFound",
+    "ResumeConflict",
+    "UnservableRequest",
+]
 # What a resume can start again from: how the job ended, as its users read it (an expired job is failed).
 RESUMABLE = (JobStatus.FAILED, JobStatus.CANCELLED)
 
@@ -95,6 +104,7 @@ class BatchJobService:
         admission: AdmissionPolicy,
         fair_share_half_life_s: float,
         dry_runs: DryRuns,
+        engine_pool_dir: str = "",
     ) -> None:
         self.store = store
         self.reports = ReportStore(engine=store.engine)
@@ -105,6 +115,7 @@ class BatchJobService:
         # The jobs sensor's fair-share decay: a queued job's place is told as the sensor will pick it.
         self.fair_share_half_life_s = fair_share_half_life_s
         self.dry_runs = dry_runs
+        self.engine_pool_dir = engine_pool_dir  # this machine's warm engine pool, for /metrics
 
     @classmethod
     def of_deployment(cls, configured: Settings, store: JobStore, instance: dg.DagsterInstance) -> BatchJobService:
@@ -116,6 +127,7 @@ class BatchJobService:
             AdmissionPolicy.of_deployment(configured),
             configured.fair_share_half_life_s,
             DryRuns.of_deployment(configured),
+            configured.engine_pool_dir,
         )
 
     def create(
@@ -126,7 +138,7 @@ class BatchJobService:
         record, _ = submit(
             self.store, self.job_storage.work_dir, caller.owner, request, self.admission, idempotency_key
         )
-        return self.describe(record)
+        return self.describe(record, owner_for=caller)
 
     def check_model(self, caller: Caller, request: CreateBatchCompletionsV2Request) -> None:
         """Refuse, naming the field, a model its job's engine could not load here (neither on the hub nor a
@@ -145,7 +157,7 @@ class BatchJobService:
         return self.dry_runs.estimate(request, history, self.admission.data_files(caller.owner), team=caller.owner)
 
     def get(self, caller: Caller, job_id: str) -> BatchCompletionsJob:
-        return self.describe(self._record(caller, job_id), place_for=caller)
+        return self.describe(self._record(caller, job_id), place_for=caller, owner_for=caller)
 
     def list(
         self,
@@ -154,18 +166,31 @@ class BatchJobService:
         label: dict[str, str] | None = None,
         limit: int = 100,
         after: str | None = None,
+        team: str | None = None,
     ) -> tuple[list[BatchCompletionsJob], str | None]:
-        """One page of the caller's jobs (everyone's for an admin), newest first; and the cursor of the
-        next page, if there is one."""
+        """One page of the caller's jobs (everyone's for an admin, or `team`'s alone), newest first; and the
+        cursor of the next page, if there is one. A team's key naming another team: ForbiddenTeam."""
+        owner = None if caller.is_admin else caller.owner
+        if team is not None:
+            named = self._owner_named(team)
+            if not caller.is_admin and named != caller.owner:
+                raise ForbiddenTeam("a team's key lists its own team's jobs only; an admin key lists every team's")
+            owner = named
         page = self.store.list(
-            owner=None if caller.is_admin else caller.owner,
+            owner=owner,
             status=status.value if status else None,
             labels=label,
             limit=limit,
             after=after,
             max_bytes=LIST_PAGE_BYTES,
         )
-        return [self.describe(record) for record in page.jobs], page.next_after
+        return [self.describe(record, owner_for=caller) for record in page.jobs], page.next_after
+
+    def _owner_named(self, team: str) -> str:
+        """The owner whose jobs `team` names, as `metadata.owner` shows it: a tenants file's team, else an
+        owner as it is (`admins`, `schedule:NAME`, a key's digest)."""
+        registry = self.admission.teams()
+        return TEAM_OWNER_PREFIX + team if registry is not None and team in registry.teams else team
 
     def update_priority(self, caller: Caller, job_id: str, priority: str | None) -> tuple[BatchCompletionsJob, bool]:
         """Reprioritise a job that has not started: in the store before launch, on the queued run after."""
@@ -281,12 +306,18 @@ class BatchJobService:
             return "the job's checkpoints were deleted: its work dir holds no shards"
         return None
 
-    def describe(self, record: JobRecord, place_for: Caller | None = None) -> BatchCompletionsJob:
+    def describe(
+        self, record: JobRecord, place_for: Caller | None = None, owner_for: Caller | None = None
+    ) -> BatchCompletionsJob:
         """The job as its row has it: no file, no run and no event log is read. With `place_for` (the caller
         of a GET of one job), a job waiting for a run slot says where it stands as that caller may know it
-        (the waiting jobs' index is read)."""
+        (the waiting jobs' index is read). With `owner_for` an admin, `metadata.owner` names the job's team
+        (a team's own jobs are the only ones its keys see: it is not told its own name)."""
         request = _stored_request_view(record)
         metadata: dict[str, str] = {"labels": _labels_text(record.labels)} if record.labels else {}
+        if owner_for is not None and owner_for.is_admin:
+            # The owner is the submitting key's team; a `team` label the request set is only a label.
+            metadata["owner"] = owner_name(record.owner)
         if record.run_id is not None:
             metadata["dagster_run_id"] = record.run_id
         if record.requests_total:
@@ -295,6 +326,8 @@ class BatchJobService:
                 "requests_total": str(record.requests_total),
                 "completion_tokens_generated": str(record.completion_tokens or 0),
             }
+        if (phase := job_phase(record)) is not None:
+            metadata["phase"] = phase
         if record.status_detail:
             metadata["retrying_after"] = record.status_detail  # its run worker died; Dagster runs it again
         waiting = record.status == JobStatus.QUEUED and record.run_id is None
@@ -341,6 +374,28 @@ class BatchJobService:
         return record
 
 
+def job_phase(record: JobRecord) -> str | None:
+    """Where a job that has not ended is, from its row: `queued`, `planning shards`, `starting workers`,
+    `starting engine`, `generating n/N` (requests done of the job's), `merging` (every shard done, its output
+    being written), `stopping` (a cancel was asked); None once it has ended."""
+    if record.stopping:
+        return "stopping"
+    if record.status == JobStatus.QUEUED:
+        return "queued"
+    if record.status != JobStatus.RUNNING:
+        return None
+    total, done = record.requests_total, record.requests_done or 0
+    if total is None:  # validate_input and plan_shards have not recorded its shards yet
+        return "planning shards"
+    if done >= total:
+        return "merging"
+    if record.shard_phase == ShardPhase.GENERATING:
+        return f"generating {done}/{total}"
+    if record.shard_phase == ShardPhase.ENGINE:
+        return "starting engine"
+    return "starting workers"  # launched (importing vLLM, a pod scheduled), or waiting for its step
+
+
 def _not_cancelled(record: JobRecord) -> CancelBatchCompletionsV2Response:
     then = (
         "its output is final"
@@ -361,6 +416,7 @@ def _results_metadata(results: JobResults) -> dict[str, str]:
         "prompt_tokens": results.prompt_tokens,
         "completion_tokens": results.completion_tokens,
         "completion_tokens_per_s": results.completion_tokens_per_s,
+        "completion_tokens_per_wall_s": results.completion_tokens_per_wall_s,
         "wall_s": results.wall_s,
         "num_finished": results.num_finished,
         "num_unfinished": results.num_unfinished,

@@ -514,7 +514,13 @@ def _progress(job: BatchCompletionsJob) -> Html:
     done = meta.get("requests_done") or (total if job.status == BatchCompletionsJobStatus.COMPLETED else "0")
     text = f"{done}/{total}" if total else ""
     bar = html('<progress max="{total}" value="{done}"></progress> ', total=total, done=done) if total else Html("")
-    return html('{bar}<span data-field="progress">{text}</span>', bar=bar, text=text)
+    # Where a job that has not ended is (`starting engine`, `generating 3/10`, ...); empty once it has.
+    return html(
+        '{bar}<span data-field="progress">{text}</span> <span class="phase" data-field="phase">{phase}</span>',
+        bar=bar,
+        text=text,
+        phase=meta.get("phase", ""),
+    )
 
 
 def _error_summary(job: BatchCompletionsJob, cut: int | None = None) -> str:

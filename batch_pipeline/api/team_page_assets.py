@@ -25,6 +25,7 @@ code, .mono { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; fon
 [data-status="failed"] .status, .status[data-status="failed"] { background: #fbe0e0; color: #8a1c1c; }
 [data-status="cancelled"] .status, .status[data-status="cancelled"] { background: #f1ead6; color: #6b5310; }
 progress { width: 7rem; vertical-align: middle; }
+.phase { color: #52606d; font-size: 12px; }
 .label { display: inline-block; margin: 0 .25rem .15rem 0; padding: 0 .35rem; border: 1px solid var(--line);
   border-radius: .3rem; background: #f9fafb; font-size: 12px; }
 .muted { color: var(--muted); }
@@ -62,6 +63,7 @@ TEAM_JS = """\
     for (const bar of element.querySelectorAll("progress")) {
       if (total) { bar.max = total; bar.value = done; }
     }
+    for (const field of element.querySelectorAll("[data-field=phase]")) field.textContent = meta.phase || "";
   }
 
   async function refresh(element) {

@@ -43,7 +43,7 @@ class InvalidUsageQuery(ValueError):
 
 
 class ForbiddenTeam(PermissionError):
-    """A team's key asking for another team's usage."""
+    """A team's key asking for another team's usage or jobs."""
 
 
 def named_owners(registry: Tenants | None) -> list[str]:

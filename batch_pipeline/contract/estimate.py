@@ -24,12 +24,21 @@ class RuntimeEstimate(WireModel):
     deployment measured on its latest completed jobs of the model."""
 
     completion_tokens_per_s: float = Field(
-        description="Completion tokens per second per shard worker: the median over `from_jobs` jobs (each "
-        "job's tokens over its wall time, engine starts included, divided by its shard workers)."
+        description="Completion tokens per second per shard worker while generating: the median over "
+        "`from_jobs` jobs of their metadata's completion_tokens_per_s (a job's shards' tokens over their "
+        "generate_s). Jobs of a release before it measured so count only where there are no others, each "
+        "its tokens over its wall time divided by its shard workers."
+    )
+    engine_start_s: float = Field(
+        0.0,
+        description="The median over those jobs of their slowest shard's engine start, which every worker "
+        "pays before it generates; 0 where only older jobs are known.",
     )
     from_jobs: int = Field(description="The completed jobs of this model the rate is measured on.")
     workers: int = Field(description="Shard workers the job is expected to run in.")
-    wall_s: float = Field(description="max_output_tokens at that rate, over `workers` workers.")
+    wall_s: float = Field(
+        description="engine_start_s, then max_output_tokens at completion_tokens_per_s over `workers` workers."
+    )
     worker_hours: float = Field(description="wall_s times workers, in hours.")
     gpu_hours: float | None = Field(None, description="worker_hours times the `gpus` asked for; null when none.")
     cpu_hours: float | None = Field(None, description="worker_hours times the `cpus` asked for; null when none.")

@@ -125,12 +125,7 @@ def _runtime(
     history: list[CompletedFigures],
     planning: PlanningSettings,
 ) -> dict:
-    # Each job's throughput per shard worker it ran in.
-    rates = [
-        rate / max(1, figures.shards)
-        for figures in history
-        if (rate := figures.results.completion_tokens_per_s or 0) > 0
-    ]
+    rates, engine_starts = _generation_rates(history)
     if not rates:
         model = request.model_cfg.model
         why = (
@@ -142,12 +137,15 @@ def _runtime(
     rate = statistics.median(rates)
     # Shard workers the job would run in, as plan_shards decides it.
     workers = planning.shards_for(request.data_parallelism or 1, counts.prompt_tokens + counts.output_tokens)[0]
-    wall_s = counts.output_tokens / (rate * workers)
+    # Every worker starts its engine, then generates its share.
+    engine_start_s = statistics.median(engine_starts) if engine_starts else 0.0
+    wall_s = engine_start_s + counts.output_tokens / (rate * workers)
     worker_hours = wall_s * workers / 3600
     cpus = float(kubernetes_quantity("cpus", request.cpus)[1]) if request.cpus is not None else None
     return {
         "estimate": RuntimeEstimate(
             completion_tokens_per_s=round(rate, 2),
+            engine_start_s=round(engine_start_s, 1),
             from_jobs=len(rates),
             workers=workers,
             wall_s=round(wall_s, 1),
@@ -156,3 +154,21 @@ def _runtime(
             cpu_hours=round(worker_hours * cpus, 4) if cpus else None,
         )
     }
+
+
+def _generation_rates(history: list[CompletedFigures]) -> tuple[list[float], list[float]]:
+    """Each job's completion tokens per second per shard worker while it generated, and its slowest engine
+    start, from the jobs a release since issue 46 ran (their `completion_tokens_per_wall_s` says so). Only
+    where there are none: each older job's tokens over its whole wall per shard worker, as before, which
+    counted its engine starts as time generating (11 minutes estimated for what took 1-2)."""
+    measured = [figures.results for figures in history if figures.results.completion_tokens_per_wall_s is not None]
+    rates = [rate for results in measured if (rate := results.completion_tokens_per_s or 0) > 0]
+    if rates:
+        starts = [results.engine_start_s for results in measured if results.engine_start_s is not None]
+        return rates, starts
+    older = [
+        rate / max(1, figures.shards)
+        for figures in history
+        if (rate := figures.results.completion_tokens_per_s or 0) > 0
+    ]
+    return older, []

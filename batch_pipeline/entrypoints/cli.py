@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     listing.add_argument("--status", choices=("queued", "running", "completed", "failed", "cancelled"))
     listing.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     listing.add_argument("--limit", type=int, default=100, help="at most this many jobs, newest first (default 100)")
+    listing.add_argument("--team", help="an admin key: that team's jobs alone (each job's owner is shown to admins)")
     cancel = commands.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job_id")
     wait = commands.add_parser("wait", help="follow a job to its end with a progress bar")
@@ -138,8 +139,9 @@ def _dry_run(client, args, parser) -> int:
         print(f"{answer['num_cut_at_context']} requests stop at the context")
     if estimate := answer.get("estimate"):
         print(
-            f"estimate: {estimate['wall_s']:.0f} s wall on {estimate['workers']} workers at "
-            f"{estimate['completion_tokens_per_s']} tokens/s (from {estimate['from_jobs']} jobs)"
+            f"estimate: {estimate['wall_s']:.0f} s wall on {estimate['workers']} workers: an engine start of "
+            f"{estimate.get('engine_start_s', 0):.0f} s, then {estimate['completion_tokens_per_s']} tokens/s "
+            f"each (from {estimate['from_jobs']} jobs)"
         )
     else:
         print(answer.get("no_history") or "no estimate")
@@ -207,13 +209,15 @@ def _status(client, args, parser) -> int:
         return 0
     metadata = job.get("metadata") or {}
     print(f"{job['job_id']}  {job['status']}  model {job['model_config']['model']}  created {job['created_at']}")
+    if "phase" in metadata:  # where a job that has not ended is: starting engine, generating n/N, ...
+        print(f"phase: {metadata['phase']}")
     if "requests_total" in metadata:
         print(f"progress: {metadata['requests_done']}/{metadata['requests_total']} requests")
     if "num_requests" in metadata:
         print(
             f"results: {metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
             f"{metadata.get('completion_tokens')} completion tokens, "
-            f"{metadata.get('completion_tokens_per_s')} tokens/s"
+            f"{metadata.get('completion_tokens_per_s')} tokens/s per worker while generating"
         )
     if "failure_reason" in metadata:
         print(f"failure: {metadata['failure_reason']}")
@@ -224,11 +228,15 @@ def _status(client, args, parser) -> int:
 def _list(client, args, parser) -> int:
     if args.limit < 1:
         parser.error("--limit must be at least 1")
-    jobs = client.list(args.status, _labels(args.label, parser), args.limit)
+    jobs = client.list(args.status, _labels(args.label, parser), args.limit, team=args.team)
     for job in jobs:
         metadata = job.get("metadata") or {}
         done = f"{metadata['requests_done']}/{metadata['requests_total']}" if "requests_total" in metadata else "-"
-        print(f"{job['job_id']:40} {job['status']:10} {done:>13} {job['model_config']['model']:28} {job['created_at']}")
+        owner = f" {metadata['owner']}" if "owner" in metadata else ""  # admin keys only
+        print(
+            f"{job['job_id']:40} {job['status']:10} {done:>13} {job['model_config']['model']:28} {job['created_at']}"
+            f"{owner}"
+        )
     if not jobs:
         print("no jobs", file=sys.stderr)
     return 0
@@ -276,7 +284,7 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
                     bar.initial, seen = bar.n, True
             now = time.monotonic()
             tokens = int(metadata.get("completion_tokens_generated", 0))
-            postfix = {"status": job["status"]}
+            postfix = {"status": metadata.get("phase", job["status"])}  # "starting engine", not just "running"
             if last_tokens is not None and now > last_time:
                 postfix["tokens/s"] = f"{(tokens - last_tokens) / (now - last_time):.0f}"
             last_tokens, last_time = tokens, now
@@ -297,7 +305,7 @@ def _follow(client, job_id: str, timeout: float | None, interval: float) -> int:
         print(
             f"{metadata['num_requests']} requests ({metadata.get('num_errors', 0)} errors), "
             f"{metadata.get('completion_tokens')} completion tokens at {metadata.get('completion_tokens_per_s')}"
-            f" tokens/s -> {job['output_data_path']}"
+            f" tokens/s per worker while generating -> {job['output_data_path']}"
         )
     return 0 if job["status"] == "completed" else 1
 
@@ -423,7 +431,8 @@ def _run_request(path: Path, show: int, team: str | None = None) -> int:
         f"{metadata['num_requests']} requests ({metadata['num_errors']} errors) in {len(metadata['shards'])} "
         f"shard{'s' if len(metadata['shards']) != 1 else ''}, "
         f"{metadata['prompt_tokens']} prompt + {metadata['completion_tokens']} completion tokens, "
-        f"{metadata['wall_s']:.1f}s wall, {metadata['completion_tokens_per_s']} completion tokens/s"
+        f"{metadata['wall_s']:.1f}s wall, {metadata['completion_tokens_per_s']} completion tokens/s per worker "
+        "while generating"
     )
     plan = metadata["data_parallelism"]
     if plan["reason"]:

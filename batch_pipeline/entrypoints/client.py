@@ -52,10 +52,17 @@ class BatchClient:
         return self._call("GET", f"/v2/batch-completions/{job_id}")["job"]
 
     def list(
-        self, status: str | None = None, labels: dict[str, str] | None = None, limit: int = 100, page_size: int = 1000
+        self,
+        status: str | None = None,
+        labels: dict[str, str] | None = None,
+        limit: int = 100,
+        page_size: int = 1000,
+        team: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Up to `limit` jobs, newest first, following the API's pages of `page_size` (at most 1000)."""
+        """Up to `limit` jobs, newest first, following the API's pages of `page_size` (at most 1000); with
+        `team`, that team's alone (an admin key's filter)."""
         params: list[tuple[str, str]] = [("status", status)] if status else []
+        params += [("team", team)] if team else []
         params += [("label", f"{key}:{value}") for key, value in (labels or {}).items()]
         jobs: list[dict[str, Any]] = []
         after: list[tuple[str, str]] = []

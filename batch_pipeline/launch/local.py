@@ -122,9 +122,11 @@ class LocalShardLauncher(ShardLauncher):
         reader = _TempFileMessageReader()
         reader.on_progress = on_progress
         worker_env = {**worker_environment(task), **self._cpu_share(task), **self.env}
+        raise_if_past_deadline(task)  # before any worker is started or claimed for a shard that would only stop
         standby = None if self.python_executable else claim_standby(worker_env)
         pool = None if standby is not None else self._pool()
-        pooled = None if pool is None else pool.claim(PoolKey.of(task, worker_env))
+        pool_key = None if pool is None else PoolKey.of(task, worker_env)
+        pooled = None if pool is None or pool_key is None else pool.claim(pool_key)
         try:
             # PipesSubprocessClient's own run, opened up: on a non-zero exit the worker's last report says why.
             log_path = worker_log_path(task)
@@ -145,9 +147,9 @@ class LocalShardLauncher(ShardLauncher):
                         f"shard {task.shard.shard_index}: handed to the worker `batch-pipeline run` started ahead "
                         "(vLLM imported while the run was planned)"
                     )
-                elif pool is not None:
+                elif pool is not None and pool_key is not None:
                     pooled = pooled or pool.start(worker_env)
-                    pooled.hand_off(session.get_bootstrap_env_vars(), log_path)
+                    pooled.hand_off(session.get_bootstrap_env_vars(), log_path, pool_key)
                     process = pooled
                     context.log.info(
                         f"shard {task.shard.shard_index}: "

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -30,20 +31,24 @@ from batch_pipeline.core import io
 from batch_pipeline.launch.standby import environment_digest, private_directory
 from batch_pipeline.shards.protocol import (
     POOL_CLAIMED,
+    POOL_EVICTIONS,
     POOL_IDLE,
     POOL_OUTPUT,
     POOL_OWNER,
     POOL_SHARD_EXIT,
     POOL_STARTED,
     STANDBY_HANDOFF,
+    PoolShardExit,
     PoolWorkerIdle,
     PoolWorkerStarted,
     ShardTask,
     StandbyHandoff,
     engine_key,
+    is_pool_worker,
 )
 
 WAIT_POLL_S = 0.05
+POOL_PREFIX = "batch_pipeline-engine-pool-"
 _Announcement = TypeVar("_Announcement", PoolWorkerIdle, PoolWorkerStarted)
 
 
@@ -65,31 +70,61 @@ class PoolKey:
     env_digest: str
 
     @classmethod
-    def of(cls, task: ShardTask, worker_env: Mapping[str, str]) -> PoolKey:
+    def of(cls, task: ShardTask, worker_env: Mapping[str, str]) -> PoolKey | None:
+        """The shard's key; None for a shard no warm engine may serve: one of a checkpoint on an object store,
+        whose weights may change under the same URL (a warm engine would keep the old ones)."""
         key = engine_key(task.model_config)
+        checkpoint = task.model_config.checkpoint_path
+        if checkpoint:
+            if not io.is_local(checkpoint):
+                return None
+            key = _digest(key, _local_weights(checkpoint))
         if task.tool_config is not None:
-            team = hashlib.sha256(f"team:{task.owner_team or ''}".encode()).hexdigest()
-            key = hashlib.sha256(f"{key}:{team}".encode()).hexdigest()
+            key = _digest(key, f"team:{task.owner_team or ''}")
         return cls(key, environment_digest(worker_env))
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _local_weights(checkpoint: str) -> str:
+    """What a local checkpoint holds now (each file's name, size and time): rewritten, it is another engine."""
+    root = io.filesystem(checkpoint)[1]
+    entries = []
+    for directory, _, names in os.walk(root):
+        for name in names:
+            try:
+                info = os.stat(os.path.join(directory, name))
+            except OSError:
+                continue
+            entries.append(f"{os.path.relpath(os.path.join(directory, name), root)}:{info.st_size}:{info.st_mtime_ns}")
+    return "\n".join(sorted(entries))
 
 
 class PoolWorker:
     """The launcher's handle on the pool worker running its shard: waited for, signalled and killed as a
-    `subprocess.Popen` is (a pidfd: it may not be the launcher's child, and a reused pid is never hit)."""
+    `subprocess.Popen` is (a pidfd: it may not be the launcher's child, and a reused pid is never hit).
+    Its hand-off's token is the one the worker's exit code must name."""
 
     def __init__(self, directory: str, pid: int, pidfd: int, warm: bool) -> None:
         self.directory = directory
         self.pid = pid
         self.warm = warm  # claimed waiting, its engine built for this shard's key
+        self.token = uuid.uuid4().hex
         self._pidfd = pidfd
         self._code: int | None = None
 
-    def hand_off(self, env: Mapping[str, str], log_path: str) -> None:
+    def hand_off(self, env: Mapping[str, str], log_path: str, key: PoolKey) -> None:
+        handoff = StandbyHandoff(
+            env=dict(env), log=log_path, launcher_pid=os.getpid(), token=self.token, pool_key=key.engine
+        )
         with io.atomic_write(os.path.join(self.directory, STANDBY_HANDOFF)) as handle:
-            handle.write(StandbyHandoff(env=dict(env), log=log_path, launcher_pid=os.getpid()).model_dump_json())
+            handle.write(handoff.model_dump_json())
 
     def wait(self, timeout: float | None = None) -> int:
-        """The shard's exit code, which the worker leaves as it finishes the shard (and stays, or leaves)."""
+        """The shard's exit code, which the worker leaves as it finishes the shard, and waits for this
+        launcher to read before it waits for another."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._code is None:
             gone = bool(select.select([self._pidfd], [], [], WAIT_POLL_S)[0])
@@ -106,11 +141,13 @@ class PoolWorker:
         path = os.path.join(self.directory, POOL_SHARD_EXIT)
         try:
             with open(path) as handle:
-                code = int(handle.read())
+                exit = PoolShardExit.model_validate_json(handle.read())
         except (OSError, ValueError):
             return None
+        if exit.token != self.token:  # not this launcher's shard: never read, never removed
+            return None
         os.unlink(path)  # read: the worker may go on to wait for the next shard
-        return code
+        return exit.code
 
     def early_output(self, limit: int = 3000) -> str:
         try:
@@ -121,6 +158,8 @@ class PoolWorker:
             return ""
 
     def send_signal(self, sig: int) -> None:
+        if self._code is not None:  # its shard has ended: the worker may be another launcher's by now
+            return
         try:
             signal.pidfd_send_signal(self._pidfd, sig)
         except ProcessLookupError:
@@ -130,7 +169,8 @@ class PoolWorker:
         self.send_signal(signal.SIGKILL)
 
     def close(self) -> None:
-        """Done with it. A worker whose shard failed, or that never got one, is of no use to the pool."""
+        """Done with it. A worker never handed a shard, or whose shard did not end well (killed, failed,
+        stopped), is of no use to the pool: its directory goes with it."""
         if self._code is None:
             self.kill()
         if self._code != 0:
@@ -169,9 +209,6 @@ class EnginePool:
                 os.rename(os.path.join(directory, POOL_IDLE), os.path.join(directory, POOL_CLAIMED))
             except FileNotFoundError:  # taken, or retired, just now
                 continue
-            with_exit = os.path.join(directory, POOL_SHARD_EXIT)
-            if os.path.exists(with_exit):  # its last launcher did not read it: not this shard's
-                os.unlink(with_exit)
             worker = _open(directory, started.pid, warm=True)
             if worker is not None:
                 return worker
@@ -204,16 +241,66 @@ class EnginePool:
             )
         with io.atomic_write(os.path.join(directory, POOL_STARTED)) as started:
             started.write(PoolWorkerStarted(pid=process.pid, env_digest=environment_digest(env)).model_dump_json())
+        # Born claimed: one whose launcher dies before the hand-off leaves after the claim's timeout.
+        with io.atomic_write(os.path.join(directory, POOL_CLAIMED)) as claimed:
+            claimed.write(str(os.getpid()))
         return PoolWorker(directory, process.pid, os.pidfd_open(process.pid), warm=False)
+
+
+@dataclass(frozen=True)
+class PoolGauges:
+    """The pool as `/metrics` tells it: what waits now, and the evictions so far."""
+
+    waiting_workers: int
+    waiting_bytes: int
+    evictions: int
+
+
+def pool_gauges(directory: str) -> PoolGauges | None:
+    """The figures of the pool at `directory`; None where there is none (no pool, or not on this machine)."""
+    if not directory or not private_directory(directory):
+        return None
+    waiting = []
+    for entry in os.scandir(directory):
+        idle = _read_model(os.path.join(entry.path, POOL_IDLE), PoolWorkerIdle)
+        started = _read_model(os.path.join(entry.path, POOL_STARTED), PoolWorkerStarted)
+        if idle is not None and started is not None and is_pool_worker(entry.path, started.pid):
+            waiting.append(idle)
+    try:
+        with open(os.path.join(directory, POOL_EVICTIONS)) as handle:
+            evictions = int(handle.read())
+    except (OSError, ValueError):
+        evictions = 0
+    return PoolGauges(len(waiting), sum(idle.rss_bytes for idle in waiting), evictions)
 
 
 def make_pool_directory() -> str:
     """A new pool's directory, private to this user (0700), for `serve` to name in its services' environment;
     its workers leave when this process does, however it ends."""
-    directory = tempfile.mkdtemp(prefix="batch_pipeline-engine-pool-")
+    _remove_orphaned_pools()
+    directory = tempfile.mkdtemp(prefix=POOL_PREFIX)
     with io.atomic_write(os.path.join(directory, POOL_OWNER)) as owner:
         owner.write(str(os.getpid()))
     return directory
+
+
+def _remove_orphaned_pools() -> None:
+    """The pools of `serve`s killed before they could remove theirs (their workers have left with them)."""
+    base = tempfile.gettempdir()
+    for entry in os.scandir(base):
+        if not entry.name.startswith(POOL_PREFIX) or not private_directory(entry.path):
+            continue
+        try:
+            with open(os.path.join(entry.path, POOL_OWNER)) as handle:
+                owner = int(handle.read())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except PermissionError:  # alive, as another user
+            continue
 
 
 def _open(directory: str, pid: int, warm: bool) -> PoolWorker | None:
@@ -222,12 +309,7 @@ def _open(directory: str, pid: int, warm: bool) -> PoolWorker | None:
         pidfd = os.pidfd_open(pid)
     except OSError:
         return None
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            ours = os.fsencode(directory) in cmdline.read().split(b"\0")
-    except OSError:
-        ours = False
-    if not ours or select.select([pidfd], [], [], 0)[0]:
+    if not is_pool_worker(directory, pid) or select.select([pidfd], [], [], 0)[0]:
         os.close(pidfd)
         return None
     return PoolWorker(directory, pid, pidfd, warm)

@@ -9,6 +9,8 @@ the run starts, with the same errors the API gives.
 from __future__ import annotations
 
 import enum
+import os
+import tempfile
 import types
 import typing
 from typing import Any, Union
@@ -18,6 +20,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
+from batch_pipeline.core.settings import Settings
+from batch_pipeline.models.catalog import CATALOG
 
 _SCALARS = {str: dg.String, int: dg.Int, float: dg.Float, bool: dg.Bool}
 
@@ -74,11 +78,32 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
+def launchpad_template(configured: Settings) -> dict[str, Any]:
+    """The run config the launchpad opens with: a small request that runs as it is on this deployment
+    without a tenants file (a catalog model, two inline prompts, an output in the first data root, else
+    in the temporary directory); with one, it names no `team`, which the run then asks for. Only a run
+    given no `validate_input` config runs it: every run the service launches gives its request."""
+    root = next((root for root in configured.data_roots.split(os.pathsep) if root), tempfile.gettempdir())
+    request = CreateBatchCompletionsV2Request.model_validate(
+        {
+            "output_data_path": os.path.join(root, "batch_pipeline-launchpad-sample", "output.json"),
+            "model_config": {"model": next(iter(CATALOG))},
+            "content": {
+                "prompts": ["The capital of France is", "Water boils at"],
+                "max_new_tokens": 16,
+                "temperature": 0.0,
+            },
+            "labels": {"example": "launchpad"},
+        }
+    )
+    return {"ops": run_config_for(request)["ops"]}
+
+
 def run_config_for(request: CreateBatchCompletionsV2Request, log_level: str | None = None) -> dict[str, Any]:
     """The run config of a request: the request itself, as the config of `validate_input`."""
     config: dict[str, Any] = {
         "ops": {"validate_input": {"config": request.model_dump(mode="json", by_alias=True, exclude_none=True)}}
     }
-    if log_level:
-        config["loggers"] = {"console": {"config": {"log_level": log_level}}}
+    # Always named: a job's own logger (pipeline/console_logger.py) is used only where its run config names it.
+    config["loggers"] = {"console": {"config": {"log_level": log_level}} if log_level else {}}
     return config

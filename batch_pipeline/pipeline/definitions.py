@@ -16,7 +16,7 @@ from batch_pipeline.launch.base import ShardLauncher
 from batch_pipeline.launch.local import LocalShardLauncher
 from batch_pipeline.pipeline import step_server
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule
-from batch_pipeline.pipeline.job import SHARD_STEP_TAG, batch_completions
+from batch_pipeline.pipeline.job import OUTPUTS_ASSET_SPEC, SHARD_STEP_TAG, batch_completions
 from batch_pipeline.pipeline.partial_results import keep_partial_results
 from batch_pipeline.pipeline.resources import (
     JobStorage,
@@ -111,6 +111,7 @@ local_executor = dg.multiprocess_executor.configured(
 )
 
 defs = dg.Definitions(
+    assets=[OUTPUTS_ASSET_SPEC],
     jobs=[batch_completions, keep_partial_results, cleanup],
     sensors=[
         batch_jobs_sensor(_loaded_with.sensor_interval_s),

@@ -26,9 +26,11 @@ from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
 from batch_pipeline.core import io
+from batch_pipeline.core.settings import settings as deployment_settings
 from batch_pipeline.launch.base import ShardLauncher, ShardResult
 from batch_pipeline.openai_batch.jobs import finalize_batch
-from batch_pipeline.pipeline.config_schema import config_schema_for
+from batch_pipeline.pipeline.config_schema import config_schema_for, launchpad_template
+from batch_pipeline.pipeline.console_logger import console_logger
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
 from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
@@ -48,6 +50,18 @@ from batch_pipeline.tenancy.tenants import TEAM_OWNER_PREFIX, Tenants, owner_tea
 
 # Every finished job materializes this asset, partitioned by job id: the UI's catalog of outputs.
 OUTPUTS_ASSET = dg.AssetKey(["batch_completions", "outputs"])
+# Its definition in the catalog, which without one called it "External asset ... no software definition".
+OUTPUTS_ASSET_SPEC = dg.AssetSpec(
+    OUTPUTS_ASSET,
+    description=(
+        "Each finished job's outputs, one materialization a job (its partition: the job id): the output file "
+        "and its .metadata.json at output_data_path, with the job's counts and token figures. Written by "
+        "write_job_metadata, the last step of the job's batch_completions run; a job is made by submitting "
+        "it (the API, the launchpad of batch_completions, a schedule), not by materializing this here."
+    ),
+    group_name="batch_completions",
+    kinds={"json"},
+)
 SHARD_STEP_TAG = "batch_pipeline/step"
 # The request's fields a launcher sizes a shard's machine by.
 HARDWARE_FIELDS = ("gpus", "gpu_type", "cpus", "memory", "storage")
@@ -385,6 +399,8 @@ def run_shard(
     finally:  # however the attempt ended (failed, stopped): its checkpoint is stored until retention deletes it
         _record_checkpoint_bytes(context, store, task)
     stats = result.stats
+    if stats.engine_pooled:
+        store.record_shard_engine(task.job_id, task.shard.shard_index, stats.engine_warm, stats.engine_start_saved_s)
     record_progress(
         {
             "requests_done": stats.items,
@@ -402,6 +418,7 @@ def run_shard(
             "imported_ahead_s": stats.imported_ahead_s,
             "generate_s": stats.generate_s,
             "resumed": stats.resumed,
+            "engine_warm": stats.engine_warm,
         }
     )
     return result
@@ -500,6 +517,10 @@ def _finished_metadata(
     stats = [result.stats for result in shard_results]
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s.completion_tokens for s in stats)
+    # A resumed shard's tokens include those its checkpoint kept, which this attempt did not generate.
+    generated = [s for s in stats if s.resumed == 0 and s.generate_s > 0]
+    generate_s = sum(s.generate_s for s in generated)
+    generation_rate = round(sum(s.completion_tokens for s in generated) / generate_s, 2) if generated else None
     return JobMetadata(
         job_id=current_job_id(context),
         dagster_run_id=context.run_id,
@@ -510,7 +531,9 @@ def _finished_metadata(
         prompt_tokens=sum(s.prompt_tokens for s in stats),
         completion_tokens=completion_tokens,
         wall_s=wall_s,
-        completion_tokens_per_s=round(completion_tokens / wall_s, 1) if wall_s > 0 else None,
+        completion_tokens_per_s=generation_rate,
+        completion_tokens_per_wall_s=round(completion_tokens / wall_s, 2) if wall_s > 0 else None,
+        engine_start_s=max((s.engine_start_s for s in stats if s.generate_s > 0), default=None),
         merge_s=merged.merge_s,
         finished_at=datetime.now(UTC),
         data_parallelism=DataParallelism(requested=plan.plan.requested, used=plan.plan.used, reason=plan.plan.reason),
@@ -535,6 +558,8 @@ def _row_results(metadata: JobMetadata) -> JobResults:
         requests_total=metadata.num_requests,
         requests_done=metadata.num_requests,
         errors=metadata.num_errors,
+        completion_tokens_per_wall_s=metadata.completion_tokens_per_wall_s,
+        engine_start_s=metadata.engine_start_s,
     )
 
 
@@ -548,6 +573,7 @@ def _outputs_materialization(metadata: JobMetadata, output_data_path: str) -> dg
             "num_errors",
             "completion_tokens",
             "completion_tokens_per_s",
+            "completion_tokens_per_wall_s",
             "wall_s",
         }
     )
@@ -566,6 +592,8 @@ def _run_start(context: OpExecutionContext) -> float:
 
 @dg.job(
     description="One batch completions request: its prompts through vLLM, sharded, merged in input order.",
+    logger_defs={"console": console_logger},
+    config=launchpad_template(deployment_settings()),  # what the launchpad opens with; every launched run gives its own
 )
 def batch_completions():
     request = validate_input()

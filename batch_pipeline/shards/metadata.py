@@ -115,7 +115,14 @@ class JobMetadata(BaseModel):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     wall_s: float | None = None
+    # Per shard worker while it generated (its completion tokens over its generate_s, engine start not
+    # counted), as a shard's log reports it; over the shards that resumed nothing (a resumed one's tokens
+    # include those its checkpoint kept). Null when none generated.
     completion_tokens_per_s: float | None = None
+    # The job's completion tokens over wall_s (engine starts, planning and merging included): what
+    # completion_tokens_per_s was before issue 46. And its slowest shard's engine start.
+    completion_tokens_per_wall_s: float | None = None
+    engine_start_s: float | None = None
     merge_s: float | None = None
     finished_at: datetime | None = None
     # How the job ran where it differed from what it asked: fewer shards, outputs shared by repeats, the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Any, Literal, cast
@@ -50,6 +51,10 @@ class StandbyHandoff(BaseModel):
     env: dict[str, str]
     log: str
     launcher_pid: int | None = None
+    # To a pool worker: this hand-off's token, which its shard's exit names (no launcher reads another's),
+    # and the key it waits under afterwards (the launcher's `PoolKey`: a tool_config shard's names its team).
+    token: str | None = None
+    pool_key: str | None = None
 
 
 # A warm engine pool (`launch/pool.py`, BATCH_PIPELINE_ENGINE_POOL_DIR): each pool worker
@@ -59,15 +64,24 @@ POOL_STARTED = "worker.json"  # a PoolWorkerStarted, by the launcher that starte
 POOL_IDLE = "idle.json"  # a PoolWorkerIdle, by the worker: there while it waits for a shard
 POOL_CLAIMED = "claimed.json"  # POOL_IDLE renamed by the one launcher that takes it (a rename: one wins)
 POOL_RETIRED = "retired.json"  # POOL_IDLE renamed by whoever ends its wait (its idle time, an eviction)
-POOL_SHARD_EXIT = "shard-exit"  # the code its last shard ended with, written whole; the launcher removes it
+POOL_SHARD_EXIT = "shard-exit"  # a PoolShardExit, written whole; its launcher removes it as it reads it
 POOL_OUTPUT = "pool.log"  # its output between shards
 POOL_OWNER = "owner"  # in the pool's own directory: the pid of the `serve` that made it, whose exit ends the pool
+POOL_EVICTIONS = "evictions"  # in the pool's own directory: how many waiting workers were evicted, for /metrics
 
 
 class PoolWorkerStarted(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     pid: int
     env_digest: str  # of the environment it started in (launch/standby.py:environment_digest)
+
+
+class PoolShardExit(BaseModel):
+    """How a pool worker's shard ended, for the launcher whose hand-off `token` names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    token: str
+    code: int
 
 
 class PoolWorkerIdle(BaseModel):
@@ -80,10 +94,32 @@ class PoolWorkerIdle(BaseModel):
     rss_bytes: int  # its memory as it went idle, for the pool's bound
 
 
+def is_pool_worker(directory: str, pid: int) -> bool:
+    """Whether `pid` is the live pool worker of `directory`: its command line names the directory (not a
+    process that took the pid of one gone), and it has not exited."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            arguments = cmdline.read().split(b"\0")
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return os.fsencode(directory) in arguments and state not in ("Z", "X")
+
+
 # Fields of model_config that shape the handlers or the deployment, never the engine: two shards differing
 # only in these can run on one engine.
 _NOT_ENGINE_SHAPING = frozenset(
-    {"labels", "num_shards", "response_role", "chat_template", "tool_call_parser", "enable_auto_tool_choice"}
+    {
+        "labels",
+        "num_shards",
+        "response_role",
+        "chat_template",
+        "tool_call_parser",
+        "enable_auto_tool_choice",
+        "served_model_name",  # the name outputs carry, not the engine's
+        "disable_log_requests",
+    }
 )
 
 
@@ -173,8 +209,10 @@ class ShardStats:
     tool_timed_out_executions: int = 0
     sandbox: dict[str, str] | None = None
     tool_config: str | None = None  # with a tool_config: TOOL_APPLIED, or TOOL_NOT_APPLIED and why
-    # A pool worker's engine (`launch/pool.py`): whether this shard found it built (warm), how many shards it
-    # had served before this one, and the start it saved (what building it took); false, 0, 0 otherwise.
+    # A pool worker's engine (`launch/pool.py`): whether the shard ran in the pool, whether it found the engine
+    # built (warm), how many shards it had served before this one, and the start it saved (what building it
+    # took); false, false, 0, 0 elsewhere.
+    engine_pooled: bool = False
     engine_warm: bool = False
     engine_shards_before: int = 0
     engine_start_saved_s: float = 0.0
@@ -216,6 +254,11 @@ class ProgressMessage:
 
     figures: dict[str, int]
     kind: Literal["progress"] = "progress"
+
+
+# A ProgressMessage figure (sent as 1, alone): the worker is building its engine; its reports after that one
+# are of generation. A job's status read tells its phase by them (`store.progress.ShardPhase`).
+ENGINE_STARTING = "engine_starting"
 
 
 @dataclass(frozen=True)

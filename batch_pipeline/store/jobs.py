@@ -371,6 +371,7 @@ class JobStore(StoreBase):
                 failure_reason=None,
                 status_detail=None,
                 results=None,
+                shard_phase=None,  # its new run's shards say theirs
             )
         )
         with admitting(self.engine, record.owner) if admit else self.engine.begin() as connection:

@@ -3,10 +3,12 @@ checkpoint bytes and charge, and the job's totals over them; the summary of its 
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import sqlalchemy as sa
 
+from batch_pipeline.shards.protocol import ENGINE_STARTING
 from batch_pipeline.store.engine import StoreBase
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.schema import (
@@ -17,6 +19,18 @@ from batch_pipeline.store.sql import utc_now
 from batch_pipeline.store.webhooks import release_held_event
 
 _SHARD_FIGURES = ("requests_done", "errors", "prompt_tokens", "completion_tokens")
+
+
+class ShardPhase(StrEnum):
+    """Where a shard's current attempt is, as its step and its worker's reports say; the job row keeps the
+    furthest of its shards' (`jobs.shard_phase`)."""
+
+    LAUNCHED = "launched"  # its step started a worker (which imports vLLM, or waits for a pod)
+    ENGINE = "engine"  # the worker reported ENGINE_STARTING: it is building its engine
+    GENERATING = "generating"  # the worker reported again since: its engine is generating
+
+
+_FURTHEST_FIRST = (ShardPhase.GENERATING, ShardPhase.ENGINE, ShardPhase.LAUNCHED)
 
 
 class ShardProgressStore(StoreBase):
@@ -61,12 +75,18 @@ class ShardProgressStore(StoreBase):
             connection.execute(
                 job_shards.update()
                 .where(job_shards.c.job_id == job_id, job_shards.c.shard_index == shard_index)
-                .values(charged_units=units)
+                .values(charged_units=units, phase=ShardPhase.LAUNCHED.value)
             )
+            self._total_shards(connection, job_id)
 
     def record_shard_progress(self, job_id: str, shard_index: int, figures: dict[str, int]) -> None:
         """A shard worker's latest counts (absolute, not increments), and the job's totals with them."""
-        values = {name: int(figures[name]) for name in _SHARD_FIGURES if name in figures}
+        values: dict[str, Any] = {name: int(figures[name]) for name in _SHARD_FIGURES if name in figures}
+        if figures.get(ENGINE_STARTING):
+            values["phase"] = ShardPhase.ENGINE.value
+        else:  # a report after the engine's start is of generation
+            engine = job_shards.c.phase == ShardPhase.ENGINE.value
+            values["phase"] = sa.case((engine, ShardPhase.GENERATING.value), else_=job_shards.c.phase)
         with self.engine.begin() as connection:
             connection.execute(
                 job_shards.update()
@@ -74,6 +94,15 @@ class ShardProgressStore(StoreBase):
                 .values(**values, updated_at=utc_now())
             )
             self._total_shards(connection, job_id)
+
+    def record_shard_engine(self, job_id: str, shard_index: int, warm: bool, start_saved_s: float) -> None:
+        """A completed shard that ran in the warm engine pool: whether its engine was warm, and what that saved."""
+        with self.engine.begin() as connection:
+            connection.execute(
+                job_shards.update()
+                .where(job_shards.c.job_id == job_id, job_shards.c.shard_index == shard_index)
+                .values(engine_warm=warm, engine_start_saved_s=start_saved_s)
+            )
 
     def record_checkpoint_bytes(self, job_id: str, shard_index: int, checkpoint_bytes: int) -> None:
         """What a shard's checkpoint holds as one of its attempts ended, and the job's total with it."""
@@ -94,10 +123,14 @@ class ShardProgressStore(StoreBase):
                 .scalar_subquery()
             )
 
+        def any_shard(phase: ShardPhase) -> Any:
+            return sa.exists().where(job_shards.c.job_id == job_id, job_shards.c.phase == phase.value)
+
         connection.execute(
             jobs.update()
             .where(jobs.c.job_id == job_id)
             .values(
+                shard_phase=sa.case(*((any_shard(phase), phase.value) for phase in _FURTHEST_FIRST), else_=None),
                 requests_total=total("requests_total"),
                 # Not once retention deleted the work dir: nothing is stored any more.
                 checkpoint_bytes=sa.case((jobs.c.work_dir_deleted_at.is_(None), total("checkpoint_bytes")), else_=0),

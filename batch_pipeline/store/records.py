@@ -57,6 +57,7 @@ class JobRecord:
     completion_tokens_kept: int | None = None
     shard_plan: str | None = None  # the shard plan of its first run (JSON), kept for every later run
     checkpoint_bytes: int | None = None
+    shard_phase: str | None = None  # the furthest of its shards' (`store.progress.ShardPhase`)
 
     @cached_property
     def request(self) -> dict[str, Any]:
@@ -126,6 +127,7 @@ class JobRecord:
             completion_tokens_kept=row.completion_tokens_kept,
             shard_plan=row.shard_plan,
             checkpoint_bytes=row.checkpoint_bytes,
+            shard_phase=row.shard_phase,
         )
 
 

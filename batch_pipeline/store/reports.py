@@ -58,6 +58,17 @@ class ReportStore(StoreBase):
         with self.engine.connect() as connection:
             return [tuple(row) for row in connection.execute(query)]
 
+    def engine_pool_figures(self) -> tuple[int, int, float]:
+        """(warm, cold, engine-seconds saved) over the shards that ran in the warm engine pool."""
+        query = sa.select(
+            sa.func.count().filter(job_shards.c.engine_warm.is_(True)),
+            sa.func.count().filter(job_shards.c.engine_warm.is_(False)),
+            sa.func.coalesce(sa.func.sum(job_shards.c.engine_start_saved_s), 0.0),
+        )
+        with self.engine.connect() as connection:
+            warm, cold, saved = connection.execute(query).one()
+        return int(warm), int(cold), float(saved)
+
     def oldest_queued_created_at(self) -> datetime | None:
         query = sa.select(sa.func.min(jobs.c.created_at)).where(jobs.c.status == JobStatus.QUEUED)
         with self.engine.connect() as connection:

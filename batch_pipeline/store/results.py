@@ -29,7 +29,7 @@ class JobResults(BaseModel):
     num_errors: int | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    completion_tokens_per_s: float | None = None
+    completion_tokens_per_s: float | None = None  # per shard worker while generating (`JobMetadata`'s)
     wall_s: float | None = None
     merge_s: float | None = None
     num_finished: int | None = None  # a stopped run's results kept, and those it left error entries
@@ -39,6 +39,9 @@ class JobResults(BaseModel):
     requests_total: int | None = None
     requests_done: int | None = None
     errors: int | None = None
+    # Of a run of this release on (issue 46): without them, completion_tokens_per_s is over wall_s.
+    completion_tokens_per_wall_s: float | None = None
+    engine_start_s: float | None = None
 
     @classmethod
     def from_column(cls, text: str) -> JobResults:

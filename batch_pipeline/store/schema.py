@@ -111,6 +111,9 @@ jobs = sa.Table(
     # The tokens admission estimated the job to use: held against its team's max_tokens_per_day until it ends
     # (the larger of this and what it has used so far), then replaced by what it used.
     sa.Column("estimated_tokens", sa.BigInteger, nullable=True),
+    # How far its shards have got (`batch_job_shards.phase`: the furthest one's), so that a status read says
+    # "starting engine" or "generating" from this row alone.
+    sa.Column("shard_phase", sa.String(16), nullable=True),
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
     sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
     sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
@@ -159,6 +162,12 @@ job_shards = sa.Table(
     sa.Column("checkpoint_bytes", sa.BigInteger, nullable=False, server_default="0"),
     # What the launcher gave its worker (cores, or a pod's GPU or CPU limit): the unit of its slot-seconds.
     sa.Column("charged_units", sa.Float, nullable=True),
+    # Where its current attempt is (`ShardPhase`): NULL until its step starts a worker.
+    sa.Column("phase", sa.String(16), nullable=True),
+    # Its completed attempt's engine, where it ran in the warm engine pool (NULL elsewhere, and until then):
+    # whether it found the engine built, and the start that saved. /metrics counts them.
+    sa.Column("engine_warm", sa.Boolean, nullable=True),
+    sa.Column("engine_start_saved_s", sa.Float, nullable=True),
 )
 
 

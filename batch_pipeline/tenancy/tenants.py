@@ -52,6 +52,12 @@ def owner_team(owner: str) -> str | None:
     return owner.removeprefix(TEAM_OWNER_PREFIX) if owner.startswith(TEAM_OWNER_PREFIX) else None
 
 
+def owner_name(owner: str) -> str:
+    """How a job's owner is named to admins: its team's name, else the owner itself (`admins`,
+    `schedule:NAME`, a key's digest where the deployment has no tenants file)."""
+    return owner_team(owner) or owner
+
+
 class TenantsFileError(ValueError):
     """A tenants file this service cannot use; the message names the file, the line and the field."""
 

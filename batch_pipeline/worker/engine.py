@@ -182,26 +182,32 @@ def build_llm(model_config: BatchCompletionsModelConfig) -> Engine:
 
 @dataclasses.dataclass
 class KeptEngine:
-    """A pool worker's engine, kept from one shard to the next (`launch/pool.py`): a shard whose model_config
-    builds the same engine (`engine_key`) runs on it; another's replaces it."""
+    """A pool worker's engine, built for its first shard and kept for the next ones (`launch/pool.py`), which
+    its launchers chose for the same engine (`engine_key`)."""
 
+    imported_s: float = 0.0  # the worker's import of torch and vLLM, before its first shard: part of its start
     key: str = ""
     engine: Engine | None = None
-    built_s: float = 0.0  # what building it took: the start each later shard on it saves
+    built_s: float = 0.0  # what starting it took (imports included): the start each later shard on it saves
     shards_served: int = 0
+
+    def holds(self, model_config: BatchCompletionsModelConfig) -> bool:
+        """Whether the engine kept is the one `model_config` builds."""
+        from batch_pipeline.shards.protocol import engine_key
+
+        return self.engine is not None and engine_key(model_config) == self.key
 
     def engine_for(self, model_config: BatchCompletionsModelConfig) -> tuple[Engine, bool]:
         """The engine for `model_config`, and whether it was already built (warm)."""
         from batch_pipeline.shards.protocol import engine_key
 
-        key = engine_key(model_config)
-        if self.engine is not None and key == self.key:
+        if self.engine is not None:
+            if not self.holds(model_config):  # no launcher hands one over: the old engine could not be freed
+                raise RuntimeError("a shard of another engine was handed to this pool worker")
             return self.engine, True
-        self.engine = None  # before the next one is built: two engines would not fit where one does
-        gc.collect()
         started = time.monotonic()
         self.engine = build_llm(model_config)
-        self.key, self.built_s, self.shards_served = key, time.monotonic() - started, 0
+        self.key, self.built_s = engine_key(model_config), self.imported_s + time.monotonic() - started
         return self.engine, False
 
 

@@ -19,6 +19,7 @@ import resource
 import select
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,21 +28,28 @@ from dataclasses import dataclass
 from batch_pipeline.core import io
 from batch_pipeline.shards.protocol import (
     POOL_CLAIMED,
+    POOL_EVICTIONS,
     POOL_IDLE,
     POOL_OUTPUT,
     POOL_OWNER,
     POOL_RETIRED,
     POOL_SHARD_EXIT,
+    POOL_STARTED,
     STANDBY_HANDOFF,
+    PoolShardExit,
     PoolWorkerIdle,
+    PoolWorkerStarted,
     StandbyHandoff,
+    is_pool_worker,
 )
 from batch_pipeline.worker.engine import KeptEngine
 
 HANDOFF_POLL_S = 0.02
-# A launcher claims a waiting worker and hands it the shard in the same breath; one that claimed and never
-# handed it over (killed in between) has left this worker with nobody to wait for.
+# A launcher claims a waiting worker (or starts one) and hands it the shard in the same breath; one that
+# claimed and never handed it over (killed in between) has left this worker with nobody to wait for.
 CLAIM_TIMEOUT_S = 60.0
+# How long a worker waits for its launcher to read its shard's exit code (the step polls every 50 ms).
+ACK_TIMEOUT_S = 30.0
 POOL_LOCK = "pool.lock"  # in the pool's directory: one worker at a time decides whether it stays
 
 
@@ -61,51 +69,70 @@ def serve_pool_shards(
 ) -> int:
     """Shard after shard in `directory` until the pool has no more use for this worker; the exit code."""
     owner_gone = pool_owner(os.path.dirname(directory))
+    started = time.monotonic()
     import_engine()
-    kept = KeptEngine()
+    kept = KeptEngine(imported_s=time.monotonic() - started)
     pool_output = os.path.join(directory, POOL_OUTPUT)
-    while (handoff := wait_for_shard(directory, limits.idle_s, owner_gone)) is not None:
-        write_output_to(handoff.log, pool_output)
-        os.truncate(pool_output, 0)  # copied to the shard's log
-        os.environ.update(handoff.env)  # this shard's Pipes bootstrap, in place of the last one's
-        code = 1  # what an exception leaves
-        try:
-            with stopped_when_gone(handoff.launcher_pid):
-                code = run_shard(kept)
-        except KeyboardInterrupt:  # cancelled, or its launcher is gone: the launcher removes the directory
-            code = 130
-            raise
-        finally:
-            with io.atomic_write(os.path.join(directory, POOL_SHARD_EXIT)) as exit_file:
-                exit_file.write(str(code))
-        if code != 0:
-            return code  # its launcher removes the directory
-        _output_to(pool_output)
-        if not stay_warm(directory, kept, limits):
-            _leave_after_launcher_read(directory)
-            return 0
-    shutil.rmtree(directory, ignore_errors=True)  # nobody waits for this worker
-    return 0
+    code = 0
+    try:
+        while (handoff := wait_for_shard(directory, limits.idle_s, owner_gone)) is not None:
+            if kept.engine is None:  # its first shard's log gets what it wrote as it imported
+                write_output_to(handoff.log, pool_output)
+            else:  # never what it wrote between shards: another team's shard may have left some there
+                _output_to(handoff.log)
+            os.truncate(pool_output, 0)
+            os.environ.update(handoff.env)  # this shard's Pipes bootstrap, in place of the last one's
+            code = 1  # what an exception leaves
+            try:
+                with stopped_when_gone(handoff.launcher_pid):
+                    code = run_shard(kept)
+            except KeyboardInterrupt:  # cancelled, or its launcher is gone
+                code = 130
+                raise
+            finally:
+                _output_to(pool_output)  # nothing after its exit code goes to the shard's log
+                report_exit(directory, handoff, code)
+            if code != 0 or not stay_warm(directory, handoff.pool_key or kept.key, kept, limits):
+                return code  # a failed shard's engine may still hold its requests: its last
+        return 0
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
-def _leave_after_launcher_read(directory: str, timeout_s: float = 10.0) -> None:
-    """Remove the worker's directory once its launcher has read the shard's exit code there."""
+def report_exit(directory: str, handoff: StandbyHandoff, code: int, timeout_s: float = ACK_TIMEOUT_S) -> None:
+    """Leave the shard's exit code for the launcher that handed it over, and wait until that launcher has
+    read it (or is gone): until then this worker is not announced, so no other launcher claims it, signals
+    it, or reads a code that is not its own."""
+    path = os.path.join(directory, POOL_SHARD_EXIT)
+    with io.atomic_write(path) as exit_file:
+        exit_file.write(PoolShardExit(token=handoff.token or "", code=code).model_dump_json())
+    launcher_gone = _gone(handoff.launcher_pid)
     deadline = time.monotonic() + timeout_s
-    while os.path.exists(os.path.join(directory, POOL_SHARD_EXIT)) and time.monotonic() < deadline:
+    while os.path.exists(path) and not launcher_gone() and time.monotonic() < deadline:
         time.sleep(HANDOFF_POLL_S)
-    shutil.rmtree(directory, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):  # unread: its launcher is gone
+        os.unlink(path)
+
+
+def _gone(pid: int | None) -> Callable[[], bool]:
+    """Whether process `pid` has exited (a pidfd: a pid reused later is not it), asked without waiting."""
+    if pid is None:
+        return lambda: False
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        return lambda: True
+    return lambda: bool(select.select([pidfd], [], [], 0)[0])
 
 
 def pool_owner(pool: str) -> Callable[[], bool]:
     """Whether the `serve` that made the pool (POOL_OWNER) is gone, asked without a syscall's wait."""
     try:
         with open(os.path.join(pool, POOL_OWNER)) as handle:
-            pidfd = os.pidfd_open(int(handle.read()))
-    except ProcessLookupError:  # gone before this worker started
-        return lambda: True
+            owner = int(handle.read())
     except (OSError, ValueError):  # a pool made by hand, with no owner to watch
         return lambda: False
-    return lambda: bool(select.select([pidfd], [], [], 0)[0])
+    return _gone(owner)
 
 
 def wait_for_shard(
@@ -149,9 +176,11 @@ def retire(directory: str) -> bool:
     return True
 
 
-def stay_warm(directory: str, kept: KeptEngine, limits: PoolLimits) -> bool:
-    """Announce this worker as waiting, with its engine, if the pool's bound has room for it once the
-    longest-waiting workers are evicted; False: it leaves instead."""
+def stay_warm(directory: str, key: str, kept: KeptEngine, limits: PoolLimits) -> bool:
+    """Announce this worker as waiting under `key` (its launcher's), with its engine, if the pool's bound has
+    room for it; False: it leaves instead. A worker whose engine has served more than one shard (a key in
+    use) evicts the longest-waiting workers to make room; one that served a single shard does not, so that
+    jobs each of a config of their own (a team's, on purpose or not) never push out engines in use."""
     pool = os.path.dirname(directory)
     own = _rss_bytes()
     if limits.max_idle < 1 or (limits.max_idle_memory and own > limits.max_idle_memory):
@@ -163,14 +192,17 @@ def stay_warm(directory: str, kept: KeptEngine, limits: PoolLimits) -> bool:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         waiting = sorted(waiting_workers(pool), key=lambda entry: entry[1].idle_since)
-        while waiting and (
-            len(waiting) + 1 > limits.max_idle
-            or (limits.max_idle_memory and sum(idle.rss_bytes for _, idle in waiting) + own > limits.max_idle_memory)
-        ):
-            retire(waiting.pop(0)[0])
-        idle = PoolWorkerIdle(
-            engine_key=kept.key, shards_served=kept.shards_served, idle_since=time.time(), rss_bytes=own
-        )
+
+        def full() -> bool:
+            held = sum(idle.rss_bytes for _, idle in waiting) + own
+            return len(waiting) + 1 > limits.max_idle or bool(limits.max_idle_memory and held > limits.max_idle_memory)
+
+        while waiting and full() and kept.shards_served > 1:
+            if retire(waiting.pop(0)[0]):
+                _count_eviction(pool)
+        if full():
+            return False
+        idle = PoolWorkerIdle(engine_key=key, shards_served=kept.shards_served, idle_since=time.time(), rss_bytes=own)
         with io.atomic_write(os.path.join(directory, POOL_IDLE)) as idle_file:
             idle_file.write(idle.model_dump_json())
     finally:
@@ -178,14 +210,33 @@ def stay_warm(directory: str, kept: KeptEngine, limits: PoolLimits) -> bool:
     return True
 
 
+def _count_eviction(pool: str) -> None:
+    """One more in the pool's count of evictions (under the pool's lock, held by the caller)."""
+    path = os.path.join(pool, POOL_EVICTIONS)
+    try:
+        with open(path) as handle:
+            count = int(handle.read())
+    except (OSError, ValueError):
+        count = 0
+    with io.atomic_write(path) as handle:
+        handle.write(str(count + 1))
+
+
 def waiting_workers(pool: str) -> Iterator[tuple[str, PoolWorkerIdle]]:
-    """The pool's waiting workers: each one's directory and what it announced."""
+    """The pool's waiting workers: each one's directory and what it announced. A worker killed as it
+    waited left its announcement: its directory is removed, and it counts for nothing."""
     for entry in os.scandir(pool):
         try:
             with open(os.path.join(entry.path, POOL_IDLE)) as handle:
-                yield entry.path, PoolWorkerIdle.model_validate_json(handle.read())
+                idle = PoolWorkerIdle.model_validate_json(handle.read())
+            with open(os.path.join(entry.path, POOL_STARTED)) as handle:
+                started = PoolWorkerStarted.model_validate_json(handle.read())
         except (OSError, ValueError):  # not a worker's, not waiting, or claimed just now
             continue
+        if is_pool_worker(entry.path, started.pid):
+            yield entry.path, idle
+        elif retire(entry.path):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -219,6 +270,9 @@ def stopped_when_gone(launcher_pid: int | None) -> Iterator[None]:
 
 
 def _output_to(path: str) -> None:
+    """From now on, this process's output goes to `path`: what it buffered goes where it was written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)

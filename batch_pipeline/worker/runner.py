@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
 from batch_pipeline.contract.kinds import kind_named
 from batch_pipeline.shards.format import WorkItem, format_result, read_copies, read_work_items
-from batch_pipeline.shards.protocol import WORKER_WINDOW, ShardStats, ShardTask
+from batch_pipeline.shards.protocol import ENGINE_STARTING, WORKER_WINDOW, ShardStats, ShardTask
 from batch_pipeline.shards.records import expected_output_tokens
 from batch_pipeline.worker.checkpoint import Checkpoint, copy_lines, token_counts, write_sorted_output
 from batch_pipeline.worker.code_evaluator import TOOL_APPLIED, TOOL_NOT_APPLIED, CodeEvaluatorRequests
@@ -211,6 +211,8 @@ class ShardRunner:
                 for unserved in pending:
                     self._write(results, unserved.index, error_output("tool_unavailable", str(exc), "tool_config"))
                 return
+        if self.kept_engine is None or not self.kept_engine.holds(model_config):
+            self.report_progress({ENGINE_STARTING: 1})  # its job reads "starting engine" until the next report
         t0 = time.monotonic()
         if self.kept_engine is None:
             built = self.engine = build_llm(model_config)
@@ -220,12 +222,13 @@ class ShardRunner:
         llm = built.llm
         self.stats.unsupported_engine_args = built.unsupported
         self.stats.dtype, self.stats.dtype_reason = built.dtype, built.dtype_reason
-        self.stats.engine_start_s = round(time.monotonic() - t0, 3)
+        self.stats.engine_start_s = round(time.monotonic() - t0 + self._imports_before(), 3)
         self.report(
             f"engine {'warm' if self.stats.engine_warm else 'ready'} in {self.stats.engine_start_s:.1f}s"
             + (f" (it served {self.stats.engine_shards_before} shards before)" if self.stats.engine_warm else "")
             + f", computing in {built.dtype}: {built.dtype_reason}"
         )
+        self.report_progress({"requests_done": already_done})  # generating from now on
         engine = SaltedEngine(built.engine, self.task.owner_team)  # the team's own prefix cache
 
         self._add_engine_handlers(llm, model_config, tool_config, sandbox)
@@ -277,9 +280,16 @@ class ShardRunner:
         self.stats.generate_s = round(time.monotonic() - t0, 3)
         self._report_progress(already_done, self.stats.generate_s)
 
+    def _imports_before(self) -> float:
+        """A cold pool worker's import of torch and vLLM, done before its shard's engine was built: part of
+        the shard's engine start, as a launched worker's is."""
+        kept = self.kept_engine
+        return kept.imported_s if kept is not None and not self.stats.engine_warm else 0.0
+
     def _count_warm_start(self, warm: bool) -> None:
         kept = self.kept_engine
         assert kept is not None
+        self.stats.engine_pooled = True
         if warm:
             self.stats.engine_warm = True
             self.stats.engine_shards_before = kept.shards_served

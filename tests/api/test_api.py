@@ -2,13 +2,17 @@
 
 import base64
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import dagster as dg
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
+from batch_pipeline.api.offline_docs import add_offline_docs
 from batch_pipeline.pipeline.sensors import batch_jobs_sensor
 from batch_pipeline.pipeline.tags import JOB_ID_TAG
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY, sensor_resources
@@ -47,6 +51,29 @@ def test_health_and_openapi_name_the_spec_routes_and_schemas(deployment_factory)
     assert {"CreateBatchCompletionsV1Request", "CreateBatchCompletionsV2Request", "BatchCompletionsJob"} <= set(
         schema["components"]["schemas"]
     )
+
+
+def test_the_docs_page_loads_swagger_ui_from_this_server_not_a_cdn(deployment_factory):
+    """Issue 46: `/docs` was blank offline, FastAPI's page fetching Swagger UI from a CDN."""
+    api = deployment_factory()
+    page = api.client.get("/docs")
+    assert page.status_code == 200
+    sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert "/docs/static/swagger-ui-bundle.js" in sources and "/docs/static/swagger-ui.css" in sources
+    assert not [source for source in sources if "//" in source]  # nothing from another host
+    script = api.client.get("/docs/static/swagger-ui-bundle.js")
+    assert script.status_code == 200 and "SwaggerUIBundle" in script.text[:2000]
+    assert script.headers["content-type"].startswith("text/javascript")
+    assert api.client.get("/docs/static/swagger-ui.css").status_code == 200
+    for other in ("swagger-ui-bundle.js.LICENSE.txt", "..%2F..%2F__init__.py", "../../__init__.py"):
+        assert api.client.get(f"/docs/static/{other}").status_code == 404, other
+
+    # Where no installed package ships the files, the page says so and where the document is.
+    bare = FastAPI(docs_url=None)
+    add_offline_docs(bare, None)
+    with TestClient(bare) as client:
+        said = client.get("/docs").text
+    assert "not installed here" in said and 'href="/openapi.json"' in said
 
 
 def test_v1_and_v2_create_then_get_and_list(deployment_factory, tmp_path):

@@ -251,3 +251,37 @@ def test_two_60_mb_inline_jobs_submitted_together_both_complete(deployment_facto
         assert len(outputs) == 602 and outputs[0]["num_completion_tokens"] > 0 < outputs[-1]["num_completion_tokens"]
         assert all("error" in output for output in outputs[1:-1])
     assert os.path.exists(api.store.get(job_ids[0]).content_path)
+
+
+def test_a_jobs_status_says_its_phase_from_queued_through_starting_engine_and_generating_to_merging(
+    deployment_factory, tmp_path
+):
+    """Issue 46: a job read `running`, 0 done, for the ~55 s its engine took to start. Its phase is read from
+    its row as the run's steps and the shard workers' Pipes reports write it."""
+    api = deployment_factory()
+    job_id = api.client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    progress = ShardProgressStore(engine=api.store.engine)
+
+    def phase() -> str | None:
+        return api.job(job_id)["metadata"].get("phase")
+
+    assert phase() == "queued"
+    api.store.mark_started(job_id, "run-1")  # validate_input
+    assert phase() == "planning shards"
+    progress.record_shards(job_id, {0: 4, 1: 2})  # plan_shards
+    assert phase() == "starting workers"
+    progress.record_shard_charge(job_id, 0, 1.0)  # run_shard starts shard 0's worker
+    progress.record_shard_progress(job_id, 0, {"requests_done": 0})  # its first report, before its engine
+    assert phase() == "starting workers"
+    progress.record_shard_progress(job_id, 0, {"engine_starting": 1})  # just before it builds its engine
+    assert phase() == "starting engine"
+    progress.record_shard_progress(job_id, 0, {"requests_done": 3, "completion_tokens": 12})
+    assert phase() == "generating 3/6"
+    progress.record_shard_charge(job_id, 1, 1.0)  # another shard starting does not take the job back
+    progress.record_shard_progress(job_id, 1, {"engine_starting": 1})
+    assert phase() == "generating 3/6"
+    progress.record_shard_progress(job_id, 0, {"requests_done": 4})
+    progress.record_shard_progress(job_id, 1, {"requests_done": 2})
+    assert phase() == "merging"  # every shard done: write_output merges them
+    api.store.mark_cancelled(job_id)  # as a cancel records it, having asked Dagster to stop the run
+    assert (api.job(job_id)["status"], phase()) == ("running", "stopping")

@@ -108,6 +108,24 @@ def _completed_with_output(api, job_id: str, output: Path) -> None:
     )
 
 
+def test_a_running_jobs_phase_shows_on_the_team_page_while_its_engine_starts(api, teams):
+    """Issue 46: `running`, 0 done, for the ~55 s an engine takes to start, said nothing of why."""
+    running = _submit(api, TEAM_A_KEY, teams["a"] / "out.json")
+    store = api.app.state.job_service.store
+    assert store.mark_started(running, "run-of-" + running)
+    progress = ShardProgressStore(engine=store.engine)
+    progress.record_shards(running, {0: 4})
+    progress.record_shard_charge(running, 0, 1.0)
+    progress.record_shard_progress(running, 0, {"engine_starting": 1})  # as its worker reports it
+
+    assert _log_in(api, TEAM_A_KEY).status_code == 303
+    phase = re.compile(r'<span class="phase" data-field="phase">([^<]*)</span>')
+    assert phase.findall(api.get("/team").text) == ["starting engine"]
+    assert phase.findall(api.get(f"/team/jobs/{running}").text) == ["starting engine"]
+    progress.record_shard_progress(running, 0, {"requests_done": 1})
+    assert api.get(f"/team/jobs/{running}/status").json()["job"]["metadata"]["phase"] == "generating 1/4"
+
+
 def test_a_teams_page_lists_its_jobs_and_never_another_teams(api, teams):
     mine = _submit(api, TEAM_A_KEY, teams["a"] / "out.json", {"project": "apollo"})
     theirs = _submit(api, TEAM_B_KEY, teams["b"] / "out.json", {"project": "bravo-secret"})

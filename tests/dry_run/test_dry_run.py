@@ -116,6 +116,10 @@ def test_a_dry_run_after_a_completed_job_estimates_from_its_throughput(deploymen
     assert result.success, step_failure_messages(result)
     (job,) = api.store.list().jobs
     assert job.status == "completed" and job.results.completion_tokens_per_s > 0
+    # Over its shard's generation, not its wall (engine start, planning, merging): issue 46.
+    results = job.results
+    assert results.completion_tokens_per_s > results.completion_tokens_per_wall_s > 0
+    assert 0 < results.engine_start_s < results.wall_s
 
     asked = {"prompts": ["Hello"] * 10, "max_new_tokens": 100, "temperature": 0.7}
     answer = _dry_run(api, _body(tmp_path, asked, cpus="2", gpus=1)).json()
@@ -124,7 +128,8 @@ def test_a_dry_run_after_a_completed_job_estimates_from_its_throughput(deploymen
     rate = job.results.completion_tokens_per_s  # one shard worker made it
     assert estimate["from_jobs"] == 1 and estimate["completion_tokens_per_s"] == pytest.approx(rate, abs=0.01)
     assert estimate["workers"] == 1
-    assert estimate["wall_s"] == pytest.approx(1000 / rate, abs=0.1)
+    assert estimate["engine_start_s"] == pytest.approx(results.engine_start_s, abs=0.05)
+    assert estimate["wall_s"] == pytest.approx(estimate["engine_start_s"] + 1000 / rate, abs=0.1)
     assert estimate["worker_hours"] == pytest.approx(estimate["wall_s"] / 3600, abs=1e-4)
     # Each figure is rounded to 4 places on its own: twice a rounded one may differ by a unit and a half.
     assert estimate["cpu_hours"] == pytest.approx(2 * estimate["worker_hours"], abs=2e-4)
@@ -291,3 +296,37 @@ def test_a_chat_template_that_does_not_end_stops_the_dry_run_at_its_time_limit(
     assert "the dry run was stopped after 5 s" in answer.text and "content" in answer.text
     # Its slot is free again, and the next dry run is answered.
     assert _dry_run(api, _body(tmp_path, [_chat("{{ messages[0].content }}")])).status_code == 200
+
+
+def test_the_estimate_learns_generation_rates_and_engine_starts_not_job_walls(tmp_path):
+    """Issue 46: after five small jobs an estimate said 11 minutes for 272 tokens that took 1-2: each job's
+    tokens over its wall counted its ~55 s engine start as generating."""
+    from batch_pipeline.dry_run.counting import Counts
+    from batch_pipeline.dry_run.estimate import _runtime
+    from batch_pipeline.shards.planning import PlanningSettings
+    from batch_pipeline.store.results import CompletedFigures, JobResults
+
+    def job(rate: float, wall_rate: float | None, engine_start_s: float | None = None) -> CompletedFigures:
+        results = JobResults(
+            completion_tokens=60,
+            completion_tokens_per_s=rate,
+            completion_tokens_per_wall_s=wall_rate,
+            engine_start_s=engine_start_s,
+        )
+        return CompletedFigures(results=results, shards=1)
+
+    request = CreateBatchCompletionsV2Request.model_validate(
+        _body(tmp_path, {"prompts": ["hi"], "max_new_tokens": 4, "temperature": 0.0})
+    )
+    counts = Counts(requests=1, prompts=1, prompt_tokens=10, output_tokens=272)
+    planning = PlanningSettings(max_shards=None, min_tokens_per_shard=0)
+    # Four jobs of this release (3 tokens/s while generating, ~55 s engine starts), one older whose figure
+    # is its wall's: the older one is not counted.
+    history = [job(3.0, 0.5, 55.0), job(3.2, 0.6, 54.0), job(2.8, 0.4, 56.0), job(3.0, 0.5, 55.0), job(0.3, None)]
+    estimate = _runtime(request, counts, history, planning)["estimate"]
+    assert (estimate.completion_tokens_per_s, estimate.engine_start_s, estimate.from_jobs) == (3.0, 55.0, 4)
+    assert estimate.wall_s == pytest.approx(55.0 + 272 / 3.0, abs=0.1)  # ~2.4 minutes, not 11
+
+    # Only older jobs known: their wall rates, as before (no engine start apart).
+    older = _runtime(request, counts, [job(0.4, None)], planning)["estimate"]
+    assert (older.completion_tokens_per_s, older.engine_start_s, older.wall_s) == (0.4, 0.0, 680.0)

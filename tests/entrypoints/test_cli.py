@@ -156,6 +156,9 @@ def test_api_commands_submit_follow_list_and_cancel_jobs_on_a_real_server(deploy
     )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
+    # Until it ends, its status says where it is (issue 46: it read running, 0 done, while its engine started).
+    early = cli("status", job_id).stdout
+    assert any(f"phase: {phase}" in early for phase in ("queued", "planning", "starting", "generating")), early
     # queued behind the first (one run at a time), then cancelled
     request = {
         "output_data_path": str(tmp_path / "never.json"),

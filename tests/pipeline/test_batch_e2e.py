@@ -8,7 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
+from batch_pipeline.core.settings import settings
+from batch_pipeline.store.jobs import JobStore
+from batch_pipeline.store.schema import job_shards
 from tests.conftest import MODEL, worker_pids
 
 pytestmark = pytest.mark.slow
@@ -72,6 +76,11 @@ def test_two_shards_keep_input_order_logprobs_stops_and_isolate_a_bad_prompt(run
     assert metadata["num_errors"] == 1
     assert len(metadata["shards"]) == 2
     assert metadata["completion_tokens"] == sum(o.get("num_completion_tokens", 0) for o in outputs)
+
+    # Each shard's worker said it was starting its engine, and reported generation after it: the job's phase
+    # in its status read went from "starting engine" to "generating" (issue 46).
+    with JobStore(settings().job_store_url).engine.connect() as connection:
+        assert connection.execute(sa.select(job_shards.c.phase)).scalars().all() == ["generating", "generating"]
 
 
 def test_inline_and_jsonl_inputs_with_one_seed_give_the_same_samples(run_job, tmp_path):

@@ -158,6 +158,11 @@ def test_a_batch_cancelled_while_generating_reads_cancelled_only_with_its_output
         assert batch["status"] == "cancelled" and batch["output_file_id"] and batch["error_file_id"], batch
         assert resumed.status_code == 200, resumed.text
         print(f"\ncancel -> reads cancelled, output written: {seen[-1][0]} s; resume accepted: {resumed_after} s")
+        # A normal cancel printed some 150 lines of stack traces on serve's console (issue 46): each event it
+        # causes is one line now (the run's event log keeps the traces).
+        console = served.log.read_text(errors="replace")
+        assert "RUN_CANCELED" in console and "(interrupted: the run was cancelled)" in console
+        assert "Stack Trace" not in console and "Traceback" not in console, console[-4000:]
         first_seen = {(status, batch_status): at for at, status, batch_status in reversed(seen)}
         print("first seen (job, batch) -> s after cancel:", first_seen)
     finally:

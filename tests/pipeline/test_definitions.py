@@ -10,6 +10,7 @@ import pytest
 
 from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.pipeline.config_schema import run_config_for
+from batch_pipeline.pipeline.console_logger import console_logger
 from batch_pipeline.pipeline.definitions import batch_completions_job, defs
 from batch_pipeline.pipeline.partial_results import partial_results_run_request
 from batch_pipeline.store.records import JobRecord
@@ -27,7 +28,8 @@ REQUEST = {
 
 def test_every_definition_loads():
     repository = defs.get_repository_def()
-    assert sorted(job.name for job in repository.get_all_jobs()) == [
+    # Less Dagster's implicit asset job (`__ASSET_JOB`, which the UI hides), made for the outputs asset's spec.
+    assert sorted(job.name for job in repository.get_all_jobs() if not job.name.startswith("__")) == [
         "batch_completions",
         "cleanup",
         "keep_partial_results",
@@ -46,6 +48,10 @@ def test_a_request_is_a_valid_run_config_and_gets_the_spec_defaults():
     assert config["model_config"]["max_model_len"] == 2048
     assert config["model_config"]["trust_remote_code"] is False
     assert CreateBatchCompletionsV2Request.model_validate(config).gpu_type == "nvidia-ampere-a10"
+    # Its runs log through the job's console logger (a cancel's events in one line each), at every level as
+    # Dagster's own default.
+    assert validated["loggers"]["console"]["config"]["log_level"] == "DEBUG"
+    assert batch_completions_job().loggers["console"] is console_logger
 
 
 @pytest.mark.parametrize("held_event", [None, "event-1"])
@@ -182,3 +188,39 @@ def test_the_sensors_tick_as_often_as_the_deployment_says(tmp_path):
             ("record_succeeded_runs", 7),
         ]
     )
+
+
+def test_the_launchpad_opens_with_a_sample_request_this_deployment_runs_and_a_given_one_is_taken_whole(tmp_path):
+    """Issue 46: the launchpad had no template; a newcomer wrote the request's YAML from the docs."""
+    from batch_pipeline.admission.policy import AdmissionPolicy
+    from batch_pipeline.admission.submission import check_servable
+    from batch_pipeline.core.settings import Settings, settings
+    from batch_pipeline.pipeline.config_schema import launchpad_template
+    from batch_pipeline.pipeline.job import DAGSTER_OWNER
+
+    job = batch_completions_job()
+    assert job.run_config == launchpad_template(settings())  # what the launchpad is filled with
+    # A run given nothing runs the template, which the deployment's checks admit as it is.
+    sample = dg.validate_run_config(job, {})["ops"]["validate_input"]["config"]
+    request = CreateBatchCompletionsV2Request.model_validate(sample)
+    assert request.content is not None and request.model_cfg.model == "smollm2-135m-instruct"
+    check_servable(request, DAGSTER_OWNER, AdmissionPolicy.of_deployment(settings()))
+    # Under data roots its output lies in the first.
+    rooted = Settings.model_validate({"BATCH_PIPELINE_DATA_ROOTS": f"{tmp_path}/a{os.pathsep}{tmp_path}/b"})
+    output = launchpad_template(rooted)["ops"]["validate_input"]["config"]["output_data_path"]
+    assert output.startswith(f"{tmp_path}/a/")
+
+    # A run's own request is taken whole: nothing of the template is merged into it.
+    given = dg.validate_run_config(job, run_config_for(CreateBatchCompletionsV2Request.model_validate(REQUEST)))
+    config = given["ops"]["validate_input"]["config"]
+    assert config["labels"] == {"team": "ml"} and config["output_data_path"] == "/tmp/out.json"
+    assert config["content"]["prompts"] == ["hi"]
+
+
+def test_the_outputs_asset_has_a_definition_that_says_what_it_is():
+    """Issue 46: the Catalog called `batch_completions/outputs` "External ... no software definition"."""
+    from batch_pipeline.pipeline.job import OUTPUTS_ASSET
+
+    node = defs.resolve_asset_graph().get(OUTPUTS_ASSET)
+    assert "write_job_metadata" in (node.description or "") and "job id" in (node.description or "")
+    assert not node.is_materializable  # made by a job's run, not from the catalog

@@ -537,3 +537,31 @@ def test_an_object_key_with_an_empty_or_dot_segment_is_refused_since_the_store_o
     assert set(_refused_fields(api.post("/v2/batch-completions", json=reading, headers=key))) == {"input_data_path"}
     created = api.post("/v2/batch-completions", json=_request("s3://team-a-data/batch/out.json"), headers=key)
     assert created.status_code == 200, created.text
+
+
+def test_admins_see_each_jobs_owning_team_and_filter_a_list_by_it_and_a_team_lists_its_own_only(api, teams):
+    """Issue 46: which team owns a job was visible nowhere; a request's own `team` label is only a label."""
+    mine = _request(str(teams["a"] / "out.json"), labels={"team": "team-b"})
+    job_a = api.post("/v2/batch-completions", json=mine, headers=_headers(TEAM_A_KEYS[0])).json()["job_id"]
+    theirs = _request(str(teams["b"] / "out.json"))
+    job_b = api.post("/v2/batch-completions", json=theirs, headers=_headers(TEAM_B_KEY)).json()["job_id"]
+    admin = _headers(ADMIN_KEY)
+
+    got = api.get(f"/v2/batch-completions/{job_a}", headers=admin).json()["job"]
+    assert got["metadata"]["owner"] == "team-a"  # the key's team, whatever its label says
+    assert {
+        job["job_id"]: job["metadata"]["owner"]
+        for job in api.get("/v2/batch-completions", headers=admin).json()["jobs"]
+    } == {job_a: "team-a", job_b: "team-b"}
+    assert [job["job_id"] for job in api.get("/v2/batch-completions?team=team-b", headers=admin).json()["jobs"]] == [
+        job_b
+    ]
+    assert api.get("/v2/batch-completions?team=nobody", headers=admin).json()["jobs"] == []
+
+    # A team's key is not told an owner (its keys see its own jobs alone) and may not name another team.
+    own = api.get(f"/v2/batch-completions/{job_a}", headers=_headers(TEAM_A_KEYS[1])).json()["job"]
+    assert "owner" not in own["metadata"]
+    listed = api.get("/v2/batch-completions?team=team-a", headers=_headers(TEAM_A_KEYS[1])).json()["jobs"]
+    assert [job["job_id"] for job in listed] == [job_a]
+    refused = api.get("/v2/batch-completions?team=team-b", headers=_headers(TEAM_A_KEYS[0]))
+    assert refused.status_code == 403, refused.text
