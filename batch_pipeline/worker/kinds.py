@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
-from batch_pipeline.contract.kinds import CHAT, COMPLETION, KINDS, V1
+from batch_pipeline.contract.kinds import CHAT, COMPLETION, EMBEDDING, KINDS, V1
 from batch_pipeline.worker.handlers import RequestHandler
 
 # (llm, model_config) -> the kind's handler; the dry run passes a stand-in with the tokenizer and model
@@ -34,7 +34,18 @@ def _chat(llm: Any, model_config: BatchCompletionsModelConfig) -> RequestHandler
     return ChatRequests(llm, model_config)
 
 
-HANDLERS: dict[str, HandlerFactory] = {V1.name: _v1, COMPLETION.name: _completion, CHAT.name: _chat}
+def _embedding(llm: Any, model_config: BatchCompletionsModelConfig) -> RequestHandler:
+    from batch_pipeline.worker.embedding_requests import EmbeddingRequests
+
+    return EmbeddingRequests(llm, model_config)
+
+
+HANDLERS: dict[str, HandlerFactory] = {
+    V1.name: _v1,
+    COMPLETION.name: _completion,
+    CHAT.name: _chat,
+    EMBEDDING.name: _embedding,
+}
 
 
 def kind_handlers(llm: Any, model_config: BatchCompletionsModelConfig) -> dict[str, RequestHandler]:
