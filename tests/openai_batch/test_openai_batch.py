@@ -196,7 +196,7 @@ def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deploymen
             == fetched.json()["error"]["message"]
             == f"No such File object: '{unknown}'"
         )
-    endpoint = _create(client, file_id, endpoint="/v1/embeddings")
+    endpoint = _create(client, file_id, endpoint="/v1/moderations")
     assert endpoint.status_code == 400 and endpoint.json()["error"]["param"] == "endpoint"
     window = _create(client, file_id, completion_window="72h")
     assert window.status_code == 400 and window.json()["error"]["param"] == "completion_window"
