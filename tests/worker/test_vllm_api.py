@@ -37,8 +37,8 @@ def test_the_openai_request_defaults_the_worker_falls_back_to_are_readable():
 def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does():
     from batch_pipeline.contract.kinds import KINDS
     from batch_pipeline.dry_run.counting import model_of
-    from batch_pipeline.worker.kinds import HANDLERS, kind_handlers
     from batch_pipeline.worker.embedding_requests import EmbeddingRequests
+    from batch_pipeline.worker.kinds import HANDLERS, kind_handlers
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
     from batch_pipeline.worker.v1_requests import V1Requests
 
