@@ -310,3 +310,13 @@ def test_the_worker_loop_benchmark_runs_the_worker_alone_and_raw_on_the_same_req
     assert worker[0]["dtype"] == raw[0]["dtype"]
     assert result["summary"]["text_mismatches"] == [0]
     assert 0 < worker[0]["generate_s"] < worker[0]["wall_s"]
+
+
+@pytest.mark.slow  # a benchmark: serve, a vLLM engine and sentence-transformers
+def test_the_embeddings_benchmark_runs_each_system_on_the_same_inputs_and_checks_their_vectors(tmp_path):
+    out = tmp_path / "embeddings.json"
+    _bench("embeddings.py", "--inputs", "40", "--per-line", "4", "--out", str(out), timeout=600)
+    report = json.loads(out.read_text())
+    assert report["inputs"] == 40 and set(report["systems"]) == {"ours", "llm_embed", "sentence_transformers"}
+    assert all(figures["least_cosine_to_sentence_transformers"] >= 0.999 for figures in report["systems"].values())
+    assert report["ours / llm_embed"] > 0 and report["ours / sentence_transformers"] > 0
