@@ -19,17 +19,12 @@ from batch_pipeline.worker.vllm_api import PoolingParams
 
 class EmbeddingRequests:
     def __init__(self, llm: Any, model_config: BatchCompletionsModelConfig) -> None:
-        # Built for every engine, a generating one too: what it reads of the engine is read when asked.
         self.engine_model = llm.llm_engine.model_config
         self.model_name = model_config.served_model_name or model_config.model
 
     def submit(self, engine: Any, item: WorkItem) -> list[str]:
         request = EmbeddingRequest.model_validate(item.request)
-        model = self.engine_model
-        if model.runner_type != "pooling":
-            raise RequestRefused(
-                "model_not_embedding", "model", f"{self.model_name!r} generates text; it computes no embeddings"
-            )
+        model = self.engine_model  # a pooling model's: worker/kinds.py builds this handler for no other
         if request.dimensions is not None:
             self._check_dimensions(request.dimensions)
         vocabulary = model.get_vocab_size()

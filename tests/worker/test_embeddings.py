@@ -1,6 +1,7 @@
 """Embeddings lines through the real ShardRunner and vLLM's pooling runner (all-minilm-l6-v2 from the
-catalog): the vectors equal sentence-transformers' for the same model and inputs, hostile lines fail alone
-naming their field, repeated lines are computed once, and a stopped shard resumes from its checkpoint."""
+catalog): the vectors equal sentence-transformers' for the same model and inputs, hostile lines (and a chat
+request, which the model cannot answer) fail alone naming their field, repeated lines are computed once,
+and a stopped shard resumes from its checkpoint."""
 
 import base64
 import json
@@ -60,13 +61,14 @@ def test_embeddings_equal_sentence_transformers_and_hostile_lines_fail_alone_nam
         {"input": "x", "dimensions": 10**9},  # 5: dimensions of a model with no Matryoshka training
         {"input": "word " * 400},  # 6: past the model's 256 tokens
         {"input": TEXTS},  # 7: line 0 again: computed once
+        {"messages": [{"role": "user", "content": "hi"}]},  # 8: a chat request, which MiniLM cannot answer
     ]
     items = work_items((f"content.{i}", record) for i, record in enumerate(records))
     (shard,) = write_shards(items, 1, str(tmp_path), deduplicate=True)
 
     outputs, stats = _run(shard)
 
-    assert stats.deduplicated == 1 and stats.errors == 3, stats
+    assert stats.deduplicated == 1 and stats.errors == 4, stats
     expected = reference.encode(TEXTS, convert_to_numpy=True)
     for index, wanted in [(0, expected), (1, expected[1:2]), (7, expected)]:
         body = outputs[index]
@@ -86,11 +88,12 @@ def test_embeddings_equal_sentence_transformers_and_hostile_lines_fail_alone_nam
     assert float(from_ids @ expected[0]) >= 0.999
     assert len(outputs[3]["data"]) == 2 and outputs[3]["usage"]["prompt_tokens"] == len(token_ids) + 3
     # Each hostile line an error entry of its own, naming the field; the shard finished.
-    errors = {index: outputs[index]["error"] for index in (4, 5, 6)}
+    errors = {index: outputs[index]["error"] for index in (4, 5, 6, 8)}
     assert {index: (error["code"], error["param"]) for index, error in errors.items()} == {
         4: ("invalid_request", "input"),
         5: ("unsupported_field", "dimensions"),
         6: ("prompt_too_long", "input"),
+        8: ("model_not_supported", "model"),
     }
     assert "30522" in errors[4]["message"] and "vocabulary" in errors[4]["message"]
     assert stats.prompt_tokens == sum(output.get("usage", {}).get("prompt_tokens", 0) for output in outputs)
