@@ -327,3 +327,13 @@ def test_the_warm_engines_benchmark_runs_small_jobs_through_serve_with_and_witho
     # After the first jobs, the small job's shard found a warm engine in the pool, and none without it.
     assert (warm["small_engine_warm"], cold["small_engine_warm"]) == (True, False)
     assert "run_shard[shard_000]:start" in warm["small_timeline_s"]
+
+
+@pytest.mark.slow  # a benchmark: serve, a vLLM engine and sentence-transformers
+def test_the_embeddings_benchmark_runs_each_system_on_the_same_inputs_and_checks_their_vectors(tmp_path):
+    out = tmp_path / "embeddings.json"
+    _bench("embeddings.py", "--inputs", "40", "--per-line", "4", "--out", str(out), timeout=600)
+    report = json.loads(out.read_text())
+    assert report["inputs"] == 40 and set(report["systems"]) == {"ours", "llm_embed", "sentence_transformers"}
+    assert all(figures["least_cosine_to_sentence_transformers"] >= 0.999 for figures in report["systems"].values())
+    assert report["ours / llm_embed"] > 0 and report["ours / sentence_transformers"] > 0

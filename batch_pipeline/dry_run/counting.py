@@ -16,6 +16,7 @@ from batch_pipeline.admission.paths import DataFiles
 from batch_pipeline.admission.submission import UnservableRequest
 from batch_pipeline.contract import BatchCompletionsModelConfig, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.estimate import RequestProblem
+from batch_pipeline.contract.kinds import kind_named
 from batch_pipeline.contract.requests import BatchContent
 from batch_pipeline.core import io
 from batch_pipeline.models.sync import sync_tokenizer_files
@@ -123,6 +124,7 @@ def count(
 def _measure(item: WorkItem, added: list[tuple[Any, Any, dict[str, Any]]], model: Model, counts: Counts) -> None:
     """One request's prompts against the context, as vLLM checks them when they are added."""
     context = model.context_length
+    room = 1 if kind_named(item.kind).generates else 0  # a generated token at least; an embedding needs none
     if not added:
         return
     lengths = []
@@ -136,18 +138,19 @@ def _measure(item: WorkItem, added: list[tuple[Any, Any, dict[str, Any]]], model
         if length == 0:
             counts.refuse(item.index, "invalid_request", f"{which}the prompt is empty")
             return
-        if length >= context:  # vLLM needs room for one generated token at least
+        if length + room > context:
             counts.refuse(
                 item.index,
                 "prompt_too_long",
-                f"{which}the prompt is {length} tokens; the model's context of {context} must hold it "
-                "and at least one generated token",
+                f"{which}the prompt is {length} tokens; the model's context of {context} must hold it"
+                + (" and at least one generated token" if room else ""),
             )
             return
         lengths.append(length)
     params = added[0][1]  # one request's prompts share their sampling parameters
     n = getattr(params, "n", None) or 1
-    limit = params.max_tokens  # None: the engine fills the context; the job's planning assumes a bound
+    # None: the engine fills the context (the job's planning assumes a bound), or it generates nothing
+    limit = getattr(params, "max_tokens", None)
     per_candidate = limit if limit is not None else expected_output_tokens(item.kind, item.request) // n
     for length in lengths:
         counts.prompts += 1

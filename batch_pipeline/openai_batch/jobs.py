@@ -25,9 +25,11 @@ from pydantic import ValidationError
 
 from batch_pipeline.admission.submission import CONTENT_FILE
 from batch_pipeline.contract import BatchCompletionsModelConfig
+from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
 from batch_pipeline.contract.openai_batch import BATCH_LINES, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import Settings
+from batch_pipeline.models.catalog import runner_of
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import BatchResults, FileRecord, OpenAIStore
 from batch_pipeline.store.records import JobRecord
@@ -150,6 +152,9 @@ def _checked_line(
         return None
     if checked.model is None:
         checked.model = model
+        if (refusal := _runner_refusal(model, endpoint)) is not None:
+            checked.add_error("model_not_supported", refusal, number, "body.model")
+            return None
     elif model != checked.model:
         checked.add_error(
             "mismatched_model",
@@ -160,6 +165,16 @@ def _checked_line(
         )
         return None
     return line
+
+
+def _runner_refusal(model: str, endpoint: str) -> str | None:
+    """Why a catalog model cannot serve the endpoint's kind (an embedding model asked to chat, a chat model
+    asked to embed); None where it can, or where the catalog does not know the model (vLLM decides)."""
+    runner, kind = runner_of(model), BATCH_ENDPOINTS[endpoint]
+    if runner is None or runner == kind.runner:
+        return None
+    does = {"pooling": "computes embeddings", "generate": "generates text"}
+    return f"{model[:100]!a} {does[runner]}; {endpoint} needs a model that {does[kind.runner]}"
 
 
 def _name_the_error(raw: bytes, number: int, endpoint: str, typed: ValidationError, checked: CheckedInput) -> None:

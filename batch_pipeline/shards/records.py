@@ -52,12 +52,13 @@ def request_digest(item: WorkItem) -> int:
 def repeat_key(item: WorkItem) -> int | None:
     """A 128-bit digest that two work items share when they are the same request with a deterministic
     output (greedy, or a fixed seed), so that one generation can answer both; None for any other request."""
-    return _digest(item.kind, item.request) if _deterministic(item.request) else None
+    return _digest(item.kind, item.request) if _deterministic(item) else None
 
 
-def _deterministic(request: dict[str, Any]) -> bool:
-    """Whether a request's output is fixed by the request: greedy, or sampled with a seed."""
-    return request.get("temperature") == 0 or request.get("seed") is not None
+def _deterministic(item: WorkItem) -> bool:
+    """Whether a request's output is fixed by the request, as its kind says (greedy, or sampled with a seed;
+    an embedding always)."""
+    return kind_named(item.kind).deterministic(item.request)
 
 
 def _digest(kind: RecordKind, request: dict[str, Any]) -> int:
@@ -87,7 +88,7 @@ def shared_generation_key(item: WorkItem) -> int | None:
     the longer's first). None for any other request: unseeded samples, several candidates, a `min_tokens`,
     no limit at all, or one the engine refuses."""
     request = item.request
-    if not _deterministic(request) or (request.get("n") or 1) != 1 or request.get("min_tokens"):
+    if not _deterministic(item) or (request.get("n") or 1) != 1 or request.get("min_tokens"):
         return None
     limit = output_limit(item)
     if limit is None or limit < 1:  # the engine refuses a limit of 0: such a request gets its own error

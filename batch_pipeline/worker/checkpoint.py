@@ -115,7 +115,8 @@ def copy_lines(output: dict[str, Any], copies: Sequence[int]) -> str:
 def token_counts(output: dict[str, Any]) -> tuple[int, int]:
     """(prompt, completion) tokens of one output: v1 CompletionOutput counts, or an OpenAI object's usage."""
     if "usage" in output:
-        return output["usage"]["prompt_tokens"], output["usage"]["completion_tokens"]
+        # an embedding's usage has no completion tokens, as OpenAI's
+        return output["usage"]["prompt_tokens"], output["usage"].get("completion_tokens", 0)
     return output.get("num_prompt_tokens", 0), output.get("num_completion_tokens", 0)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.core import io
-from batch_pipeline.models.catalog import resolve_model
+from batch_pipeline.models.catalog import catalog_dtype, resolve_model, runner_of
 from batch_pipeline.models.sync import sync_remote_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,8 @@ def choose_dtype(
     float32 is both fast and exact."""
     if model_config.dtype is not None:
         return model_config.dtype, "named by the request"
+    if (listed := catalog_dtype(model_config.model)) is not None:
+        return listed, "the model catalog's for this model"
     if not on_cpu:
         return None, "the model's own, on an accelerator"
     if model_config.quantization is not None:
@@ -131,8 +133,14 @@ def engine_arguments(model_config: BatchCompletionsModelConfig) -> tuple[dict[st
     dtype, _ = choose_dtype(model_config, on_cpu)
     if dtype is not None:
         arguments["dtype"] = dtype
+    # The model says what it runs as (a catalog embedding model on vLLM's pooling runner), not the request.
+    runner = runner_of(model_config.model)
+    if runner is not None:
+        arguments["runner"] = runner
     # Batch inputs repeat prefixes (templates, system prompts); the cache is on unless the request says no.
-    arguments.setdefault("enable_prefix_caching", True)
+    # An encoder-only pooling model (BERT) keeps no KV cache to share, and vLLM's scheduler refuses to start
+    # with the prefix cache on and no cacheable layer.
+    arguments.setdefault("enable_prefix_caching", runner != "pooling")
     if on_cpu:
         # torch.compile costs 70-95 s at every start on the CPU for 15-25 % more throughput: a loss for
         # all but the longest shards, so it is opt-in there (enforce_eager: false).

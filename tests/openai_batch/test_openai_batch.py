@@ -196,7 +196,7 @@ def test_a_batch_names_an_input_file_of_its_own_owner_and_a_model_this_deploymen
             == fetched.json()["error"]["message"]
             == f"No such File object: '{unknown}'"
         )
-    endpoint = _create(client, file_id, endpoint="/v1/embeddings")
+    endpoint = _create(client, file_id, endpoint="/v1/moderations")
     assert endpoint.status_code == 400 and endpoint.json()["error"]["param"] == "endpoint"
     window = _create(client, file_id, completion_window="72h")
     assert window.status_code == 400 and window.json()["error"]["param"] == "completion_window"
@@ -262,6 +262,67 @@ def test_batches_page_newest_first(deployment):
     assert [b["id"] for b in first["data"]] == made[::-1][:2] and first["has_more"] is True
     second = client.get("/v1/batches", headers=_bearer(USER_KEY), params={"limit": 2, "after": first["last_id"]}).json()
     assert [b["id"] for b in second["data"]] == [made[0]] and second["has_more"] is False
+
+
+EMBEDDINGS = "/v1/embeddings"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+
+def _embedding_line(custom_id: str, model: str = EMBEDDING_MODEL, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": EMBEDDINGS, "body": {"model": model, **body}}
+
+
+def test_an_embeddings_file_is_checked_as_openai_checks_it_each_hostile_line_naming_its_field(deployment):
+    client = deployment.client
+    lines = [
+        _embedding_line("ok", input="a sentence"),
+        _embedding_line("too-many", input=["x"] * 2049),  # OpenAI's bound: 2048 inputs a request
+        _embedding_line("negative-id", input=[101, -5, 102]),
+        _embedding_line("zero-dimensions", input="x", dimensions=0),
+        _embedding_line("empty", input=""),
+        _embedding_line("format", input="x", encoding_format="bytes"),
+        _embedding_line("no-input"),
+    ]
+    batch = _create(client, _upload(client, _jsonl(lines)).json()["id"], endpoint=EMBEDDINGS).json()
+    assert batch["status"] == "failed"
+    errors = {
+        (error["line"], error["code"], tuple((error["param"] or "").split(".")[:2]))
+        for error in batch["errors"]["data"]
+    }
+    assert errors == {
+        (2, "invalid_request", ("body", "input")),
+        (3, "invalid_request", ("body", "input")),
+        (4, "invalid_request", ("body", "dimensions")),
+        (5, "invalid_request", ("body", "input")),
+        (6, "invalid_request", ("body", "encoding_format")),
+        (7, "invalid_request", ("body", "input")),
+    }
+
+
+def test_a_model_that_cannot_serve_the_endpoint_fails_its_batch_naming_the_line(deployment):
+    client = deployment.client
+    # The chat model asked to embed, the embedding model asked to chat or complete: refused, not run.
+    for endpoint, line in [
+        (EMBEDDINGS, _embedding_line("embed", model=MODEL, input="x")),
+        (CHAT, _line("chat", model=EMBEDDING_MODEL)),
+        (
+            "/v1/completions",
+            {
+                **_line("complete", model=EMBEDDING_MODEL, url="/v1/completions"),
+                "body": {"model": EMBEDDING_MODEL, "prompt": "x"},
+            },
+        ),
+    ]:
+        batch = _create(client, _upload(client, _jsonl([line])).json()["id"], endpoint=endpoint).json()
+        assert batch["status"] == "failed", batch
+        [error] = batch["errors"]["data"]
+        assert (error["line"], error["code"], error["param"]) == (1, "model_not_supported", "body.model")
+        assert endpoint in error["message"]
+
+    valid = _create(
+        client, _upload(client, _jsonl([_embedding_line("a", input=["x", "y"])])).json()["id"], endpoint=EMBEDDINGS
+    )
+    assert valid.json()["status"] in ("validating", "in_progress"), valid.text
 
 
 @pytest.mark.slow

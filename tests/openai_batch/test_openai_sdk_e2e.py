@@ -1,10 +1,12 @@
 """The official `openai` SDK, unchanged, drives a batch through `make serve` (the API, the Dagster daemon
 and webserver, vLLM in the shard worker): upload, create, poll, download."""
 
+import base64
 import json
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.conftest import MODEL
@@ -99,3 +101,87 @@ def test_the_openai_sdk_uploads_runs_polls_and_downloads_a_batch(served):
         openai.OpenAI(base_url=f"{served.api}/v1", api_key="wrong", max_retries=0).batches.list()
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch-does-not-exist")
+
+
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+
+@pytest.mark.slow
+def test_the_openai_sdk_runs_an_embeddings_batch_whose_every_output_line_parses_as_its_embedding_response(served):
+    import openai
+    from openai.types import CreateEmbeddingResponse
+    from transformers import AutoTokenizer
+
+    from batch_pipeline.models.catalog import resolve_model
+
+    served.wait_until_up()
+    client = openai.OpenAI(base_url=f"{served.api}/v1", api_key=KEY, max_retries=0)
+    texts = ["The capital of France is Paris.", "A cat sat on the mat.", "Batch inference, one engine."]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(EMBEDDING_MODEL))
+    bodies = {
+        "one": {"input": texts[0]},
+        "several": {"input": texts, "encoding_format": "float"},
+        "ids": {"input": tokenizer(texts[1])["input_ids"]},
+        "base64": {"input": texts[2], "encoding_format": "base64"},
+        "again": {"input": texts[0]},  # line 1 again: computed once, answered twice
+        "past-vocabulary": {"input": [101, 10**6, 102]},
+        "dimensions": {"input": "x", "dimensions": 10**9},
+    }
+    lines = [
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"model": EMBEDDING_MODEL, **body}}
+        for custom_id, body in bodies.items()
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("embeddings.jsonl", data), purpose="batch")
+
+    # The dry run counts the lines' input tokens as the worker tokenizes them, and plans no output.
+    estimate = httpx.post(
+        f"{served.api}/v1/batches",
+        params={"dry_run": "true"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"input_file_id": uploaded.id, "endpoint": "/v1/embeddings", "completion_window": "24h"},
+        timeout=300,
+    ).json()
+    counted = [tokenizer(text)["input_ids"] for text in (texts[0], *texts, texts[2], texts[0])]
+    assert estimate["prompt_tokens"] == sum(map(len, counted)) + len(bodies["ids"]["input"]), estimate
+    assert estimate["max_output_tokens"] == 0, estimate
+
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 600
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}\n{served.log.read_text()[-3000:]}"
+        time.sleep(1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", (batch, served.log.read_text()[-3000:])
+    assert batch.request_counts.model_dump() == {"total": 7, "completed": 5, "failed": 2}
+
+    outputs = {
+        line["custom_id"]: line
+        for line in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())
+    }
+    assert list(outputs) == ["one", "several", "ids", "base64", "again"]
+    prompt_tokens = 0
+    for custom_id, line in outputs.items():
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        if custom_id == "base64":  # the SDK decodes base64 vectors before its type reads them
+            vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+            body = {**body, "data": [{**body["data"][0], "embedding": vector.tolist()}]}
+        parsed = CreateEmbeddingResponse.model_validate(body)
+        assert parsed.model == EMBEDDING_MODEL and all(len(entry.embedding) == 384 for entry in parsed.data)
+        prompt_tokens += parsed.usage.prompt_tokens
+    assert len(outputs["several"]["response"]["body"]["data"]) == 3
+    assert outputs["again"]["response"]["body"]["data"] == outputs["one"]["response"]["body"]["data"]
+
+    failed = {
+        line["custom_id"]: line["response"]["body"]["error"]
+        for line in map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
+    }
+    assert {custom_id: error["param"] for custom_id, error in failed.items()} == {
+        "past-vocabulary": "input",
+        "dimensions": "dimensions",
+    }
+    # The batch's usage, and the usage report, count the input tokens; an embedding generates none.
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt_tokens, 0)
+    usage = httpx.get(f"{served.api}/v2/usage", headers={"x-api-key": KEY}, timeout=30).json()
+    assert sum(day["prompt_tokens"] for day in usage["days"]) == prompt_tokens, usage

@@ -37,7 +37,9 @@ def test_the_openai_request_defaults_the_worker_falls_back_to_are_readable():
 def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does():
     from batch_pipeline.contract.kinds import KINDS
     from batch_pipeline.dry_run.counting import model_of
-    from batch_pipeline.worker.kinds import HANDLERS, kind_handlers
+    from batch_pipeline.worker.embedding_requests import EmbeddingRequests
+    from batch_pipeline.worker.handlers import RequestRefused
+    from batch_pipeline.worker.kinds import HANDLERS, WrongRunner, kind_handlers
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
     from batch_pipeline.worker.v1_requests import V1Requests
 
@@ -49,7 +51,24 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
         "v1": V1Requests,
         "completion": CompletionRequests,
         "chat": ChatRequests,
+        "embeddings": WrongRunner,  # a generating model computes no embeddings
     }
+    # An embedding model: its own kind's handler, and every generating kind's items refused naming the model.
+    embedding_config = BatchCompletionsModelConfig(model="all-minilm-l6-v2")
+    pooling = kind_handlers(model_of(embedding_config), embedding_config)
+    assert {name: type(handler) for name, handler in pooling.items()} == {
+        "v1": WrongRunner,
+        "completion": WrongRunner,
+        "chat": WrongRunner,
+        "embeddings": EmbeddingRequests,
+    }
+    item = WorkItem(index=0, kind="chat", request={"messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(RequestRefused) as refused:
+        pooling["chat"].submit(None, item)
+    assert (refused.value.code, refused.value.param) == ("model_not_supported", "model")
+    assert "'all-minilm-l6-v2' computes embeddings" in str(refused.value)
+    with pytest.raises(RequestRefused, match="generates text"):
+        handlers["embeddings"].submit(None, WorkItem(index=0, kind="embeddings", request={"input": "x"}))
 
 
 def test_an_unknown_name_is_an_attribute_error():

@@ -1,5 +1,5 @@
 """The registry of request kinds: every kind of request a job may hold, each a module of its own (`v1`,
-`completion`, `chat`) saying what it is on the wire, how it is split into work items and weighed, and its
+`completion`, `chat`, `embedding`) saying what it is on the wire, how it is split into work items and weighed, and its
 OpenAI endpoint. Every layer asks here; none switches on a kind's name. The worker's side of each kind, the
 handler that runs it on the engine, is registered in `worker/kinds.py`.
 
@@ -14,13 +14,14 @@ from typing import Any
 from batch_pipeline.contract.kinds.base import CHARS_PER_TOKEN, RequestKind, WorkRequest, estimated_tokens
 from batch_pipeline.contract.kinds.chat import CHAT
 from batch_pipeline.contract.kinds.completion import COMPLETION
+from batch_pipeline.contract.kinds.embedding import EMBEDDING
 from batch_pipeline.contract.kinds.v1 import V1
 
 # In the order the wire lists them (v2 content's shapes, the errors that name them).
-KINDS: tuple[RequestKind, ...] = (V1, COMPLETION, CHAT)
+KINDS: tuple[RequestKind, ...] = (V1, COMPLETION, CHAT, EMBEDDING)
 # Which kind a record is where it has the prompt fields of several (unknown fields are ignored): a record
 # with `messages` is a chat request whatever else it holds, one with `prompts` v1 content.
-_RECOGNIZED_FIRST: tuple[RequestKind, ...] = (CHAT, V1, COMPLETION)
+_RECOGNIZED_FIRST: tuple[RequestKind, ...] = (CHAT, V1, COMPLETION, EMBEDDING)
 _BY_NAME = {kind.name: kind for kind in KINDS}
 
 # The OpenAI Batch API endpoints, and the kind each one's lines are; by url, as the API's enum lists them.
@@ -84,6 +85,7 @@ __all__ = [
     "CHARS_PER_TOKEN",
     "CHAT",
     "COMPLETION",
+    "EMBEDDING",
     "INLINE_LIST_KINDS",
     "INLINE_OBJECT_KINDS",
     "KINDS",

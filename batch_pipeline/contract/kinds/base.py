@@ -44,8 +44,12 @@ class RequestKind:
     # Whether a job's `tool_config` applies to it (the code_evaluator loop); elsewhere it is accepted and
     # not applied.
     takes_tool_config: ClassVar[bool] = False
-    # The request fields that cap its output, the one a limit is written to last.
+    # The request fields that cap its output, the one a limit is written to last; none for a kind that
+    # generates no tokens.
     output_limit_fields: ClassVar[tuple[str, ...]]
+    # What vLLM must run the model as to serve it (its `runner`): text generation, or pooling (embeddings).
+    # A batch of this kind on a model of the other is refused, naming the line.
+    runner: ClassVar[str] = "generate"
 
     def work_requests(self, record: Any) -> Iterator[WorkRequest]:
         """The work items' requests of one parsed record (`wire_model`)."""
@@ -60,6 +64,16 @@ class RequestKind:
         """What requests of a batch usually share (a system prompt, a few-shot template): the work order
         puts requests sharing it side by side, for vLLM's prefix cache."""
         raise NotImplementedError
+
+    def deterministic(self, request: dict[str, Any]) -> bool:
+        """Whether the request's output is fixed by the request (greedy, or sampled with a seed): repeated
+        requests are then answered by one computation."""
+        return request.get("temperature") == 0 or request.get("seed") is not None
+
+    @property
+    def generates(self) -> bool:
+        """Whether it generates tokens: a prompt must then leave room for one in the context."""
+        return self.runner == "generate"
 
     def is_inline_list(self) -> bool:
         return getattr(self.inline_content, "__origin__", None) is list

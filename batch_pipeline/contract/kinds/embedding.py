@@ -1,0 +1,87 @@
+"""OpenAI embedding requests (`input`: a string, strings, token ids, or arrays of token ids), the lines of
+`/v1/embeddings` batches. The worker runs them on vLLM's pooling runner with `worker/embedding_requests.py`;
+the output is OpenAI's embedding response (`{"object": "list", "data": [...], "usage": ...}`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.kinds.base import RequestKind, WorkRequest, estimated_tokens
+
+# OpenAI's bound of one request's inputs; a line past it is refused at validation, naming `input`.
+MAX_INPUTS = 2048
+# The most token ids an input may hold: OpenAI's bound (8192 tokens an input). A model whose context is
+# shorter refuses the longer ones per line, as the engine's prompt_too_long.
+MAX_INPUT_TOKENS = 8192
+# A token id is a vocabulary index: never negative. Ids past the model's vocabulary are refused per line by
+# the worker, which knows the vocabulary.
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_INPUT_TOKENS)]
+Text = Annotated[str, Field(min_length=1)]
+
+
+class EmbeddingRequest(WireModel):
+    """The body of OpenAI's `POST /v1/embeddings`."""
+
+    text_fields = frozenset({"input"})
+
+    model: str | None = Field(None, description="The embedding model; a batch's lines all name the same one")
+    input: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+    ) = Field(
+        description=f"What to embed: a string, an array of strings, an array of token ids, or an array of "
+        f"token-id arrays; at most {MAX_INPUTS} inputs, none empty"
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="`float`: arrays of numbers; `base64`: each vector's float32 little-endian bytes"
+    )
+    dimensions: int | None = Field(
+        None,
+        ge=1,
+        description="Fewer dimensions, for a model trained for them (Matryoshka); a per-line error elsewhere",
+    )
+    user: str | None = Field(None, max_length=256, description="The end user, as OpenAI takes it; not used")
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input on its own: a string, or a list of token ids."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and isinstance(value[0], int):
+            return [list(value)]  # type: ignore[arg-type]  # one array of token ids
+        return list(value)  # type: ignore[arg-type]
+
+
+class EmbeddingKind(RequestKind):
+    name = "embeddings"
+    wire_model = EmbeddingRequest
+    prompt_field = "input"
+    described = "`input` (embeddings)"
+    openai_url = "/v1/embeddings"
+    output_limit_fields = ()
+    runner = "pooling"
+
+    def work_requests(self, record: Any) -> Iterator[WorkRequest]:
+        yield WorkRequest(
+            record.model_dump(exclude_none=True, by_alias=True),
+            [estimated_tokens(one) if isinstance(one, str) else len(one) for one in record.inputs()],
+        )
+
+    def expected_output_tokens(self, request: dict[str, Any]) -> int:
+        return 0  # a vector, no tokens
+
+    def shared_context(self, request: dict[str, Any]) -> str:
+        return ""  # no prefix cache for an encoder: nothing to put side by side
+
+    def deterministic(self, request: dict[str, Any]) -> bool:
+        return True  # the same input embeds to the same vector: repeated lines are computed once
+
+
+EMBEDDING = EmbeddingKind()
