@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from batch_pipeline.api.usage import named_owners, team_label
-from batch_pipeline.launch.pool import pool_gauges
+from batch_pipeline.shards.protocol import pool_gauges
 from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.store.schema import JobStatus
 from batch_pipeline.store.webhooks import WebhookOutbox

@@ -31,7 +31,6 @@ from batch_pipeline.core import io
 from batch_pipeline.launch.standby import environment_digest, private_directory
 from batch_pipeline.shards.protocol import (
     POOL_CLAIMED,
-    POOL_EVICTIONS,
     POOL_IDLE,
     POOL_OUTPUT,
     POOL_OWNER,
@@ -245,33 +244,6 @@ class EnginePool:
         with io.atomic_write(os.path.join(directory, POOL_CLAIMED)) as claimed:
             claimed.write(str(os.getpid()))
         return PoolWorker(directory, process.pid, os.pidfd_open(process.pid), warm=False)
-
-
-@dataclass(frozen=True)
-class PoolGauges:
-    """The pool as `/metrics` tells it: what waits now, and the evictions so far."""
-
-    waiting_workers: int
-    waiting_bytes: int
-    evictions: int
-
-
-def pool_gauges(directory: str) -> PoolGauges | None:
-    """The figures of the pool at `directory`; None where there is none (no pool, or not on this machine)."""
-    if not directory or not private_directory(directory):
-        return None
-    waiting = []
-    for entry in os.scandir(directory):
-        idle = _read_model(os.path.join(entry.path, POOL_IDLE), PoolWorkerIdle)
-        started = _read_model(os.path.join(entry.path, POOL_STARTED), PoolWorkerStarted)
-        if idle is not None and started is not None and is_pool_worker(entry.path, started.pid):
-            waiting.append(idle)
-    try:
-        with open(os.path.join(directory, POOL_EVICTIONS)) as handle:
-            evictions = int(handle.read())
-    except (OSError, ValueError):
-        evictions = 0
-    return PoolGauges(len(waiting), sum(idle.rss_bytes for idle in waiting), evictions)
 
 
 def make_pool_directory() -> str:

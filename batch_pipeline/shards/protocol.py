@@ -107,6 +107,42 @@ def is_pool_worker(directory: str, pid: int) -> bool:
     return os.fsencode(directory) in arguments and state not in ("Z", "X")
 
 
+@dataclass(frozen=True)
+class PoolGauges:
+    """A pool as `/metrics` tells it: what waits in it now, and its evictions so far."""
+
+    waiting_workers: int
+    waiting_bytes: int
+    evictions: int
+
+
+def pool_gauges(directory: str) -> PoolGauges | None:
+    """The figures of the pool at `directory` (read-only); None where there is none on this machine."""
+    try:
+        entries = list(os.scandir(directory)) if directory else None
+    except OSError:
+        entries = None
+    if entries is None:
+        return None
+    waiting = []
+    for entry in entries:
+        try:
+            with open(os.path.join(entry.path, POOL_IDLE)) as handle:
+                idle = PoolWorkerIdle.model_validate_json(handle.read())
+            with open(os.path.join(entry.path, POOL_STARTED)) as handle:
+                started = PoolWorkerStarted.model_validate_json(handle.read())
+        except (OSError, ValueError):
+            continue
+        if is_pool_worker(entry.path, started.pid):
+            waiting.append(idle)
+    try:
+        with open(os.path.join(directory, POOL_EVICTIONS)) as handle:
+            evictions = int(handle.read())
+    except (OSError, ValueError):
+        evictions = 0
+    return PoolGauges(len(waiting), sum(idle.rss_bytes for idle in waiting), evictions)
+
+
 # Fields of model_config that shape the handlers or the deployment, never the engine: two shards differing
 # only in these can run on one engine.
 _NOT_ENGINE_SHAPING = frozenset(

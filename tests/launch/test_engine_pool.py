@@ -17,7 +17,7 @@ from batch_pipeline.contract import ToolConfig
 from batch_pipeline.contract.model_config import BatchCompletionsModelConfig
 from batch_pipeline.core.environment import child_environment
 from batch_pipeline.core.settings import settings
-from batch_pipeline.launch.pool import EnginePool, PoolKey, PoolSize, PoolWorker, pool_gauges
+from batch_pipeline.launch.pool import EnginePool, PoolKey, PoolSize, PoolWorker
 from batch_pipeline.shards.format import ShardSpec
 from batch_pipeline.shards.protocol import (
     POOL_CLAIMED,
@@ -30,6 +30,7 @@ from batch_pipeline.shards.protocol import (
     ShardTask,
     engine_key,
     is_pool_worker,
+    pool_gauges,
 )
 from batch_pipeline.store.reports import ReportStore
 from batch_pipeline.worker.engine import KeptEngine
