@@ -6,9 +6,9 @@ at random, then each job checked to have completed exactly once.
 
 The deployment is `make serve`'s, each service a process of its own so that each can be killed alone: the
 API (uvicorn, as serve runs it), the Dagster daemon, and a gRPC code server (which starts the run workers;
-they start the shard workers). Its instance config is the shipped dagster.yaml (run monitoring, run
-retries, the queue's code-location retries), with the queue's delays shortened (`--dequeue-interval-s`,
-`--code-server-retry-delay-s`) so a soak takes minutes.
+they start the shard workers, in the warm engine pool `serve` makes). Its instance config is the shipped
+dagster.yaml (run monitoring, run retries, the queue's code-location retries), with the queue's delays
+shortened (`--dequeue-interval-s`, `--code-server-retry-delay-s`) so a soak takes minutes.
 
 Jobs (`JOB_KINDS`): v1, v2 completion (echo), v2 chat, v2 completion with deterministic repeats,
 data_parallelism 2 (two shards), and chat sampled with a seed per request. Each is submitted by a client
@@ -20,7 +20,8 @@ Faults (`FAULT_KINDS`, a seeded random.Random picks them and the gaps between th
 once): the API, the daemon, the code server (SIGKILL, restarted after a few seconds); the code server down
 for a few seconds just as the queue dequeues a run; a run worker; a run worker orphaned by a code-server
 restart, then killed (run monitoring must find it within `--detect-bound-s` and the daemon retry it); a
-shard worker. Run and shard kills are limited to one of each per job: the runs carry
+shard worker mid-shard (a worker of the engine pool: one started for its shard, or a warm one that served
+shards before; the fault says which). Run and shard kills are limited to one of each per job: the runs carry
 `dagster/max_retries: 2` and each shard step 2 retries, so a job killed more often than that may fail by
 design.
 
@@ -84,6 +85,7 @@ FAULT_KINDS = (
     "shard_worker",
 )
 TARGETED_FAULT_KINDS = ("orphaned_run_worker_while_loading",)
+SHARD_WATCH_S = 30.0  # how long the shard_worker fault watches for a shard worker on a shard
 SCENARIOS = {"random": FAULT_KINDS, "targeted": TARGETED_FAULT_KINDS}
 JOB_ID_TAG = "batch_pipeline/job_id"
 PR_SET_CHILD_SUBREAPER = 36
@@ -384,6 +386,10 @@ class Soak:
         from batch_pipeline.entrypoints.serve import _create_storage, api_command
 
         _create_storage(settings())
+        from batch_pipeline.launch.pool import make_pool_directory
+
+        # The warm engine pool, as `serve` makes one: its workers are this soak's descendants (killed at stop).
+        self.env["BATCH_PIPELINE_ENGINE_POOL_DIR"] = self.pool = make_pool_directory()
         import dagster as dg
 
         from batch_pipeline.store.jobs import JobStore
@@ -468,6 +474,8 @@ class Soak:
             _reap_orphans(self._managed())
         with contextlib.suppress(Exception):
             self.instance.dispose()
+        if getattr(self, "pool", None):
+            shutil.rmtree(self.pool, ignore_errors=True)
 
     # -- Dagster's view --
 
@@ -571,23 +579,48 @@ class Soak:
         if kind == "orphaned_run_worker_while_loading":
             return self._orphan_killed_while_loading()
         if kind == "shard_worker":
-            workers = []
-            for pid in descendants(os.getpid()):
-                command = _cmdline(pid)
-                if "-m" in command and "batch_pipeline.worker" in command and alive(pid):
-                    run_id = _pipes_run_id(pid)
-                    run = self.instance.get_run_by_id(run_id) if run_id else None
-                    job_id = run.tags.get(JOB_ID_TAG) if run else None
-                    if job_id and job_id not in self.hit_shards and job_id not in self.hit_runs:
-                        workers.append((pid, job_id))
-            if not workers:
-                return None
-            pid, job_id = rng.choice(workers)
+            # A warm pool worker's shard of these small jobs lasts a second or two: watched for, not sampled.
+            watch_until = time.monotonic() + SHARD_WATCH_S
+            while not (workers := self._shard_workers()):
+                if time.monotonic() > watch_until or self.all_finished():
+                    return None
+                time.sleep(0.05)
+            pid, job_id, how = rng.choice(workers)
             self.hit_shards.add(job_id)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            return Fault(kind, at, f"{self._name_of(job_id)} pid {pid}", "killed mid-generation")
+            return Fault(kind, at, f"{self._name_of(job_id)} pid {pid}", f"{how} killed mid-generation")
         raise ValueError(kind)
+
+    def _shard_workers(self) -> list[tuple[int, str, str]]:
+        """The shard workers on a shard of a job no fault has hit: each one's pid, job and kind."""
+        workers = []
+        for pid in descendants(os.getpid()):
+            command = _cmdline(pid)
+            if "-m" in command and "batch_pipeline.worker" in command and alive(pid):
+                job_id, how = self._shard_of(pid, command)
+                if job_id and job_id not in self.hit_shards and job_id not in self.hit_runs:
+                    workers.append((pid, job_id, how))
+        return workers
+
+    def _shard_of(self, pid: int, command: list[str]) -> tuple[str | None, str]:
+        """The job whose shard worker `pid` runs, and what kind of worker it is: a launched one (its Pipes
+        context is in its environment), or one of the warm engine pool (its `busy` file names the shard's
+        log, in the job's work dir), warm when its engine had served a shard before."""
+        if "--pool" not in command:
+            run_id = _pipes_run_id(pid)
+            run = self.instance.get_run_by_id(run_id) if run_id else None
+            return (run.tags.get(JOB_ID_TAG) if run else None), "a launched worker"
+        from batch_pipeline.shards.protocol import POOL_BUSY, PoolWorkerBusy
+
+        directory = Path(command[command.index("--pool") + 1])
+        try:
+            busy = PoolWorkerBusy.model_validate_json((directory / POOL_BUSY).read_text())
+        except (OSError, ValueError):  # waiting, not on a shard
+            return None, ""
+        parts = Path(busy.log).parts
+        job_id = parts[parts.index("shards") - 1] if "shards" in parts else None
+        return job_id, "a warm pool worker" if busy.shards_before else "a pool worker started for it"
 
     def _orphan_killed_while_loading(self) -> Fault | None:
         """The code server killed and started again at once; 1 s after the kill, the run worker it left behind,

@@ -64,6 +64,7 @@ POOL_STARTED = "worker.json"  # a PoolWorkerStarted, by the launcher that starte
 POOL_IDLE = "idle.json"  # a PoolWorkerIdle, by the worker: there while it waits for a shard
 POOL_CLAIMED = "claimed.json"  # POOL_IDLE renamed by the one launcher that takes it (a rename: one wins)
 POOL_RETIRED = "retired.json"  # POOL_IDLE renamed by whoever ends its wait (its idle time, an eviction)
+POOL_BUSY = "busy.json"  # a PoolWorkerBusy while it runs a shard, for operators (and the chaos soak) to see which
 POOL_SHARD_EXIT = "shard-exit"  # a PoolShardExit, written whole; its launcher removes it as it reads it
 POOL_OUTPUT = "pool.log"  # its output between shards
 POOL_OWNER = "owner"  # in the pool's own directory: the pid of the `serve` that made it, whose exit ends the pool
@@ -74,6 +75,15 @@ class PoolWorkerStarted(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     pid: int
     env_digest: str  # of the environment it started in (launch/standby.py:environment_digest)
+
+
+class PoolWorkerBusy(BaseModel):
+    """A pool worker on a shard: the shard's log (in the shard's directory), and the shards its engine
+    served before (0: it was started for this one)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    log: str
+    shards_before: int
 
 
 class PoolShardExit(BaseModel):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from batch_pipeline.core import io
 from batch_pipeline.shards.protocol import (
+    POOL_BUSY,
     POOL_CLAIMED,
     POOL_EVICTIONS,
     POOL_IDLE,
@@ -37,6 +38,7 @@ from batch_pipeline.shards.protocol import (
     POOL_STARTED,
     STANDBY_HANDOFF,
     PoolShardExit,
+    PoolWorkerBusy,
     PoolWorkerIdle,
     PoolWorkerStarted,
     StandbyHandoff,
@@ -82,6 +84,8 @@ def serve_pool_shards(
                 _output_to(handoff.log)
             os.truncate(pool_output, 0)
             os.environ.update(handoff.env)  # this shard's Pipes bootstrap, in place of the last one's
+            with io.atomic_write(os.path.join(directory, POOL_BUSY)) as busy:
+                busy.write(PoolWorkerBusy(log=handoff.log, shards_before=kept.shards_served).model_dump_json())
             code = 1  # what an exception leaves
             try:
                 with stopped_when_gone(handoff.launcher_pid):
@@ -103,6 +107,8 @@ def report_exit(directory: str, handoff: StandbyHandoff, code: int, timeout_s: f
     """Leave the shard's exit code for the launcher that handed it over, and wait until that launcher has
     read it (or is gone): until then this worker is not announced, so no other launcher claims it, signals
     it, or reads a code that is not its own."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(directory, POOL_BUSY))
     path = os.path.join(directory, POOL_SHARD_EXIT)
     with io.atomic_write(path) as exit_file:
         exit_file.write(PoolShardExit(token=handoff.token or "", code=code).model_dump_json())
