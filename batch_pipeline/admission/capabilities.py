@@ -14,7 +14,7 @@ from batch_pipeline.admission.paths import request_path_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV1RequestContent, CreateBatchCompletionsV2Request
 from batch_pipeline.contract.requests import CODE_EVALUATOR
-from batch_pipeline.models.catalog import CATALOG, context_tokens
+from batch_pipeline.models.catalog import CATALOG, context_tokens, runner_of
 
 MAX_EXECUTION_TIMEOUT_S = 600
 
@@ -41,6 +41,22 @@ def refusals(
     if request.nodes_per_worker is not None and request.nodes_per_worker > 1:
         found.append(("nodes_per_worker", "multi-node workers are not supported; use data_parallelism"))
     return found
+
+
+def scale_model_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:
+    """Scale's batch completions generate text, whatever their content: a catalog model that only embeds
+    (all-minilm-l6-v2) could answer none of a job's requests, each after its engine started. Its embeddings
+    are OpenAI batch lines (`/v1/embeddings`), which do not come this way."""
+    config = request.model_cfg
+    if config.checkpoint_path is None and runner_of(config.model) == "pooling":
+        return [
+            (
+                "model_config.model",
+                f"{config.model!r} computes embeddings and generates no text; batch completions need a model "
+                "that generates (embeddings: an OpenAI batch of /v1/embeddings lines)",
+            )
+        ]
+    return []
 
 
 def _model_refusals(request: CreateBatchCompletionsV2Request) -> list[tuple[str, str]]:

@@ -55,6 +55,7 @@ from batch_pipeline.openai_batch.jobs import (
     expired,
     keep_results,
     model_config_for,
+    runner_refusal,
     write_result_files,
 )
 from batch_pipeline.store.openai import BatchRecord, FileRecord, OpenAIStore
@@ -393,6 +394,10 @@ def _job_request(
         else StoredRequest(content_path=content, **fields)
     )
     check_servable(request, owner, admission, own_dir=work_dir)
+    resolved = request.model_cfg.model
+    if resolved != checked.model and (refusal := runner_refusal(resolved, body.endpoint)) is not None:
+        # an operator's name for a catalog model (BATCH_PIPELINE_MODEL_CATALOG) that cannot serve the endpoint
+        raise UnservableRequest([("model_config.model", refusal)])
     return request
 
 

@@ -14,7 +14,7 @@ import dagster as dg
 from dagster import DagsterRunStatus
 from pydantic import Field, ValidationError
 
-from batch_pipeline.admission.capabilities import length_refusals
+from batch_pipeline.admission.capabilities import length_refusals, scale_model_refusals
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import UnservableRequest, admission_quotas, check_servable, submit
 from batch_pipeline.api.auth import Caller
@@ -134,6 +134,8 @@ class BatchJobService:
         self, caller: Caller, request: CreateBatchCompletionsV2Request, idempotency_key: str | None
     ) -> BatchCompletionsJob:
         check_servable(request, caller.owner, self.admission)  # before the model is read: its paths may not be
+        if refused := scale_model_refusals(request):
+            raise UnservableRequest(refused)
         self.check_model(caller, request)
         record, _ = submit(
             self.store, self.job_storage.work_dir, caller.owner, request, self.admission, idempotency_key
@@ -153,6 +155,8 @@ class BatchJobService:
         """A dry run: the checks of a real submission first (paths, fields, priority), so that nothing a
         submission may not read is read; then the request read and tokenized; no job, no file."""
         check_servable(request, caller.owner, self.admission)
+        if refused := scale_model_refusals(request):
+            raise UnservableRequest(refused)
         history = self.reports.completed_figures(request.model_cfg.model, HISTORY_JOBS)
         return self.dry_runs.estimate(request, history, self.admission.data_files(caller.owner), team=caller.owner)
 

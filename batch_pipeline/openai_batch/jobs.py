@@ -152,7 +152,7 @@ def _checked_line(
         return None
     if checked.model is None:
         checked.model = model
-        if (refusal := _runner_refusal(model, endpoint)) is not None:
+        if (refusal := runner_refusal(model, endpoint)) is not None:
             checked.add_error("model_not_supported", refusal, number, "body.model")
             return None
     elif model != checked.model:
@@ -167,7 +167,7 @@ def _checked_line(
     return line
 
 
-def _runner_refusal(model: str, endpoint: str) -> str | None:
+def runner_refusal(model: str, endpoint: str) -> str | None:
     """Why a catalog model cannot serve the endpoint's kind (an embedding model asked to chat, a chat model
     asked to embed); None where it can, or where the catalog does not know the model (vLLM decides)."""
     runner, kind = runner_of(model), BATCH_ENDPOINTS[endpoint]

@@ -58,6 +58,16 @@ class LocalRunLauncher(DefaultRunLauncher):
         parent = self._instance.get_run_by_id(parent_id) if parent_id else None
         if parent is not None:
             self.stop_stale_worker(parent)
+            parent = self._instance.get_run_by_id(parent.run_id)
+            if parent is not None and parent.status == dg.DagsterRunStatus.SUCCESS:
+                # Failed from outside while its worker ran on, that worker then completed it (its job's output
+                # written): a retry would only run the job a second time (found by bench/chaos_soak.py).
+                self._instance.report_run_canceled(
+                    context.dagster_run,
+                    f"not run: the run it retries ({parent.run_id}) was failed while its worker ran on, and that "
+                    "worker completed it",
+                )
+                return
         super().launch_run(context)
 
     def stop_stale_worker(self, run: dg.DagsterRun, grace_s: float = STALE_WORKER_GRACE_S) -> int | None:

@@ -254,6 +254,11 @@ def _end_time(instance: dg.DagsterInstance, run_id: str) -> datetime:
     return datetime.now(UTC)
 
 
+def _parent_completed(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    parent = instance.get_run_by_id(run.parent_run_id) if run.parent_run_id else None
+    return parent is not None and parent.status == dg.DagsterRunStatus.SUCCESS
+
+
 def record_run_end(
     instance: dg.DagsterInstance,
     store: JobStore,
@@ -271,6 +276,8 @@ def record_run_end(
         claimed = store.get(job_id)
         if claimed is not None and not_the_run_of(instance, run, claimed) is not None:
             return None  # a run merely tagged with the job's id: its end is not the job's
+    if run.status == dg.DagsterRunStatus.CANCELED and _parent_completed(instance, run):
+        return None  # a retry not run, its parent's worker having completed the job (LocalRunLauncher)
     ended_at = _end_time(instance, run.run_id)
 
     def stopped(record: JobRecord | None, status: str, failure: str | None, entry: tuple[str, str]):

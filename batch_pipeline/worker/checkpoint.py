@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from batch_pipeline.core import io
-from batch_pipeline.shards.format import format_result, iter_result_lines
+from batch_pipeline.shards.format import iter_result_lines
 
 # The errors of a full or failing disk: the worker's failure names the file they stopped.
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
@@ -103,13 +103,23 @@ def recover_checkpoint(results_path: str) -> set[int]:
     return done
 
 
-def copy_lines(output: dict[str, Any], copies: Sequence[int]) -> str:
-    """The results lines of the requests that repeat the one answered by `output`: its output, under an id
-    of each one's own (an OpenAI object's id ends with its request's index, see openai_requests)."""
+def copy_lines(output: dict[str, Any], copies: Sequence[int]) -> Iterator[str]:
+    """The results lines of the requests that repeat the one answered by `output`, one at a time: its
+    output, under an id of each one's own (an OpenAI object's id ends with its request's index, see
+    openai_requests). Serialised once: an embeddings output of 2,048 vectors is ~16 MiB of JSON, and a line
+    repeated a thousand times must not be a thousand serialisations, nor one string of them all."""
+    if not copies:
+        return
     if "id" not in output:
-        return "".join(format_result(index, output) for index in copies)
+        body = json.dumps(output, ensure_ascii=False)
+        for index in copies:
+            yield f"{index}\t{body}\n"
+        return
     prefix = output["id"].rpartition("-")[0]
-    return "".join(format_result(index, {**output, "id": f"{prefix}-{index}"}) for index in copies)
+    rest = json.dumps({name: value for name, value in output.items() if name != "id"}, ensure_ascii=False)
+    rest = ", " + rest[1:] if rest != "{}" else "}"
+    for index in copies:
+        yield f'{index}\t{{"id": {json.dumps(f"{prefix}-{index}")}{rest}\n'
 
 
 def token_counts(output: dict[str, Any]) -> tuple[int, int]:

@@ -139,8 +139,11 @@ def engine_arguments(model_config: BatchCompletionsModelConfig) -> tuple[dict[st
         arguments["runner"] = runner
     # Batch inputs repeat prefixes (templates, system prompts); the cache is on unless the request says no.
     # An encoder-only pooling model (BERT) keeps no KV cache to share, and vLLM's scheduler refuses to start
-    # with the prefix cache on and no cacheable layer.
-    arguments.setdefault("enable_prefix_caching", runner != "pooling")
+    # with the prefix cache on and no cacheable layer: off for it, whatever the request says.
+    if runner == "pooling":
+        arguments["enable_prefix_caching"] = False
+    else:
+        arguments.setdefault("enable_prefix_caching", True)
     if on_cpu:
         # torch.compile costs 70-95 s at every start on the CPU for 15-25 % more throughput: a loss for
         # all but the longest shards, so it is opt-in there (enforce_eager: false).

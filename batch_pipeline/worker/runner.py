@@ -30,7 +30,7 @@ from batch_pipeline.worker.handlers import (
     error_output,
     refused_output,
 )
-from batch_pipeline.worker.kinds import kind_handlers
+from batch_pipeline.worker.kinds import WrongRunner, kind_handlers
 from batch_pipeline.worker.prefix_cache import SaltedEngine
 from batch_pipeline.worker.sandbox import Sandbox, SandboxSettings, SandboxUnavailable
 from batch_pipeline.worker.shared_generation import SharedGenerations, text_pieces
@@ -331,10 +331,11 @@ class ShardRunner:
         self.stats.cut_from_longer += max(answered - 1, 0)  # one of them is the generation's own request
 
     def _write(self, results: IO[str], index: int, output: dict[str, Any]) -> None:
-        # One write and a flush per result and its copies: a killed worker leaves whole lines, plus at most
-        # one torn one.
+        # The result, then its copies, a line at a time, then a flush: a killed worker leaves whole lines, plus
+        # at most one torn one, and a result found without all its copies gets the rest when it resumes.
         copies = self.copies.get(index, ())
-        results.write(format_result(index, output) + copy_lines(output, copies))
+        results.write(format_result(index, output))
+        results.writelines(copy_lines(output, copies))
         results.flush()
         self._copies_written += len(copies)
         self.stats.generated += 1
@@ -345,7 +346,7 @@ class ShardRunner:
 
     def _fill_copies(self, unfilled: dict[int, list[int]], results: IO[str]) -> None:
         for source, output in list(self.checkpoint.finished_outputs(set(unfilled))):
-            results.write(copy_lines(output, unfilled[source]))
+            results.writelines(copy_lines(output, unfilled[source]))
             self._copies_written += len(unfilled[source])
         results.flush()
 
@@ -379,7 +380,8 @@ class ShardRunner:
             self.stats.sandbox = sandbox.isolation.to_dict()
             self.report(f"code_evaluator sandbox: {self.stats.sandbox}")
             for name, handler in list(self.handlers.items()):  # the kinds the tool loop runs (v1 content)
-                if kind_named(name).takes_tool_config:
+                # never around a refusal: a kind this engine's model cannot run is refused per item as it is
+                if kind_named(name).takes_tool_config and not isinstance(handler, WrongRunner):
                     self.handlers[name] = CodeEvaluatorRequests(handler, tool_config, llm.get_tokenizer(), sandbox)
 
     def _check_deadline(

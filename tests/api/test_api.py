@@ -123,6 +123,8 @@ def test_bad_bodies_get_422_naming_the_field(deployment_factory, tmp_path):
         # a catalog model misspelled: refused now, not after its engine searched the hub for minutes
         (_body(tmp_path, model_config={"model": "smollm2-135m"}), ["body", "model_config", "model"]),
         (_body(tmp_path, model_config={"model": "SmolLM2-135M-instruc"}), ["body", "model_config", "model"]),
+        # the catalog's embedding model generates no text: none of a batch completion's requests could run
+        (_body(tmp_path, model_config={"model": "all-minilm-l6-v2"}), ["body", "model_config", "model"]),
         # past the catalog model's 8,192-token context with any prompt, or past the engine's own max_model_len
         (
             _body(tmp_path, content={"prompts": ["x"], "max_new_tokens": 500_000, "temperature": 0}),

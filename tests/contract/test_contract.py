@@ -314,6 +314,34 @@ def test_an_embedding_request_is_one_work_item_weighed_by_each_input_and_compute
     assert repeat_key(item) is not None and repeat_key(item) == repeat_key(again)
 
 
+@pytest.mark.parametrize("given", [["5", 6], [True, False], [1.0, 2.0], [[1], ["2"]], [1, "x"]])
+def test_an_embedding_input_of_mixed_types_is_refused_naming_it_not_coerced_to_other_tokens(given):
+    """As OpenAI answers it: coerced, `["5", 6]` would embed tokens 5 and 6, which the caller never wrote."""
+    import json
+
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as caught:
+        EmbeddingRequest.model_validate_json(json.dumps({"model": "m", "input": given}))
+    assert all(error["loc"][0] == "input" for error in caught.value.errors())
+
+
+def test_repeats_of_an_output_are_written_one_line_each_from_one_serialisation():
+    """An embeddings line of 2,048 vectors is ~16 MiB of JSON: a thousand repeats of it are a thousand
+    lines, each the output under its own id, never one string of them all."""
+    import json
+
+    from batch_pipeline.worker.checkpoint import copy_lines
+
+    output = {"id": "batch-x-1", "object": "list", "data": [{"embedding": [0.5, -1.25]}], "model": "m"}
+    lines = copy_lines(output, [3, 7])
+    assert not isinstance(lines, (str, list))  # yielded line by line
+    parsed = [(int(index), json.loads(body)) for index, _, body in (line.partition("\t") for line in lines)]
+    assert parsed == [(3, {**output, "id": "batch-x-3"}), (7, {**output, "id": "batch-x-7"})]
+    assert [json.loads(line.split("\t")[1]) for line in copy_lines({"text": "a"}, [2])] == [{"text": "a"}]
+    assert list(copy_lines(output, [])) == []
+
+
 def test_a_record_of_no_kind_is_named_with_what_each_kind_holds():
     from batch_pipeline.contract.records import RecordError, parse_record
 

@@ -92,6 +92,26 @@ def test_a_failed_runs_worker_that_still_runs_is_stopped_before_its_retry_is_lau
     assert instance.run_launcher.stop_stale_worker(instance.get_run_by_id(run.run_id)) is None  # gone now
 
 
+def test_the_retry_of_a_run_its_worker_completed_after_it_was_failed_is_not_run(instance):
+    """A run failed from outside while its worker ran on, which then completed it (its job's output written):
+    its retry, dequeued after, would run the job a second time (bench/chaos_soak.py, seed 5). Not launched:
+    cancelled, saying why."""
+    run = _started_run(instance, None)
+    instance.report_run_failed(run, "This run has been marked as failed from outside the execution context.")
+    instance.report_dagster_event(
+        dg.DagsterEvent(dg.DagsterEventType.RUN_SUCCESS.value, job_name=run.job_name), run_id=run.run_id
+    )
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS  # its worker's last word
+    retry = instance.create_run_for_job(
+        _a_job, parent_run_id=run.run_id, root_run_id=run.run_id, status=dg.DagsterRunStatus.STARTING
+    )
+    # No code server here: a launch would raise. This one returns, having launched nothing.
+    instance.run_launcher.launch_run(LaunchRunContext(dagster_run=retry, workspace=None))
+    assert instance.get_run_by_id(retry.run_id).status == dg.DagsterRunStatus.CANCELED
+    events = [e.message or "" for e in instance.all_logs(retry.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)]
+    assert any("that worker completed it" in message for message in events), events
+
+
 def test_a_pid_taken_by_a_process_started_after_the_run_worker_is_not_the_run_worker(instance):
     run = _started_run(instance, os.getpid())  # this process, but the event says the worker started now
     started = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_START)[-1].timestamp

@@ -524,3 +524,22 @@ def test_an_operator_catalog_maps_a_batchs_model_name_to_a_whole_model_config(
     broken = _create(client, _upload(client, _jsonl([_line("a", model="broken")])).json()["id"]).json()
     assert broken["status"] == "failed"
     assert [(e["code"], e["param"]) for e in broken["errors"]["data"]] == [("invalid_model", "body.model")]
+
+
+def test_an_operator_catalog_name_for_a_model_that_cannot_serve_the_endpoint_fails_its_batch(
+    deployment_factory, tmp_path, monkeypatch
+):
+    """The check of the model against the endpoint follows the operator's name to the model it maps to."""
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(f"embedder:\n  model: {EMBEDDING_MODEL}\nchatter:\n  model: {MODEL}\n")
+    monkeypatch.setenv("BATCH_PIPELINE_MODEL_CATALOG", str(catalog))
+    client = deployment_factory().client
+    for endpoint, line in [
+        (CHAT, _line("chat", model="embedder")),
+        (EMBEDDINGS, _embedding_line("embed", model="chatter", input="x")),
+    ]:
+        batch = _create(client, _upload(client, _jsonl([line])).json()["id"], endpoint=endpoint).json()
+        assert batch["status"] == "failed", batch
+        [error] = batch["errors"]["data"]
+        assert (error["code"], error["param"]) == ("model_not_served", "body.model"), error
+        assert endpoint in error["message"]

@@ -19,9 +19,11 @@ MAX_INPUTS = 2048
 MAX_INPUT_TOKENS = 8192
 # A token id is a vocabulary index: never negative. Ids past the model's vocabulary are refused per line by
 # the worker, which knows the vocabulary.
-TokenId = Annotated[int, Field(ge=0)]
+# Strict: OpenAI refuses `["5", 6]`, `[true]` or `[1.0]` as input, naming it; coerced, they would embed
+# other tokens than the caller wrote.
+TokenId = Annotated[int, Field(ge=0, strict=True)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_INPUT_TOKENS)]
-Text = Annotated[str, Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1, strict=True)]
 
 
 class EmbeddingRequest(WireModel):
