@@ -41,6 +41,7 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
     from batch_pipeline.worker.handlers import RequestRefused
     from batch_pipeline.worker.kinds import HANDLERS, WrongRunner, kind_handlers
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
+    from batch_pipeline.worker.responses_requests import ResponsesRequests
     from batch_pipeline.worker.v1_requests import V1Requests
 
     assert set(HANDLERS) == {kind.name for kind in KINDS}
@@ -52,6 +53,7 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
         "completion": CompletionRequests,
         "chat": ChatRequests,
         "embeddings": WrongRunner,  # a generating model computes no embeddings
+        "responses": ResponsesRequests,
     }
     # An embedding model: its own kind's handler, and every generating kind's items refused naming the model.
     embedding_config = BatchCompletionsModelConfig(model="all-minilm-l6-v2")
@@ -61,6 +63,7 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
         "completion": WrongRunner,
         "chat": WrongRunner,
         "embeddings": EmbeddingRequests,
+        "responses": WrongRunner,
     }
     item = WorkItem(index=0, kind="chat", request={"messages": [{"role": "user", "content": "hi"}]})
     with pytest.raises(RequestRefused) as refused:
@@ -69,6 +72,82 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
     assert "'all-minilm-l6-v2' computes embeddings" in str(refused.value)
     with pytest.raises(RequestRefused, match="generates text"):
         handlers["embeddings"].submit(None, WorkItem(index=0, kind="embeddings", request={"input": "x"}))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"background": True}, "background"),
+        ({"stream": True}, "stream"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input.0.type"),
+        ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "summary": []}]}, "input.1.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+            "input.0.content.0",
+        ),
+        ({"input": [{"type": "message", "content": "a"}]}, "input.0.role"),
+    ],
+)
+def test_a_responses_field_no_batch_can_honour_is_refused_for_its_line_naming_it(body, param):
+    """Refused before anything reaches the engine (there is none here: the dry run's stand-in model), each
+    naming its field; nothing is silently dropped."""
+    from batch_pipeline.dry_run.counting import model_of
+    from batch_pipeline.worker.handlers import RequestRefused
+    from batch_pipeline.worker.kinds import kind_handlers
+
+    model_config = BatchCompletionsModelConfig(model=MODEL)
+    handler = kind_handlers(model_of(model_config), model_config)["responses"]
+    item = WorkItem(index=0, kind="responses", request={"input": "hi", **body, "endpoint": "/v1/responses"})
+    with pytest.raises(RequestRefused) as refused:
+        handler.submit(None, item)
+    assert refused.value.param == param and str(refused.value).startswith(f"{param}: "), str(refused.value)
+
+
+def test_a_responses_request_runs_as_the_chat_request_of_its_instructions_and_input():
+    from batch_pipeline.contract.kinds.responses import ResponsesRequest
+    from batch_pipeline.worker.responses_requests import chat_request
+
+    request = ResponsesRequest.model_validate(
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "developer", "content": "Use digits."},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Two plus two?"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+                {"role": "user", "content": "And three?"},
+            ],
+            "max_output_tokens": 9,
+            "temperature": 0,
+            "top_p": 0.5,
+            "tool_choice": "none",
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}, "strict": True}},
+        }
+    )
+    assert chat_request(request) == {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": "Use digits."},
+            {"role": "user", "content": "Two plus two?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And three?"},
+        ],
+        "max_completion_tokens": 9,
+        "temperature": 0,
+        "top_p": 0.5,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "n", "schema": {"type": "integer"}, "strict": True},
+        },
+    }
+    plain = ResponsesRequest.model_validate({"input": "hi", "text": {"format": {"type": "text"}}})
+    assert chat_request(plain) == {"messages": [{"role": "user", "content": "hi"}]}
 
 
 def test_an_unknown_name_is_an_attribute_error():
