@@ -145,7 +145,7 @@ class ResponsesRequests:
             ],
             "usage": {
                 "input_tokens": input_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": output_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": input_tokens + output_tokens,

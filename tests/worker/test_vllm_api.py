@@ -4,6 +4,7 @@ the worker's prompts reach a real engine as this vLLM wants them, rendered by it
 
 import functools
 import importlib
+import json
 import logging
 import multiprocessing
 import unittest
@@ -284,3 +285,63 @@ def test_a_prompt_past_the_context_is_refused_naming_its_field(engine_process, k
     assert raised == "VLLMValidationError"
     assert (error["code"], error["param"]) == ("prompt_too_long", param), error
     assert not unfinished
+
+
+@pytest.mark.slow
+def test_responses_lines_on_a_real_engine_are_responses_the_openai_sdk_parses(engine_process, tokenizer):
+    """A plain request cut by its limit, and one whose text.format is a JSON schema: each output is the SDK's
+    `Response`, its usage the engine's tokens, the schema's output JSON that matches it."""
+    from openai.types.responses import Response
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    responses = {"endpoint": "/v1/responses"}
+    items = [
+        WorkItem(
+            0,
+            "responses",
+            {
+                **responses,
+                "instructions": "Be brief.",
+                "input": "Count to ten.",
+                "max_output_tokens": 3,
+                "temperature": 0,
+                "metadata": {"k": "v"},
+            },
+        ),
+        WorkItem(
+            1,
+            "responses",
+            {
+                **responses,
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is 2+2? Reply in JSON."}]}],
+                "max_output_tokens": 24,
+                "temperature": 0,
+                "text": {"format": {"type": "json_schema", "name": "sum", "schema": schema, "strict": True}},
+            },
+        ),
+    ]
+    cut, structured = engine_process.submit(_outputs_added_without_deprecation, items).result()
+    parsed_cut = Response.model_validate(cut)
+    assert parsed_cut.status == "incomplete" and parsed_cut.incomplete_details.reason == "max_output_tokens"
+    assert parsed_cut.usage.output_tokens == 3 and parsed_cut.metadata == {"k": "v"}
+    templated = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to ten."}],
+        add_generation_prompt=True,
+        return_dict=True,
+    )
+    assert parsed_cut.usage.input_tokens == len(templated["input_ids"])
+    assert parsed_cut.usage.total_tokens == parsed_cut.usage.input_tokens + 3
+    parsed = Response.model_validate(structured)
+    assert parsed.status == "completed" and parsed.output[0].type == "message"
+    answer = json.loads(parsed.output_text)
+    assert set(answer) == {"answer"} and isinstance(answer["answer"], int), parsed.output_text
+    assert parsed.text.format.type == "json_schema"
+    # The merge's and the usage report's token counts read a responses usage by its own names.
+    from batch_pipeline.worker.checkpoint import token_counts
+
+    assert token_counts(structured) == (parsed.usage.input_tokens, parsed.usage.output_tokens)
