@@ -125,13 +125,14 @@ class ResponsesRequests:
         cut = choice.finish_reason == "length"
         suffix = f"{self.chat.id_token}-{item.index}"  # the index last: copies' ids are made from it
         text_format = request.text.format if request.text is not None and request.text.format else None
+        # No `error` key, not even null as OpenAI writes it: an output holding one is an error entry to the
+        # worker's counts and the merge (the SDK's Response reads its absence as null).
         return {
             "id": f"resp_{suffix}",
             "object": "response",
             "created_at": int(time.time()),
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "error": None,
             "model": self.model_name,
             "instructions": request.instructions,
             "output": [

@@ -326,6 +326,8 @@ def test_responses_lines_on_a_real_engine_are_responses_the_openai_sdk_parses(en
         ),
     ]
     cut, structured = engine_process.submit(_outputs_added_without_deprecation, items).result()
+    # An output with an `error` key is an error entry to the worker's counts and the merge: a response has none.
+    assert "error" not in cut and "error" not in structured
     parsed_cut = Response.model_validate(cut)
     assert parsed_cut.status == "incomplete" and parsed_cut.incomplete_details.reason == "max_output_tokens"
     assert parsed_cut.usage.output_tokens == 3 and parsed_cut.metadata == {"k": "v"}
