@@ -151,6 +151,16 @@ def test_a_responses_request_runs_as_the_chat_request_of_its_instructions_and_in
     assert chat_request(plain) == {"messages": [{"role": "user", "content": "hi"}]}
 
 
+def test_the_token_counts_read_each_kinds_usage_by_the_names_its_kind_gives_them():
+    from batch_pipeline.worker.checkpoint import token_counts
+
+    assert token_counts({"usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}) == (5, 2)
+    assert token_counts({"usage": {"prompt_tokens": 5, "total_tokens": 5}}) == (5, 0)  # an embedding
+    responses_usage = {"input_tokens": 5, "output_tokens": 3, "total_tokens": 8, "input_tokens_details": {}}
+    assert token_counts({"object": "response", "usage": responses_usage}) == (5, 3)
+    assert token_counts({"num_prompt_tokens": 4, "num_completion_tokens": 1}) == (4, 1)  # v1
+
+
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no_such_name"):
         vllm_api.no_such_name  # noqa: B018
