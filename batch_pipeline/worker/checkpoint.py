@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
+from batch_pipeline.contract.kinds import USAGE_NAMES
 from batch_pipeline.core import io
 from batch_pipeline.shards.format import iter_result_lines
 
@@ -123,10 +124,14 @@ def copy_lines(output: dict[str, Any], copies: Sequence[int]) -> Iterator[str]:
 
 
 def token_counts(output: dict[str, Any]) -> tuple[int, int]:
-    """(prompt, completion) tokens of one output: v1 CompletionOutput counts, or an OpenAI object's usage."""
+    """(prompt, completion) tokens of one output: v1 CompletionOutput counts, or an OpenAI object's usage
+    under the names its kind gives them."""
     if "usage" in output:
-        # an embedding's usage has no completion tokens, as OpenAI's
-        return output["usage"]["prompt_tokens"], output["usage"].get("completion_tokens", 0)
+        usage = output["usage"]
+        for prompt, generated in USAGE_NAMES:  # each kind names them in its usage (contract/kinds)
+            if prompt in usage:
+                # an embedding's usage has no completion tokens, as OpenAI's
+                return usage[prompt], usage.get(generated, 0)
     return output.get("num_prompt_tokens", 0), output.get("num_completion_tokens", 0)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig
-from batch_pipeline.contract.kinds import CHAT, COMPLETION, EMBEDDING, KINDS, V1, RequestKind
+from batch_pipeline.contract.kinds import CHAT, COMPLETION, EMBEDDING, KINDS, RESPONSES, V1, RequestKind
 from batch_pipeline.shards.format import WorkItem
 from batch_pipeline.worker.handlers import RequestHandler, RequestRefused
 
@@ -41,11 +41,18 @@ def _embedding(llm: Any, model_config: BatchCompletionsModelConfig) -> RequestHa
     return EmbeddingRequests(llm, model_config)
 
 
+def _responses(llm: Any, model_config: BatchCompletionsModelConfig) -> RequestHandler:
+    from batch_pipeline.worker.responses_requests import ResponsesRequests
+
+    return ResponsesRequests(llm, model_config)
+
+
 HANDLERS: dict[str, HandlerFactory] = {
     V1.name: _v1,
     COMPLETION.name: _completion,
     CHAT.name: _chat,
     EMBEDDING.name: _embedding,
+    RESPONSES.name: _responses,
 }
 
 

@@ -15,6 +15,7 @@ from batch_pipeline.contract import (
     FilteredCompletionV2Request,
 )
 from batch_pipeline.contract.kinds.embedding import EmbeddingRequest
+from batch_pipeline.contract.kinds.responses import ResponsesRequest
 
 SPEC_V1_SCHEMA = json.loads(
     (Path(__file__).resolve().parents[1] / "fixtures" / "spec_002_v1_request.schema.json").read_text()
@@ -251,7 +252,7 @@ def test_the_registry_lists_each_kind_once_with_what_every_layer_asks_of_it():
     from batch_pipeline.contract.kinds import _RECOGNIZED_FIRST, KINDS, RequestKind, kind_named
 
     names = [kind.name for kind in KINDS]
-    assert names == ["v1", "completion", "chat", "embeddings"] and len(set(names)) == len(names)
+    assert names == ["v1", "completion", "chat", "embeddings", "responses"] and len(set(names)) == len(names)
     assert sorted(_RECOGNIZED_FIRST, key=KINDS.index) == list(KINDS)  # every kind recognized, none twice
     for kind in KINDS:
         assert isinstance(kind, RequestKind) and kind_named(kind.name) is kind
@@ -272,6 +273,10 @@ def test_the_registry_lists_each_kind_once_with_what_every_layer_asks_of_it():
         ({"prompts": ["a"], "prompt": "b", "max_new_tokens": 1, "temperature": 0}, "v1"),
         ({"input": ["a", "b"], "encoding_format": "base64"}, "embeddings"),
         ({"input": "a", "prompt": "b"}, "completion"),
+        # a responses body as the job's content holds it says so: its string `input` is an embedding's too
+        ({"input": "a", "endpoint": "/v1/responses"}, "responses"),
+        ({"input": [{"role": "user", "content": "a"}], "endpoint": "/v1/responses", "prompt": "b"}, "responses"),
+        ({"input": "a", "endpoint": "/v1/embeddings"}, "embeddings"),
     ],
 )
 def test_a_record_is_the_kind_whose_prompt_field_it_holds(record, kind):
@@ -286,6 +291,7 @@ def test_a_record_is_the_kind_whose_prompt_field_it_holds(record, kind):
             "completion": FilteredCompletionV2Request,
             "chat": FilteredChatCompletionV2Request,
             "embeddings": EmbeddingRequest,
+            "responses": ResponsesRequest,
         }[kind],
     )
 
@@ -348,7 +354,8 @@ def test_a_record_of_no_kind_is_named_with_what_each_kind_holds():
     with pytest.raises(RecordError) as caught:
         parse_record({"text": "a"}, "line 3")
     assert str(caught.value) == (
-        "line 3: expected `prompts` (v1 content), `prompt` (completion), `messages` (chat) or `input` (embeddings)"
+        "line 3: expected `prompts` (v1 content), `prompt` (completion), `messages` (chat), `input` (embeddings) "
+        "or `input` with `endpoint` /v1/responses (responses)"
     )
 
 
@@ -360,6 +367,7 @@ def test_each_kind_with_an_openai_url_is_a_batch_endpoint_and_nothing_else_is():
         "/v1/chat/completions": "chat",
         "/v1/completions": "completion",
         "/v1/embeddings": "embeddings",
+        "/v1/responses": "responses",
     }
     assert set(BATCH_LINES) == set(BATCH_ENDPOINTS) == {kind.openai_url for kind in KINDS if kind.openai_url}
     for url, kind in BATCH_ENDPOINTS.items():
@@ -368,7 +376,10 @@ def test_each_kind_with_an_openai_url_is_a_batch_endpoint_and_nothing_else_is():
     with pytest.raises(ValidationError) as caught:
         CreateBatchRequest(input_file_id="file-1", endpoint="/v1/moderations")
     assert caught.value.errors()[0]["loc"] == ("endpoint",)
-    assert "'/v1/chat/completions', '/v1/completions' or '/v1/embeddings'" in caught.value.errors()[0]["msg"]
+    assert (
+        "'/v1/chat/completions', '/v1/completions', '/v1/embeddings' or '/v1/responses'"
+        in caught.value.errors()[0]["msg"]
+    )
 
 
 def test_the_v2_content_error_names_the_registry_shapes():
@@ -396,3 +407,48 @@ def test_no_module_outside_the_kind_registries_names_a_kind():
         if isinstance(node, ast.Constant) and node.value in names
     ]
     assert not found, f"kinds switched on by name outside the registry: {found}"
+
+
+def test_a_responses_line_is_stored_as_its_kind_and_weighed_by_its_instructions_and_input():
+    from batch_pipeline.contract.kinds import RESPONSES
+    from batch_pipeline.contract.openai_batch import BATCH_LINES
+    from batch_pipeline.shards.records import output_limit, work_items
+
+    body = {
+        "model": "m",
+        "instructions": "Answer briefly.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is two plus two?"}]}],
+        "max_output_tokens": 7,
+        "text": {"format": {"type": "json_schema", "name": "sum", "schema": {"type": "object"}, "strict": True}},
+        "metadata": {"k": "v"},
+    }
+    line = BATCH_LINES["/v1/responses"].model_validate(
+        {"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": body}
+    )
+    # As openai_batch/jobs.py writes the job's content: the stored record is recognized as a responses one.
+    stored = json.loads(line.body.model_dump_json(by_alias=True, exclude_unset=True, exclude={"model"}))
+    assert stored["endpoint"] == "/v1/responses" and stored["text"]["format"]["schema"] == {"type": "object"}
+    [(item, size)] = list(work_items([("line 1", stored)]))
+    assert item.kind == RESPONSES.name and size.prompts == 1
+    assert size.tokens == len("Answer briefly.") // 4 + 1 + len("What is two plus two?") // 4 + 1 + 7
+    assert output_limit(item) == 7
+
+
+@pytest.mark.parametrize(
+    "body, where",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input.list[InputItem].0.role"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "temperature": 3}, "temperature"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "bad name", "schema": {}}}}, "text.format"),
+        ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ],
+)
+def test_a_malformed_responses_body_is_refused_at_validation_naming_its_field(body, where):
+    with pytest.raises(ValidationError) as caught:
+        ResponsesRequest.model_validate(body)
+    located = [".".join(str(part) for part in error["loc"]) for error in caught.value.errors()]
+    assert any(loc.startswith(where) for loc in located), located

@@ -185,3 +185,91 @@ def test_the_openai_sdk_runs_an_embeddings_batch_whose_every_output_line_parses_
     assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt_tokens, 0)
     usage = httpx.get(f"{served.api}/v2/usage", headers={"x-api-key": KEY}, timeout=30).json()
     assert sum(day["prompt_tokens"] for day in usage["days"]) == prompt_tokens, usage
+
+
+@pytest.mark.slow
+def test_the_openai_sdk_runs_a_responses_batch_whose_every_output_line_parses_as_its_response(served):
+    import openai
+    from openai.types.responses import Response
+
+    served.wait_until_up()
+    client = openai.OpenAI(base_url=f"{served.api}/v1", api_key=KEY, max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    bodies = {
+        "plain": {"input": "Say hello.", "max_output_tokens": 4, "temperature": 0},
+        "items": {
+            "instructions": "Answer in one word.",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "What colour is the sky?"}]}],
+            "max_output_tokens": 4,
+            "metadata": {"team": "a"},
+        },
+        "json": {
+            "input": "What is 2+2? Reply in JSON.",
+            "max_output_tokens": 24,
+            "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "sum", "schema": schema, "strict": True}},
+        },
+        "tools": {"input": "Search the web.", "tools": [{"type": "web_search"}]},
+        "previous": {"input": "And then?", "previous_response_id": "resp_123"},
+        "image": {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+    }
+    lines = [
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": {"model": MODEL, **body}}
+        for custom_id, body in bodies.items()
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = client.files.create(file=("responses.jsonl", data), purpose="batch")
+    estimate = httpx.post(
+        f"{served.api}/v1/batches",
+        params={"dry_run": "true"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"input_file_id": uploaded.id, "endpoint": "/v1/responses", "completion_window": "24h"},
+        timeout=300,
+    ).json()
+
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    deadline = time.monotonic() + 600
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch still {batch.status}\n{served.log.read_text()[-3000:]}"
+        time.sleep(1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", (batch, served.log.read_text()[-3000:])
+    assert batch.request_counts.model_dump() == {"total": 6, "completed": 3, "failed": 3}
+
+    outputs = {
+        line["custom_id"]: line
+        for line in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())
+    }
+    assert list(outputs) == ["plain", "items", "json"]
+    parsed = {}
+    for custom_id, line in outputs.items():
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        parsed[custom_id] = Response.model_validate(line["response"]["body"])
+        assert parsed[custom_id].model == MODEL and parsed[custom_id].output[0].type == "message"
+    assert parsed["plain"].status == "incomplete" and parsed["plain"].usage.output_tokens == 4
+    assert parsed["items"].metadata == {"team": "a"} and parsed["items"].instructions == "Answer in one word."
+    answer = json.loads(parsed["json"].output_text)
+    assert set(answer) == {"answer"} and isinstance(answer["answer"], int), parsed["json"].output_text
+
+    failed = {
+        line["custom_id"]: line["response"]["body"]["error"]
+        for line in map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
+    }
+    assert {custom_id: (error["code"], error["param"]) for custom_id, error in failed.items()} == {
+        "tools": ("unsupported_field", "tools"),
+        "previous": ("unsupported_field", "previous_response_id"),
+        "image": ("unsupported_field", "input.0.content.0"),
+    }
+    # The dry run, the batch's usage and the usage report count a response's input and output tokens.
+    input_tokens = sum(response.usage.input_tokens for response in parsed.values())
+    output_tokens = sum(response.usage.output_tokens for response in parsed.values())
+    assert estimate["prompt_tokens"] == input_tokens, estimate
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (input_tokens, output_tokens)
+    usage = httpx.get(f"{served.api}/v2/usage", headers={"x-api-key": KEY}, timeout=30).json()
+    assert sum(day["prompt_tokens"] for day in usage["days"]) == input_tokens, usage
+    assert sum(day["completion_tokens"] for day in usage["days"]) == output_tokens, usage

@@ -4,6 +4,7 @@ the worker's prompts reach a real engine as this vLLM wants them, rendered by it
 
 import functools
 import importlib
+import json
 import logging
 import multiprocessing
 import unittest
@@ -41,6 +42,7 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
     from batch_pipeline.worker.handlers import RequestRefused
     from batch_pipeline.worker.kinds import HANDLERS, WrongRunner, kind_handlers
     from batch_pipeline.worker.openai_requests import ChatRequests, CompletionRequests
+    from batch_pipeline.worker.responses_requests import ResponsesRequests
     from batch_pipeline.worker.v1_requests import V1Requests
 
     assert set(HANDLERS) == {kind.name for kind in KINDS}
@@ -52,6 +54,7 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
         "completion": CompletionRequests,
         "chat": ChatRequests,
         "embeddings": WrongRunner,  # a generating model computes no embeddings
+        "responses": ResponsesRequests,
     }
     # An embedding model: its own kind's handler, and every generating kind's items refused naming the model.
     embedding_config = BatchCompletionsModelConfig(model="all-minilm-l6-v2")
@@ -61,6 +64,7 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
         "completion": WrongRunner,
         "chat": WrongRunner,
         "embeddings": EmbeddingRequests,
+        "responses": WrongRunner,
     }
     item = WorkItem(index=0, kind="chat", request={"messages": [{"role": "user", "content": "hi"}]})
     with pytest.raises(RequestRefused) as refused:
@@ -69,6 +73,92 @@ def test_every_kind_of_the_registry_has_a_worker_handler_and_no_other_kind_does(
     assert "'all-minilm-l6-v2' computes embeddings" in str(refused.value)
     with pytest.raises(RequestRefused, match="generates text"):
         handlers["embeddings"].submit(None, WorkItem(index=0, kind="embeddings", request={"input": "x"}))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"background": True}, "background"),
+        ({"stream": True}, "stream"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input.0.type"),
+        ({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "summary": []}]}, "input.1.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+            "input.0.content.0",
+        ),
+        ({"input": [{"type": "message", "content": "a"}]}, "input.0.role"),
+    ],
+)
+def test_a_responses_field_no_batch_can_honour_is_refused_for_its_line_naming_it(body, param):
+    """Refused before anything reaches the engine (there is none here: the dry run's stand-in model), each
+    naming its field; nothing is silently dropped."""
+    from batch_pipeline.dry_run.counting import model_of
+    from batch_pipeline.worker.handlers import RequestRefused
+    from batch_pipeline.worker.kinds import kind_handlers
+
+    model_config = BatchCompletionsModelConfig(model=MODEL)
+    handler = kind_handlers(model_of(model_config), model_config)["responses"]
+    item = WorkItem(index=0, kind="responses", request={"input": "hi", **body, "endpoint": "/v1/responses"})
+    with pytest.raises(RequestRefused) as refused:
+        handler.submit(None, item)
+    assert refused.value.param == param and str(refused.value).startswith(f"{param}: "), str(refused.value)
+
+
+def test_a_responses_request_runs_as_the_chat_request_of_its_instructions_and_input():
+    from batch_pipeline.contract.kinds.responses import ResponsesRequest
+    from batch_pipeline.worker.responses_requests import chat_request
+
+    request = ResponsesRequest.model_validate(
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "developer", "content": "Use digits."},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Two plus two?"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+                {"role": "user", "content": "And three?"},
+            ],
+            "max_output_tokens": 9,
+            "temperature": 0,
+            "top_p": 0.5,
+            "tool_choice": "none",
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}, "strict": True}},
+        }
+    )
+    assert chat_request(request) == {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": "Use digits."},
+            {"role": "user", "content": "Two plus two?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And three?"},
+        ],
+        "max_completion_tokens": 9,
+        "temperature": 0,
+        "top_p": 0.5,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "n", "schema": {"type": "integer"}, "strict": True},
+        },
+    }
+    plain = ResponsesRequest.model_validate({"input": "hi", "text": {"format": {"type": "text"}}})
+    assert chat_request(plain) == {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_the_token_counts_read_each_kinds_usage_by_the_names_its_kind_gives_them():
+    from batch_pipeline.worker.checkpoint import token_counts
+
+    assert token_counts({"usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}) == (5, 2)
+    assert token_counts({"usage": {"prompt_tokens": 5, "total_tokens": 5}}) == (5, 0)  # an embedding
+    responses_usage = {"input_tokens": 5, "output_tokens": 3, "total_tokens": 8, "input_tokens_details": {}}
+    assert token_counts({"object": "response", "usage": responses_usage}) == (5, 3)
+    assert token_counts({"num_prompt_tokens": 4, "num_completion_tokens": 1}) == (4, 1)  # v1
 
 
 def test_an_unknown_name_is_an_attribute_error():
@@ -205,3 +295,65 @@ def test_a_prompt_past_the_context_is_refused_naming_its_field(engine_process, k
     assert raised == "VLLMValidationError"
     assert (error["code"], error["param"]) == ("prompt_too_long", param), error
     assert not unfinished
+
+
+@pytest.mark.slow
+def test_responses_lines_on_a_real_engine_are_responses_the_openai_sdk_parses(engine_process, tokenizer):
+    """A plain request cut by its limit, and one whose text.format is a JSON schema: each output is the SDK's
+    `Response`, its usage the engine's tokens, the schema's output JSON that matches it."""
+    from openai.types.responses import Response
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    responses = {"endpoint": "/v1/responses"}
+    items = [
+        WorkItem(
+            0,
+            "responses",
+            {
+                **responses,
+                "instructions": "Be brief.",
+                "input": "Count to ten.",
+                "max_output_tokens": 3,
+                "temperature": 0,
+                "metadata": {"k": "v"},
+            },
+        ),
+        WorkItem(
+            1,
+            "responses",
+            {
+                **responses,
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is 2+2? Reply in JSON."}]}],
+                "max_output_tokens": 24,
+                "temperature": 0,
+                "text": {"format": {"type": "json_schema", "name": "sum", "schema": schema, "strict": True}},
+            },
+        ),
+    ]
+    cut, structured = engine_process.submit(_outputs_added_without_deprecation, items).result()
+    # An output with an `error` key is an error entry to the worker's counts and the merge: a response has none.
+    assert "error" not in cut and "error" not in structured
+    parsed_cut = Response.model_validate(cut)
+    assert parsed_cut.status == "incomplete" and parsed_cut.incomplete_details.reason == "max_output_tokens"
+    assert parsed_cut.usage.output_tokens == 3 and parsed_cut.metadata == {"k": "v"}
+    templated = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to ten."}],
+        add_generation_prompt=True,
+        return_dict=True,
+    )
+    assert parsed_cut.usage.input_tokens == len(templated["input_ids"])
+    assert parsed_cut.usage.total_tokens == parsed_cut.usage.input_tokens + 3
+    parsed = Response.model_validate(structured)
+    assert parsed.status == "completed" and parsed.output[0].type == "message"
+    answer = json.loads(parsed.output_text)
+    assert set(answer) == {"answer"} and isinstance(answer["answer"], int), parsed.output_text
+    assert parsed.text.format.type == "json_schema"
+    # The merge's and the usage report's token counts read a responses usage by its own names.
+    from batch_pipeline.worker.checkpoint import token_counts
+
+    assert token_counts(structured) == (parsed.usage.input_tokens, parsed.usage.output_tokens)

@@ -1,7 +1,7 @@
 """The registry of request kinds: every kind of request a job may hold, each a module of its own (`v1`,
-`completion`, `chat`, `embedding`) saying what it is on the wire, how it is split into work items and weighed, and its
-OpenAI endpoint. Every layer asks here; none switches on a kind's name. The worker's side of each kind, the
-handler that runs it on the engine, is registered in `worker/kinds.py`.
+`completion`, `chat`, `embedding`, `responses`) saying what it is on the wire, how it is split into work
+items and weighed, and its OpenAI endpoint. Every layer asks here; none switches on a kind's name. The
+worker's side of each kind, the handler that runs it on the engine, is registered in `worker/kinds.py`.
 
 Adding a kind: its module here, listed in `KINDS` (and in `_RECOGNIZED_FIRST`), its handler in
 `worker/kinds.py`, and their tests.
@@ -15,14 +15,18 @@ from batch_pipeline.contract.kinds.base import CHARS_PER_TOKEN, RequestKind, Wor
 from batch_pipeline.contract.kinds.chat import CHAT
 from batch_pipeline.contract.kinds.completion import COMPLETION
 from batch_pipeline.contract.kinds.embedding import EMBEDDING
+from batch_pipeline.contract.kinds.responses import RESPONSES
 from batch_pipeline.contract.kinds.v1 import V1
 
 # In the order the wire lists them (v2 content's shapes, the errors that name them).
-KINDS: tuple[RequestKind, ...] = (V1, COMPLETION, CHAT, EMBEDDING)
+KINDS: tuple[RequestKind, ...] = (V1, COMPLETION, CHAT, EMBEDDING, RESPONSES)
 # Which kind a record is where it has the prompt fields of several (unknown fields are ignored): a record
-# with `messages` is a chat request whatever else it holds, one with `prompts` v1 content.
-_RECOGNIZED_FIRST: tuple[RequestKind, ...] = (CHAT, V1, COMPLETION, EMBEDDING)
+# with `messages` is a chat request whatever else it holds, one with `prompts` v1 content; a responses
+# record says so (its `endpoint`), as its `input` alone may be an embeddings record's.
+_RECOGNIZED_FIRST: tuple[RequestKind, ...] = (RESPONSES, CHAT, V1, COMPLETION, EMBEDDING)
 _BY_NAME = {kind.name: kind for kind in KINDS}
+# Each kind's names of the prompt and generated tokens in an output's `usage`, distinct, in registry order.
+USAGE_NAMES: tuple[tuple[str, str], ...] = tuple(dict.fromkeys(kind.usage_names for kind in KINDS))
 
 # The OpenAI Batch API endpoints, and the kind each one's lines are; by url, as the API's enum lists them.
 BATCH_ENDPOINTS: dict[str, RequestKind] = {
@@ -52,7 +56,7 @@ def kind_of_record(record: Any) -> RequestKind:
     if not isinstance(record, dict):
         raise UnknownRecord(f"expected a JSON object, found {type(record).__name__}")
     for kind in _RECOGNIZED_FIRST:
-        if kind.prompt_field in record:
+        if kind.recognizes(record):
             return kind
     *others, last = (kind.described for kind in KINDS)
     raise UnknownRecord(f"expected {', '.join(others)} or {last}")
@@ -63,7 +67,7 @@ def inline_list_kind(request: Any) -> RequestKind:
     field it holds; else the first list kind, whose validation names what the request lacks."""
     for kind in _RECOGNIZED_FIRST:
         if kind in INLINE_LIST_KINDS and (
-            isinstance(request, kind.wire_model) or (isinstance(request, dict) and kind.prompt_field in request)
+            isinstance(request, kind.wire_model) or (isinstance(request, dict) and kind.recognizes(request))
         ):
             return kind
     return INLINE_LIST_KINDS[0]
@@ -89,7 +93,9 @@ __all__ = [
     "INLINE_LIST_KINDS",
     "INLINE_OBJECT_KINDS",
     "KINDS",
+    "RESPONSES",
     "RequestKind",
+    "USAGE_NAMES",
     "UnknownRecord",
     "V1",
     "WorkRequest",

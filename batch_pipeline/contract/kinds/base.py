@@ -50,6 +50,13 @@ class RequestKind:
     # What vLLM must run the model as to serve it (its `runner`): text generation, or pooling (embeddings).
     # A batch of this kind on a model of the other is refused, naming the line.
     runner: ClassVar[str] = "generate"
+    # The names of the prompt and generated tokens in its output's `usage` (an OpenAI object's; v1 outputs
+    # have none and count `num_prompt_tokens`): the worker's and the merge's token counts read them.
+    usage_names: ClassVar[tuple[str, str]] = ("prompt_tokens", "completion_tokens")
+
+    def recognizes(self, record: dict[str, Any]) -> bool:
+        """Whether a raw record (a JSON object) is of this kind: it holds the kind's prompt field."""
+        return self.prompt_field in record
 
     def work_requests(self, record: Any) -> Iterator[WorkRequest]:
         """The work items' requests of one parsed record (`wire_model`)."""
