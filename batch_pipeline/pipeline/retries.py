@@ -27,7 +27,7 @@ from typing import Literal
 
 import dagster as dg
 from dagster._core.execution.retries import auto_reexecution_should_retry_run
-from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, MAX_RETRIES_TAG, WILL_RETRY_TAG
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, MAX_RETRIES_TAG, RETRY_NUMBER_TAG, WILL_RETRY_TAG
 from dagster._utils.error import SerializableErrorInfo
 
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG
@@ -145,3 +145,14 @@ def _hand_back(instance: dg.DagsterInstance, run: dg.DagsterRun, message: str) -
     # A run failure again: the instance sets dagster/will_retry from the run's retries left, and the run
     # retry daemon, which reads each run failure once, retries it.
     instance.report_run_failed(run, message)
+
+
+def is_retry_of_completed(run: dg.DagsterRun, parent: dg.DagsterRun | None) -> bool:
+    """Whether `run` is the run retry daemon's retry of `parent` (not an operator's re-execution, which may
+    run a completed job again on purpose), `parent` having completed all the same: failed from outside while
+    its worker ran on, which then completed it. Such a retry would only run the job a second time."""
+    return (
+        parent is not None
+        and run.tags.get(RETRY_NUMBER_TAG) is not None
+        and parent.status == dg.DagsterRunStatus.SUCCESS
+    )

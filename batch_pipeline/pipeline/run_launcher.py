@@ -35,6 +35,8 @@ from dagster._core.launcher import CheckRunHealthResult, DefaultRunLauncher, Lau
 from dagster._core.storage.tags import GRPC_INFO_TAG
 from dagster._serdes.config_class import ConfigurableClassData
 
+from batch_pipeline.pipeline.retries import is_retry_of_completed
+
 # The first time a run's worker is seen, its start (boot time, which moves when the wall clock is stepped,
 # plus /proc's clock ticks) is held against the RUN_START event's wall-clock time with this much slack; from
 # then on, its start in ticks alone, which no clock step moves.
@@ -59,12 +61,12 @@ class LocalRunLauncher(DefaultRunLauncher):
         if parent is not None:
             self.stop_stale_worker(parent)
             parent = self._instance.get_run_by_id(parent.run_id)
-            if parent is not None and parent.status == dg.DagsterRunStatus.SUCCESS:
+            if is_retry_of_completed(context.dagster_run, parent):
                 # Failed from outside while its worker ran on, that worker then completed it (its job's output
                 # written): a retry would only run the job a second time (found by bench/chaos_soak.py).
                 self._instance.report_run_canceled(
                     context.dagster_run,
-                    f"not run: the run it retries ({parent.run_id}) was failed while its worker ran on, and that "
+                    f"not run: the run it retries ({parent_id}) was failed while its worker ran on, and that "
                     "worker completed it",
                 )
                 return

@@ -33,6 +33,7 @@ from batch_pipeline.pipeline.resources import JobStoreResource, RunLaunching, Te
 from batch_pipeline.pipeline.retries import (
     MAX_RETRIES,
     describe_outage,
+    is_retry_of_completed,
     outage_error,
     retry_after_outage,
     retry_missed_read,
@@ -255,8 +256,7 @@ def _end_time(instance: dg.DagsterInstance, run_id: str) -> datetime:
 
 
 def _parent_completed(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
-    parent = instance.get_run_by_id(run.parent_run_id) if run.parent_run_id else None
-    return parent is not None and parent.status == dg.DagsterRunStatus.SUCCESS
+    return is_retry_of_completed(run, instance.get_run_by_id(run.parent_run_id) if run.parent_run_id else None)
 
 
 def record_run_end(

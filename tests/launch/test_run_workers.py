@@ -103,13 +103,24 @@ def test_the_retry_of_a_run_its_worker_completed_after_it_was_failed_is_not_run(
     )
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS  # its worker's last word
     retry = instance.create_run_for_job(
-        _a_job, parent_run_id=run.run_id, root_run_id=run.run_id, status=dg.DagsterRunStatus.STARTING
+        _a_job,
+        parent_run_id=run.run_id,
+        root_run_id=run.run_id,
+        status=dg.DagsterRunStatus.STARTING,
+        tags={"dagster/retry_number": "1"},  # the run retry daemon's
     )
     # No code server here: a launch would raise. This one returns, having launched nothing.
     instance.run_launcher.launch_run(LaunchRunContext(dagster_run=retry, workspace=None))
     assert instance.get_run_by_id(retry.run_id).status == dg.DagsterRunStatus.CANCELED
     events = [e.message or "" for e in instance.all_logs(retry.run_id, of_type=dg.DagsterEventType.RUN_CANCELED)]
     assert any("that worker completed it" in message for message in events), events
+    # An operator's re-execution of the completed run (no retry number) is theirs to run: it is launched.
+    again = instance.create_run_for_job(
+        _a_job, parent_run_id=run.run_id, root_run_id=run.run_id, status=dg.DagsterRunStatus.STARTING
+    )
+    with contextlib.suppress(Exception):  # launched: and with no code server here, the launch itself fails
+        instance.run_launcher.launch_run(LaunchRunContext(dagster_run=again, workspace=None))
+    assert instance.get_run_by_id(again.run_id).status != dg.DagsterRunStatus.CANCELED
 
 
 def test_a_pid_taken_by_a_process_started_after_the_run_worker_is_not_the_run_worker(instance):
