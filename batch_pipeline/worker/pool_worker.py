@@ -112,23 +112,30 @@ def report_exit(directory: str, handoff: StandbyHandoff, code: int, timeout_s: f
     path = os.path.join(directory, POOL_SHARD_EXIT)
     with io.atomic_write(path) as exit_file:
         exit_file.write(PoolShardExit(token=handoff.token or "", code=code).model_dump_json())
-    launcher_gone = _gone(handoff.launcher_pid)
     deadline = time.monotonic() + timeout_s
-    while os.path.exists(path) and not launcher_gone() and time.monotonic() < deadline:
-        time.sleep(HANDOFF_POLL_S)
+    with _watching(handoff.launcher_pid) as launcher_gone:
+        while os.path.exists(path) and not launcher_gone() and time.monotonic() < deadline:
+            time.sleep(HANDOFF_POLL_S)
     with contextlib.suppress(FileNotFoundError):  # unread: its launcher is gone
         os.unlink(path)
 
 
-def _gone(pid: int | None) -> Callable[[], bool]:
-    """Whether process `pid` has exited (a pidfd: a pid reused later is not it), asked without waiting."""
+@contextlib.contextmanager
+def _watching(pid: int | None) -> Iterator[Callable[[], bool]]:
+    """Whether process `pid` has exited (a pidfd: a pid reused later is not it), asked without waiting; its
+    pidfd closed after (a worker serves shard after shard: one left open a shard would run out)."""
     if pid is None:
-        return lambda: False
+        yield lambda: False
+        return
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:  # gone already
-        return lambda: True
-    return lambda: bool(select.select([pidfd], [], [], 0)[0])
+        yield lambda: True
+        return
+    try:
+        yield lambda: bool(select.select([pidfd], [], [], 0)[0])
+    finally:
+        os.close(pidfd)
 
 
 def pool_owner(pool: str) -> Callable[[], bool]:
@@ -136,9 +143,12 @@ def pool_owner(pool: str) -> Callable[[], bool]:
     try:
         with open(os.path.join(pool, POOL_OWNER)) as handle:
             owner = int(handle.read())
+        pidfd = os.pidfd_open(owner)  # held for the worker's life
+    except ProcessLookupError:  # gone before this worker started
+        return lambda: True
     except (OSError, ValueError):  # a pool made by hand, with no owner to watch
         return lambda: False
-    return _gone(owner)
+    return lambda: bool(select.select([pidfd], [], [], 0)[0])
 
 
 def wait_for_shard(

@@ -267,10 +267,16 @@ def test_no_launcher_claims_a_worker_before_its_last_launcher_read_its_shards_ex
             time.sleep(0.05)
         # It waits under the key its launcher handed it: a tool_config shard's, with its team, never a plain one's.
         assert pool.claim(PoolKey(engine="engine", env_digest="e")) is None
+        open_files = len(os.listdir(f"/proc/{first.pid}/fd"))  # waiting, after one shard
         second.hand_off({}, str(tmp_path / "second.log"), key)
         first.send_signal(signal.SIGINT)  # the first launcher's handle: its shard is over, it signals nothing
         assert second.wait(timeout=30) == 0 and first.wait() == 0
         second.close()
+        deadline = time.monotonic() + 10
+        while not (Path(first.directory) / POOL_IDLE).exists():  # waiting again, after two
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(os.listdir(f"/proc/{first.pid}/fd")) == open_files  # a shard leaves no descriptor open
     finally:
         first.kill()
         first.close()
