@@ -72,6 +72,13 @@ def makedirs(path: str) -> None:
     fs.makedirs(resolved, exist_ok=True)
 
 
+def tail(path: str, limit: int = 3000) -> str:
+    """The end of a local file (a worker's log), at most `limit` bytes of it, as text."""
+    with open(path, "rb") as handle:
+        handle.seek(max(0, os.fstat(handle.fileno()).st_size - limit))
+        return handle.read().decode("utf-8", "replace")
+
+
 def open_file(path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
     handle: IO[Any] = fsspec.open(path, mode, **kwargs).open()
     return handle

@@ -68,12 +68,6 @@ def worker_environment(task: ShardTask) -> dict[str, str]:
     return child_environment(os.environ, object_store=not all(io.is_local(path) for path in remote))
 
 
-def _tail(path: str, limit: int = 3000) -> str:
-    with open(path, "rb") as log:
-        log.seek(max(0, os.path.getsize(path) - limit))
-        return log.read().decode("utf-8", "replace")
-
-
 class WorkerProcess(Protocol):
     """A launched worker (`subprocess.Popen`) or the standby one it was handed to (`ClaimedStandby`)."""
 
@@ -182,7 +176,7 @@ class LocalShardLauncher(ShardLauncher):
         if returncode != 0:
             raise_if_past_deadline(task)
             failure = worker_failure(reports)
-            output = _tail(log_path)
+            output = io.tail(log_path)
             waited = standby or pooled
             if waited is not None and not output.strip():  # it died before it had the shard's log
                 output = waited.early_output()

@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 from batch_pipeline.core import io
 from batch_pipeline.launch.standby import environment_digest, private_directory
@@ -38,17 +37,16 @@ from batch_pipeline.shards.protocol import (
     POOL_STARTED,
     STANDBY_HANDOFF,
     PoolShardExit,
-    PoolWorkerIdle,
     PoolWorkerStarted,
     ShardTask,
     StandbyHandoff,
+    announced_workers,
     engine_key,
     is_pool_worker,
 )
 
 WAIT_POLL_S = 0.05
 POOL_PREFIX = "batch_pipeline-engine-pool-"
-_Announcement = TypeVar("_Announcement", PoolWorkerIdle, PoolWorkerStarted)
 
 
 @dataclass(frozen=True)
@@ -150,9 +148,7 @@ class PoolWorker:
 
     def early_output(self, limit: int = 3000) -> str:
         try:
-            with open(os.path.join(self.directory, POOL_OUTPUT), "rb") as output:
-                output.seek(max(0, os.fstat(output.fileno()).st_size - limit))
-                return output.read().decode("utf-8", "replace")
+            return io.tail(os.path.join(self.directory, POOL_OUTPUT), limit)
         except OSError:
             return ""
 
@@ -195,15 +191,12 @@ class EnginePool:
     def claim(self, key: PoolKey) -> PoolWorker | None:
         """A waiting worker of `key`, taken (a rename of its announcement: one launcher wins); None when
         none waits. The one that waited longest is taken, so the others' idle time runs out first."""
-        waiting: list[tuple[float, str]] = []
-        for entry in os.scandir(self.directory):
-            idle = _read_model(os.path.join(entry.path, POOL_IDLE), PoolWorkerIdle)
-            if idle is not None and idle.engine_key == key.engine:
-                waiting.append((idle.idle_since, entry.path))
-        for _, directory in sorted(waiting):
-            started = _read_model(os.path.join(directory, POOL_STARTED), PoolWorkerStarted)
-            if started is None or started.env_digest != key.env_digest:
-                continue
+        waiting = sorted(
+            (idle.idle_since, directory, started)
+            for directory, idle, started in announced_workers(os.scandir(self.directory))
+            if idle.engine_key == key.engine and started.env_digest == key.env_digest
+        )
+        for _, directory, started in waiting:
             try:
                 os.rename(os.path.join(directory, POOL_IDLE), os.path.join(directory, POOL_CLAIMED))
             except FileNotFoundError:  # taken, or retired, just now
@@ -285,11 +278,3 @@ def _open(directory: str, pid: int, warm: bool) -> PoolWorker | None:
         os.close(pidfd)
         return None
     return PoolWorker(directory, pid, pidfd, warm)
-
-
-def _read_model(path: str, model: type[_Announcement]) -> _Announcement | None:
-    try:
-        with open(path) as handle:
-            return model.model_validate_json(handle.read())
-    except (OSError, ValueError):
-        return None

@@ -105,9 +105,7 @@ class ClaimedStandby:
     def early_output(self, limit: int = 3000) -> str:
         """The end of what it wrote before it had the shard's log: why it died, if it died importing."""
         try:
-            with open(os.path.join(self.directory, STANDBY_OUTPUT), "rb") as output:
-                output.seek(max(0, os.fstat(output.fileno()).st_size - limit))
-                return output.read().decode("utf-8", "replace")
+            return io.tail(os.path.join(self.directory, STANDBY_OUTPUT), limit)
         except OSError:
             return ""
 

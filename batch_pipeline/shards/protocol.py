@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Annotated, Any, Literal, cast
 
@@ -126,6 +126,22 @@ class PoolGauges:
     evictions: int
 
 
+def announced_workers(
+    entries: Iterable[os.DirEntry[str]],
+) -> Iterator[tuple[str, PoolWorkerIdle, PoolWorkerStarted]]:
+    """The workers among a pool's `entries` that announce themselves waiting: each one's directory, its
+    announcement and how it was started (alive or not: the caller asks `is_pool_worker`)."""
+    for entry in entries:
+        try:
+            with open(os.path.join(entry.path, POOL_IDLE)) as handle:
+                idle = PoolWorkerIdle.model_validate_json(handle.read())
+            with open(os.path.join(entry.path, POOL_STARTED)) as handle:
+                started = PoolWorkerStarted.model_validate_json(handle.read())
+        except (OSError, ValueError):  # not a worker's, not waiting, or claimed just now
+            continue
+        yield entry.path, idle, started
+
+
 def pool_gauges(directory: str) -> PoolGauges | None:
     """The figures of the pool at `directory` (read-only); None where there is none on this machine."""
     try:
@@ -134,17 +150,7 @@ def pool_gauges(directory: str) -> PoolGauges | None:
         entries = None
     if entries is None:
         return None
-    waiting = []
-    for entry in entries:
-        try:
-            with open(os.path.join(entry.path, POOL_IDLE)) as handle:
-                idle = PoolWorkerIdle.model_validate_json(handle.read())
-            with open(os.path.join(entry.path, POOL_STARTED)) as handle:
-                started = PoolWorkerStarted.model_validate_json(handle.read())
-        except (OSError, ValueError):
-            continue
-        if is_pool_worker(entry.path, started.pid):
-            waiting.append(idle)
+    waiting = [idle for path, idle, started in announced_workers(entries) if is_pool_worker(path, started.pid)]
     try:
         with open(os.path.join(directory, POOL_EVICTIONS)) as handle:
             evictions = int(handle.read())

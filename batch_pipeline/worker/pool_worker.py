@@ -35,13 +35,12 @@ from batch_pipeline.shards.protocol import (
     POOL_OWNER,
     POOL_RETIRED,
     POOL_SHARD_EXIT,
-    POOL_STARTED,
     STANDBY_HANDOFF,
     PoolShardExit,
     PoolWorkerBusy,
     PoolWorkerIdle,
-    PoolWorkerStarted,
     StandbyHandoff,
+    announced_workers,
     is_pool_worker,
 )
 from batch_pipeline.worker.engine import KeptEngine
@@ -241,18 +240,11 @@ def _count_eviction(pool: str) -> None:
 def waiting_workers(pool: str) -> Iterator[tuple[str, PoolWorkerIdle]]:
     """The pool's waiting workers: each one's directory and what it announced. A worker killed as it
     waited left its announcement: its directory is removed, and it counts for nothing."""
-    for entry in os.scandir(pool):
-        try:
-            with open(os.path.join(entry.path, POOL_IDLE)) as handle:
-                idle = PoolWorkerIdle.model_validate_json(handle.read())
-            with open(os.path.join(entry.path, POOL_STARTED)) as handle:
-                started = PoolWorkerStarted.model_validate_json(handle.read())
-        except (OSError, ValueError):  # not a worker's, not waiting, or claimed just now
-            continue
-        if is_pool_worker(entry.path, started.pid):
-            yield entry.path, idle
-        elif retire(entry.path):
-            shutil.rmtree(entry.path, ignore_errors=True)
+    for path, idle, started in announced_workers(os.scandir(pool)):
+        if is_pool_worker(path, started.pid):
+            yield path, idle
+        elif retire(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
