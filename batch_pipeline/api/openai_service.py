@@ -387,6 +387,7 @@ def _job_request(
         "model_cfg": model_config_for(checked.model, limits.model_catalog),
         "max_runtime_sec": body.window_seconds,
         "labels": body.metadata or {},
+        "cache": body.cache,
     }
     request = (
         CreateBatchCompletionsV2Request(input_data_path=content, **fields)

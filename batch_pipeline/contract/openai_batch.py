@@ -10,6 +10,7 @@ from pydantic import Field, create_model, field_validator
 from batch_pipeline.contract.base import WireModel
 from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
 from batch_pipeline.contract.labels import OpenAIMetadata
+from batch_pipeline.contract.requests import ResultCacheMode
 
 # The endpoints a batch may target: those of the registry's kinds (contract/kinds).
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class CreateBatchRequest(WireModel):
         description="The batch's job labels, bounded as OpenAI's: at most 16 pairs, keys up to 64 characters, "
         "values up to 512.",
     )
+    cache: ResultCacheMode = "on"  # not OpenAI's: the team's result cache (`extra_body={"cache": "off"}`)
     output_expires_after: ExpiresAfter | None = Field(
         None,
         description="When the batch's output and error files expire, counted from their creation (OpenAI's bounds: "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Self, Union, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, Union, get_args
 
 from pydantic import (
     Discriminator,
@@ -91,6 +91,17 @@ OutputDataPath = Annotated[
     Field(description="Path to the output file. The output file will be a JSON file of type List[CompletionOutput]."),
 ]
 Priority = Annotated[str | None, Field(description="Priority of the batch inference job. Default to None.")]
+# The result cache (issue 49): a job's deterministic requests (greedy, or sampled with a seed) are answered
+# from its team's earlier jobs' results where they hold one, and its own are kept for the next, unless off.
+ResultCacheMode = Annotated[
+    Literal["on", "off"],
+    Field(
+        description="`off`: every request is generated, and none of this job's results are kept for the team's "
+        "later jobs. `on` (the default): a deterministic request (greedy, or sampled with a seed) that an earlier "
+        "job of the team computed on the same model, weights and engine arguments takes that result (its entry "
+        "says `cached_from_job_id`), and this job's are kept for later ones."
+    ),
+]
 
 
 class _BatchCompletionsRequestBase(WireModel):
@@ -183,6 +194,8 @@ class CreateBatchCompletionsV2Request(_BatchCompletionsRequestBase):
         "the input file should be a JSON file of type List[CreateBatchCompletionsRequestContent].",
     )
     model_cfg: BatchCompletionsModelConfig = Field(alias="model_config")
+    # Not in Scale's v2: ours (v1 keeps Scale's schema exactly; its jobs use the team's and deployment's).
+    cache: ResultCacheMode = "on"
 
     @field_validator("content", mode="before")
     @classmethod

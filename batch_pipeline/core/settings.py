@@ -242,6 +242,11 @@ class Settings(_EnvironmentSettings):
         description="`0` generates repeats of a deterministic request again instead of copying the first's "
         "output, and deterministic requests differing only in their output limit each on its own",
     )
+    result_cache: bool = Field(
+        True,
+        description="`0` turns the teams' result caches off: every job generates every request, and keeps none "
+        "of its results for later jobs (a team's `result_cache` and a request's `cache` turn it off for theirs)",
+    )
     local_shard_concurrency: int | None = Field(
         None, ge=1, description="Shard workers the local launcher runs at once (unset: the core count)"
     )

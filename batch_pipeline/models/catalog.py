@@ -122,7 +122,7 @@ def weights_bytes(model: str, checkpoint_path: str | None = None) -> int | None:
     model once prepared, a local directory, or an object-store checkpoint. None for a hub id."""
 
     entry = CATALOG.get(model.lower())
-    location = checkpoint_path or (str(_catalog_location(entry)) if entry else model)
+    location = checkpoint_path or (str(catalog_location(entry)) if entry else model)
     try:
         fs, root = io.filesystem(location)
         if not fs.isdir(root):
@@ -137,7 +137,7 @@ def weights_bytes(model: str, checkpoint_path: str | None = None) -> int | None:
     return sum(sizes) or None
 
 
-def _catalog_location(entry: CatalogModel) -> Path:
+def catalog_location(entry: CatalogModel) -> Path:
     if entry.model_dir is not None:
         try:
             return entry.package_dir() / entry.model_dir

@@ -133,6 +133,7 @@ defs = dg.Definitions(
                 max_shards_per_job=_loaded_with.max_shards_per_job,
                 min_shard_tokens=_loaded_with.min_shard_tokens,
                 deduplicate=_loaded_with.deduplicate,
+                result_cache=_loaded_with.result_cache,
             )
         ),
     },

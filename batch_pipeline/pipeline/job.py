@@ -3,6 +3,7 @@
 The ops orchestrate; inference happens in the shard workers the launcher starts.
 """
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from batch_pipeline.admission.submission import (
     check_servable,
     submit,
 )
+from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.contract.priority import InvalidPriority
 from batch_pipeline.contract.records import RecordError, describe_validation_error
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC
@@ -32,15 +34,17 @@ from batch_pipeline.openai_batch.jobs import finalize_batch
 from batch_pipeline.pipeline.config_schema import config_schema_for, launchpad_template
 from batch_pipeline.pipeline.console_logger import console_logger
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
+from batch_pipeline.pipeline.result_cache import JobCache, job_cache, keep_results, lookup_in
 from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
-from batch_pipeline.shards.format import checkpoint_bytes
+from batch_pipeline.shards.format import ShardSpec, checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
 from batch_pipeline.shards.metadata import DataParallelism, JobMetadata, ShardEntry, write_metadata
 from batch_pipeline.shards.planning import RecordedPlan, ShardPlan
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
 from batch_pipeline.shards.records import work_items
 from batch_pipeline.shards.replanning import write_job_shards
+from batch_pipeline.shards.result_cache import with_cache_hits
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.quotas import QuotaStore
@@ -300,10 +304,19 @@ def plan_shards(
     # settings say now: each checkpointed result lies in the shard that plan put its request in.
     kept = RecordedPlan.from_json(record.shard_plan) if record is not None and record.shard_plan else None
     settings = shard_planning.for_launcher(shard_launcher.shard_slots())
+    model_config = admission.shard_model_config(request.model_cfg)
+    cache = _job_cache(context, shard_planning, record, request, model_config, admission, job_store)
+    hits = None
+    if cache.identity is not None and record is not None:
+        hits = functools.partial(
+            with_cache_hits, identity=cache.identity, lookup=lookup_in(job_store.result_cache(), record.owner)
+        )
     try:
         items = work_items(_records(request, job_data_files(context, job_store, job_storage, admission)))
         tool_loop = request.tool_config is not None
-        written = write_job_shards(items, work_dir, kept, request.data_parallelism or 1, settings, tool_loop)
+        written = write_job_shards(
+            items, work_dir, kept, request.data_parallelism or 1, settings, tool_loop, cache_hits=hits
+        )
     except (RecordError, io.InputFileError) as exc:
         raise dg.Failure(str(exc)) from None
     except io.SymlinkRefused as exc:
@@ -321,11 +334,19 @@ def plan_shards(
     )
     if written.input_changes is not None:
         context.log.warning(written.input_changes)
+    if written.cached:
+        shards = written.shards
+        progress.record_cached(
+            job_id,
+            written.cached,
+            sum(shard.cached_prompt_tokens for shard in shards),
+            sum(shard.cached_completion_tokens for shard in shards),
+        )
+        context.log.info(f"{written.cached} requests answered from the team's result cache: not generated again")
     _count_kept(context, store, progress, job_id, work_dir)
     deadline = job_deadline(context, request.max_runtime_sec)
     context.log.info(written.describe(work_dir))
     yield dg.Output(PlanSummary(plan=written.recorded.plan, deduplicated=written.copies), "plan")
-    model_config = admission.shard_model_config(request.model_cfg)
     hardware = _HARDWARE.validate_python(
         request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
     )
@@ -345,6 +366,67 @@ def plan_shards(
             share_generations=written.recorded.deduplicate,
         )
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
+
+
+def _job_cache(
+    context: OpExecutionContext,
+    shard_planning: ShardPlanning,
+    record: JobRecord | None,
+    request: StoredRequest,
+    model_config: BatchCompletionsModelConfig,
+    admission: AdmissionPolicy,
+    job_store: JobStoreResource,
+) -> JobCache:
+    """The job's part in its team's result cache; none where it has no job record (a test's
+    `execute_request`), and none, said in the run's log, where the cache cannot be read."""
+    if record is None:
+        return JobCache(None, "the run has no job")
+    try:
+        cache = job_cache(
+            shard_planning.result_cache,
+            record.owner,
+            request.cache,
+            request.tool_config is not None,
+            model_config,
+            admission,
+            job_store.result_cache(),
+        )
+    except Exception as exc:  # the cache never fails a job: it is generated whole instead
+        context.log.warning(f"result cache: not used for this job: {exc}")
+        return JobCache(None, str(exc))
+    if cache.identity is None:
+        context.log.info(f"result cache: not used for this job: {cache.reason}")
+    return cache
+
+
+def _keep_in_cache(
+    context: OpExecutionContext,
+    request: StoredRequest,
+    specs: list[ShardSpec],
+    job_store: JobStoreResource,
+    job_storage: JobStorage,
+    shard_planning: ShardPlanning,
+    admission: AdmissionPolicy,
+) -> None:
+    """The completed job's deterministic results, kept in its team's cache for its next jobs."""
+    job_id = current_job_id(context)
+    record = job_store.get_store().get(job_id)
+    model_config = admission.shard_model_config(request.model_cfg)
+    cache = _job_cache(context, shard_planning, record, request, model_config, admission, job_store)
+    if cache.identity is None:
+        return
+    try:
+        added = keep_results(
+            job_store.result_cache(),
+            cache.identity,
+            job_id,
+            [spec.directory for spec in specs],
+            job_storage.result_cache_dir(),
+        )
+    except Exception as exc:  # nothing kept: the next job generates these again
+        context.log.warning(f"result cache: this job's results were not kept: {exc}")
+        return
+    context.log.info(f"result cache: {added} of this job's results kept for the team's next jobs")
 
 
 def _count_kept(
@@ -439,6 +521,7 @@ def merge_outputs(
     shard_results: list[ShardResult],
     job_store: JobStoreResource,
     job_storage: JobStorage,
+    shard_planning: ShardPlanning,
     admission: AdmissionPolicyParam,
 ) -> MergedOutput:
     specs = sorted((result.task.shard for result in shard_results), key=lambda spec: spec.shard_index)
@@ -453,6 +536,7 @@ def merge_outputs(
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {output_path}: {exc}") from None
     merge_s = round(time.monotonic() - started, 3)
+    _keep_in_cache(context, request, specs, job_store, job_storage, shard_planning, admission)
     context.add_output_metadata({"output_data_path": output_path, "results": written, "merge_s": merge_s})
     return MergedOutput(output_data_path=output_path, results=written, merge_s=merge_s)
 
@@ -492,8 +576,9 @@ def write_job_metadata(
     admission: AdmissionPolicyParam,
 ) -> JobMetadata:
     store = job_store.get_store()
-    metadata = _finished_metadata(context, request, merged, shard_results, plan)
-    if (record := store.get(metadata.job_id)) is not None:
+    record = store.get(current_job_id(context))
+    metadata = _finished_metadata(context, request, merged, shard_results, plan, record)
+    if record is not None:
         metadata = metadata.with_resume(record, metadata.num_requests, metadata.completion_tokens)
     files = job_data_files(context, job_store, job_storage, admission)
     write_metadata(files, metadata_path(merged.output_data_path), metadata)
@@ -511,16 +596,20 @@ def _finished_metadata(
     merged: MergedOutput,
     shard_results: list[ShardResult],
     plan: PlanSummary,
+    record: JobRecord | None,
 ) -> JobMetadata:
     """A completed run's metadata file: its totals, timings, how it was split and each shard's entry."""
     shard_results = sorted(shard_results, key=lambda result: result.stats.shard_index)
     stats = [result.stats for result in shard_results]
     wall_s = round(time.time() - _run_start(context), 3)
     completion_tokens = sum(s.completion_tokens for s in stats)
-    # A resumed shard's tokens include those its checkpoint kept, which this attempt did not generate.
-    generated = [s for s in stats if s.resumed == 0 and s.generate_s > 0]
-    generate_s = sum(s.generate_s for s in generated)
-    generation_rate = round(sum(s.completion_tokens for s in generated) / generate_s, 2) if generated else None
+    # A resumed shard's tokens include those its checkpoint kept, which this attempt did not generate, and a
+    # shard's those of its requests the result cache answered.
+    generated = [r for r in shard_results if r.stats.resumed == 0 and r.stats.generate_s > 0]
+    generate_s = sum(r.stats.generate_s for r in generated)
+    generated_tokens = sum(r.stats.completion_tokens - r.task.shard.cached_completion_tokens for r in generated)
+    generation_rate = round(generated_tokens / generate_s, 2) if generated else None
+    cached = record.cached_requests if record is not None else None
     return JobMetadata(
         job_id=current_job_id(context),
         dagster_run_id=context.run_id,
@@ -539,6 +628,9 @@ def _finished_metadata(
         data_parallelism=DataParallelism(requested=plan.plan.requested, used=plan.plan.used, reason=plan.plan.reason),
         num_deduplicated=plan.deduplicated,
         num_cut_from_longer=sum(s.cut_from_longer for s in stats),
+        num_cached=cached or 0,
+        cached_prompt_tokens=(record.cached_prompt_tokens or 0) if record is not None else 0,
+        cached_completion_tokens=(record.cached_completion_tokens or 0) if record is not None else 0,
         dtype=", ".join(sorted({s.dtype for s in stats if s.dtype})) or None,
         tool_config=next((s.tool_config for s in stats if s.tool_config), None),
         shards=[ShardEntry.model_validate(result.metadata_entry()) for result in shard_results],

@@ -15,6 +15,7 @@ from batch_pipeline.shards.planning import PlanningSettings
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.quotas import QuotaStore
+from batch_pipeline.store.result_cache import ResultCacheStore
 from batch_pipeline.tenancy.tenants import Tenants, tenants_at
 
 
@@ -53,6 +54,10 @@ class JobStorage(dg.ConfigurableResource):
         """Where the OpenAI Batch API's files are kept (uploads, batch outputs): beside the work dirs."""
         return io.join(self.base(), "files")
 
+    def result_cache_dir(self) -> str:
+        """Where the teams' result caches keep their payloads (`store/result_cache.py`): beside the work dirs."""
+        return io.join(self.base(), "result_cache")
+
 
 class JobStoreResource(dg.ConfigurableResource):
     """The API's job store, as the sensors and the ops see it: the same database through a store of each purpose."""
@@ -68,6 +73,9 @@ class JobStoreResource(dg.ConfigurableResource):
     def quotas(self) -> QuotaStore:
         return QuotaStore(self.url)
 
+    def result_cache(self) -> ResultCacheStore:
+        return ResultCacheStore(self.url)
+
 
 class ShardPlanning(dg.ConfigurableResource):
     """How the deployment splits a job into shards: each shard starts an engine, so no more shards than it
@@ -80,6 +88,9 @@ class ShardPlanning(dg.ConfigurableResource):
         ge=0, description="Estimated tokens each shard of a split job carries at least (0: any)."
     )
     deduplicate: bool = Field(description="Repeats of a deterministic request within a job are generated once.")
+    result_cache: bool = Field(
+        default=True, description="Deterministic results are kept and reused across a team's jobs (issue 49)."
+    )
 
     def for_launcher(self, slots: int | None) -> PlanningSettings:
         """The plan's settings with a launcher that runs `slots` shards at once (None: no limit)."""

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from batch_pipeline.contract.kinds import USAGE_NAMES
 from batch_pipeline.contract.records import RecordKind
 from batch_pipeline.core import io
 
@@ -28,12 +29,25 @@ OUTPUT_FILE = "output.tsv"
 
 
 @dataclass(frozen=True)
+class CachedResult:
+    """A request's result from its team's result cache (`shards/result_cache.py`): its output entry, which
+    names the job that computed it, and its tokens."""
+
+    output: str
+    job_id: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
 class WorkItem:
-    """One request of the batch and the index its output takes in the job's output."""
+    """One request of the batch and the index its output takes in the job's output; `cached`, as a plan
+    reads it: its result, where its team's cache holds one (never written to the shard's input)."""
 
     index: int
     kind: RecordKind
     request: dict[str, Any]
+    cached: CachedResult | None = field(default=None, compare=False, repr=False)
 
     def to_line(self) -> str:
         return json.dumps({"index": self.index, "kind": self.kind, "request": self.request}, ensure_ascii=False)
@@ -54,6 +68,10 @@ class ShardSpec:
     prompt_count: int
     estimated_tokens: int = 0
     copy_count: int = 0  # of item_count: repeats filled from their source's output, listed in copies.tsv
+    # of item_count: answered from the team's result cache, their results in the checkpoint as planned
+    cached_count: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
 
     @property
     def input_path(self) -> str:
@@ -105,6 +123,18 @@ def iter_result_lines(handle: IO[str]) -> Iterator[tuple[int, str]]:
             return
         index, _, payload = line.partition("\t")
         yield int(index), payload[:-1]
+
+
+def token_counts(output: dict[str, Any]) -> tuple[int, int]:
+    """(prompt, completion) tokens of one output: v1 CompletionOutput counts, or an OpenAI object's usage
+    under the names its kind gives them."""
+    if "usage" in output:
+        usage = output["usage"]
+        for prompt, generated in USAGE_NAMES:  # each kind names them in its usage (contract/kinds)
+            if prompt in usage:
+                # an embedding's usage has no completion tokens, as OpenAI's
+                return usage[prompt], usage.get(generated, 0)
+    return output.get("num_prompt_tokens", 0), output.get("num_completion_tokens", 0)
 
 
 def count_lines(path: str) -> int:

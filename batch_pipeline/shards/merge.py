@@ -20,6 +20,7 @@ from batch_pipeline.shards.format import (
     read_copies,
     read_work_items,
     shard_directories,
+    token_counts,
 )
 
 
@@ -75,12 +76,10 @@ def checkpointed(work_dir: str) -> Checkpointed:
             continue
         with io.open_file(results_path, "r", encoding="utf-8") as handle:
             for _, payload in iter_result_lines(handle):
-                output = json.loads(payload)
-                counts = output["usage"] if isinstance(output.get("usage"), dict) else output
-                prefix = "" if counts is not output else "num_"
+                prompt, completion = token_counts(json.loads(payload))
                 requests += 1
-                prompt_tokens += int(counts.get(f"{prefix}prompt_tokens") or 0)
-                completion_tokens += int(counts.get(f"{prefix}completion_tokens") or 0)
+                prompt_tokens += prompt
+                completion_tokens += completion
     return Checkpointed(requests, prompt_tokens, completion_tokens)
 
 

@@ -130,6 +130,11 @@ class JobMetadata(BaseModel):
     data_parallelism: DataParallelism | None = None
     num_deduplicated: int | None = None
     num_cut_from_longer: int | None = None
+    # Requests answered from the team's result cache (issue 49), and their tokens: in the totals above, but
+    # computed by the earlier jobs each entry's `cached_from_job_id` names.
+    num_cached: int | None = None
+    cached_prompt_tokens: int | None = None
+    cached_completion_tokens: int | None = None
     dtype: str | None = None
     # Whether the job's tool_config was applied (the code_evaluator loop serves v1 prompts only).
     tool_config: str | None = None

@@ -14,7 +14,7 @@ from typing import IO
 
 from batch_pipeline.core import io
 from batch_pipeline.core.io import make_private_directory
-from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, ShardSpec, WorkItem
+from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, RESULTS_FILE, ShardSpec, WorkItem
 from batch_pipeline.shards.protocol import WORKER_WINDOW
 from batch_pipeline.shards.records import ItemSize, output_limit, repeat_key, shared_generation_key
 
@@ -25,6 +25,9 @@ GENERATION_GROUPING = 1
 # Distinct deterministic requests remembered to find repeats (~120 MB of the planner's memory when full);
 # past it, repeats of requests first seen later are generated again.
 DEDUP_TABLE_LIMIT = 1_000_000
+# The most items plan_shard_count reads ahead (held in memory) to count a job's tokens: requests its team's
+# cache answers weigh none, and a job of hits alone would otherwise be read whole before its plan.
+READ_AHEAD_LIMIT = 100_000
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ def plan_shard_count(
         for entry in items:
             read_ahead.append(entry)
             tokens += entry[1].tokens
-            if tokens >= most * settings.min_tokens_per_shard:
+            if tokens >= most * settings.min_tokens_per_shard or len(read_ahead) >= READ_AHEAD_LIMIT:
                 break
         items = itertools.chain(read_ahead, items)
     used, reason = settings.shards_for(requested, tokens)
@@ -179,8 +182,9 @@ def write_shards(
     copy (copies.tsv), weighing nothing. With `group_generations`, a deterministic request that differs from
     one of the last WORKER_WINDOW items of a shard only in its output limit goes to that shard, where the
     worker answers both with one generation (worker/shared_generation.py): it weighs what it adds to the
-    group's largest limit. One pass; memory bounded by DEDUP_TABLE_LIMIT and the shards' windows. Shards
-    with nothing to do are not returned.
+    group's largest limit. A request the team's result cache answers (`WorkItem.cached`) goes to the
+    least-loaded shard, weighing nothing, with its result in the shard's checkpoint. One pass; memory
+    bounded by DEDUP_TABLE_LIMIT and the shards' windows. Shards with nothing to do are not returned.
     """
     with contextlib.ExitStack() as files:
         shards = open_shard_writers(work_dir, num_shards, files)
@@ -193,6 +197,12 @@ def write_shards(
             if source is not None:
                 source_index, shard_index = source
                 shards[shard_index].add_copy(item.index, source_index, size)
+                continue
+            if item.cached is not None:
+                shard = loads.least_loaded()
+                shard.add_cached(item, size)
+                if key is not None:
+                    repeats.remember(key, item.index, shard.index)
                 continue
             generation = shared_generation_key(item) if group_generations else None
             shard = balance_request(item, size, generation, groups, loads)
@@ -216,6 +226,9 @@ class ShardWriter:
         self.directory = directory
         self.items = 0  # outputs the shard owes, copies included
         self.copies = 0  # of items: repeats filled from their source's output
+        self.cached = 0  # of items: answered from the team's result cache
+        self.cached_prompt_tokens = 0
+        self.cached_completion_tokens = 0
         self.prompts = 0
         self.estimated_tokens = 0
         self._files = files
@@ -223,6 +236,7 @@ class ShardWriter:
         io.makedirs(directory)
         self._input = files.enter_context(io.atomic_write(io.join(directory, INPUT_FILE + suffix)))
         self._copies: IO[str] | None = None
+        self._results: IO[str] | None = None
 
     @property
     def lines(self) -> int:
@@ -246,6 +260,20 @@ class ShardWriter:
         self.items += 1
         self.prompts += size.prompts
 
+    def add_cached(self, item: WorkItem, size: ItemSize) -> None:
+        """A request whose result its team's cache holds: in the input, and its result in the checkpoint,
+        which the worker skips as done."""
+        assert item.cached is not None
+        if self._results is None:
+            self._results = self._files.enter_context(
+                io.atomic_write(io.join(self.directory, RESULTS_FILE + self._suffix))
+            )
+        self.add_request(item, size)
+        self._results.write(f"{item.index}\t{item.cached.output}\n")
+        self.cached += 1
+        self.cached_prompt_tokens += item.cached.prompt_tokens
+        self.cached_completion_tokens += item.cached.completion_tokens
+
     def add_copy(self, index: int, source: int, size: ItemSize) -> None:
         """Request `index`, answered by the output of request `source` in this shard."""
         self.open_copies().write(f"{index}\t{source}\n")
@@ -261,6 +289,9 @@ class ShardWriter:
             prompt_count=self.prompts,
             estimated_tokens=self.estimated_tokens,
             copy_count=self.copies,
+            cached_count=self.cached,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            cached_completion_tokens=self.cached_completion_tokens,
         )
 
 

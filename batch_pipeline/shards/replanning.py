@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from batch_pipeline.core import io
@@ -115,6 +115,11 @@ class JobShards:
         return sum(shard.estimated_tokens for shard in self.shards)
 
     @property
+    def cached(self) -> int:
+        """Its requests answered from the team's result cache (by this plan: a first one)."""
+        return sum(shard.cached_count for shard in self.shards)
+
+    @property
     def copies(self) -> int:
         """Its requests that repeat an earlier deterministic one and take its output."""
         return sum(shard.copy_count for shard in self.shards)
@@ -131,10 +136,17 @@ def write_job_shards(
     requested: int,
     settings: PlanningSettings,
     tool_loop: bool,
+    cache_hits: Callable[[Iterator[tuple[WorkItem, ItemSize]]], Iterator[tuple[WorkItem, ItemSize]]] | None = None,
 ) -> JobShards:
     """A run's shards of a job, as the plan its first run recorded (`kept`) places them, else as a first
-    plan of `requested` shards under `settings` does; over the shards an earlier run wrote, if any."""
+    plan of `requested` shards under `settings` does; over the shards an earlier run wrote, if any.
+
+    `cache_hits` marks the items its team's result cache answers (`shards/result_cache.with_cache_hits`):
+    looked up by the job's first plan only, before any shard of it exists. A later run finds the hits in
+    their shards' checkpoints and keeps them as it keeps any checkpointed result."""
     planned_before = has_earlier_plan(work_dir)
+    if cache_hits is not None and kept is None and not shard_directories(work_dir):
+        items = cache_hits(items)
     recorded = kept
     if recorded is None:
         recorded, items = first_plan(items, requested, settings, tool_loop, planned_before)

@@ -159,3 +159,18 @@ class ShardProgressStore(StoreBase):
         )
         with self.engine.begin() as connection:
             return connection.execute(kept).rowcount > 0
+
+    def record_cached(self, job_id: str, requests: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """What the job's first plan answered from its team's result cache (a later run's plan looks
+        nothing up, and keeps these)."""
+        cached = (
+            jobs.update()
+            .where(jobs.c.job_id == job_id)
+            .values(
+                cached_requests=requests,
+                cached_prompt_tokens=prompt_tokens,
+                cached_completion_tokens=completion_tokens,
+            )
+        )
+        with self.engine.begin() as connection:
+            connection.execute(cached)

@@ -58,6 +58,10 @@ class JobRecord:
     shard_plan: str | None = None  # the shard plan of its first run (JSON), kept for every later run
     checkpoint_bytes: int | None = None
     shard_phase: str | None = None  # the furthest of its shards' (`store.progress.ShardPhase`)
+    # What its first plan answered from its team's result cache, and their tokens (issue 49).
+    cached_requests: int | None = None
+    cached_prompt_tokens: int | None = None
+    cached_completion_tokens: int | None = None
 
     @cached_property
     def request(self) -> dict[str, Any]:
@@ -128,6 +132,9 @@ class JobRecord:
             shard_plan=row.shard_plan,
             checkpoint_bytes=row.checkpoint_bytes,
             shard_phase=row.shard_phase,
+            cached_requests=row.cached_requests,
+            cached_prompt_tokens=row.cached_prompt_tokens,
+            cached_completion_tokens=row.cached_completion_tokens,
         )
 
 

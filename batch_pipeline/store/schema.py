@@ -114,6 +114,11 @@ jobs = sa.Table(
     # How far its shards have got (`batch_job_shards.phase`: the furthest one's), so that a status read says
     # "starting engine" or "generating" from this row alone.
     sa.Column("shard_phase", sa.String(16), nullable=True),
+    # The result cache (issue 49): requests its plan answered from its team's cache, and their tokens (in
+    # its prompt and completion tokens too, but computed by an earlier job), set when it is planned.
+    sa.Column("cached_requests", sa.BigInteger, nullable=True),
+    sa.Column("cached_prompt_tokens", sa.BigInteger, nullable=True),
+    sa.Column("cached_completion_tokens", sa.BigInteger, nullable=True),
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
     sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
     sa.Index("ix_batch_jobs_status_created", "status", "created_at"),
@@ -170,6 +175,38 @@ job_shards = sa.Table(
     sa.Column("engine_start_saved_s", sa.Float, nullable=True),
 )
 
+
+# The result cache (issue 49, `store/result_cache.py`): a team's deterministic results of its completed jobs,
+# by a digest of everything that decides them (`shards.result_cache.CacheIdentity`). The row is the index;
+# the output itself is a line of the payload file its job wrote (work storage), read at `offset`.
+result_cache = sa.Table(
+    "batch_result_cache",
+    metadata,
+    sa.Column("owner", sa.String(128), primary_key=True),
+    sa.Column("key", sa.String(32), primary_key=True),  # 128-bit digest, hex
+    sa.Column("job_id", sa.String(JOB_ID_LENGTH), nullable=False),  # the job that computed it
+    sa.Column("model", sa.String(256), nullable=False),
+    sa.Column("weights_digest", sa.String(64), nullable=False),
+    sa.Column("payload_path", sa.Text, nullable=False),
+    sa.Column("payload_offset", sa.BigInteger, nullable=False),
+    sa.Column("payload_length", sa.Integer, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("ix_batch_result_cache_owner_created", "owner", "created_at"),
+    sa.Index("ix_batch_result_cache_owner_model", "owner", "model", "weights_digest"),
+)
+
+# A model's weights digest, as last computed for its files as they were then (their sizes and mtimes):
+# hashing a model's files is read once per change, not once per job.
+model_weights = sa.Table(
+    "batch_model_weights",
+    metadata,
+    sa.Column("path", sa.String(1024), primary_key=True),
+    sa.Column("stat", sa.String(64), nullable=False),  # digest of the files' names, sizes and mtimes
+    sa.Column("digest", sa.String(64), nullable=False),
+    sa.Column("computed_at", sa.DateTime(timezone=True), nullable=False),
+)
 
 # Webhooks (issue 28): the outbox. One row per event, written in the transaction that ends its job, so
 # that no end is lost and none is announced that did not happen; the delivery process (`webhooks/`) sends

@@ -135,6 +135,11 @@ class TenantConfig(_Strict):
         le=36500,
         description="Days the team's finished jobs' work dirs are kept (0: forever; unset: the deployment's)",
     )
+    result_cache: bool = Field(
+        True,
+        description="Whether the team's deterministic results are kept and reused across its jobs (issue 49); "
+        "false: every request of its jobs is generated, and none kept",
+    )
     # Kueue's share of the GPUs, cluster-wide: the team's shard pods name this LocalQueue (of the shard
     # pods' namespace) in their `kueue.x-k8s.io/queue-name` label. Unset: its pods are not queued by Kueue.
     kueue_queue: TenantName | None = Field(

@@ -18,9 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from batch_pipeline.contract.kinds import USAGE_NAMES
 from batch_pipeline.core import io
-from batch_pipeline.shards.format import iter_result_lines
+from batch_pipeline.shards.format import iter_result_lines, token_counts
 
 # The errors of a full or failing disk: the worker's failure names the file they stopped.
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
@@ -121,18 +120,6 @@ def copy_lines(output: dict[str, Any], copies: Sequence[int]) -> Iterator[str]:
     rest = ", " + rest[1:] if rest != "{}" else "}"
     for index in copies:
         yield f'{index}\t{{"id": {json.dumps(f"{prefix}-{index}")}{rest}\n'
-
-
-def token_counts(output: dict[str, Any]) -> tuple[int, int]:
-    """(prompt, completion) tokens of one output: v1 CompletionOutput counts, or an OpenAI object's usage
-    under the names its kind gives them."""
-    if "usage" in output:
-        usage = output["usage"]
-        for prompt, generated in USAGE_NAMES:  # each kind names them in its usage (contract/kinds)
-            if prompt in usage:
-                # an embedding's usage has no completion tokens, as OpenAI's
-                return usage[prompt], usage.get(generated, 0)
-    return output.get("num_prompt_tokens", 0), output.get("num_completion_tokens", 0)
 
 
 @dataclass(frozen=True)

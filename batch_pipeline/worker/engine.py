@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import json
 import logging
@@ -16,6 +15,7 @@ from typing import Any
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.core import io
 from batch_pipeline.models.catalog import catalog_dtype, resolve_model, runner_of
+from batch_pipeline.models.platform import BF16_FLAGS, cpu_flags
 from batch_pipeline.models.sync import sync_remote_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -60,23 +60,6 @@ def set_engine_environment() -> None:
 # 32 tokens shared) unchanged. vLLM's GPU default is 16 already.
 CPU_BLOCK_SIZE = 32
 
-# CPU flags of native bfloat16 arithmetic: x86 (AVX512-BF16, AMX) and Arm (FEAT_BF16).
-_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
-
-
-@functools.cache  # read once a process: engine_arguments and build_llm both ask
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The feature flags of this machine's CPU (`flags` on x86, `Features` on Arm); empty if unknown."""
-    try:
-        with open(cpuinfo, encoding="utf-8") as handle:
-            for line in handle:
-                name, _, value = line.partition(":")
-                if name.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
-
 
 def choose_dtype(
     model_config: BatchCompletionsModelConfig, on_cpu: bool, flags: Set[str] | None = None
@@ -93,7 +76,7 @@ def choose_dtype(
         return None, "the model's own, on an accelerator"
     if model_config.quantization is not None:
         return None, "the model's own, for quantized weights"
-    if (cpu_flags() if flags is None else flags) & _BF16_FLAGS:
+    if (cpu_flags() if flags is None else flags) & BF16_FLAGS:
         return None, "the model's own: this CPU computes bfloat16 natively"
     return "float32", f"this CPU ({platform.machine()}) computes no bfloat16 natively (avx512_bf16, amx_bf16 or bf16)"
 

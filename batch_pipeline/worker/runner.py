@@ -17,10 +17,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 from batch_pipeline.contract import BatchCompletionsModelConfig, ToolConfig
 from batch_pipeline.contract.kinds import kind_named
-from batch_pipeline.shards.format import WorkItem, format_result, read_copies, read_work_items
+from batch_pipeline.shards.format import WorkItem, format_result, read_copies, read_work_items, token_counts
 from batch_pipeline.shards.protocol import ENGINE_STARTING, WORKER_WINDOW, ShardStats, ShardTask
 from batch_pipeline.shards.records import expected_output_tokens
-from batch_pipeline.worker.checkpoint import Checkpoint, copy_lines, token_counts, write_sorted_output
+from batch_pipeline.worker.checkpoint import Checkpoint, copy_lines, write_sorted_output
 from batch_pipeline.worker.code_evaluator import TOOL_APPLIED, TOOL_NOT_APPLIED, CodeEvaluatorRequests
 from batch_pipeline.worker.handlers import (
     MultiRoundHandler,
@@ -161,9 +161,12 @@ class ShardRunner:
         self.checkpoint = Checkpoint(self.shard.results_path, self.checkpoint_upload_s)
         try:
             done = self.checkpoint.recover()
-            self.stats.resumed = len(done)
-            if done:
+            # The plan puts the results its team's cache holds in the checkpoint: done, but not resumed.
+            self.stats.resumed = max(0, len(done) - self.shard.cached_count)
+            if self.stats.resumed:
                 self.report(f"resuming: {len(done)} of {self.shard.item_count} requests already done")
+            elif done:
+                self.report(f"{len(done)} of {self.shard.item_count} requests answered from the result cache")
             self.report_progress({"requests_done": len(done)})
             self.copies = read_copies(self.shard.copies_path)
             unfilled = {

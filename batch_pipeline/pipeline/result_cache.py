@@ -1,0 +1,133 @@
+"""A job's part in its team's result cache (issue 49): whether it takes part and under which identity, the
+plan's lookup of its requests' results, and the results its completed run keeps for the team's next jobs.
+
+A job takes part unless its request or its team turned the cache off, or it runs a tool loop (code whose
+output may change between runs), or its model's files are not on this machine (their identity cannot be
+checked). What decides a result is in its key (`shards/result_cache.CacheIdentity`); a result is found by
+its own team's lookups only. A failure of the cache never fails a job: the job computes what it could not
+find, and keeps nothing it could not store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from batch_pipeline.admission.policy import AdmissionPolicy
+from batch_pipeline.contract import BatchCompletionsModelConfig
+from batch_pipeline.core import io
+from batch_pipeline.core.io import make_private_directory
+from batch_pipeline.models.platform import numerics_platform
+from batch_pipeline.models.weights import Memo, model_directory, weights_digest
+from batch_pipeline.shards.format import CachedResult
+from batch_pipeline.shards.result_cache import CacheIdentity, Lookup, cacheable_results, cached_output
+from batch_pipeline.store.result_cache import CachedEntry, NewEntry, ResultCacheStore
+
+
+@dataclass(frozen=True)
+class JobCache:
+    """A job's part in its team's cache: its identity, or None and why it takes no part."""
+
+    identity: CacheIdentity | None
+    reason: str | None = None
+
+
+def job_cache(
+    deployment_on: bool,
+    owner: str,
+    cache_mode: str,
+    uses_tools: bool,
+    model_config: BatchCompletionsModelConfig,
+    admission: AdmissionPolicy,
+    store: ResultCacheStore,
+) -> JobCache:
+    """Whether a job of `owner` on `model_config` (as its shards get it) takes part, and as what."""
+    if not deployment_on:
+        return JobCache(None, "the deployment's result cache is off (BATCH_PIPELINE_RESULT_CACHE)")
+    if cache_mode == "off":
+        return JobCache(None, "the request's cache is off")
+    team = admission.team_of_owner(owner)
+    if team is not None and not team.config.result_cache:
+        return JobCache(None, "the team's result_cache is off in the tenants file")
+    if uses_tools:
+        return JobCache(None, "tool_config: its code's output may change between runs")
+    location = model_directory(model_config.model, model_config.checkpoint_path)
+    if location is None:
+        return JobCache(None, "the model's files are not on this machine, so their identity cannot be checked")
+    digest = weights_digest(location, Memo(store.weights_digest, store.record_weights_digest))
+    engine = json.dumps([model_config.model_dump(mode="json", exclude_none=True), numerics_platform()], sort_keys=True)
+    return JobCache(CacheIdentity(owner, model_config.model, digest, engine))
+
+
+def lookup_in(store: ResultCacheStore, owner: str) -> Lookup:
+    """The plan's lookup in `owner`'s cache: the index in bulk, then each payload file read once, in order.
+    An entry whose payload cannot be read is a miss."""
+
+    def lookup(keys: list[str]) -> dict[str, CachedResult]:
+        entries = store.lookup(owner, keys)
+        return read_payloads(entries.values())
+
+    return lookup
+
+
+def read_payloads(entries: Iterable[CachedEntry]) -> dict[str, CachedResult]:
+    by_file: dict[str, list[CachedEntry]] = {}
+    for entry in entries:
+        by_file.setdefault(entry.payload_path, []).append(entry)
+    found: dict[str, CachedResult] = {}
+    for path, in_file in by_file.items():
+        try:
+            with io.open_file(path, "rb") as handle:
+                for entry in sorted(in_file, key=lambda entry: entry.payload_offset):
+                    handle.seek(entry.payload_offset)
+                    payload = handle.read(entry.payload_length).decode("utf-8")
+                    found[entry.key] = CachedResult(
+                        cached_output(payload, entry.job_id), entry.job_id, entry.prompt_tokens, entry.completion_tokens
+                    )
+        except (OSError, ValueError):  # gone (a DELETE, retention) or torn: generated instead
+            continue
+    return found
+
+
+def payload_path(cache_dir: str, owner: str, job_id: str) -> str:
+    """Where a job's cached results are kept: under a directory of its owner's (by digest: an owner is no
+    path), a file of the job's."""
+    return io.join(cache_dir, hashlib.sha256(owner.encode()).hexdigest()[:32], f"{job_id}.jsonl")
+
+
+def keep_results(
+    store: ResultCacheStore, identity: CacheIdentity, job_id: str, shard_directories: list[str], cache_dir: str
+) -> int:
+    """A completed job's deterministic results, kept in its team's cache: their outputs written to the job's
+    payload file, then indexed. Returns how many were added (a key cached already keeps its first)."""
+    path = payload_path(cache_dir, identity.owner, job_id)
+    if io.is_local(path):  # the team's outputs: for the service's user alone
+        make_private_directory(cache_dir)
+        make_private_directory(path.rsplit("/", 1)[0])
+    with io.atomic_write(path, "wb") as payloads:  # the whole file before any entry points into it
+        written = 0
+        for directory in shard_directories:
+            for result in cacheable_results(directory, identity):
+                payloads.write(result.payload.encode("utf-8") + b"\n")
+                written += 1
+    if not written:
+        io.remove(path)
+        return 0
+    for stale in store.drop_other_weights(identity.owner, identity.model, identity.weights_digest):
+        io.remove(stale)
+    return store.add(
+        identity.owner, job_id, identity.model, identity.weights_digest, path, _entries(identity, shard_directories)
+    )
+
+
+def _entries(identity: CacheIdentity, shard_directories: list[str]) -> Iterable[NewEntry]:
+    """The payload file's entries, read again from the shards as keep_results wrote them (memory stays
+    bounded for a million results)."""
+    offset = 0
+    for directory in shard_directories:
+        for result in cacheable_results(directory, identity):
+            length = len(result.payload.encode("utf-8"))
+            yield NewEntry(result.key, offset, length, result.prompt_tokens, result.completion_tokens)
+            offset += length + 1

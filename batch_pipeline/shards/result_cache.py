@@ -1,0 +1,135 @@
+"""A team's result cache as the plan and the merge see it (issue 49): the key of a deterministic request,
+the plan's lookup of its items' keys in bulk, and the results a completed shard adds.
+
+A key is a digest of everything that decides a deterministic request's output (`CacheIdentity`): the
+team, the model and the digest of its files (weights, config, tokenizer, chat template), every engine
+argument the request resolved to (dtype, KV block size, quantization, max model length among them), the
+machine's numerics (`models.platform.numerics_platform`), the request's kind and its whole body as the
+plan reads it (prompt or messages, sampling, limits, logprobs, schema, chat template arguments). A request
+that is not deterministic (sampled without a seed) has no key and is never cached.
+
+A hit is planned as a request whose result its shard's checkpoint already holds: the worker skips it as it
+skips a resumed shard's finished requests, a retry or a resume keeps it, and the merge takes it in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from batch_pipeline.contract.kinds import USAGE_NAMES, kind_named
+from batch_pipeline.core import io
+from batch_pipeline.shards.format import (
+    INPUT_FILE,
+    OUTPUT_FILE,
+    CachedResult,
+    WorkItem,
+    iter_result_lines,
+    read_work_items,
+    token_counts,
+)
+from batch_pipeline.shards.records import ItemSize
+
+# Bump when a release changes what the worker computes for the same request on the same engine (an engine
+# default such as the CPU's KV block, a sampling default): results of the earlier release then never hit.
+CACHE_VERSION = 1
+# Items whose keys one lookup sends: the plan holds this many items (and their hits' outputs) at a time.
+LOOKUP_BATCH = 4096
+# The field a cached output entry names the job that computed it by.
+CACHED_FROM = "cached_from_job_id"
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """Whose cache, and what computes its results: the owner, the model, its files' digest, and the engine
+    (every argument the request resolved to, and the machine's numerics)."""
+
+    owner: str
+    model: str
+    weights_digest: str
+    engine: str
+
+    def key(self, item: WorkItem) -> str | None:
+        """The 128-bit key of a deterministic request, hex; None for any other."""
+        if not kind_named(item.kind).deterministic(item.request):
+            return None
+        text = json.dumps(
+            [CACHE_VERSION, self.owner, self.model, self.weights_digest, self.engine, item.kind, item.request],
+            sort_keys=True,
+            ensure_ascii=False,
+        )
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+# What the plan's lookup returns: of the keys asked, those the team's cache holds, with their results.
+Lookup = Callable[[list[str]], dict[str, CachedResult]]
+
+
+def with_cache_hits(
+    items: Iterable[tuple[WorkItem, ItemSize]], identity: CacheIdentity, lookup: Lookup
+) -> Iterator[tuple[WorkItem, ItemSize]]:
+    """The items, each deterministic one the cache holds carrying its result (`WorkItem.cached`) and
+    weighing no tokens: one lookup per LOOKUP_BATCH items."""
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, LOOKUP_BATCH)):
+        keys = [identity.key(item) for item, _ in batch]
+        found = lookup([key for key in dict.fromkeys(keys) if key is not None])
+        for (item, size), key in zip(batch, keys):
+            hit = found.get(key) if key is not None else None
+            if hit is None:
+                yield item, size
+            else:
+                yield replace(item, cached=hit), ItemSize(prompts=size.prompts, tokens=0)
+
+
+def cached_output(payload: str, job_id: str) -> str:
+    """A cached output as a hit's entry: the output its job computed, saying so (`cached_from_job_id`) and,
+    in an OpenAI usage, that its prompt's tokens were all cached."""
+    output = json.loads(payload)
+    output[CACHED_FROM] = job_id
+    usage = output.get("usage")
+    if isinstance(usage, dict):
+        for prompt, _ in USAGE_NAMES:
+            if isinstance(usage.get(prompt), int):
+                details = "input_tokens_details" if prompt == "input_tokens" else "prompt_tokens_details"
+                usage[details] = {**(usage.get(details) or {}), "cached_tokens": usage[prompt]}
+                break
+    return json.dumps(output, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class CacheableResult:
+    """A completed shard's result that its team's cache may keep: its key, its output, and its tokens."""
+
+    key: str
+    payload: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def cacheable_results(shard_directory: str, identity: CacheIdentity) -> Iterator[CacheableResult]:
+    """The results a completed shard computed for its deterministic requests (its input's, by index, in its
+    sorted output), but not its error entries nor what it took from the cache itself."""
+    outputs = _sorted_outputs(io.join(shard_directory, OUTPUT_FILE))
+    current = next(outputs, None)
+    for item in read_work_items(io.join(shard_directory, INPUT_FILE)):
+        while current is not None and current[0] < item.index:
+            current = next(outputs, None)
+        if current is None:
+            return
+        if current[0] != item.index or (key := identity.key(item)) is None:
+            continue
+        output: dict[str, Any] = json.loads(current[1])
+        if "error" in output or CACHED_FROM in output:
+            continue
+        prompt_tokens, completion_tokens = token_counts(output)
+        yield CacheableResult(key, current[1], prompt_tokens, completion_tokens)
+
+
+def _sorted_outputs(path: str) -> Iterator[tuple[int, str]]:
+    with io.open_file(path, "r", encoding="utf-8") as handle:
+        yield from iter_result_lines(handle)
