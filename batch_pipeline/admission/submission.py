@@ -33,6 +33,7 @@ from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
 from batch_pipeline.store.quotas import Admit, QuotaStore, TeamFigures, TokensOfTheDay
 from batch_pipeline.store.records import JobRecord, NewJob
+from batch_pipeline.store.result_cache import ResultCacheStore
 from batch_pipeline.tenancy.tenants import Team
 
 # A job's inline content, as written at submission: a JSON array of records, as an input file holds them.
@@ -325,9 +326,10 @@ class StoredBytes:
         size = f"{'at least ' if at_least else ''}{adding} bytes"
         return QuotaExceeded(
             "max_stored_bytes",
-            f"your team stores {self.stored} bytes (OpenAI files, jobs' inline content and checkpoints), its quota of "
-            f"{self.limit}; {what} of {size} would take it past; delete files it no longer needs "
-            "(DELETE /v1/files/{file_id}) to make room, or name the prompts by input_data_path",
+            f"your team stores {self.stored} bytes (OpenAI files, jobs' inline content and checkpoints, its result "
+            f"cache), its quota of {self.limit}; {what} of {size} would take it past; delete files it no longer needs "
+            "(DELETE /v1/files/{file_id}) or empty its result cache (DELETE /v2/result-cache) to make room, or name "
+            "the prompts by input_data_path",
         )
 
 
@@ -348,9 +350,9 @@ class _StoredBytesLedger:
 
     def _stored(self, store: JobStore, owner: str, limit: int) -> StoredBytes:
         files = OpenAIStore(engine=store.engine).file_bytes_of(owner)
-        return StoredBytes(
-            files + QuotaStore(engine=store.engine).work_dir_bytes_of(owner) + self._held.get(owner, 0), limit
-        )
+        work_dirs = QuotaStore(engine=store.engine).work_dir_bytes_of(owner)
+        cached = ResultCacheStore(engine=store.engine).payload_bytes_of(owner)
+        return StoredBytes(files + work_dirs + cached + self._held.get(owner, 0), limit)
 
     def of(self, store: JobStore, owner: str, limit: int | None) -> StoredBytes | None:
         if limit is None:

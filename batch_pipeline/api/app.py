@@ -24,6 +24,7 @@ from batch_pipeline.api.limits import BodySizeLimit, BodyTimeouts, ConnectionTim
 from batch_pipeline.api.metrics import metrics_text
 from batch_pipeline.api.offline_docs import add_offline_docs, swagger_assets_dir
 from batch_pipeline.api.openai_service import OpenAIBatchService
+from batch_pipeline.api.result_cache import UnknownTeam, cache_figures, cache_owner, empty_cache
 from batch_pipeline.api.service import (
     BatchJobService,
     ForbiddenTeam,
@@ -48,6 +49,7 @@ from batch_pipeline.contract import (
     UpdateBatchCompletionsV2Response,
 )
 from batch_pipeline.contract.priority import InvalidPriority
+from batch_pipeline.contract.result_cache import ResultCacheEmptied, ResultCacheFigures
 from batch_pipeline.contract.usage import UsageResponse
 from batch_pipeline.contract.webhooks import WebhookEventsResponse
 from batch_pipeline.core.settings import settings
@@ -342,6 +344,42 @@ def usage(
         ) from None
     except ForbiddenTeam as exc:
         raise HTTPException(status_code=403, detail=str(exc)) from None
+
+
+TeamQuery = Annotated[
+    str | None, Query(description="Admin keys: that team's result cache (a team's key: its own only)")
+]
+
+
+def _cache_owner(who: CallerDep, service: ServiceDep, team: str | None) -> str:
+    try:
+        return cache_owner(who, service.admission.teams(), team)
+    except ForbiddenTeam as exc:
+        raise HTTPException(status_code=403, detail=str(exc)) from None
+    except UnknownTeam as exc:
+        raise HTTPException(422, detail=[{"loc": ["query", "team"], "msg": str(exc), "type": "value_error"}]) from None
+
+
+@router.get(
+    "/v2/result-cache",
+    response_model=ResultCacheFigures,
+    responses={403: {"model": ErrorBody, "description": "A team's key naming another team"}},
+)
+def get_result_cache(who: CallerDep, service: ServiceDep, team: TeamQuery = None):
+    """What the team's result cache holds: its deterministic results kept from its completed jobs, which
+    answer its later jobs' identical requests (docs: Result cache)."""
+    return cache_figures(service.result_cache, _cache_owner(who, service, team))
+
+
+@router.delete(
+    "/v2/result-cache",
+    response_model=ResultCacheEmptied,
+    responses={403: {"model": ErrorBody, "description": "A team's key naming another team"}},
+)
+def delete_result_cache(who: CallerDep, service: ServiceDep, team: TeamQuery = None):
+    """Empty the team's result cache: its later jobs generate every request again, and its stored bytes no
+    longer count the cache. Jobs planned already keep what they took from it."""
+    return empty_cache(service.result_cache, _cache_owner(who, service, team))
 
 
 def create_app(service: BatchJobService | None = None, keys: ApiKeys | None = None) -> FastAPI:

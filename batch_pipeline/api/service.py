@@ -44,6 +44,7 @@ from batch_pipeline.store.jobs import IdempotencyConflict, JobStore
 from batch_pipeline.store.progress import ShardPhase
 from batch_pipeline.store.records import JobRecord
 from batch_pipeline.store.reports import ReportStore
+from batch_pipeline.store.result_cache import ResultCacheStore
 from batch_pipeline.store.results import JobResults
 from batch_pipeline.store.retention import checkpoints_deleted
 from batch_pipeline.store.schema import JobStatus
@@ -108,6 +109,7 @@ class BatchJobService:
     ) -> None:
         self.store = store
         self.reports = ReportStore(engine=store.engine)
+        self.result_cache = ResultCacheStore(engine=store.engine)
         self.instance = instance
         self.job_storage = job_storage
         # What requests may name and ask for.

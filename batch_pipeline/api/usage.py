@@ -24,6 +24,7 @@ from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract.usage import TeamUsage, UsageDay, UsageResponse
 from batch_pipeline.store.openai import OpenAIStore
 from batch_pipeline.store.reports import ReportStore
+from batch_pipeline.store.result_cache import ResultCacheStore
 from batch_pipeline.tenancy.fair_share import declared_units
 from batch_pipeline.tenancy.tenants import ADMINS_OWNER, TEAM_OWNER_PREFIX, Tenants
 
@@ -160,7 +161,8 @@ def usage_report(
     for bucket, on, file_bytes in files.file_bytes_by_day(start, end, owner, named):
         day(bucket, on).stored_bytes += file_bytes
     stored_now: dict[str, int] = {}
-    for totals in (files.file_bytes_by_owner(owner, named), store.work_dir_bytes_by_owner(owner, named)):
+    cached = ResultCacheStore(engine=store.engine).payload_bytes_by_owner(owner, named)
+    for totals in (files.file_bytes_by_owner(owner, named), store.work_dir_bytes_by_owner(owner, named), cached):
         for bucket, stored in totals.items():
             stored_now[team_label(bucket)] = stored_now.get(team_label(bucket), 0) + stored
 

@@ -9,6 +9,8 @@ deletion is a run the UI shows (what it deleted in its metadata and log).
   as absent from the moment it expires, cleaned up or not.
 - A webhook event no longer pending (delivered, given up, or for no endpoint) is deleted from the outbox
   `retention_days` after it was written (its job's end), by the same groups; a pending one never is.
+- A team's result cache entries (issue 49) are deleted `retention_days` after they were written, by the
+  same groups, with the payload files they leave unused.
 - Outputs the user named are never deleted: a job's `output_data_path` and its metadata file stay even
   where they lie inside its work dir. An OpenAI batch's output is its output and error files, which
   expire only as their batch asked.
@@ -45,6 +47,7 @@ from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, Tena
 from batch_pipeline.store import retention
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import OpenAIStore
+from batch_pipeline.store.result_cache import ResultCacheStore
 from batch_pipeline.store.webhooks import count_finished_events, delete_finished_events, finished_events_due
 from batch_pipeline.tenancy.tenants import Tenants
 
@@ -96,6 +99,7 @@ class CleanupReport:
     files_deleted: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     webhook_events_deleted: int = 0
+    cache_entries_deleted: int = 0  # result cache entries past their team's retention
     # Still due once the run's bounds were reached (or a deletion failed): for the next run.
     work_dirs_left: int = 0
     files_left: int = 0
@@ -106,6 +110,7 @@ class CleanupReport:
             "work_dirs_deleted": len(self.work_dirs_deleted),
             "files_deleted": len(self.files_deleted),
             "webhook_events_deleted": self.webhook_events_deleted,
+            "cache_entries_deleted": self.cache_entries_deleted,
             "failures": len(self.failures),
             "work_dirs_left": self.work_dirs_left,
             "files_left": self.files_left,
@@ -135,6 +140,8 @@ def anything_due(store: JobStore, storage: JobStorage, registry: Tenants | None,
         if retention.due_work_dirs(store.engine, cutoff, group.owners, group.other_than, 1):
             return True
         if finished_events_due(store.engine, cutoff, group.owners, group.other_than):
+            return True
+        if _cache_owners_due(ResultCacheStore(engine=store.engine), group, cutoff):
             return True
     return False
 
@@ -174,10 +181,42 @@ def clean_up(
             if deleted:
                 log.info(f"{deleted} webhook events written before {cutoff} deleted ({group.days} days kept)")
     for group in groups:
+        _expire_cached_results(store, storage, group, now - timedelta(days=group.days), log, report)
+    for group in groups:
         cutoff = now - timedelta(days=group.days)
         report.work_dirs_left += retention.count_due_work_dirs(store.engine, cutoff, group.owners, group.other_than)
         report.webhook_events_left += count_finished_events(store.engine, cutoff, group.owners, group.other_than)
     return report
+
+
+def _cache_owners_due(cache: ResultCacheStore, group: RetentionGroup, cutoff: datetime) -> list[str]:
+    """The owners of `group` whose result caches hold entries written before `cutoff`."""
+    owners = cache.owners_with_entries_before(cutoff)
+    if group.owners is not None:
+        return [owner for owner in owners if owner in group.owners]
+    return [owner for owner in owners if owner not in group.other_than]
+
+
+def _expire_cached_results(
+    store: JobStore, storage: JobStorage, group: RetentionGroup, cutoff: datetime, log: Any, report: CleanupReport
+) -> None:
+    """The result cache's entries past their team's retention, and the payload files they leave unused
+    (only beneath the deployment's cache directory)."""
+    cache = ResultCacheStore(engine=store.engine)
+    root = storage.result_cache_dir().rstrip("/") + "/"
+    for owner in _cache_owners_due(cache, group, cutoff):
+        before = cache.figures(owner).entries
+        for path in cache.drop(owner, created_before=cutoff):
+            if not path.startswith(root):
+                log.warning(f"result cache of {owner}: {path} is not under {root}; only its entries are deleted")
+                continue
+            try:
+                io.remove(path)
+            except Exception as exc:  # found by no lookup: left for an operator
+                report.failures.append(f"{path}: {exc}")
+        expired = before - cache.figures(owner).entries
+        report.cache_entries_deleted += expired
+        log.info(f"result cache of {owner}: {expired} entries written before {cutoff} deleted ({group.days} days kept)")
 
 
 def _delete_expired_files(

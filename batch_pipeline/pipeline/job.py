@@ -21,6 +21,7 @@ from batch_pipeline.admission.submission import (
     StoredRequest,
     UnservableRequest,
     check_servable,
+    stored_bytes_of,
     submit,
 )
 from batch_pipeline.contract import BatchCompletionsModelConfig
@@ -413,15 +414,18 @@ def _keep_in_cache(
     record = job_store.get_store().get(job_id)
     model_config = admission.shard_model_config(request.model_cfg)
     cache = _job_cache(context, shard_planning, record, request, model_config, admission, job_store)
-    if cache.identity is None:
+    if cache.identity is None or record is None:
         return
     try:
+        # What the team's max_stored_bytes leaves: the cache never takes a team past its quota.
+        stored = stored_bytes_of(job_store.get_store(), record.owner, admission.team_of_owner(record.owner))
         added = keep_results(
             job_store.result_cache(),
             cache.identity,
             job_id,
             [spec.directory for spec in specs],
             job_storage.result_cache_dir(),
+            max_bytes=stored.room if stored is not None else None,
         )
     except Exception as exc:  # nothing kept: the next job generates these again
         context.log.warning(f"result cache: this job's results were not kept: {exc}")

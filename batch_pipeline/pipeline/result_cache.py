@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from batch_pipeline.admission.policy import AdmissionPolicy
@@ -22,7 +22,13 @@ from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.models.platform import numerics_platform
 from batch_pipeline.models.weights import Memo, model_directory, weights_digest
 from batch_pipeline.shards.format import CachedResult
-from batch_pipeline.shards.result_cache import CacheIdentity, Lookup, cacheable_results, cached_output
+from batch_pipeline.shards.result_cache import (
+    CacheableResult,
+    CacheIdentity,
+    Lookup,
+    cacheable_results,
+    cached_output,
+)
 from batch_pipeline.store.result_cache import CachedEntry, NewEntry, ResultCacheStore
 
 
@@ -98,36 +104,54 @@ def payload_path(cache_dir: str, owner: str, job_id: str) -> str:
 
 
 def keep_results(
-    store: ResultCacheStore, identity: CacheIdentity, job_id: str, shard_directories: list[str], cache_dir: str
+    store: ResultCacheStore,
+    identity: CacheIdentity,
+    job_id: str,
+    shard_directories: list[str],
+    cache_dir: str,
+    max_bytes: int | None = None,
 ) -> int:
     """A completed job's deterministic results, kept in its team's cache: their outputs written to the job's
-    payload file, then indexed. Returns how many were added (a key cached already keeps its first)."""
+    payload file, then indexed; no more than `max_bytes` of them (what the team's max_stored_bytes leaves,
+    None: no bound). Returns how many were added (a key cached already keeps its first)."""
     path = payload_path(cache_dir, identity.owner, job_id)
     if io.is_local(path):  # the team's outputs: for the service's user alone
         make_private_directory(cache_dir)
         make_private_directory(path.rsplit("/", 1)[0])
     with io.atomic_write(path, "wb") as payloads:  # the whole file before any entry points into it
         written = 0
-        for directory in shard_directories:
-            for result in cacheable_results(directory, identity):
-                payloads.write(result.payload.encode("utf-8") + b"\n")
-                written += 1
+        for result in _within(_results(identity, shard_directories), max_bytes):
+            payloads.write(result.payload.encode("utf-8") + b"\n")
+            written += 1
     if not written:
         io.remove(path)
         return 0
     for stale in store.drop_other_weights(identity.owner, identity.model, identity.weights_digest):
         io.remove(stale)
-    return store.add(
-        identity.owner, job_id, identity.model, identity.weights_digest, path, _entries(identity, shard_directories)
-    )
+    entries = _entries(_within(_results(identity, shard_directories), max_bytes))
+    return store.add(identity.owner, job_id, identity.model, identity.weights_digest, path, entries)
 
 
-def _entries(identity: CacheIdentity, shard_directories: list[str]) -> Iterable[NewEntry]:
+def _results(identity: CacheIdentity, shard_directories: list[str]) -> Iterator[CacheableResult]:
+    for directory in shard_directories:
+        yield from cacheable_results(directory, identity)
+
+
+def _within(results: Iterator[CacheableResult], max_bytes: int | None) -> Iterator[CacheableResult]:
+    """The results, up to the first that would take their payload past `max_bytes`."""
+    total = 0
+    for result in results:
+        total += len(result.payload.encode("utf-8")) + 1
+        if max_bytes is not None and total > max_bytes:
+            return
+        yield result
+
+
+def _entries(results: Iterator[CacheableResult]) -> Iterator[NewEntry]:
     """The payload file's entries, read again from the shards as keep_results wrote them (memory stays
     bounded for a million results)."""
     offset = 0
-    for directory in shard_directories:
-        for result in cacheable_results(directory, identity):
-            length = len(result.payload.encode("utf-8"))
-            yield NewEntry(result.key, offset, length, result.prompt_tokens, result.completion_tokens)
-            offset += length + 1
+    for result in results:
+        length = len(result.payload.encode("utf-8"))
+        yield NewEntry(result.key, offset, length, result.prompt_tokens, result.completion_tokens)
+        offset += length + 1

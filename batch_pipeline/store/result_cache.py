@@ -9,7 +9,7 @@ that the team's stored bytes count them and retention and a `DELETE` know which 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from batch_pipeline.store.engine import StoreBase
 from batch_pipeline.store.schema import model_weights, result_cache
-from batch_pipeline.store.sql import utc, utc_now
+from batch_pipeline.store.sql import owner_bucket, utc, utc_now
 
 # Keys a lookup sends in one query: under SQLite's bound on parameters, and a round trip per this many.
 LOOKUP_CHUNK = 900
@@ -137,6 +137,16 @@ class ResultCacheStore(StoreBase):
         )
         with self.engine.connect() as connection:
             return int(connection.execute(query).scalar_one())
+
+    def payload_bytes_by_owner(self, owner: str | None, named: Collection[str]) -> dict[str | None, int]:
+        """The bytes of each owner's cached results (by owner of `named`, every other owner's summed as
+        None; `owner`'s alone if given): the usage report's stored bytes."""
+        bucket = owner_bucket(result_cache.c.owner, named).label("owner")
+        query = sa.select(bucket, sa.func.coalesce(sa.func.sum(result_cache.c.payload_length), 0))
+        if owner is not None:
+            query = query.where(result_cache.c.owner == owner)
+        with self.engine.connect() as connection:
+            return {row[0]: int(row[1]) for row in connection.execute(query.group_by(bucket))}
 
     def drop(self, owner: str, created_before: datetime | None = None) -> list[str]:
         """Remove `owner`'s entries (those created before `created_before`, if given); returns the payload

@@ -509,11 +509,15 @@ def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_dele
     held = (shard / "results.tsv").stat().st_size + (shard / "output.tsv").stat().st_size
     assert record.status == JobStatus.COMPLETED and record.checkpoint_bytes == held
 
+    # The job's greedy results are kept in the team's result cache (issue 49): stored bytes too.
+    cache = api.get("/v2/result-cache", headers=_headers(A_KEY)).json()
+    assert cache["entries"] == 3 and cache["stored_bytes"] > 0
     (team,) = _usage(api, A_KEY)["teams"]
-    assert team["stored_bytes"] == team["stored_bytes_now"] == record.content_bytes + held
+    assert team["stored_bytes"] == record.content_bytes + held
+    assert team["stored_bytes_now"] == record.content_bytes + held + cache["stored_bytes"]
     # max_stored_bytes counts them too: the team at its quota now, any more inline content is refused.
     tenants_file = Path(os.environ["BATCH_PIPELINE_TENANTS"])
-    quota = record.content_bytes + held
+    quota = record.content_bytes + held + cache["stored_bytes"]
     tenants_file.write_text(
         tenants_file.read_text().replace(
             f"data_roots: [{teams['team-a']}]\n", f"data_roots: [{teams['team-a']}]\n    max_stored_bytes: {quota}\n"
@@ -533,6 +537,7 @@ def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_dele
         logging.getLogger(__name__),
     )
     assert report.work_dirs_deleted == [job_id] and not shard.exists()
+    assert report.cache_entries_deleted == 3  # past the same retention
     assert store.get(job_id).checkpoint_bytes == 0
     (team,) = _usage(api, A_KEY)["teams"]
     assert team["stored_bytes"] == team["stored_bytes_now"] == 0

@@ -50,7 +50,7 @@ def _run_cleanup(store_url: str, storage: JobStorage, instance: dg.DagsterInstan
 def _summary(**figures: int) -> dict[str, int]:
     """A cleanup run's summary: the figures given, 0 for the others."""
     names = (
-        "work_dirs_deleted", "files_deleted", "webhook_events_deleted", "failures",
+        "work_dirs_deleted", "files_deleted", "webhook_events_deleted", "cache_entries_deleted", "failures",
         "work_dirs_left", "files_left", "webhook_events_left",
     )  # fmt: skip
     return {name: figures.get(name, 0) for name in names}
