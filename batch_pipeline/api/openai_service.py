@@ -34,6 +34,7 @@ from batch_pipeline.contract.openai_batch import (
     Batch,
     BatchError,
     BatchErrors,
+    BatchInputTokensDetails,
     BatchRequestCounts,
     BatchUsage,
     CreateBatchRequest,
@@ -498,7 +499,10 @@ def _usage(job: JobRecord) -> BatchUsage | None:
     if job.prompt_tokens is None and job.completion_tokens is None:
         return None
     prompt, completion = job.prompt_tokens or 0, job.completion_tokens or 0
-    return BatchUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion)
+    cached = BatchInputTokensDetails(cached_tokens=job.cached_prompt_tokens or 0)
+    return BatchUsage(
+        input_tokens=prompt, input_tokens_details=cached, output_tokens=completion, total_tokens=prompt + completion
+    )
 
 
 def _bytes_under(directory: str) -> int:

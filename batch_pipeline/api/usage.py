@@ -108,6 +108,8 @@ class _Figures:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_requests: int = 0
+    cached_completion_tokens: int = 0
     gpu_seconds: float = 0.0
     stored_bytes: int = 0
 
@@ -117,6 +119,8 @@ class _Figures:
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "cached_requests": self.cached_requests,
+            "cached_completion_tokens": self.cached_completion_tokens,
             "gpu_seconds": round(self.gpu_seconds, 3),
             "stored_bytes": self.stored_bytes,
         }
@@ -153,6 +157,8 @@ def usage_report(
         figures.requests += work.requests_done
         figures.prompt_tokens += work.prompt_tokens
         figures.completion_tokens += work.completion_tokens
+        figures.cached_requests += work.cached_requests
+        figures.cached_completion_tokens += work.cached_completion_tokens
         figures.gpu_seconds += work.charged_seconds + work.shard_seconds * declared_units(work.gpus, work.cpus)
     for bucket, on, jobs, work_dir_bytes in store.submissions_by_day(start, end, owner, named):
         figures = day(bucket, on)
@@ -176,6 +182,8 @@ def usage_report(
         total.requests += figures.requests
         total.prompt_tokens += figures.prompt_tokens
         total.completion_tokens += figures.completion_tokens
+        total.cached_requests += figures.cached_requests
+        total.cached_completion_tokens += figures.cached_completion_tokens
         total.gpu_seconds += figures.gpu_seconds
         total.stored_bytes += figures.stored_bytes
     return UsageResponse(

@@ -115,7 +115,10 @@ class BatchRequestCounts(WireModel):
 
 
 class BatchInputTokensDetails(WireModel):
-    cached_tokens: int = Field(0, description="Prompt tokens read from a prefix cache: not counted here, 0")
+    cached_tokens: int = Field(
+        0,
+        description="Prompt tokens of the requests the team's result cache answered (vLLM's prefix cache: not counted)",
+    )
 
 
 class BatchOutputTokensDetails(WireModel):

@@ -24,6 +24,12 @@ class UsageDay(WireModel):
     completion_tokens: int = Field(
         description="Completion tokens of those jobs: their metadata's completion_tokens_generated"
     )
+    cached_requests: int = Field(
+        0, description="Of requests: answered from the team's result cache, computed by an earlier job (issue 49)"
+    )
+    cached_completion_tokens: int = Field(
+        0, description="Of completion_tokens: those of the requests answered from the result cache, not generated"
+    )
     gpu_seconds: float = Field(
         description="What those jobs held, as fair share counts it: the seconds each job's runs ran (each from "
         "its start to its end, or now; not the time it sat stopped before a resume), times what each of its "
@@ -43,6 +49,8 @@ class TeamUsage(WireModel):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    cached_requests: int = 0
+    cached_completion_tokens: int = 0
     gpu_seconds: float
     stored_bytes: int = Field(description="The days' stored_bytes, summed")
     stored_bytes_now: int = Field(

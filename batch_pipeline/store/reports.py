@@ -21,6 +21,7 @@ from batch_pipeline.store.schema import (
 from batch_pipeline.store.sql import json_scalar, owner_bucket, seconds_between, utc, utc_day
 
 _FIGURES = ("requests_done", "prompt_tokens", "completion_tokens")  # what usage and /metrics sum
+_CACHED = ("cached_requests", "cached_prompt_tokens", "cached_completion_tokens")  # of those, from the result cache
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class WorkByDay:
     completion_tokens: int
     shard_seconds: float
     charged_seconds: float = 0.0
+    # Of requests_done and the tokens: answered from the team's result cache, computed by earlier jobs.
+    cached_requests: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
 
 
 class ReportStore(StoreBase):
@@ -171,7 +176,7 @@ class ReportStore(StoreBase):
             ).label("day"),
             json_scalar(jobs.c.request, "gpus").label("gpus"),
             json_scalar(jobs.c.request, "cpus").label("cpus"),
-            *(sa.func.coalesce(jobs.c[name], 0).label(name) for name in _FIGURES),
+            *(sa.func.coalesce(jobs.c[name], 0).label(name) for name in (*_FIGURES, *_CACHED)),
             (held * unsized).label("shard_seconds"),
             (held * charged_units).label("charged_seconds"),
         ).where(counted)
@@ -184,6 +189,7 @@ class ReportStore(StoreBase):
             *(sa.func.sum(grouped.c[name]) for name in _FIGURES),
             sa.func.sum(grouped.c.shard_seconds),
             sa.func.sum(grouped.c.charged_seconds),
+            *(sa.func.sum(grouped.c[name]) for name in _CACHED),
         ).group_by(*keys)
         with self.engine.connect() as connection:
             return [
@@ -197,6 +203,7 @@ class ReportStore(StoreBase):
                     int(row[6]),
                     float(row[7]),
                     float(row[8] or 0),
+                    *(int(row[9 + k] or 0) for k in range(len(_CACHED))),
                 )
                 for row in connection.execute(query)
             ]
