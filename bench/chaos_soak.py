@@ -344,6 +344,7 @@ class Soak:
             "DAGSTER_HOME": str(self.home),
             "BATCH_PIPELINE_SENSOR_INTERVAL_S": "1",
             "BATCH_PIPELINE_MIN_SHARD_TOKENS": "0",  # a dp-2 job of a few prompts runs in two shards
+            "BATCH_PIPELINE_RESULT_CACHE": "0",  # its checks count each job's generations
             "VLLM_LOGGING_LEVEL": "WARNING",
         }
         for variable in ("BATCH_PIPELINE_JOBS_DB", "BATCH_PIPELINE_WORK_DIR", "BATCH_PIPELINE_API_KEYS"):

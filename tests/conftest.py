@@ -17,6 +17,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # How a job's shard count is planned has tests of its own (test_shard_planning.py).
 os.environ.setdefault("BATCH_PIPELINE_MIN_SHARD_TOKENS", "0")
 os.environ.setdefault("BATCH_PIPELINE_MAX_SHARDS_PER_JOB", "64")
+# Many tests run the same greedy job twice in one deployment to check what its second run generates (a resume,
+# a warm engine, a dry run's history): the result cache would answer it instead. Its own tests turn it on
+# (tests/pipeline/test_result_cache_e2e.py, and those of its quota and routes); users get it on by default.
+os.environ.setdefault("BATCH_PIPELINE_RESULT_CACHE", "0")
 
 
 @pytest.fixture(autouse=True)

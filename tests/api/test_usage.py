@@ -482,7 +482,7 @@ def test_through_serve_usage_equals_the_jobs_own_figures(teams, tmp_path, monkey
 
 
 @pytest.mark.slow  # a whole run of the job: step processes and its shard worker's process
-def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_deletes_them(api, teams):
+def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_deletes_them(api, teams, monkeypatch):
     """Found by review (issue 28): only a job's inline content counted in its team's stored bytes; the
     checkpoints in its work dir, as large as its output, counted nothing in usage or against
     max_stored_bytes, until retention deleted them."""
@@ -495,6 +495,7 @@ def test_a_jobs_checkpoints_count_in_its_teams_stored_bytes_until_retention_dele
     from batch_pipeline.pipeline.execute import execute_request
     from batch_pipeline.pipeline.resources import JobStorage
 
+    monkeypatch.setenv("BATCH_PIPELINE_RESULT_CACHE", "1")  # the deployment's default (tests/conftest.py: off)
     store = JobStore(os.environ["BATCH_PIPELINE_JOBS_DB"])
     job_id = _submit(api, A_KEY, teams["team-a"] / "out.json", prompts=["one", "two", "three"])
     shard = Path(JobStorage(work_dir_base=settings().work_dir_base).work_dir(job_id)) / "shards" / "000"

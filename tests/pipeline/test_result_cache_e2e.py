@@ -53,6 +53,7 @@ def deployment(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DAGSTER_HOME", str(home))
         patch.setenv("BATCH_PIPELINE_TENANTS", str(tenants))
+        patch.setenv("BATCH_PIPELINE_RESULT_CACHE", "1")  # the deployment's default (tests/conftest.py: off)
         patch.delenv("BATCH_PIPELINE_JOBS_DB", raising=False)
         patch.delenv("BATCH_PIPELINE_WORK_DIR", raising=False)
         from tests.api_fixtures import seed_home
