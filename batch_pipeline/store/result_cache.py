@@ -154,32 +154,27 @@ class ResultCacheStore(StoreBase):
         condition = result_cache.c.owner == owner
         if created_before is not None:
             condition = sa.and_(condition, result_cache.c.created_at < created_before)
-        with self.engine.begin() as connection:
-            paths = set(
-                connection.execute(sa.select(result_cache.c.payload_path).where(condition).distinct()).scalars()
-            )
-            connection.execute(result_cache.delete().where(condition))
-            still = set(
-                connection.execute(
-                    sa.select(result_cache.c.payload_path).where(result_cache.c.payload_path.in_(sorted(paths)))
-                ).scalars()
-            )
-        return sorted(paths - still)
+        return self._drop(condition)
 
     def drop_other_weights(self, owner: str, model: str, weights_digest: str) -> list[str]:
         """Remove `owner`'s entries of `model` computed with weights other than `weights_digest` (they can
         never hit again); returns the payload files left with no entry."""
-        condition = sa.and_(
-            result_cache.c.owner == owner,
-            result_cache.c.model == model,
-            result_cache.c.weights_digest != weights_digest,
+        return self._drop(
+            sa.and_(
+                result_cache.c.owner == owner,
+                result_cache.c.model == model,
+                result_cache.c.weights_digest != weights_digest,
+            )
         )
+
+    def _drop(self, condition: sa.ColumnElement[bool]) -> list[str]:
+        """Remove the entries matching `condition`; the payload files no remaining entry points at."""
         with self.engine.begin() as connection:
-            if connection.execute(sa.select(result_cache.c.key).where(condition).limit(1)).first() is None:
-                return []
             paths = set(
                 connection.execute(sa.select(result_cache.c.payload_path).where(condition).distinct()).scalars()
             )
+            if not paths:
+                return []
             connection.execute(result_cache.delete().where(condition))
             still = set(
                 connection.execute(
