@@ -191,7 +191,9 @@ def start_serve(home: str) -> tuple[subprocess.Popen, httpx.Client]:
             str(dagster_port),
         ],
         cwd=REPO,
-        env=clean_environment(home, VLLM_LOGGING_LEVEL="WARNING"),
+        # Its rounds run the same greedy batch (embeddings.py's: the same inputs) on one deployment: the result
+        # cache would answer the later rounds, and what is measured is their generation.
+        env=clean_environment(home, VLLM_LOGGING_LEVEL="WARNING", BATCH_PIPELINE_RESULT_CACHE="0"),
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

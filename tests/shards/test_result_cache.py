@@ -107,3 +107,40 @@ def test_a_teams_lookup_finds_only_its_own_results(tmp_path):
     assert keep_results(store, replace(IDENTITY, weights_digest="w2"), "job-2", [str(shard)], str(tmp_path / "cache"))
     assert store.figures("team:a").entries == 1
     assert lookup_in(store, "team:a")([key_a]) == {}
+
+
+def test_only_a_jobs_first_plan_looks_up_the_cache_and_its_later_runs_keep_the_hits_it_checkpointed(tmp_path):
+    """A retry or a resume writes the shards of the plan its first run recorded, over that run's shards:
+    its hits are already checkpointed results there, and a lookup now could answer a request otherwise
+    than the plan its shards follow."""
+    import functools
+
+    from batch_pipeline.shards.planning import PlanningSettings, RecordedPlan
+    from batch_pipeline.shards.replanning import write_job_shards
+
+    output = json.dumps({"choices": [{"text": " Paris"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+    hit = CachedResult(cached_output(output, "job-1"), "job-1", 5, 1)
+    asked: list[list[str]] = []
+
+    def lookup(keys):
+        asked.append(keys)
+        return {IDENTITY.key(item(0)): hit}
+
+    def items():
+        other = item(1, prompt="other", max_tokens=8, temperature=0)
+        return iter([(item(0), ItemSize(1, 13)), (other, ItemSize(1, 11))])
+
+    hits = functools.partial(with_cache_hits, identity=IDENTITY, lookup=lookup)
+    settings = PlanningSettings(max_shards=None, min_tokens_per_shard=0)
+    work_dir = str(tmp_path / "job")
+    first = write_job_shards(items(), work_dir, None, 1, settings, tool_loop=False, cache_hits=hits)
+    assert len(asked) == 1 and [shard.cached_count for shard in first.shards] == [1]
+    checkpoint = tmp_path / "job" / "shards" / "000" / RESULTS_FILE
+    checkpointed = checkpoint.read_text()
+
+    recorded = RecordedPlan.from_json(first.recorded.to_json())
+    for kept in (recorded, None):  # a resume of the recorded plan; a retry of a run that died before recording it
+        again = write_job_shards(items(), work_dir, kept, 1, settings, tool_loop=False, cache_hits=hits)
+        assert len(asked) == 1  # no lookup
+        assert sum(shard.item_count for shard in again.shards) == 2
+        assert checkpoint.read_text() == checkpointed  # the first plan's hit, kept as a checkpointed result
