@@ -88,11 +88,15 @@ def read_payloads(entries: Iterable[CachedEntry]) -> dict[str, CachedResult]:
             with io.open_file(path, "rb") as handle:
                 for entry in sorted(in_file, key=lambda entry: entry.payload_offset):
                     handle.seek(entry.payload_offset)
-                    payload = handle.read(entry.payload_length).decode("utf-8")
-                    found[entry.key] = CachedResult(
-                        cached_output(payload, entry.job_id), entry.job_id, entry.prompt_tokens, entry.completion_tokens
-                    )
-        except (OSError, ValueError):  # gone (a DELETE, retention) or torn: generated instead
+                    payload = handle.read(entry.payload_length)
+                    try:
+                        if len(payload) != entry.payload_length:
+                            raise ValueError("cut short")
+                        output = cached_output(payload.decode("utf-8"), entry.job_id)
+                    except ValueError:  # torn or replaced: this entry is generated instead
+                        continue
+                    found[entry.key] = CachedResult(output, entry.job_id, entry.prompt_tokens, entry.completion_tokens)
+        except OSError:  # gone (a DELETE, retention): generated instead
             continue
     return found
 
