@@ -3,7 +3,8 @@ tokenizer and chat template), what the result cache keys results by, so that cha
 from results of the old ones.
 
 Hashing a model's files reads all of them (0.3 s for SmolLM2-135M, minutes for a large model): the digest
-is memoized by the files' names, sizes and mtimes (`Memo`), and computed again only when one changes.
+is memoized by the files' names, sizes, mtimes, inodes and ctimes (`Memo`), and computed again only when one
+changes.
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ def model_directory(model: str, checkpoint_path: str | None = None) -> Path | No
 
 def weights_digest(location: Path, memo: Memo | None = None) -> str:
     """A SHA-256 over every regular file under `location` (its relative name and its bytes), in name order;
-    from `memo` while no file's name, size or mtime changed."""
+    from `memo` while no file's name, size, mtime, inode or ctime changed."""
     files = _files(location)
     listing = hashlib.sha256()
     for name, path in files:
         stat = path.stat()
-        listing.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        # The inode and ctime too: a copy that keeps sizes and mtimes (cp -p, rsync -a, tar) changes them.
+        listing.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}\0{stat.st_ctime_ns}\n".encode())
     stat_digest = listing.hexdigest()
     key = str(location.resolve())
     if memo is not None and (known := memo.get(key, stat_digest)) is not None:

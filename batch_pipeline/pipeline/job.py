@@ -35,10 +35,18 @@ from batch_pipeline.openai_batch.jobs import finalize_batch
 from batch_pipeline.pipeline.config_schema import config_schema_for, launchpad_template
 from batch_pipeline.pipeline.console_logger import console_logger
 from batch_pipeline.pipeline.resources import JobStorage, JobStoreResource, ShardPlanning
-from batch_pipeline.pipeline.result_cache import JobCache, job_cache, keep_results, lookup_in
+from batch_pipeline.pipeline.result_cache import (
+    JobCache,
+    job_cache,
+    keep_results,
+    lookup_in,
+    planned_identity,
+    record_planned_identity,
+    shard_machine,
+)
 from batch_pipeline.pipeline.runs import job_id_of, launch_tags, not_the_run_of, tagged_job_id
 from batch_pipeline.pipeline.tags import DEADLINE_TAG, JOB_ID_TAG, MAX_RUNTIME_TAG, max_runtime_from, run_tags
-from batch_pipeline.shards.format import ShardSpec, checkpoint_bytes
+from batch_pipeline.shards.format import checkpoint_bytes
 from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorted_outputs, write_output_array
 from batch_pipeline.shards.metadata import DataParallelism, JobMetadata, ShardEntry, write_metadata
 from batch_pipeline.shards.planning import RecordedPlan, ShardPlan
@@ -306,7 +314,11 @@ def plan_shards(
     kept = RecordedPlan.from_json(record.shard_plan) if record is not None and record.shard_plan else None
     settings = shard_planning.for_launcher(shard_launcher.shard_slots())
     model_config = admission.shard_model_config(request.model_cfg)
-    cache = _job_cache(context, shard_planning, record, request, model_config, admission, job_store)
+    hardware = _HARDWARE.validate_python(
+        request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
+    )
+    machine = _shard_machine(shard_launcher, hardware)
+    cache = _job_cache(context, shard_planning, record, request, model_config, admission, job_store, machine)
     hits = None
     if cache.identity is not None and record is not None:
         hits = functools.partial(
@@ -325,6 +337,9 @@ def plan_shards(
         raise dg.Failure(message, allow_retries=False) from None
     if not written.shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
+    if record is not None:
+        # What the merge keeps this job's results under: the plan's identity, the same in every run of it.
+        record_planned_identity(work_dir, cache.identity)
     _hold_planned_tokens(job_store.quotas(), record, admission, written.estimated_tokens)
     progress = job_store.progress()
     progress.record_shards(
@@ -348,9 +363,6 @@ def plan_shards(
     deadline = job_deadline(context, request.max_runtime_sec)
     context.log.info(written.describe(work_dir))
     yield dg.Output(PlanSummary(plan=written.recorded.plan, deduplicated=written.copies), "plan")
-    hardware = _HARDWARE.validate_python(
-        request.model_dump(mode="json", include=set(HARDWARE_FIELDS), exclude_none=True)
-    )
     # The job's team as the job store holds it, which a launcher may queue the shards by: not the request's word.
     team = owner_team(record.owner) if record is not None else None
     for shard in written.shards:
@@ -369,6 +381,12 @@ def plan_shards(
         yield dg.DynamicOutput(task, output_name="shards", mapping_key=f"shard_{shard.shard_index:03d}")
 
 
+def _shard_machine(shard_launcher: ShardLauncher, hardware: ShardHardware) -> str:
+    """Where the job's shards compute, for its result cache's key: the launcher, its pods' image, the hardware."""
+    image = getattr(shard_launcher, "image", None)
+    return shard_machine(shard_launcher.kind.name, image if isinstance(image, str) else None, hardware)
+
+
 def _job_cache(
     context: OpExecutionContext,
     shard_planning: ShardPlanning,
@@ -377,6 +395,7 @@ def _job_cache(
     model_config: BatchCompletionsModelConfig,
     admission: AdmissionPolicy,
     job_store: JobStoreResource,
+    machine: str,
 ) -> JobCache:
     """The job's part in its team's result cache; none where it has no job record (a test's
     `execute_request`), and none, said in the run's log, where the cache cannot be read."""
@@ -391,6 +410,7 @@ def _job_cache(
             model_config,
             admission,
             job_store.result_cache(),
+            machine,
         )
     except Exception as exc:  # the cache never fails a job: it is generated whole instead
         context.log.warning(f"result cache: not used for this job: {exc}")
@@ -403,19 +423,32 @@ def _job_cache(
 def _keep_in_cache(
     context: OpExecutionContext,
     request: StoredRequest,
-    specs: list[ShardSpec],
+    shard_results: list[ShardResult],
     job_store: JobStoreResource,
     job_storage: JobStorage,
     shard_planning: ShardPlanning,
     admission: AdmissionPolicy,
+    shard_launcher: ShardLauncher,
 ) -> None:
-    """The completed job's deterministic results, kept in its team's cache for its next jobs."""
+    """The completed job's deterministic results, kept in its team's cache for its next jobs: under the
+    identity every run of it planned under, and only while that is still the model's (its files unchanged
+    since, so that the results of the weights its shards loaded are never kept as a newer one's)."""
     job_id = current_job_id(context)
     record = job_store.get_store().get(job_id)
     model_config = admission.shard_model_config(request.model_cfg)
-    cache = _job_cache(context, shard_planning, record, request, model_config, admission, job_store)
+    hardware = shard_results[0].task.hardware if shard_results else ShardHardware()
+    machine = _shard_machine(shard_launcher, hardware)
+    cache = _job_cache(context, shard_planning, record, request, model_config, admission, job_store, machine)
     if cache.identity is None or record is None:
         return
+    planned = planned_identity(job_storage.work_dir(job_id))
+    if planned != cache.identity:
+        context.log.warning(
+            "result cache: this job's results were not kept: the model's files or the engine changed since its "
+            "plan (or between its runs)"
+        )
+        return
+    specs = sorted((result.task.shard for result in shard_results), key=lambda spec: spec.shard_index)
     try:
         # What the team's max_stored_bytes leaves: the cache never takes a team past its quota.
         stored = stored_bytes_of(job_store.get_store(), record.owner, admission.team_of_owner(record.owner))
@@ -526,6 +559,7 @@ def merge_outputs(
     job_store: JobStoreResource,
     job_storage: JobStorage,
     shard_planning: ShardPlanning,
+    shard_launcher: ShardLauncher,
     admission: AdmissionPolicyParam,
 ) -> MergedOutput:
     specs = sorted((result.task.shard for result in shard_results), key=lambda spec: spec.shard_index)
@@ -540,7 +574,7 @@ def merge_outputs(
     except OSError as exc:
         raise dg.Failure(f"output_data_path: cannot write {output_path}: {exc}") from None
     merge_s = round(time.monotonic() - started, 3)
-    _keep_in_cache(context, request, specs, job_store, job_storage, shard_planning, admission)
+    _keep_in_cache(context, request, shard_results, job_store, job_storage, shard_planning, admission, shard_launcher)
     context.add_output_metadata({"output_data_path": output_path, "results": written, "merge_s": merge_s})
     return MergedOutput(output_data_path=output_path, results=written, merge_s=merge_s)
 

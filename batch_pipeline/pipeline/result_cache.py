@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import BatchCompletionsModelConfig
@@ -40,6 +41,21 @@ class JobCache:
     reason: str | None = None
 
 
+# Model config fields naming files of their own, beside the model's, that decide its outputs: each must be on
+# this machine, and its files' digest is part of the model's.
+_OWN_FILES_FIELDS = ("tokenizer", "quantization_param_path")
+# The hardware fields of a request that pick what its shards compute on: a GPU or the CPU, which GPU, and the
+# CPU threads (a CPU's matrix products sum in an order of its thread count).
+_NUMERICS_HARDWARE = ("gpus", "gpu_type", "cpus")
+
+
+def shard_machine(launcher_kind: str, worker_image: str | None, hardware: Mapping[str, Any]) -> str:
+    """Where a job's shards compute, as far as it decides their numbers: the launcher (this machine, or pods),
+    the pods' image (their vLLM and torch), and the hardware the request asks for."""
+    asked = {name: str(hardware[name]) for name in _NUMERICS_HARDWARE if name in hardware}
+    return json.dumps({"launcher": launcher_kind, "image": worker_image, "hardware": asked}, sort_keys=True)
+
+
 def job_cache(
     deployment_on: bool,
     owner: str,
@@ -48,8 +64,10 @@ def job_cache(
     model_config: BatchCompletionsModelConfig,
     admission: AdmissionPolicy,
     store: ResultCacheStore,
+    machine: str,
 ) -> JobCache:
-    """Whether a job of `owner` on `model_config` (as its shards get it) takes part, and as what."""
+    """Whether a job of `owner` on `model_config` (as its shards get it), its shards computing on `machine`
+    (`shard_machine`), takes part, and as what."""
     if not deployment_on:
         return JobCache(None, "the deployment's result cache is off (BATCH_PIPELINE_RESULT_CACHE)")
     if cache_mode == "off":
@@ -62,9 +80,49 @@ def job_cache(
     location = model_directory(model_config.model, model_config.checkpoint_path)
     if location is None:
         return JobCache(None, "the model's files are not on this machine, so their identity cannot be checked")
-    digest = weights_digest(location, Memo(store.weights_digest, store.record_weights_digest))
-    engine = json.dumps([model_config.model_dump(mode="json", exclude_none=True), numerics_platform()], sort_keys=True)
+    memo = Memo(store.weights_digest, store.record_weights_digest)
+    digest = weights_digest(location, memo)
+    for field in _OWN_FILES_FIELDS:
+        if (named := getattr(model_config, field)) is None:
+            continue
+        own = model_directory(named)
+        if own is None:
+            return JobCache(None, f"model_config.{field}: its files are not on this machine, so cannot be checked")
+        digest = hashlib.sha256(f"{digest}\0{field}\0{weights_digest(own, memo)}".encode()).hexdigest()
+    engine = json.dumps(
+        [model_config.model_dump(mode="json", exclude_none=True), numerics_platform(), machine], sort_keys=True
+    )
     return JobCache(CacheIdentity(owner, model_config.model, digest, engine))
+
+
+# The job's work-dir file that holds the identity its first plan looked its requests up under.
+PLANNED_IDENTITY_FILE = "result_cache_identity.json"
+# What that file holds once two runs of the job planned under different identities: its results are of both.
+_MIXED = "mixed"
+
+
+def record_planned_identity(work_dir: str, identity: CacheIdentity | None) -> None:
+    """Remember the identity a run of the job plans under; a job whose runs planned under different ones
+    (the model's files changed between a run and its resume) is marked mixed, and keeps none of its results."""
+    path = io.join(work_dir, PLANNED_IDENTITY_FILE)
+    current = json.dumps(asdict(identity) if identity is not None else None, sort_keys=True)
+    if io.exists(path):
+        with io.open_file(path, "r", encoding="utf-8") as handle:
+            if handle.read() == current:
+                return
+        current = json.dumps(_MIXED)
+    with io.atomic_write(path, "w") as handle:
+        handle.write(current)
+
+
+def planned_identity(work_dir: str) -> CacheIdentity | None:
+    """The identity every run of the job planned under; None where none did, or they differed."""
+    path = io.join(work_dir, PLANNED_IDENTITY_FILE)
+    if not io.exists(path):
+        return None
+    with io.open_file(path, "r", encoding="utf-8") as handle:
+        recorded = json.loads(handle.read())
+    return CacheIdentity(**recorded) if isinstance(recorded, dict) else None
 
 
 def lookup_in(store: ResultCacheStore, owner: str) -> Lookup:
@@ -88,11 +146,15 @@ def read_payloads(entries: Iterable[CachedEntry]) -> dict[str, CachedResult]:
             with io.open_file(path, "rb") as handle:
                 for entry in sorted(in_file, key=lambda entry: entry.payload_offset):
                     handle.seek(entry.payload_offset)
-                    payload = handle.read(entry.payload_length).decode("utf-8")
-                    found[entry.key] = CachedResult(
-                        cached_output(payload, entry.job_id), entry.job_id, entry.prompt_tokens, entry.completion_tokens
-                    )
-        except (OSError, ValueError):  # gone (a DELETE, retention) or torn: generated instead
+                    payload = handle.read(entry.payload_length)
+                    try:
+                        if len(payload) != entry.payload_length:
+                            raise ValueError("cut short")
+                        output = cached_output(payload.decode("utf-8"), entry.job_id)
+                    except ValueError:  # torn or replaced: this entry is generated instead
+                        continue
+                    found[entry.key] = CachedResult(output, entry.job_id, entry.prompt_tokens, entry.completion_tokens)
+        except OSError:  # gone (a DELETE, retention): generated instead
             continue
     return found
 

@@ -90,6 +90,8 @@ def cached_output(payload: str, job_id: str) -> str:
     """A cached output as a hit's entry: the output its job computed, saying so (`cached_from_job_id`) and,
     in an OpenAI usage, that its prompt's tokens were all cached."""
     output = json.loads(payload)
+    if not isinstance(output, dict):  # a payload file replaced under its index: never an answer
+        raise ValueError("a cached output is a JSON object")
     output[CACHED_FROM] = job_id
     usage = output.get("usage")
     if isinstance(usage, dict):
