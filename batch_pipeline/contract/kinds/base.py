@@ -47,6 +47,11 @@ class RequestKind:
     # The request fields that cap its output, the one a limit is written to last; none for a kind that
     # generates no tokens.
     output_limit_fields: ClassVar[tuple[str, ...]]
+    # The most JSON values (numbers, strings, arrays, objects) a request of this kind may hold on the wire: a
+    # batch line past it is refused naming the field that holds the most, counted before it is parsed, since
+    # a parse builds every value before any bound is checked (~250 bytes each: 2 MB of token-id arrays were
+    # 210 MB in the API). Past any context a model here has.
+    max_values: ClassVar[int] = 500_000
     # What vLLM must run the model as to serve it (its `runner`): text generation, or pooling (embeddings).
     # A batch of this kind on a model of the other is refused, naming the line.
     runner: ClassVar[str] = "generate"
