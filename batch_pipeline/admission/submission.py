@@ -51,12 +51,14 @@ class UnservableRequest(ValueError):
 
 class QuotaExceeded(RuntimeError):
     """A submission past one of its team's quotas (the tenants file): nothing is stored. `quota` names it;
-    `retry_after_s` is when trying again may help, None when only the operator can."""
+    `retry_after_s` is when trying again may help, None when only the operator can; `param`, the request's
+    field that takes it past, where one does."""
 
-    def __init__(self, quota: str, message: str, retry_after_s: int | None = None) -> None:
+    def __init__(self, quota: str, message: str, retry_after_s: int | None = None, param: str | None = None) -> None:
         super().__init__(f"{quota}: {message}")
         self.quota = quota
         self.retry_after_s = retry_after_s
+        self.param = param
 
 
 class StoredRequest(CreateBatchCompletionsV2Request):

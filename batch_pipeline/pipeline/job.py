@@ -14,6 +14,7 @@ import dagster as dg
 from dagster import OpExecutionContext
 from pydantic import TypeAdapter, ValidationError
 
+from batch_pipeline.admission.output_room import bounded_output
 from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import (
@@ -314,6 +315,9 @@ def plan_shards(
         )
     try:
         items = work_items(_records(request, job_data_files(context, job_store, job_storage, admission)))
+        # Outputs their tokens do not bound (embeddings) held to the team's max_stored_bytes as they are read.
+        team_of_job = admission.team_of_owner(record.owner) if record is not None else None
+        items = bounded_output(items, store, record, team_of_job, model_config.model)
         tool_loop = request.tool_config is not None
         written = write_job_shards(
             items, work_dir, kept, request.data_parallelism or 1, settings, tool_loop, cache_hits=hits
@@ -323,6 +327,8 @@ def plan_shards(
     except io.SymlinkRefused as exc:
         message = f"input_data_path: cannot read {request.input_data_path}: {exc}"
         raise dg.Failure(message, allow_retries=False) from None
+    except QuotaExceeded as exc:  # nothing frees room by retrying
+        raise dg.Failure(str(exc), allow_retries=False) from None
     if not written.shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
     _hold_planned_tokens(job_store.quotas(), record, admission, written.estimated_tokens)

@@ -77,6 +77,13 @@ class RequestKind:
         puts requests sharing it side by side, for vLLM's prefix cache."""
         raise NotImplementedError
 
+    def output_bytes(self, request: dict[str, Any], model_dimensions: int | None) -> int | None:
+        """The bytes a work item's output entry is estimated to take, for a kind whose output its tokens do not
+        bound (one that generates none: an embedding's vectors), on a model whose vectors have
+        `model_dimensions` (None: not known); None for a kind whose tokens bound its output (the team's
+        max_tokens_per_day holds those), or where the size cannot be told."""
+        return None
+
     def deterministic(self, request: dict[str, Any]) -> bool:
         """Whether the request's output is fixed by the request (greedy, or sampled with a seed): repeated
         requests are then answered by one computation."""
