@@ -31,6 +31,7 @@ from batch_pipeline.admission.submission import (
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.contract import BatchCompletionsEstimate, CreateBatchCompletionsV2Request
+from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
 from batch_pipeline.contract.openai_batch import (
     Batch,
     BatchError,
@@ -279,6 +280,7 @@ class OpenAIBatchService:
                 job_id=job_id,
                 failure_reason=failure,
                 content_bytes=_bytes_under(work_dir),
+                request_kind=BATCH_ENDPOINTS[body.endpoint].name,
             )
         except BaseException:
             self.store.delete_batch(job_id)

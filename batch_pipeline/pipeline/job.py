@@ -44,7 +44,7 @@ from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorte
 from batch_pipeline.shards.metadata import DataParallelism, JobMetadata, ShardEntry, write_metadata
 from batch_pipeline.shards.planning import RecordedPlan, ShardPlan
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
-from batch_pipeline.shards.records import work_items
+from batch_pipeline.shards.records import KindsRead, work_items
 from batch_pipeline.shards.replanning import write_job_shards
 from batch_pipeline.shards.result_cache import with_cache_hits
 from batch_pipeline.store.jobs import JobStore
@@ -314,7 +314,8 @@ def plan_shards(
             with_cache_hits, identity=cache.identity, lookup=lookup_in(job_store.result_cache(), record.owner)
         )
     try:
-        items = work_items(_records(request, job_data_files(context, job_store, job_storage, admission)))
+        kinds = KindsRead()
+        items = kinds.passed(work_items(_records(request, job_data_files(context, job_store, job_storage, admission))))
         # Outputs their tokens do not bound (embeddings) held to the team's max_stored_bytes as they are read.
         team_of_job = admission.team_of_owner(record.owner) if record is not None else None
         items = bounded_output(items, store, record, team_of_job, model_config.model)
@@ -338,6 +339,7 @@ def plan_shards(
         {shard.shard_index: shard.item_count for shard in written.shards},
         {shard.shard_index: checkpoint_bytes(shard.directory) for shard in written.shards},
         shard_plan=written.recorded.to_json(),
+        request_kind=kinds.kind,
     )
     if written.input_changes is not None:
         context.log.warning(written.input_changes)
