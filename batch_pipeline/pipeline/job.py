@@ -621,6 +621,7 @@ def _finished_metadata(
     generate_s = sum(r.stats.generate_s for r in generated)
     generated_tokens = sum(r.stats.completion_tokens - r.task.shard.cached_completion_tokens for r in generated)
     generation_rate = round(generated_tokens / generate_s, 2) if generated else None
+    read_tokens = sum(r.stats.prompt_tokens - r.task.shard.cached_prompt_tokens for r in generated)
     cached = record.cached_requests if record is not None else None
     return JobMetadata(
         job_id=current_job_id(context),
@@ -635,6 +636,7 @@ def _finished_metadata(
         completion_tokens_per_s=generation_rate,
         completion_tokens_per_wall_s=round(completion_tokens / wall_s, 2) if wall_s > 0 else None,
         engine_start_s=max((s.engine_start_s for s in stats if s.generate_s > 0), default=None),
+        prompt_tokens_per_s=round(read_tokens / generate_s, 2) if generated else None,
         merge_s=merged.merge_s,
         finished_at=datetime.now(UTC),
         data_parallelism=DataParallelism(requested=plan.plan.requested, used=plan.plan.used, reason=plan.plan.reason),
@@ -664,6 +666,7 @@ def _row_results(metadata: JobMetadata) -> JobResults:
         errors=metadata.num_errors,
         completion_tokens_per_wall_s=metadata.completion_tokens_per_wall_s,
         engine_start_s=metadata.engine_start_s,
+        prompt_tokens_per_s=metadata.prompt_tokens_per_s,
     )
 
 
