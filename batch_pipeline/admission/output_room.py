@@ -58,8 +58,9 @@ class OutputBytes:
         room = stored.limit - (stored.stored - own_bytes)
         if self.bytes * copies <= room:
             return None
-        kept = f"kept {copies} times until retention deletes them (its shards' checkpoints and sorted outputs" + (
-            ", and its output file)" if copies > CHECKPOINT_COPIES else ")"
+        kept = (
+            f"kept {copies} times (its shards' checkpoints and sorted outputs, until retention deletes its work dir"
+            + ("; its output file)" if copies > CHECKPOINT_COPIES else ")")
         )
         return QuotaExceeded(
             "max_stored_bytes",
