@@ -23,7 +23,7 @@ from batch_pipeline.admission.capabilities import refusals
 from batch_pipeline.admission.paths import DataFiles
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.contract import CreateBatchCompletionsV1Request, CreateBatchCompletionsV2Request
-from batch_pipeline.contract.kinds import CHARS_PER_TOKEN
+from batch_pipeline.contract.kinds import CHARS_PER_TOKEN, inline_content_kind
 from batch_pipeline.contract.priority import run_priority
 from batch_pipeline.contract.requests import DEFAULT_MAX_RUNTIME_SEC, BatchContent
 from batch_pipeline.core import io
@@ -51,12 +51,14 @@ class UnservableRequest(ValueError):
 
 class QuotaExceeded(RuntimeError):
     """A submission past one of its team's quotas (the tenants file): nothing is stored. `quota` names it;
-    `retry_after_s` is when trying again may help, None when only the operator can."""
+    `retry_after_s` is when trying again may help, None when only the operator can; `param`, the request's
+    field that takes it past, where one does."""
 
-    def __init__(self, quota: str, message: str, retry_after_s: int | None = None) -> None:
+    def __init__(self, quota: str, message: str, retry_after_s: int | None = None, param: str | None = None) -> None:
         super().__init__(f"{quota}: {message}")
         self.quota = quota
         self.retry_after_s = retry_after_s
+        self.param = param
 
 
 class StoredRequest(CreateBatchCompletionsV2Request):
@@ -115,13 +117,15 @@ def submit(
     job_id: str | None = None,
     failure_reason: str | None = None,
     content_bytes: int | None = None,
+    request_kind: str | None = None,
 ) -> tuple[JobRecord, bool]:
     """Make a job of a request that `policy` admits; with an idempotency key this owner used before, the job
     made then (or IdempotencyConflict). `work_dir_of(job_id)` is where the job's files go; `run_id` registers
     a job for a run that already executes it. The service's own callers may give the job's id and a StoredRequest
     whose content it already wrote in the job's work dir (`content_bytes` of it, counted against the team's
     max_stored_bytes as inline content is), or store a job that failed before it could run
-    (`failure_reason`). Returns the record and whether it was created."""
+    (`failure_reason`), and say the kind of its requests (`request_kind`, an OpenAI batch's endpoint's; inline
+    content's is its own, an input file's its plan records). Returns the record and whether it was created."""
     job_id = job_id or NewJob.new_id()
     team = policy.team_of_owner(owner)
     admit: Admit | None = None
@@ -134,6 +138,7 @@ def submit(
         admit = admission_quotas(team)
         if team is not None and team.config.max_tokens_per_day is not None:
             estimate = estimated_tokens(request, policy.data_files(owner, own_dir=work_dir_of(job_id)))
+    inline_kind = inline_content_kind(request.content) if request.content is not None else None
     fields = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"content"})
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     content_path = getattr(request, "content_path", None)
@@ -171,6 +176,7 @@ def submit(
                     run_id=run_id,
                     failure_reason=failure_reason,
                     estimated_tokens=estimate,
+                    request_kind=request_kind or inline_kind,
                 ),
                 admit,
             )

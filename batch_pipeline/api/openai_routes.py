@@ -300,7 +300,7 @@ async def _busy(_: Request, exc: SlotsBusy) -> Response:
 @openai_errors.renders(QuotaExceeded)
 async def _over_quota(_: Request, exc: QuotaExceeded) -> Response:
     # As OpenAI answers a rate limit.
-    response = openai_error(429, str(exc), code="rate_limit_exceeded")
+    response = openai_error(429, str(exc), param=exc.param, code="rate_limit_exceeded")
     if exc.retry_after_s is not None:
         response.headers["Retry-After"] = str(exc.retry_after_s)
     return response

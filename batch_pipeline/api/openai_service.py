@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from pydantic import ValidationError
 
+from batch_pipeline.admission.output_room import BATCH_OUTPUT_COPIES
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import (
     CONTENT_FILE,
@@ -30,6 +31,7 @@ from batch_pipeline.admission.submission import (
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.api.service import BatchJobService
 from batch_pipeline.contract import BatchCompletionsEstimate, CreateBatchCompletionsV2Request
+from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
 from batch_pipeline.contract.openai_batch import (
     Batch,
     BatchError,
@@ -224,6 +226,8 @@ class OpenAIBatchService:
         _make_work_dir(work_dir)
         try:
             checked = self._check(caller, input_file, body, work_dir)
+            if not checked.errors:
+                self._check_output_room(caller, checked)
         except BaseException:
             io.remove_tree(work_dir)
             raise
@@ -276,6 +280,7 @@ class OpenAIBatchService:
                 job_id=job_id,
                 failure_reason=failure,
                 content_bytes=_bytes_under(work_dir),
+                request_kind=BATCH_ENDPOINTS[body.endpoint].name,
             )
         except BaseException:
             self.store.delete_batch(job_id)
@@ -354,9 +359,21 @@ class OpenAIBatchService:
     def _check(self, caller: Caller, input_file: FileRecord, body: CreateBatchRequest, work_dir: str) -> CheckedInput:
         try:
             with self.batch_checks.hold(caller.owner):  # a whole file read and checked in this thread
-                return check_input_file(input_file.path, body.endpoint, work_dir, self.limits.max_batch_requests)
+                return check_input_file(
+                    input_file.path, body.endpoint, work_dir, self.limits.max_batch_requests, self.limits.model_catalog
+                )
         except FileNotFoundError:
             raise InvalidOpenAIRequest("input_file_id", "the file's content is no longer stored") from None
+
+    def _check_output_room(self, caller: Caller, checked: CheckedInput) -> None:
+        """QuotaExceeded, naming `input_file_id`, when the batch's outputs (its file's copy held already) would
+        take its team past max_stored_bytes: estimated as its lines were checked, for a kind whose tokens do
+        not bound them (embeddings)."""
+        stored = self.stored_bytes(caller)
+        if stored is not None and checked.output.requests:
+            refused = checked.output.refusal(stored, BATCH_OUTPUT_COPIES, "this batch", param="input_file_id")
+            if refused is not None:
+                raise refused
 
     def _batch(self, caller: Caller, batch_id: str) -> tuple[BatchRecord, JobRecord]:
         batch = self.store.get_batch(batch_id)

@@ -23,11 +23,19 @@ class RuntimeEstimate(WireModel):
     """Wall time and machine hours if every request generates its maximum output, at the rate this
     deployment measured on its latest completed jobs of the model."""
 
-    completion_tokens_per_s: float = Field(
+    completion_tokens_per_s: float | None = Field(
+        None,
         description="Completion tokens per second per shard worker while generating: the median over "
         "`from_jobs` jobs of their metadata's completion_tokens_per_s (a job's shards' tokens over their "
         "generate_s). Jobs of a release before it measured so count only where there are no others, each "
-        "its tokens over its wall time divided by its shard workers."
+        "its tokens over its wall time divided by its shard workers. Null for a job of kinds that generate "
+        "nothing (embeddings).",
+    )
+    prompt_tokens_per_s: float | None = Field(
+        None,
+        description="For a job of kinds that generate nothing (embeddings): prompt tokens per second per "
+        "shard worker while its engine ran, the median over `from_jobs` such jobs of their metadata's "
+        "prompt_tokens_per_s; null for any other.",
     )
     engine_start_s: float = Field(
         0.0,
@@ -37,7 +45,8 @@ class RuntimeEstimate(WireModel):
     from_jobs: int = Field(description="The completed jobs of this model the rate is measured on.")
     workers: int = Field(description="Shard workers the job is expected to run in.")
     wall_s: float = Field(
-        description="engine_start_s, then max_output_tokens at completion_tokens_per_s over `workers` workers."
+        description="engine_start_s, then max_output_tokens at completion_tokens_per_s over `workers` workers "
+        "(an embeddings job: prompt_tokens at prompt_tokens_per_s)."
     )
     worker_hours: float = Field(description="wall_s times workers, in hours.")
     gpu_hours: float | None = Field(None, description="worker_hours times the `gpus` asked for; null when none.")

@@ -61,6 +61,8 @@ class Counts:
     prompts: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    # Of the prompt tokens, those of kinds that generate nothing (embeddings): their work is reading them.
+    pooled_tokens: int = 0
     cannot_run: int = 0
     cannot_run_listed: list[RequestProblem] = field(default_factory=list)
     cut: int = 0
@@ -124,7 +126,8 @@ def count(
 def _measure(item: WorkItem, added: list[tuple[Any, Any, dict[str, Any]]], model: Model, counts: Counts) -> None:
     """One request's prompts against the context, as vLLM checks them when they are added."""
     context = model.context_length
-    room = 1 if kind_named(item.kind).generates else 0  # a generated token at least; an embedding needs none
+    generates = kind_named(item.kind).generates
+    room = 1 if generates else 0  # a generated token at least; an embedding needs none
     if not added:
         return
     lengths = []
@@ -155,6 +158,7 @@ def _measure(item: WorkItem, added: list[tuple[Any, Any, dict[str, Any]]], model
     for length in lengths:
         counts.prompts += 1
         counts.prompt_tokens += length
+        counts.pooled_tokens += 0 if generates else length
         counts.output_tokens += min(per_candidate, context - length) * n
     longest = max(lengths)
     if limit is not None and longest + limit > context:

@@ -125,26 +125,36 @@ def _runtime(
     history: list[CompletedFigures],
     planning: PlanningSettings,
 ) -> dict:
-    rates, engine_starts = _generation_rates(history)
+    # A job of kinds that generate nothing (embeddings) reads its prompts, at the rate its model's jobs read
+    # theirs; any other generates its output tokens, at the rate they generated theirs.
+    pooling = counts.pooled_tokens > 0 and counts.output_tokens == 0
+    if pooling:
+        rates, engine_starts = _pooling_rates(history)
+        work = counts.pooled_tokens
+    else:
+        rates, engine_starts = _generation_rates(history)
+        work = counts.output_tokens
     if not rates:
         model = request.model_cfg.model
-        why = (
-            f"no history: no job of {model!a} has completed on this deployment yet"
-            if not history
-            else f"no history: no completed job of {model!a} here generated any tokens"
-        )
+        if not history:
+            why = f"no history: no job of {model!a} has completed on this deployment yet"
+        elif pooling:
+            why = f"no history: no completed job of {model!a} here measured how fast it read its inputs"
+        else:
+            why = f"no history: no completed job of {model!a} here generated any tokens"
         return {"no_history": why + ", so there is no throughput to estimate from"}
     rate = statistics.median(rates)
     # Shard workers the job would run in, as plan_shards decides it.
     workers = planning.shards_for(request.data_parallelism or 1, counts.prompt_tokens + counts.output_tokens)[0]
-    # Every worker starts its engine, then generates its share.
+    # Every worker starts its engine, then does its share.
     engine_start_s = statistics.median(engine_starts) if engine_starts else 0.0
-    wall_s = engine_start_s + counts.output_tokens / (rate * workers)
+    wall_s = engine_start_s + work / (rate * workers)
     worker_hours = wall_s * workers / 3600
     cpus = float(kubernetes_quantity("cpus", request.cpus)[1]) if request.cpus is not None else None
     return {
         "estimate": RuntimeEstimate(
-            completion_tokens_per_s=round(rate, 2),
+            completion_tokens_per_s=None if pooling else round(rate, 2),
+            prompt_tokens_per_s=round(rate, 2) if pooling else None,
             engine_start_s=round(engine_start_s, 1),
             from_jobs=len(rates),
             workers=workers,
@@ -154,6 +164,18 @@ def _runtime(
             cpu_hours=round(worker_hours * cpus, 4) if cpus else None,
         )
     }
+
+
+def _pooling_rates(history: list[CompletedFigures]) -> tuple[list[float], list[float]]:
+    """Each job's prompt tokens per second per shard worker while it ran, and its slowest engine start, from
+    the jobs that generated nothing (embeddings) of a release that measured it (issue 48)."""
+    measured = [
+        figures.results
+        for figures in history
+        if not figures.results.completion_tokens and (figures.results.prompt_tokens_per_s or 0) > 0
+    ]
+    rates = [results.prompt_tokens_per_s or 0.0 for results in measured]
+    return rates, [results.engine_start_s for results in measured if results.engine_start_s is not None]
 
 
 def _generation_rates(history: list[CompletedFigures]) -> tuple[list[float], list[float]]:

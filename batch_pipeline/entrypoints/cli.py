@@ -138,10 +138,12 @@ def _dry_run(client, args, parser) -> int:
     if answer["num_cut_at_context"]:
         print(f"{answer['num_cut_at_context']} requests stop at the context")
     if estimate := answer.get("estimate"):
+        # an embeddings job reads its prompts; any other generates its output
+        pooled = estimate.get("prompt_tokens_per_s")
+        rate = f"{pooled} prompt tokens/s" if pooled else f"{estimate['completion_tokens_per_s']} tokens/s"
         print(
             f"estimate: {estimate['wall_s']:.0f} s wall on {estimate['workers']} workers: an engine start of "
-            f"{estimate.get('engine_start_s', 0):.0f} s, then {estimate['completion_tokens_per_s']} tokens/s "
-            f"each (from {estimate['from_jobs']} jobs)"
+            f"{estimate.get('engine_start_s', 0):.0f} s, then {rate} each (from {estimate['from_jobs']} jobs)"
         )
     else:
         print(answer.get("no_history") or "no estimate")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -23,13 +24,14 @@ import ijson
 import yaml
 from pydantic import ValidationError
 
+from batch_pipeline.admission.output_room import OutputBytes
 from batch_pipeline.admission.submission import CONTENT_FILE
 from batch_pipeline.contract import BatchCompletionsModelConfig
 from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
 from batch_pipeline.contract.openai_batch import BATCH_LINES, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
 from batch_pipeline.core.settings import Settings
-from batch_pipeline.models.catalog import runner_of
+from batch_pipeline.models.catalog import embedding_dimensions, runner_of
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import BatchResults, FileRecord, OpenAIStore
 from batch_pipeline.store.records import JobRecord
@@ -48,12 +50,14 @@ _UNFINISHED_CODES = {"cancelled": "batch_cancelled", "job_failed": "batch_failed
 
 @dataclass
 class CheckedInput:
-    """What checking a batch's input file found: its model and request count, or the errors by line."""
+    """What checking a batch's input file found: its model and request count, or the errors by line; and the
+    estimated bytes of its outputs that their kind sizes (embeddings), for its team's max_stored_bytes."""
 
     model: str | None = None
     total: int = 0
     errors: list[BatchError] = field(default_factory=list)
     more_errors: int = 0  # past MAX_LISTED_ERRORS
+    output: OutputBytes = field(default_factory=OutputBytes)
 
     def add_error(self, code: str, message: str, line: int | None, param: str | None = None) -> None:
         if len(self.errors) < MAX_LISTED_ERRORS:
@@ -80,12 +84,18 @@ class BatchApiLimits:
         return cls(**{limit.name: getattr(configured, limit.name) for limit in fields(cls)})
 
 
-def check_input_file(source: str, endpoint: str, work_dir: str, max_requests: int) -> CheckedInput:
+def check_input_file(
+    source: str, endpoint: str, work_dir: str, max_requests: int, model_catalog: str = ""
+) -> CheckedInput:
     """Check each line of a batch's input file as OpenAI does before any engine starts (JSON, the line's
     fields, the body for the endpoint, one `model` for the file, `custom_id`s unique) and write the job's
     content and custom ids into `work_dir` as it goes. On errors those files are removed and the errors
-    say which lines; the file is read once, streaming, whatever its size."""
+    say which lines; the file is read once, streaming, whatever its size. The outputs' bytes are estimated
+    as it goes for a kind that sizes them, on the model its name resolves to (`model_catalog`: the
+    operator's catalog, BATCH_PIPELINE_MODEL_CATALOG)."""
     typed_line = BATCH_LINES[endpoint]
+    kind = BATCH_ENDPOINTS[endpoint]
+    dimensions: int | None = None
     checked = CheckedInput()
     seen: set[bytes] = set()  # 128-bit digests of the custom ids: a few MB for the most a batch holds
     limit = max_requests
@@ -102,9 +112,14 @@ def check_input_file(source: str, endpoint: str, work_dir: str, max_requests: in
             if checked.total > limit:
                 checked.add_error("too_many_requests", f"a batch holds at most {limit} requests here", number)
                 break
+            first = checked.model is None
             line = _checked_line(raw, number, endpoint, typed_line, checked)
             if line is None:
                 continue
+            if not kind.generates:
+                if first:
+                    dimensions = model_dimensions(line.body.model, model_catalog)
+                checked.output.add(kind, line.body.model_dump(exclude_none=True), dimensions)
             digest = hashlib.blake2b(line.custom_id.encode(), digest_size=16).digest()
             if digest in seen:
                 checked.add_error(
@@ -131,6 +146,16 @@ def _checked_line(
 ) -> Any:
     """The line parsed and validated in one pass (pydantic from its bytes), or None when it is wrong; the
     slow path only names what is wrong."""
+    limit = BATCH_ENDPOINTS[endpoint].max_values + _LINE_VALUES
+    if (where := _values_past(raw, limit)) is not None:
+        checked.add_error(
+            "invalid_request",
+            f"{where}: the line holds more than {limit} JSON values (numbers, strings, arrays and objects), more "
+            f"than any {endpoint} request may",
+            number,
+            where,
+        )
+        return None
     try:
         line: Any = typed_line.model_validate_json(raw)
     except ValidationError as exc:
@@ -167,6 +192,43 @@ def _checked_line(
     return line
 
 
+# The values of a line around its body: the line, its custom_id, method, url and body.
+_LINE_VALUES = 8
+# The events of ijson's that are a value.
+_VALUE_EVENTS = frozenset({"null", "boolean", "integer", "double", "number", "string", "start_map", "start_array"})
+
+
+def _values_past(raw: bytes, limit: int) -> str | None:
+    """The field (`body.input`) holding the most of a line's JSON values once they pass `limit`, counted as
+    they stream, none built; None within it, or where it is no JSON (the parse then names what is wrong)."""
+    # Every value but the first follows a comma or opens its array or object (those in strings count too).
+    if 1 + raw.count(b",") + raw.count(b"[") + raw.count(b"{") <= limit:
+        return None
+    counts: Counter[str] = Counter()
+    values = 0
+    try:
+        for prefix, event, _ in ijson.parse(raw):
+            if event in _VALUE_EVENTS:
+                counts[_field_of(prefix)] += 1
+                values += 1
+                if values > limit:
+                    return counts.most_common(1)[0][0]
+    except ijson.JSONError:
+        return None
+    return None
+
+
+def _field_of(prefix: str) -> str:
+    """A value's field as a line's errors name it (`body.input`), from ijson's path to it
+    (`body.input.item.item`): its first two names, before any array's items."""
+    names: list[str] = []
+    for name in prefix.split(".") if prefix else ():
+        if name == "item" or len(names) == 2:
+            break
+        names.append(name)
+    return ".".join(names) or "the line"
+
+
 def runner_refusal(model: str, endpoint: str) -> str | None:
     """Why a catalog model cannot serve the endpoint's kind (an embedding model asked to chat, a chat model
     asked to embed); None where it can, or where the catalog does not know the model (vLLM decides)."""
@@ -198,6 +260,15 @@ def _name_the_error(raw: bytes, number: int, endpoint: str, typed: ValidationErr
     error = typed.errors(include_url=False)[0]
     where = ".".join(str(part) for part in error["loc"])
     checked.add_error("invalid_request", f"{where}: {error['msg']}", number, where)
+
+
+def model_dimensions(model: str, catalog_path: str) -> int | None:
+    """The vector size of the model a batch's `model` names (the built-in catalog's, through the operator's
+    catalog); None where it is not known, or the operator's entry does not read (the batch fails on it)."""
+    try:
+        return embedding_dimensions(model_config_for(model, catalog_path).model)
+    except (OSError, ValueError, yaml.YAMLError):  # pydantic's ValidationError is a ValueError
+        return None
 
 
 def model_config_for(model: str, catalog_path: str) -> BatchCompletionsModelConfig:

@@ -14,6 +14,7 @@ import dagster as dg
 from dagster import OpExecutionContext
 from pydantic import TypeAdapter, ValidationError
 
+from batch_pipeline.admission.output_room import bounded_output
 from batch_pipeline.admission.paths import DataFiles, metadata_path
 from batch_pipeline.admission.policy import AdmissionPolicy
 from batch_pipeline.admission.submission import (
@@ -51,7 +52,7 @@ from batch_pipeline.shards.merge import MissingResult, checkpointed, merge_sorte
 from batch_pipeline.shards.metadata import DataParallelism, JobMetadata, ShardEntry, write_metadata
 from batch_pipeline.shards.planning import RecordedPlan, ShardPlan
 from batch_pipeline.shards.protocol import ShardHardware, ShardTask
-from batch_pipeline.shards.records import work_items
+from batch_pipeline.shards.records import KindsRead, work_items
 from batch_pipeline.shards.replanning import write_job_shards
 from batch_pipeline.shards.result_cache import with_cache_hits
 from batch_pipeline.store.jobs import JobStore
@@ -325,7 +326,11 @@ def plan_shards(
             with_cache_hits, identity=cache.identity, lookup=lookup_in(job_store.result_cache(), record.owner)
         )
     try:
-        items = work_items(_records(request, job_data_files(context, job_store, job_storage, admission)))
+        kinds = KindsRead()
+        items = kinds.passed(work_items(_records(request, job_data_files(context, job_store, job_storage, admission))))
+        # Outputs their tokens do not bound (embeddings) held to the team's max_stored_bytes as they are read.
+        team_of_job = admission.team_of_owner(record.owner) if record is not None else None
+        items = bounded_output(items, store, record, team_of_job, model_config.model)
         tool_loop = request.tool_config is not None
         written = write_job_shards(
             items, work_dir, kept, request.data_parallelism or 1, settings, tool_loop, cache_hits=hits
@@ -335,6 +340,8 @@ def plan_shards(
     except io.SymlinkRefused as exc:
         message = f"input_data_path: cannot read {request.input_data_path}: {exc}"
         raise dg.Failure(message, allow_retries=False) from None
+    except QuotaExceeded as exc:  # nothing frees room by retrying
+        raise dg.Failure(str(exc), allow_retries=False) from None
     if not written.shards:
         raise dg.Failure("the request holds no prompts: nothing to generate")
     if record is not None:
@@ -347,6 +354,7 @@ def plan_shards(
         {shard.shard_index: shard.item_count for shard in written.shards},
         {shard.shard_index: checkpoint_bytes(shard.directory) for shard in written.shards},
         shard_plan=written.recorded.to_json(),
+        request_kind=kinds.kind,
     )
     if written.input_changes is not None:
         context.log.warning(written.input_changes)
@@ -647,6 +655,7 @@ def _finished_metadata(
     generate_s = sum(r.stats.generate_s for r in generated)
     generated_tokens = sum(r.stats.completion_tokens - r.task.shard.cached_completion_tokens for r in generated)
     generation_rate = round(generated_tokens / generate_s, 2) if generated else None
+    read_tokens = sum(r.stats.prompt_tokens - r.task.shard.cached_prompt_tokens for r in generated)
     cached = record.cached_requests if record is not None else None
     return JobMetadata(
         job_id=current_job_id(context),
@@ -661,6 +670,7 @@ def _finished_metadata(
         completion_tokens_per_s=generation_rate,
         completion_tokens_per_wall_s=round(completion_tokens / wall_s, 2) if wall_s > 0 else None,
         engine_start_s=max((s.engine_start_s for s in stats if s.generate_s > 0), default=None),
+        prompt_tokens_per_s=round(read_tokens / generate_s, 2) if generated else None,
         merge_s=merged.merge_s,
         finished_at=datetime.now(UTC),
         data_parallelism=DataParallelism(requested=plan.plan.requested, used=plan.plan.used, reason=plan.plan.reason),
@@ -690,6 +700,7 @@ def _row_results(metadata: JobMetadata) -> JobResults:
         errors=metadata.num_errors,
         completion_tokens_per_wall_s=metadata.completion_tokens_per_wall_s,
         engine_start_s=metadata.engine_start_s,
+        prompt_tokens_per_s=metadata.prompt_tokens_per_s,
     )
 
 

@@ -123,6 +123,9 @@ class JobMetadata(BaseModel):
     # completion_tokens_per_s was before issue 46. And its slowest shard's engine start.
     completion_tokens_per_wall_s: float | None = None
     engine_start_s: float | None = None
+    # Its prompt tokens per shard worker while it ran, as completion_tokens_per_s counts its completion
+    # tokens: the throughput of a kind that generates none (embeddings), which the dry run estimates from.
+    prompt_tokens_per_s: float | None = None
     merge_s: float | None = None
     finished_at: datetime | None = None
     # How the job ran where it differed from what it asked: fewer shards, outputs shared by repeats, the

@@ -37,6 +37,29 @@ def work_items(records: Iterable[tuple[str, Any]]) -> Iterator[tuple[WorkItem, I
             index += 1
 
 
+# The kind of a job's requests where they are of several (an input file may mix them).
+MIXED_KINDS = "mixed"
+
+
+class KindsRead:
+    """The kinds of the work items passed on by `passed`: what a job's plan read."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def passed(self, items: Iterable[tuple[WorkItem, ItemSize]]) -> Iterator[tuple[WorkItem, ItemSize]]:
+        for item, size in items:
+            self.names.add(item.kind)
+            yield item, size
+
+    @property
+    def kind(self) -> str | None:
+        """The one kind read, MIXED_KINDS for several, None for none."""
+        if len(self.names) > 1:
+            return MIXED_KINDS
+        return next(iter(self.names), None)
+
+
 def expected_output_tokens(kind: RecordKind, request: dict[str, Any]) -> int:
     """The most tokens one prompt of a request may generate, all its `n` candidates together; an estimate
     where the request sets no limit."""

@@ -67,6 +67,7 @@ class JobStore(StoreBase):
             "run_id": job.run_id,
             "status": JobStatus.QUEUED,
             "estimated_tokens": job.estimated_tokens,
+            "request_kind": job.request_kind,
         }
         if job.failure_reason is not None:
             row |= {

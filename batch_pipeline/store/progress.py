@@ -42,10 +42,12 @@ class ShardProgressStore(StoreBase):
         requests_per_shard: dict[int, int],
         checkpoint_bytes: dict[int, int] | None = None,
         shard_plan: str | None = None,
+        request_kind: str | None = None,
     ) -> None:
         """The job's shards as planned (again, on a retry): progress is counted against these totals, and
         `checkpoint_bytes` are what each shard's checkpoint holds already (a resumed job's). `shard_plan`
-        is kept from the first run that records one: every later run of the job plans from it."""
+        is kept from the first run that records one: every later run of the job plans from it.
+        `request_kind`: the kind of its requests the plan read (/metrics counts by it)."""
         checkpoint_bytes = checkpoint_bytes or {}
         with self.engine.begin() as connection:
             connection.execute(job_shards.delete().where(job_shards.c.job_id == job_id))
@@ -65,6 +67,8 @@ class ShardProgressStore(StoreBase):
             if shard_plan is not None:
                 first = sa.and_(jobs.c.job_id == job_id, jobs.c.shard_plan.is_(None))
                 connection.execute(jobs.update().where(first).values(shard_plan=shard_plan))
+            if request_kind is not None:
+                connection.execute(jobs.update().where(jobs.c.job_id == job_id).values(request_kind=request_kind))
             self._total_shards(connection, job_id)
 
     def record_shard_charge(self, job_id: str, shard_index: int, units: float | None) -> None:

@@ -160,6 +160,8 @@ class NewJob:
     failure_reason: str | None = None
     # The tokens it is estimated to use: held against its team's max_tokens_per_day until it ends.
     estimated_tokens: int | None = None
+    # The kind of its requests where the request says it (`contract/kinds`' name); else its plan records it.
+    request_kind: str | None = None
 
     @staticmethod
     def new_id() -> str:

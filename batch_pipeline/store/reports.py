@@ -51,15 +51,18 @@ class ReportStore(StoreBase):
     """Figures summed over the jobs at its URL (`JobStore`'s database), for reports: grouped in SQL,
     so that a report costs rows of owners x days, not of jobs."""
 
-    def counts_by_status_and_model(self) -> list[tuple[str, str, int, int, int]]:
-        """(status, model, jobs, requests done, completion tokens) over every job."""
+    def counts_by_status_model_and_kind(self) -> list[tuple[str, str, str | None, int, int, int, int]]:
+        """(status, model, request kind, jobs, requests done, prompt tokens, completion tokens) over every job;
+        the kind None where it is not known yet (an input file not planned) or was never recorded."""
         query = sa.select(
             jobs.c.status,
             sa.func.coalesce(jobs.c.model, ""),
+            jobs.c.request_kind,
             sa.func.count(),
             sa.func.coalesce(sa.func.sum(jobs.c.requests_done), 0),
+            sa.func.coalesce(sa.func.sum(jobs.c.prompt_tokens), 0),
             sa.func.coalesce(sa.func.sum(jobs.c.completion_tokens), 0),
-        ).group_by(jobs.c.status, jobs.c.model)
+        ).group_by(jobs.c.status, jobs.c.model, jobs.c.request_kind)
         with self.engine.connect() as connection:
             return [tuple(row) for row in connection.execute(query)]
 

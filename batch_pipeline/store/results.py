@@ -42,6 +42,8 @@ class JobResults(BaseModel):
     # Of a run of this release on (issue 46): without them, completion_tokens_per_s is over wall_s.
     completion_tokens_per_wall_s: float | None = None
     engine_start_s: float | None = None
+    # Of a run of this release on (issue 48): per shard worker while it ran, as completion_tokens_per_s.
+    prompt_tokens_per_s: float | None = None
 
     @classmethod
     def from_column(cls, text: str) -> JobResults:

@@ -119,6 +119,9 @@ jobs = sa.Table(
     sa.Column("cached_requests", sa.BigInteger, nullable=True),
     sa.Column("cached_prompt_tokens", sa.BigInteger, nullable=True),
     sa.Column("cached_completion_tokens", sa.BigInteger, nullable=True),
+    # The kind of its requests (`contract/kinds`' names, or `mixed`), as its submission or its plan read them:
+    # what /metrics counts jobs, requests and tokens by. NULL until known (an input file's, until planned).
+    sa.Column("request_kind", sa.String(16), nullable=True),
     sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
     sa.Index("ix_batch_jobs_owner_created", "owner", "created_at", "job_id"),
     sa.Index("ix_batch_jobs_status_created", "status", "created_at"),

@@ -11,14 +11,18 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batch_pipeline.contract import CreateBatchCompletionsV2Request
 from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline import sensors
+from batch_pipeline.pipeline.execute import execute_request
 from batch_pipeline.pipeline.partial_results import PARTIAL_RESULTS_TAG, keep_partial_results
 from batch_pipeline.pipeline.resources import JobStorage
 from batch_pipeline.store.progress import ShardProgressStore
 from batch_pipeline.store.records import NewJob
 from tests.api_fixtures import ADMIN_KEY, OTHER_KEY, USER_KEY, sensor_resources
-from tests.conftest import MODEL
+from tests.conftest import MODEL, step_failure_messages
+from tests.openai_batch.test_openai_batch import EMBEDDING_MODEL, EMBEDDINGS, _create, _embedding_line, _jsonl, _upload
+from tests.openai_batch.test_openai_batch import _line as _chat_line
 
 ALICE = {"x-api-key": USER_KEY}
 BOB = {"x-api-key": OTHER_KEY}
@@ -109,6 +113,88 @@ def test_metrics_count_jobs_by_status_and_model_and_the_queue_for_admins_only(de
     latency = {s.name: s.value for s in metrics["batch_pipeline_job_start_latency_seconds"] if "le" not in s.labels}
     assert latency["batch_pipeline_job_start_latency_seconds_count"] == 1
     assert api.client.get("/metrics", headers=ALICE).status_code == 403
+
+
+def test_metrics_count_jobs_requests_and_tokens_by_request_kind(deployment_factory, tmp_path):
+    """Issue 48: an operator sees embeddings apart from chat. A job's kind is its inline content's or its
+    batch's endpoint's from its submission; an input file's is unknown until its plan reads it."""
+    api = deployment_factory()
+    client = api.client
+    v1 = client.post("/v2/batch-completions", json=_body(tmp_path), headers=ALICE).json()["job_id"]
+    chat_content = [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}]
+    chat = client.post("/v2/batch-completions", json=_body(tmp_path, content=chat_content), headers=ALICE)
+    embedded = _upload(client, _jsonl([_embedding_line("a", input=["x", "y"])]), key=USER_KEY).json()["id"]
+    embeddings = _create(client, embedded, key=USER_KEY, endpoint=EMBEDDINGS).json()["id"]
+    chatted = _upload(client, _jsonl([_chat_line("a")]), key=USER_KEY).json()["id"]
+    chat_batch = _create(client, chatted, key=USER_KEY).json()["id"]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "Hello", "max_tokens": 4}) + "\n")
+    from_file = client.post(
+        "/v2/batch-completions",
+        json={**_body(tmp_path), "content": None, "input_data_path": str(tmp_path / "in.jsonl")},
+        headers=ALICE,
+    )
+    assert chat.status_code == from_file.status_code == 200, (chat.text, from_file.text)
+    progress = ShardProgressStore(engine=api.store.engine)
+    for job_id, figures in [
+        (embeddings, {"requests_done": 1, "prompt_tokens": 6}),
+        (chat_batch, {"requests_done": 1, "prompt_tokens": 9, "completion_tokens": 4}),
+        (v1, {"requests_done": 1, "prompt_tokens": 2, "completion_tokens": 3}),
+    ]:
+        api.store.mark_started(job_id, f"run-{job_id}")
+        progress.record_shards(job_id, {0: 1})
+        progress.record_shard_progress(job_id, 0, figures)
+
+    metrics = _metrics(api)
+    jobs = {(s.labels["status"], s.labels["model"], s.labels["kind"]): s.value for s in metrics["batch_pipeline_jobs"]}
+    assert jobs == {
+        ("running", MODEL, "v1"): 1,
+        ("queued", MODEL, "chat"): 1,  # inline content
+        ("running", EMBEDDING_MODEL, "embeddings"): 1,
+        ("running", MODEL, "chat"): 1,  # the chat batch
+        ("queued", MODEL, "unknown"): 1,  # an input file, not planned yet
+    }
+
+    def by_kind(name: str) -> dict[tuple[str, str], float]:
+        return {(s.labels["model"], s.labels["kind"]): s.value for s in metrics[name] if s.name.endswith("_total")}
+
+    assert by_kind("batch_pipeline_requests_generated") == {
+        (MODEL, "v1"): 1,
+        (MODEL, "chat"): 1,
+        (EMBEDDING_MODEL, "embeddings"): 1,
+        (MODEL, "unknown"): 0,
+    }
+    assert by_kind("batch_pipeline_prompt_tokens")[EMBEDDING_MODEL, "embeddings"] == 6
+    assert by_kind("batch_pipeline_prompt_tokens")[MODEL, "chat"] == 9
+    assert by_kind("batch_pipeline_completion_tokens")[EMBEDDING_MODEL, "embeddings"] == 0
+
+    # The plan records an input file's kind as it reads it (plan_shards' record_shards).
+    progress.record_shards(from_file.json()["job_id"], {0: 1}, request_kind="completion")
+    jobs = {(s.labels["status"], s.labels["kind"]) for s in _metrics(api)["batch_pipeline_jobs"]}
+    assert ("queued", "completion") in jobs and ("queued", "unknown") not in jobs
+
+
+@pytest.mark.slow  # embeds on the catalog's embedding model (a vLLM engine)
+def test_an_embeddings_input_file_is_counted_as_embeddings_once_its_plan_has_read_it(deployment_factory, tmp_path):
+    api = deployment_factory()
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input": text}) + "\n" for text in ["a cat", "a dog", "x"]))
+    request = CreateBatchCompletionsV2Request.model_validate(
+        {
+            "input_data_path": str(tmp_path / "in.jsonl"),
+            "output_data_path": str(tmp_path / "out.json"),
+            "model_config": {"model": EMBEDDING_MODEL},
+        }
+    )
+    result = execute_request(request, api.instance)
+    assert result.success, step_failure_messages(result)
+    (job,) = api.store.list().jobs
+
+    metrics = _metrics(api)
+    jobs = {(s.labels["status"], s.labels["model"], s.labels["kind"]): s.value for s in metrics["batch_pipeline_jobs"]}
+    assert jobs == {("completed", EMBEDDING_MODEL, "embeddings"): 1}
+    embedded = [s.value for s in metrics["batch_pipeline_prompt_tokens"] if s.labels["kind"] == "embeddings"]
+    assert embedded == [job.prompt_tokens] and job.prompt_tokens > 0
+    requests = [s.value for s in metrics["batch_pipeline_requests_generated"] if s.name.endswith("_total")]
+    assert requests == [3]
 
 
 def test_a_stopped_runs_partial_results_are_kept_by_a_job_not_a_sensor(deployment_factory, tmp_path):

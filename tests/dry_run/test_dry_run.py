@@ -10,6 +10,7 @@ from batch_pipeline.pipeline.execute import execute_request
 from tests.api_fixtures import OTHER_KEY, USER_KEY
 from tests.conftest import MODEL, step_failure_messages
 from tests.core.test_s3 import s3 as s3  # the moto S3 server fixture
+from tests.openai_batch.test_openai_batch import EMBEDDINGS, _embedding_line, _jsonl, _upload
 
 # Each dry run checks its requests in a child process that imports vLLM (~10 s a test here).
 pytestmark = pytest.mark.slow
@@ -330,3 +331,99 @@ def test_the_estimate_learns_generation_rates_and_engine_starts_not_job_walls(tm
     # Only older jobs known: their wall rates, as before (no engine start apart).
     older = _runtime(request, counts, [job(0.4, None)], planning)["estimate"]
     assert (older.completion_tokens_per_s, older.engine_start_s, older.wall_s) == (0.4, 0.0, 680.0)
+
+
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+
+def _embedding_inputs(requests: int) -> list[list[str]]:
+    return [[f"sentence {n}-{m} about cats" for m in range(5)] for n in range(requests)]
+
+
+def _dry_run_batch(api, inputs: list[list[str]]) -> dict:
+    """A dry run of an OpenAI batch of /v1/embeddings lines (the Scale routes take no embedding model)."""
+    lines = [_embedding_line(f"line-{n}", input=texts) for n, texts in enumerate(inputs)]
+    file_id = _upload(api.client, _jsonl(lines)).json()["id"]
+    answer = api.client.post(
+        "/v1/batches",
+        params={"dry_run": "true"},
+        json={"input_file_id": file_id, "endpoint": EMBEDDINGS, "completion_window": "24h"},
+        headers={"Authorization": f"Bearer {USER_KEY}"},
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_dry_run_of_an_embeddings_batch_estimates_from_its_models_embedding_throughput(deployment_factory, tmp_path):
+    """An embedding generates no token: its job's time is its engine start, then its inputs read at the rate
+    its model's embeddings jobs read theirs. It was "no history: no completed job ... generated any tokens"
+    whatever had run."""
+    api = deployment_factory()
+    inputs = _embedding_inputs(4)
+    assert _dry_run_batch(api, inputs)["no_history"].startswith(f"no history: no job of '{EMBEDDING_MODEL}' has")
+
+    # A job of the model completes (run as the launchpad runs one: the Scale routes take no embedding model).
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input": texts}) + "\n" for texts in inputs))
+    request = CreateBatchCompletionsV2Request.model_validate(
+        {
+            "input_data_path": str(tmp_path / "in.jsonl"),
+            "output_data_path": str(tmp_path / "out.json"),
+            "model_config": {"model": EMBEDDING_MODEL},
+        }
+    )
+    result = execute_request(request, api.instance)
+    assert result.success, step_failure_messages(result)
+    (job,) = api.store.list().jobs
+    results = job.results
+    assert results.completion_tokens == 0 and results.prompt_tokens_per_s > 0
+
+    same = _dry_run_batch(api, inputs)
+    assert same["max_output_tokens"] == 0 and same["prompt_tokens"] == results.prompt_tokens
+    estimate = same["estimate"]
+    assert estimate["prompt_tokens_per_s"] == pytest.approx(results.prompt_tokens_per_s, abs=0.01)
+    assert estimate["completion_tokens_per_s"] is None and estimate["from_jobs"] == 1
+    assert estimate["engine_start_s"] == pytest.approx(results.engine_start_s, abs=0.05)
+    # The same work is estimated at no more than it took (its wall holds its planning and merge too).
+    assert estimate["engine_start_s"] < estimate["wall_s"] <= results.wall_s
+
+    # Ten times the inputs: the engine start once, ten times the reading.
+    bigger = _dry_run_batch(api, _embedding_inputs(40))
+    rate = bigger["estimate"]["prompt_tokens_per_s"]
+    expected = bigger["estimate"]["engine_start_s"] + bigger["prompt_tokens"] / rate
+    assert bigger["prompt_tokens"] == pytest.approx(10 * results.prompt_tokens, rel=0.05)
+    assert bigger["estimate"]["wall_s"] == pytest.approx(expected, abs=0.1)
+
+
+def test_the_estimate_of_an_embeddings_job_is_its_inputs_at_the_pooling_rate_not_a_generation_rate(tmp_path):
+    from batch_pipeline.dry_run.counting import Counts
+    from batch_pipeline.dry_run.estimate import _runtime
+    from batch_pipeline.shards.planning import PlanningSettings
+    from batch_pipeline.store.results import CompletedFigures, JobResults
+
+    def job(prompt_rate: float | None, engine_start_s: float = 8.0) -> CompletedFigures:
+        results = JobResults(
+            prompt_tokens=5000,
+            completion_tokens=0,
+            completion_tokens_per_s=0.0,
+            completion_tokens_per_wall_s=0.0,
+            engine_start_s=engine_start_s,
+            prompt_tokens_per_s=prompt_rate,
+        )
+        return CompletedFigures(results=results, shards=1)
+
+    request = CreateBatchCompletionsV2Request.model_validate(
+        {"output_data_path": str(tmp_path / "o.json"), "model_config": {"model": EMBEDDING_MODEL},
+         "input_data_path": str(tmp_path / "in.jsonl")}
+    )  # fmt: skip
+    counts = Counts(requests=100, prompts=1000, prompt_tokens=100_000, pooled_tokens=100_000)
+    planning = PlanningSettings(max_shards=None, min_tokens_per_shard=0)
+    history = [job(2000.0), job(1800.0, 9.0), job(2200.0, 7.0), job(None)]  # the last of an older release
+    estimate = _runtime(request, counts, history, planning)["estimate"]
+    assert (estimate.prompt_tokens_per_s, estimate.completion_tokens_per_s, estimate.from_jobs) == (2000.0, None, 3)
+    assert estimate.wall_s == pytest.approx(8.0 + 100_000 / 2000.0, abs=0.1)
+
+    only_older = _runtime(request, counts, [job(None)], planning)
+    assert only_older["no_history"] == (
+        f"no history: no completed job of '{EMBEDDING_MODEL}' here measured how fast it read its inputs, so there "
+        "is no throughput to estimate from"
+    )

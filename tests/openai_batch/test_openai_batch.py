@@ -282,6 +282,10 @@ def test_an_embeddings_file_is_checked_as_openai_checks_it_each_hostile_line_nam
         _embedding_line("empty", input=""),
         _embedding_line("format", input="x", encoding_format="bytes"),
         _embedding_line("no-input"),
+        # OpenAI's 300,000 tokens a request, all its inputs together: 37 arrays of 8135 ids.
+        _embedding_line("too-many-ids", input=[[101] * 8135] * 37),
+        # 400,000 inputs: past what any embeddings request may hold, refused before the line is parsed.
+        _embedding_line("huge-array", input=["x"] * 400_000),
     ]
     batch = _create(client, _upload(client, _jsonl(lines)).json()["id"], endpoint=EMBEDDINGS).json()
     assert batch["status"] == "failed"
@@ -296,7 +300,44 @@ def test_an_embeddings_file_is_checked_as_openai_checks_it_each_hostile_line_nam
         (5, "invalid_request", ("body", "input")),
         (6, "invalid_request", ("body", "encoding_format")),
         (7, "invalid_request", ("body", "input")),
+        (8, "invalid_request", ("body", "input")),
+        (9, "invalid_request", ("body", "input")),
     }
+    by_line = {error["line"]: error["message"] for error in batch["errors"]["data"]}
+    assert "300995 token ids" in by_line[8] and "at most 300000" in by_line[8]
+    assert "more than 302120 JSON values" in by_line[9]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        (EMBEDDINGS, {"input": ["ab"] * 3_000_000}),  # 15 MB of strings
+        (EMBEDDINGS, {"input": [[30_000] * 2000] * 1000}),  # 12 MB of token ids
+        (CHAT, {"messages": [{"role": "user", "content": "a"}] * 200_000}),
+        ("/v1/completions", {"prompt": [[1, 2, 3, 4, 5, 6, 7, 8, 9]] * 60_000}),
+    ],
+    ids=["strings", "token-ids", "messages", "prompt-ids"],
+)
+def test_a_line_of_millions_of_values_is_refused_naming_its_field_without_being_built(tmp_path, endpoint, body):
+    """pydantic builds a line's every value before it checks a bound: the check of one 15 MB line of short
+    strings held 900 MB (of Python objects alone), 12 MB of token ids 116 MB; each is refused, naming its
+    field, holding about the line itself."""
+    import tracemalloc
+
+    from batch_pipeline.openai_batch.jobs import check_input_file
+
+    field = next(iter(body))
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(_jsonl([{"custom_id": "a", "method": "POST", "url": endpoint, "body": {"model": "m", **body}}]))
+    tracemalloc.start()
+    try:
+        checked = check_input_file(str(source), endpoint, str(tmp_path), max_requests=10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    [error] = checked.errors
+    assert (error.line, error.code, error.param) == (1, "invalid_request", f"body.{field}")
+    assert peak < 3 * source.stat().st_size, (peak, source.stat().st_size)
 
 
 def test_a_model_that_cannot_serve_the_endpoint_fails_its_batch_naming_the_line(deployment):

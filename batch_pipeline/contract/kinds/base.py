@@ -47,6 +47,11 @@ class RequestKind:
     # The request fields that cap its output, the one a limit is written to last; none for a kind that
     # generates no tokens.
     output_limit_fields: ClassVar[tuple[str, ...]]
+    # The most JSON values (numbers, strings, arrays, objects) a request of this kind may hold on the wire: a
+    # batch line past it is refused naming the field that holds the most, counted before it is parsed, since
+    # a parse builds every value before any bound is checked (~250 bytes each: 2 MB of token-id arrays were
+    # 210 MB in the API). Past any context a model here has.
+    max_values: ClassVar[int] = 500_000
     # What vLLM must run the model as to serve it (its `runner`): text generation, or pooling (embeddings).
     # A batch of this kind on a model of the other is refused, naming the line.
     runner: ClassVar[str] = "generate"
@@ -71,6 +76,13 @@ class RequestKind:
         """What requests of a batch usually share (a system prompt, a few-shot template): the work order
         puts requests sharing it side by side, for vLLM's prefix cache."""
         raise NotImplementedError
+
+    def output_bytes(self, request: dict[str, Any], model_dimensions: int | None) -> int | None:
+        """The bytes a work item's output entry is estimated to take, for a kind whose output its tokens do not
+        bound (one that generates none: an embedding's vectors), on a model whose vectors have
+        `model_dimensions` (None: not known); None for a kind whose tokens bound its output (the team's
+        max_tokens_per_day holds those), or where the size cannot be told."""
+        return None
 
     def deterministic(self, request: dict[str, Any]) -> bool:
         """Whether the request's output is fixed by the request (greedy, or sampled with a seed): repeated
