@@ -1,9 +1,12 @@
-"""The benchmark scripts run (on tiny inputs: timing belongs in bench/, never in tests)."""
+"""The benchmark scripts run (on tiny inputs: timing belongs in bench/, never in tests), and the benchmarks'
+pages show one current table, whose figures its charts and the docs' summary repeat."""
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -150,6 +153,106 @@ def test_plots_draws_a_png_per_benchmark(tmp_path):
     completed = _bench("plots.py", "--results", str(tmp_path))
     for name in ("engine_overhead", "data_plane", "sharding"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", completed.stdout
+
+
+def load_docs_hook():
+    spec = importlib.util.spec_from_file_location("bench_hook", REPO / "docs" / "_hooks" / "bench.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def readme_rows(plots) -> list[dict]:
+    """The current table as bench/README.md shows it: workload, ratio and verdict of each row."""
+    rows = []
+    for line in plots.readme_table((REPO / "bench" / "README.md").read_text()).splitlines():
+        if not line.startswith("| `"):
+            continue  # the header, its rule, the notes
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        script, workload = re.fullmatch(r"`([^`]+)` (.+)", cells[0]).groups()
+        ratio = None if cells[3] == "–" else float(cells[3].strip("*").removesuffix("x"))
+        rows.append({"script": script, "workload": workload, "ratio": ratio, "verdict": cells[5]})
+    return rows
+
+
+def chart_bars(svg: str) -> list[dict[str, str]]:
+    return [
+        {key.removeprefix("data-"): value for key, value in bar.attrib.items() if key.startswith("data-")}
+        for bar in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}rect")
+        if bar.get("class") == "bar"
+    ]
+
+
+def test_the_readme_shows_one_current_table_written_from_current_toml_a_row_a_workload():
+    plots = load_plots()
+    rows = plots.current_rows()
+    readme = (REPO / "bench" / "README.md").read_text()
+    assert plots.readme_table(readme) == plots.current_table(rows), "run `python bench/plots.py --current`"
+    shown = readme_rows(plots)
+    assert len(shown) == len(rows) > 30
+    workloads = [row["workload"] for row in shown]
+    assert len(set(workloads)) == len(workloads), "a workload in two rows"
+    assert readme.count(plots.TABLE_START) == 1 and "## Latest numbers" not in readme
+    # Every script with numbers has its rows; the others are named as having none yet.
+    scripts = {path.name for path in (REPO / "bench").glob("*.py")} - {"plots.py", "served.py"}
+    without = scripts - {row["script"] for row in shown}
+    assert without == {"resume.py", "webhooks.py", "sample_vs_raw.py"}
+    assert all(f"`{script}`" in readme.partition(plots.TABLE_END)[2] for script in without)
+
+
+def test_the_sites_charts_draw_the_rows_of_the_readmes_table():
+    """The docs hook draws them as the site builds, from the file the table is written from: each bar is a
+    row of the table, with the table's ratio and verdict."""
+    plots = load_plots()
+    shown = {row["workload"]: row for row in readme_rows(plots)}
+    hook = load_docs_hook()
+    charts = hook.current_charts()
+    assert set(charts) == {"current-goals.svg", "current-baselines.svg"}
+    page = hook.bench_page()  # the site's page: the charts right after the table, links to the site's pages
+    assert page.index(plots.TABLE_END) < page.index("(bench-charts/current-goals.svg)")
+    assert "](bench-history.md)" in page and "](HISTORY.md)" not in page
+
+    baselines = chart_bars(charts["current-baselines.svg"])
+    assert [bar["workload"] for bar in baselines] == [name for name, row in shown.items() if row["ratio"] is not None]
+    for bar in baselines:
+        assert float(bar["ratio"]) == shown[bar["workload"]]["ratio"], bar
+
+    goals = chart_bars(charts["current-goals.svg"])
+    charted = [row for row in plots.current_rows() if "value" in row]
+    assert [bar["workload"] for bar in goals] == [row["workload"] for row in charted] and len(goals) > 10
+    for bar in goals:
+        assert bar["verdict"] == shown[bar["workload"]]["verdict"], bar
+        assert (float(bar["share"]) <= 1) == (bar["verdict"] == "met") or bar["verdict"] == "not shown", bar
+
+
+def test_the_current_numbers_refuse_a_workload_twice_and_a_verdict_their_figures_contradict(tmp_path):
+    plots = load_plots()
+    entry = (
+        '[[workload]]\nscript = "real_batches.py"\nworkload = "loop"\nfigure = "101.7 s"\nbaseline = "raw 126.9 s"\n'
+        'ratio = 0.80\ngoal = "≤ 0.80x"\nvalue = 0.801\nbound = 0.80\ndate = "2026-12-03"\ncpu = "AMD EPYC"\n'
+        'tree = "ce0ce2e"\n'
+    )
+    current = tmp_path / "current.toml"
+    current.write_text(entry)
+    assert plots.current_rows(current)[0]["verdict"] == "missed"  # decided by its numbers, 0.801 > 0.80
+    current.write_text(entry + 'verdict = "met"\n')
+    with pytest.raises(ValueError, match="verdict 'met', but 0.801 against 0.8 is missed"):
+        plots.current_rows(current)
+    again = entry.replace("value = 0.801", "value = 0.98").replace("bound = 0.80", "bound = 1.0")
+    current.write_text(entry + "\n" + again)
+    with pytest.raises(ValueError, match="a second entry for the same workload"):
+        plots.current_rows(current)
+
+
+def test_the_benchmarks_summary_quotes_figures_of_the_current_table_only():
+    """docs/benchmarks.md quoted an older run than the table's: each figure and date it gives is one of the
+    current table's."""
+    plots = load_plots()
+    table = plots.readme_table((REPO / "bench" / "README.md").read_text())
+    summary = (REPO / "docs" / "benchmarks.md").read_text()
+    quoted = re.findall(r"\d[\d,]*(?:\.\d+)?(?:x| s| ms| MB)(?!\w)|\d{4}-\d{2}-\d{2}", summary)
+    assert len(quoted) > 10
+    assert [figure for figure in quoted if figure not in table] == []
 
 
 @pytest.mark.slow  # a benchmark

@@ -1,5 +1,6 @@
-"""The docs (README.md, docs/, and bench/README.md, which the site shows) are tested: every code block that is a
-command or a request runs here, or says why not with `<!-- not run: reason -->` on the line before it.
+"""The docs (README.md, docs/, and bench/README.md and bench/HISTORY.md, which the site shows) are tested: every
+code block that is a command or a request runs here, or says why not with `<!-- not run: reason -->` on the line
+before it.
 
 A block's language says what it is:
 - `sh` and `python`: commands. `curl` requests go to the real app in-process (an open API over a fresh Dagster
@@ -27,7 +28,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = sorted([REPO / "README.md", REPO / "bench" / "README.md", *(REPO / "docs").rglob("*.md")])
+PAGES = sorted(
+    [REPO / "README.md", REPO / "bench" / "README.md", REPO / "bench" / "HISTORY.md", *(REPO / "docs").rglob("*.md")]
+)
 NOT_RUN = re.compile(r"^<!-- not run: (\S.*\S) -->$")
 FENCE = re.compile(r"^(\s*)(`{3,})(\S*)\s*$")
 # Commands cheap enough to run as they are, from the repository root with .venv/bin first on PATH.

@@ -209,7 +209,12 @@ def validate_input(
         job_id = _register_job(context, job_store, job_storage, admission, request, owner)
     # Started when Dagster started the run, not when this first step got going (~2 s later here).
     if not store.mark_started(job_id, context.run_id, datetime.fromtimestamp(_run_start(context), UTC)):
-        raise dg.Failure("the job was cancelled before its run started", allow_retries=False)
+        # A run the jobs sensor asked for just before the cancel: it stops as a cancelled run, not a failed one
+        # (Dagster ends a canceling run whose step fails as canceled). A failure would read, beside the sensor
+        # that launched it in the Dagster UI, as a red run of a broken sensor.
+        reason = "the job was cancelled before its run started"
+        context.instance.report_run_canceling(context.run, message=reason)
+        raise dg.Failure(reason, allow_retries=False)
     _enforce_deadline(context, request.max_runtime_sec)
     return request
 
