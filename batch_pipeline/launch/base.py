@@ -175,6 +175,10 @@ class ShardLauncher(dg.ConfigurableResource):
         wait for nodes). A job is not split into more shards than this."""
         return None
 
+    def worker_image(self) -> str | None:
+        """The image its workers run (their vLLM and torch), where it is not this machine's environment."""
+        return None
+
     def step_modules(self) -> list[str]:
         """What this launcher's steps import beyond the job's definitions, for the step server to import
         once a run instead of each step (`pipeline.step_server`)."""

@@ -416,6 +416,9 @@ class K8sShardLauncher(ShardLauncher):
             kubernetes.config.load_incluster_config()
         return DagsterKubernetesClient.production_client().core_api
 
+    def worker_image(self) -> str:
+        return self.image
+
     def step_modules(self) -> list[str]:
         """The Kubernetes client and dagster-k8s (~0.7 s and more to import), which each shard step uses,
         and validate_input's quantity parser wherever the operator bounds cpus, memory or storage (the

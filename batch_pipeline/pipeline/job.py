@@ -396,8 +396,7 @@ def plan_shards(
 
 def _shard_machine(shard_launcher: ShardLauncher, hardware: ShardHardware) -> str:
     """Where the job's shards compute, for its result cache's key: the launcher, its pods' image, the hardware."""
-    image = getattr(shard_launcher, "image", None)
-    return shard_machine(shard_launcher.kind.name, image if isinstance(image, str) else None, hardware)
+    return shard_machine(shard_launcher.kind.name, shard_launcher.worker_image(), hardware)
 
 
 def _job_cache(
