@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
-from typing import Any
+from typing import TypedDict
 
 from batch_pipeline.api.auth import Caller
 from batch_pipeline.contract.usage import TeamUsage, UsageDay, UsageResponse
@@ -102,6 +102,19 @@ def _instant(value: str, name: str, end_of_day: bool) -> datetime:
     return moment
 
 
+class UsageFigures(TypedDict):
+    """The figures a day's or a team's usage line reports (`UsageDay`, `TeamUsage`)."""
+
+    jobs: int
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_requests: int
+    cached_completion_tokens: int
+    gpu_seconds: float
+    stored_bytes: int
+
+
 @dataclass
 class _Figures:
     jobs: int = 0
@@ -113,7 +126,7 @@ class _Figures:
     gpu_seconds: float = 0.0
     stored_bytes: int = 0
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> UsageFigures:
         return {
             "jobs": self.jobs,
             "requests": self.requests,

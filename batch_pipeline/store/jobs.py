@@ -15,7 +15,7 @@ import builtins
 import json
 from collections.abc import Iterator
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -419,7 +419,14 @@ def _reads_as(status: str) -> Any:
     return jobs.c.status == status
 
 
-def _runs_charged(row: Any, started_at: datetime) -> dict[str, Any]:
+class _RunsCharged(TypedDict, total=False):
+    """The job row's columns a run's start charges: when the latest run started, and what ran before it."""
+
+    run_started_at: datetime
+    earlier_runs_s: float
+
+
+def _runs_charged(row: Any, started_at: datetime) -> _RunsCharged:
     """A run starting at `started_at`: it is the job's latest, and the one before it (the job's row as read)
     joins the earlier runs, for as long as it ran: to its recorded end, or (not recorded yet) to this start.
     The same run's start marked again changes nothing."""

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from batch_pipeline.core.settings import settings
 from batch_pipeline.pipeline.cleanup import cleanup, cleanup_schedule, delete_work_dir
-from batch_pipeline.pipeline.resources import JobStorage
+from batch_pipeline.pipeline.resources import JobStorage, Tenancy
 from batch_pipeline.store import retention
 from batch_pipeline.store.jobs import JobStore
 from batch_pipeline.store.openai import files as files_table
@@ -519,7 +519,7 @@ def test_sent_webhook_events_past_retention_are_deleted_by_the_cleanup_and_pendi
     assert _run_cleanup(url, storage, instance) is None  # the old pending one is never due
 
 
-def test_a_team_with_a_retention_of_its_own_and_a_backlog_does_not_starve_the_others_cleanup(tmp_path, monkeypatch):
+def test_a_team_with_a_retention_of_its_own_and_a_backlog_does_not_starve_the_others_cleanup(tmp_path):
     """Found by review: a cleanup run spent its bound group by group, the teams with a retention of their own
     first, so a team with one and `max_work_dirs` jobs coming due each hour took every run: the other teams'
     work dirs were never deleted, and stayed counted against their max_stored_bytes. Each group now has its
@@ -530,11 +530,11 @@ def test_a_team_with_a_retention_of_its_own_and_a_backlog_does_not_starve_the_ot
         f"  team-a:\n    api_keys_sha256: [{'a' * 64}]\n    retention_days: 2\n"
         f"  team-b:\n    api_keys_sha256: [{'b' * 64}]\n"
     )
-    monkeypatch.setenv("BATCH_PIPELINE_TENANTS", str(tenants_file))
     url = f"sqlite:///{tmp_path}/jobs.db"
     store = JobStore(url)
     storage = JobStorage(work_dir_base=str(tmp_path / "work"), retention_days=30)
-    resources = sensor_resources(url, job_storage=storage)
+    tenancy = Tenancy(tenants_file=str(tenants_file), fair_share_half_life_s=settings().fair_share_half_life_s)
+    resources = sensor_resources(url, job_storage=storage, tenancy=tenancy)
     bounds = {"ops": {"delete_expired": {"config": {"max_work_dirs": 3}}}}
 
     def ended_job(owner: str, days_ago: int) -> str:
