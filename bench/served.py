@@ -49,7 +49,7 @@ def start_serve(home: Path, env: dict[str, str], repo: Path) -> tuple[subprocess
     that what is timed after includes none of their start. Stop it with `stop_serve`."""
     api_port, dagster_port = free_port(), free_port()
     # The benchmarks measure generation, round after round on one deployment: the result cache would answer
-    # the later rounds (bench/ measures it on its own where it names BATCH_PIPELINE_RESULT_CACHE).
+    # the later rounds. result_cache.py, which measures the cache, passes BATCH_PIPELINE_RESULT_CACHE=1.
     env = {"BATCH_PIPELINE_RESULT_CACHE": "0", **env}
     log = home / "serve.log"
     serve = subprocess.Popen(

@@ -440,3 +440,25 @@ def test_the_embeddings_benchmark_runs_each_system_on_the_same_inputs_and_checks
     assert report["inputs"] == 40 and set(report["systems"]) == {"ours", "llm_embed", "sentence_transformers"}
     assert all(figures["least_cosine_to_sentence_transformers"] >= 0.999 for figures in report["systems"].values())
     assert report["ours / llm_embed"] > 0 and report["ours / sentence_transformers"] > 0
+
+
+def test_the_result_cache_benchmark_plans_a_resubmission_whose_every_request_hits(tmp_path):
+    out = tmp_path / "result_cache.json"
+    _bench("result_cache.py", "--no-serve", "--planning", "500", "--out", str(out))
+    planning = json.loads(out.read_text())["planning"]
+    assert planning["cache_entries"] == planning["hits"] == 500
+    assert planning["with_cache_s"] > 0 and planning["without_cache_s"] > 0 and planning["with / without"] > 0
+
+
+@pytest.mark.slow  # a benchmark: serve and a vLLM engine, two jobs
+def test_the_result_cache_benchmark_takes_the_unchanged_requests_from_the_first_job(tmp_path):
+    out = tmp_path / "result_cache.json"
+    _bench(
+        "result_cache.py",
+        *("--no-planning", "--requests", "20", "--changed", "0.1", "--max-tokens", "4", "--out", str(out)),
+        timeout=900,
+    )
+    served = json.loads(out.read_text())["served"]
+    assert (served["requests"], served["changed"], served["second_num_cached"]) == (20, 2, 18)
+    assert served["unchanged_outputs_differing_from_first"] == served["unchanged_not_marked_cached_from_first"] == 0
+    assert served["changed_marked_cached"] == 0
