@@ -303,3 +303,13 @@ def test_no_page_points_at_documents_the_repository_does_not_hold():
     """The site's first line pointed at "the `spec/` documents", which a reader of the repository never finds."""
     pointing = [str(page.relative_to(REPO)) for page in PAGES if "the `spec/` documents" in page.read_text()]
     assert pointing == []
+
+
+def test_the_batch_apis_endpoint_table_has_a_row_for_each_endpoint_of_the_registry_and_no_other():
+    """A kind with an OpenAI url is a batch endpoint at once (contract/kinds); its row in the table is how a
+    reader learns what its lines take and give."""
+    from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
+
+    page = (REPO / "docs" / "openai-batch.md").read_text()
+    rows = re.findall(r"^\s*\| `(/v1/[a-z/_]+)` \|", page, flags=re.MULTILINE)
+    assert sorted(rows) == sorted(BATCH_ENDPOINTS), rows

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from batch_pipeline.api.limits import LargeBodySlots, TeamBodies, TeamBusy
 from batch_pipeline.contract.base import WireModel
+from batch_pipeline.contract.json_values import MAX_BODY_VALUES, values_past
 
 # Bodies up to this size stay in memory while they arrive; larger ones go to a temporary file. Small: a team
 # may have BATCH_PIPELINE_MAX_BODIES_PER_TEAM bodies arriving at once, each for minutes if it trickles.
@@ -177,6 +178,18 @@ async def _slot_unless_client_leaves(slots: LargeBodySlots, team: str, request: 
 
 def parse_json_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """The body as `model`, or a RequestValidationError whose locations start with `body`."""
+    if (where := values_past(raw, MAX_BODY_VALUES)) is not None:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "too_many_values",
+                    "loc": ("body", *where.split(".")) if where else ("body",),
+                    "msg": f"the body holds more than {MAX_BODY_VALUES} JSON values (numbers, strings, arrays "
+                    "and objects), most of them here; send a job this large by input_data_path",
+                    "input": None,
+                }
+            ]
+        )
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:

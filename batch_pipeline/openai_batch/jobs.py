@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -27,6 +26,7 @@ from pydantic import ValidationError
 from batch_pipeline.admission.output_room import OutputBytes
 from batch_pipeline.admission.submission import CONTENT_FILE
 from batch_pipeline.contract import BatchCompletionsModelConfig
+from batch_pipeline.contract.json_values import values_past
 from batch_pipeline.contract.kinds import BATCH_ENDPOINTS
 from batch_pipeline.contract.openai_batch import BATCH_LINES, BatchError, BatchInputLine, BatchInputLineBase
 from batch_pipeline.core import io
@@ -147,7 +147,8 @@ def _checked_line(
     """The line parsed and validated in one pass (pydantic from its bytes), or None when it is wrong; the
     slow path only names what is wrong."""
     limit = BATCH_ENDPOINTS[endpoint].max_values + _LINE_VALUES
-    if (where := _values_past(raw, limit)) is not None:
+    if (where := values_past(raw, limit)) is not None:
+        where = where or "the line"
         checked.add_error(
             "invalid_request",
             f"{where}: the line holds more than {limit} JSON values (numbers, strings, arrays and objects), more "
@@ -194,39 +195,6 @@ def _checked_line(
 
 # The values of a line around its body: the line, its custom_id, method, url and body.
 _LINE_VALUES = 8
-# The events of ijson's that are a value.
-_VALUE_EVENTS = frozenset({"null", "boolean", "integer", "double", "number", "string", "start_map", "start_array"})
-
-
-def _values_past(raw: bytes, limit: int) -> str | None:
-    """The field (`body.input`) holding the most of a line's JSON values once they pass `limit`, counted as
-    they stream, none built; None within it, or where it is no JSON (the parse then names what is wrong)."""
-    # Every value but the first follows a comma or opens its array or object (those in strings count too).
-    if 1 + raw.count(b",") + raw.count(b"[") + raw.count(b"{") <= limit:
-        return None
-    counts: Counter[str] = Counter()
-    values = 0
-    try:
-        for prefix, event, _ in ijson.parse(raw):
-            if event in _VALUE_EVENTS:
-                counts[_field_of(prefix)] += 1
-                values += 1
-                if values > limit:
-                    return counts.most_common(1)[0][0]
-    except ijson.JSONError:
-        return None
-    return None
-
-
-def _field_of(prefix: str) -> str:
-    """A value's field as a line's errors name it (`body.input`), from ijson's path to it
-    (`body.input.item.item`): its first two names, before any array's items."""
-    names: list[str] = []
-    for name in prefix.split(".") if prefix else ():
-        if name == "item" or len(names) == 2:
-            break
-        names.append(name)
-    return ".".join(names) or "the line"
 
 
 def runner_refusal(model: str, endpoint: str) -> str | None:

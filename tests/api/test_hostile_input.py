@@ -204,6 +204,51 @@ def test_deeply_nested_json_gets_422_naming_the_field_or_the_body(served, tmp_pa
     assert api.store.list().jobs == []
 
 
+def _token_id_prompts(tmp_path, requests: int) -> dict:
+    # Prompts given as token ids: 2000 five-digit ids each, ~12 KB of a body a request.
+    return _v1_body(tmp_path, content=[{"prompt": [30_000 + i % 9 for i in range(2000)]} for _ in range(requests)])
+
+
+def test_a_body_of_millions_of_token_ids_gets_422_naming_the_field_and_nothing_is_stored(served, tmp_path):
+    """900 completion requests of 2000 token ids (12 MB) hold 1.8 million values: past the bound of a body's,
+    refused naming `content` before pydantic builds each id; a body within it is taken."""
+    api, client = served
+    v1_prompts = _v1_body(tmp_path, content={"prompts": ["ab"] * 1_100_000, "max_new_tokens": 1})
+    for body, location in (
+        (_token_id_prompts(tmp_path, 900), ["body", "content"]),
+        (v1_prompts, ["body", "content", "prompts"]),
+    ):
+        response = _post(client, "/v2/batch-completions", body)
+        assert response.status_code == 422, (response.status_code, response.text[:500])
+        [error] = response.json()["detail"]
+        assert error["loc"] == location and "more than 1000000 JSON values" in error["msg"], error
+    assert api.store.list().jobs == []
+    within = _post(client, "/v2/batch-completions", _token_id_prompts(tmp_path, 400))
+    assert within.status_code == 200, within.text[:500]
+
+
+def test_a_body_of_millions_of_token_ids_is_refused_holding_about_the_body(tmp_path):
+    """pydantic builds every token id (~36 bytes each, ~6 on the wire) before a bound is checked: 12 MB of
+    them held 88 MB while parsed; refused by their count first, the parse holds a fraction of the body."""
+    import tracemalloc
+
+    from fastapi.exceptions import RequestValidationError
+
+    from batch_pipeline.api.body import parse_json_body
+    from batch_pipeline.contract.requests import CreateBatchCompletionsV2Request
+
+    raw = json.dumps(_token_id_prompts(tmp_path, 900)).encode()
+    tracemalloc.start()
+    try:
+        with pytest.raises(RequestValidationError) as refused:
+            parse_json_body(raw, CreateBatchCompletionsV2Request)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [error["loc"] for error in refused.value.errors()] == [("body", "content")]
+    assert peak < len(raw), (peak, len(raw))
+
+
 def test_huge_numbers_get_422_and_are_never_stored(served, tmp_path):
     api, client = served
     v1 = _v1_body(tmp_path)

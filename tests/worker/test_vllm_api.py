@@ -357,3 +357,35 @@ def test_responses_lines_on_a_real_engine_are_responses_the_openai_sdk_parses(en
     from batch_pipeline.worker.checkpoint import token_counts
 
     assert token_counts(structured) == (parsed.usage.input_tokens, parsed.usage.output_tokens)
+
+
+@pytest.mark.slow
+def test_a_responses_schema_that_never_terminates_ends_at_the_context_or_fails_its_line_naming_text_format(
+    engine_process,
+):
+    """A JSON schema no output within the context can satisfy (an array of at least 100,000 integers), with
+    no max_output_tokens: its line ends, incomplete, where the context does, or fails alone naming
+    `text.format`; the shard is never stuck on it, and the line after it is answered."""
+    from openai.types.responses import Response
+
+    endless = {"type": "array", "items": {"type": "integer"}, "minItems": 100_000}
+    responses = {"endpoint": "/v1/responses", "temperature": 0}
+    items = [
+        WorkItem(
+            0,
+            "responses",
+            {
+                **responses,
+                "input": "List numbers as JSON.",
+                "text": {"format": {"type": "json_schema", "name": "endless", "schema": endless}},
+            },
+        ),
+        WorkItem(1, "responses", {**responses, "input": "Say hello.", "max_output_tokens": 3}),
+    ]
+    endless_output, after = engine_process.submit(_outputs_added_without_deprecation, items).result(timeout=600)
+    if "error" in endless_output:
+        assert endless_output["error"]["param"].startswith("text.format"), endless_output
+    else:
+        parsed = Response.model_validate(endless_output)
+        assert parsed.status == "incomplete", parsed
+    assert Response.model_validate(after).usage.output_tokens == 3
