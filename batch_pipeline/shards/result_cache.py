@@ -11,7 +11,8 @@ that is not deterministic (sampled without a seed) has no key and is never cache
 A hit is planned as a request whose result its shard's checkpoint already holds: the worker skips it as it
 skips a resumed shard's finished requests, a retry or a resume keeps it, and the merge takes it in order.
 The plan carries where each hit's output is, and reads it only as it writes the hit's checkpoint line
-(`CachedOutputs`): a job of a million cached embeddings never holds their outputs.
+(`CachedOutputs`): a job of a million cached embeddings never holds their outputs. The output written is
+this job's answer: an OpenAI object gets an id of its own and says when this job answered it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
+import secrets
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -100,6 +105,8 @@ class CachedOutputs:
 
     def __init__(self) -> None:
         self._files: OrderedDict[str, IO[bytes] | None] = OrderedDict()
+        # The plan's part of its hits' ids, as a worker's run has its own (worker/openai_requests.py).
+        self._id_token = secrets.token_hex(6)
 
     def __enter__(self) -> CachedOutputs:
         return self
@@ -124,7 +131,7 @@ class CachedOutputs:
             payload = handle.read(hit.payload_length)
             if len(payload) != hit.payload_length:
                 return None
-            return cached_output(payload.decode("utf-8"), hit.job_id)
+            return cached_output(payload.decode("utf-8"), hit.job_id, item.index, self._id_token)
         except (OSError, ValueError):  # torn or replaced: generated instead
             return None
 
@@ -144,12 +151,21 @@ class CachedOutputs:
         return handle
 
 
-def cached_output(payload: str, job_id: str) -> str:
-    """A cached output as a hit's entry: the output its job computed, saying so (`cached_from_job_id`) and,
-    in an OpenAI usage, that its prompt's tokens were all cached."""
+# An OpenAI object's id as the worker makes it: its kind's prefix (`chatcmpl-`, `cmpl-`, `resp_`), then the
+# run's token and the request's index, last (a copy's id is made from its source's, worker/checkpoint.py).
+_OPENAI_ID = re.compile(r"[A-Za-z]+[-_]")
+# A tool call's id as vLLM makes it (`make_tool_call_id`): random, unique across batches.
+_TOOL_CALL_ID = "chatcmpl-tool-"
+
+
+def cached_output(payload: str, job_id: str, index: int, id_token: str) -> str:
+    """A cached output as hit `index`'s entry in this job: the output its job computed, saying so
+    (`cached_from_job_id`) and, in an OpenAI usage, that its prompt's tokens were all cached; an OpenAI
+    object's id its own (of `id_token`, the plan's), and its `created` when this job answered it."""
     output = json.loads(payload)
     if not isinstance(output, dict):  # a payload file replaced under its index: never an answer
         raise ValueError("a cached output is a JSON object")
+    _answered_now(output, f"{id_token}-{index}")
     output[CACHED_FROM] = job_id
     usage = output.get("usage")
     if isinstance(usage, dict):
@@ -159,6 +175,27 @@ def cached_output(payload: str, job_id: str) -> str:
                 usage[details] = {**(usage.get(details) or {}), "cached_tokens": usage[prompt]}
                 break
     return json.dumps(output, ensure_ascii=False)
+
+
+def _answered_now(output: dict[str, Any], suffix: str) -> None:
+    """Make `output` this job's answer, as a fresh generation's would be: ids of its own (the object's, a
+    response's output items', which share its suffix, and tool calls'), and this moment as its creation."""
+    old = output.get("id")
+    if isinstance(old, str) and (prefix := _OPENAI_ID.match(old)):
+        old_suffix = old[prefix.end() :]
+        output["id"] = prefix.group() + suffix
+        for part in output.get("output") or ():
+            if isinstance(part, dict) and isinstance(part.get("id"), str) and part["id"].endswith("_" + old_suffix):
+                part["id"] = part["id"][: -len(old_suffix)] + suffix
+    for choice in output.get("choices") or ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        for call in (message.get("tool_calls") if isinstance(message, dict) else None) or ():
+            if isinstance(call, dict) and str(call.get("id", "")).startswith(_TOOL_CALL_ID):
+                call["id"] = f"{_TOOL_CALL_ID}{uuid.uuid4().hex}"
+    now = int(time.time())
+    for stamp in ("created", "created_at"):  # chat and completions say `created`, a response `created_at`
+        if isinstance(output.get(stamp), int):
+            output[stamp] = now
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """A plan's hits as its job answers them (issue 49), without an engine: the planner holds where each hit's
-output is, not the output (a job of large cached outputs plans in bounded memory), and a payload that
-turns bad after the lookup is generated."""
+output is, not the output (a job of large cached outputs plans in bounded memory), a hit's output gets an
+id and a creation time of this job's, and a payload that turns bad after the lookup is generated."""
 
 from __future__ import annotations
 
 import functools
 import json
+import time
 import tracemalloc
 
 from batch_pipeline.pipeline.result_cache import keep_results, lookup_in, payload_path
@@ -63,6 +64,75 @@ def test_a_plan_of_hits_with_large_outputs_holds_their_locations_not_their_outpu
 
     assert sum(shard.cached_count for shard in planned.shards) == count
     assert peak < count * text_size / 8, f"planning held {peak} bytes"
+
+
+def test_a_hit_gets_an_id_of_its_own_and_says_when_this_job_answered_it(tmp_path):
+    items = [
+        WorkItem(0, "completion", {"prompt": "a", "max_tokens": 4, "temperature": 0}),
+        WorkItem(1, "chat", {"messages": [{"role": "user", "content": "b"}], "temperature": 0}),
+        WorkItem(2, "responses", {"input": "c", "temperature": 0}),
+        WorkItem(3, "embeddings", {"input": "d"}),
+    ]
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    call = {"id": "chatcmpl-tool-0123456789abcdef", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    response_usage = {"input_tokens": 2, "output_tokens": 1, "total_tokens": 3}
+    outputs = [
+        {"id": "cmpl-aaaaaaaaaaaa-0", "object": "text_completion", "created": 1000, "choices": [{"text": "x"}]},
+        {
+            "id": "chatcmpl-aaaaaaaaaaaa-1",
+            "object": "chat.completion",
+            "created": 1000,
+            "choices": [{"message": message}],
+        },
+        {
+            "id": "resp_aaaaaaaaaaaa-2",
+            "object": "response",
+            "created_at": 1000,
+            "output": [{"type": "message", "id": "msg_aaaaaaaaaaaa-2", "content": [{"text": "z"}]}],
+        },
+        {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.5]}], "model": "m"},
+    ]
+    for output in outputs:
+        output["usage"] = response_usage if output["object"] == "response" else usage
+    store = computed_job(tmp_path, items, outputs)
+    hits = functools.partial(with_cache_hits, identity=IDENTITY, lookup=lookup_in(store, "team:a"))
+    settings = PlanningSettings(max_shards=None, min_tokens_per_shard=0)
+    # The later job's requests are at other indexes: the cache answers by request, not by position.
+    later = [WorkItem(work.index + 5, work.kind, work.request) for work in items]
+    before = int(time.time())
+    answers = []
+    for job in ("job-2", "job-3"):
+        sized = iter([(work, ItemSize(1, 5)) for work in later])
+        write_job_shards(sized, str(tmp_path / job), None, 1, settings, tool_loop=False, cache_hits=hits)
+        answers.append(planned_results(tmp_path / job))
+
+    for answered in answers:
+        assert sorted(answered) == [5, 6, 7, 8]
+        for work, computed in zip(later, outputs):
+            entry = answered[work.index]
+            assert entry["cached_from_job_id"] == "job-1"
+            if "id" in computed:  # made as the worker makes one: the kind's prefix, a token, the index last
+                prefix = computed["id"].split("aaaaaaaaaaaa")[0]
+                assert entry["id"].startswith(prefix) and entry["id"].endswith(f"-{work.index}")
+                assert entry["id"] != computed["id"]
+            stamp = "created_at" if "created_at" in computed else "created" if "created" in computed else None
+            if stamp is not None:
+                assert entry[stamp] >= before
+            same = {"id", "created", "created_at", "cached_from_job_id", "usage", "choices", "output"}
+            assert {k: v for k, v in entry.items() if k not in same} == {
+                k: v for k, v in computed.items() if k not in same
+            }
+        completion, chat, response, embedding = (answered[work.index] for work in later)
+        assert completion["choices"] == outputs[0]["choices"]
+        (new_call,) = chat["choices"][0]["message"]["tool_calls"]
+        assert new_call["id"].startswith("chatcmpl-tool-") and new_call["id"] != call["id"]
+        assert {**new_call, "id": call["id"]} == call
+        assert response["output"][0]["id"] == "msg_" + response["id"].removeprefix("resp_")
+        assert embedding["data"] == outputs[3]["data"] and "id" not in embedding
+    # Two later jobs answered from the same entries: no id of one repeats in the other.
+    ids = [entry["id"] for answered in answers for entry in answered.values() if "id" in entry]
+    assert len(ids) == len(set(ids)) == 6
 
 
 def test_a_payload_replaced_after_the_lookup_is_generated_when_the_plan_writes_it(tmp_path):
