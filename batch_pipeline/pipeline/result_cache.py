@@ -28,7 +28,6 @@ from batch_pipeline.shards.result_cache import (
     CacheIdentity,
     Lookup,
     cacheable_results,
-    cached_output,
 )
 from batch_pipeline.store.result_cache import CachedEntry, NewEntry, ResultCacheStore
 
@@ -126,36 +125,39 @@ def planned_identity(work_dir: str) -> CacheIdentity | None:
 
 
 def lookup_in(store: ResultCacheStore, owner: str) -> Lookup:
-    """The plan's lookup in `owner`'s cache: the index in bulk, then each payload file read once, in order.
-    An entry whose payload cannot be read is a miss."""
+    """The plan's lookup in `owner`'s cache: the index in bulk, then each payload file's size once. An entry
+    whose line its file no longer holds is a miss; one replaced under its index is found out as its shard's
+    checkpoint is written (`shards/result_cache.CachedOutputs`), and generated then."""
 
     def lookup(keys: list[str]) -> dict[str, CachedResult]:
         entries = store.lookup(owner, keys)
-        return read_payloads(entries.values())
+        return locate_payloads(entries.values())
 
     return lookup
 
 
-def read_payloads(entries: Iterable[CachedEntry]) -> dict[str, CachedResult]:
+def locate_payloads(entries: Iterable[CachedEntry]) -> dict[str, CachedResult]:
+    """Where the entries' outputs are, by key: those whose payload file still holds their line's bytes."""
     by_file: dict[str, list[CachedEntry]] = {}
     for entry in entries:
         by_file.setdefault(entry.payload_path, []).append(entry)
     found: dict[str, CachedResult] = {}
-    for path, in_file in by_file.items():
+    for path, in_file in by_file.items():  # `path` shared by its hits: thousands of them hold one string
         try:
-            with io.open_file(path, "rb") as handle:
-                for entry in sorted(in_file, key=lambda entry: entry.payload_offset):
-                    handle.seek(entry.payload_offset)
-                    payload = handle.read(entry.payload_length)
-                    try:
-                        if len(payload) != entry.payload_length:
-                            raise ValueError("cut short")
-                        output = cached_output(payload.decode("utf-8"), entry.job_id)
-                    except ValueError:  # torn or replaced: this entry is generated instead
-                        continue
-                    found[entry.key] = CachedResult(output, entry.job_id, entry.prompt_tokens, entry.completion_tokens)
+            size = io.size(path)
         except OSError:  # gone (a DELETE, retention): generated instead
             continue
+        for entry in in_file:
+            if entry.payload_offset + entry.payload_length > size:  # cut short
+                continue
+            found[entry.key] = CachedResult(
+                path,
+                entry.payload_offset,
+                entry.payload_length,
+                entry.job_id,
+                entry.prompt_tokens,
+                entry.completion_tokens,
+            )
     return found
 
 

@@ -30,19 +30,25 @@ OUTPUT_FILE = "output.tsv"
 
 @dataclass(frozen=True)
 class CachedResult:
-    """A request's result from its team's result cache (`shards/result_cache.py`): its output entry, which
-    names the job that computed it, and its tokens."""
+    """Where a request's result is in its team's result cache (`shards/result_cache.py`): the line of a payload
+    file holding the output of the job that computed it, and its tokens. The output itself is read only as
+    its shard's checkpoint is written (`shards/result_cache.CachedOutputs`): a plan holds locations, not
+    outputs (an embedding's or a long completion's are large)."""
 
-    output: str
+    payload_path: str
+    payload_offset: int
+    payload_length: int
     job_id: str
     prompt_tokens: int
     completion_tokens: int
+    # What the request weighs should its payload turn out unreadable and it be generated after all.
+    estimated_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class WorkItem:
     """One request of the batch and the index its output takes in the job's output; `cached`, as a plan
-    reads it: its result, where its team's cache holds one (never written to the shard's input)."""
+    reads it: where its result is, if its team's cache holds one (never written to the shard's input)."""
 
     index: int
     kind: RecordKind

@@ -9,7 +9,7 @@ import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import IO
 
 from batch_pipeline.core import io
@@ -17,6 +17,7 @@ from batch_pipeline.core.io import make_private_directory
 from batch_pipeline.shards.format import COPIES_FILE, INPUT_FILE, RESULTS_FILE, ShardSpec, WorkItem
 from batch_pipeline.shards.protocol import WORKER_WINDOW
 from batch_pipeline.shards.records import ItemSize, output_limit, repeat_key, shared_generation_key
+from batch_pipeline.shards.result_cache import CachedOutputs
 
 # The rule write_shards keeps requests sharing a generation together by (its window, its balance): a plan
 # records it, so a release that changes the rule gives it a new version and keeps this one for such plans.
@@ -26,7 +27,8 @@ GENERATION_GROUPING = 1
 # past it, repeats of requests first seen later are generated again.
 DEDUP_TABLE_LIMIT = 1_000_000
 # The most items plan_shard_count reads ahead (held in memory) to count a job's tokens: requests its team's
-# cache answers weigh none, and a job of hits alone would otherwise be read whole before its plan.
+# cache answers weigh none, and a job of hits alone would otherwise be read whole before its plan (a hit
+# holds where its output is, not the output).
 READ_AHEAD_LIMIT = 100_000
 
 
@@ -183,11 +185,13 @@ def write_shards(
     one of the last WORKER_WINDOW items of a shard only in its output limit goes to that shard, where the
     worker answers both with one generation (worker/shared_generation.py): it weighs what it adds to the
     group's largest limit. A request the team's result cache answers (`WorkItem.cached`) goes to the
-    least-loaded shard, weighing nothing, with its result in the shard's checkpoint. One pass; memory
+    least-loaded shard, weighing nothing, with its result, read from the cache's payload file now, in the
+    shard's checkpoint; one whose payload turned unreadable since the lookup is generated. One pass; memory
     bounded by DEDUP_TABLE_LIMIT and the shards' windows. Shards with nothing to do are not returned.
     """
     with contextlib.ExitStack() as files:
         shards = open_shard_writers(work_dir, num_shards, files)
+        cached_outputs = files.enter_context(CachedOutputs())
         repeats = RepeatSources(num_shards)
         groups = GenerationGroups(num_shards)
         loads = ShardLoads(shards)
@@ -199,11 +203,16 @@ def write_shards(
                 shards[shard_index].add_copy(item.index, source_index, size)
                 continue
             if item.cached is not None:
-                shard = loads.least_loaded()
-                shard.add_cached(item, size)
-                if key is not None:
-                    repeats.remember(key, item.index, shard.index)
-                continue
+                output = cached_outputs.output_of(item)
+                if output is not None:
+                    shard = loads.least_loaded()
+                    shard.add_cached(item, size, output)
+                    if key is not None:
+                        repeats.remember(key, item.index, shard.index)
+                    continue
+                # Its payload was cut short, replaced or deleted since the lookup: a miss after all.
+                size = ItemSize(prompts=size.prompts, tokens=item.cached.estimated_tokens)
+                item = replace(item, cached=None)
             generation = shared_generation_key(item) if group_generations else None
             shard = balance_request(item, size, generation, groups, loads)
             shard.add_request(item, size)
@@ -260,16 +269,16 @@ class ShardWriter:
         self.items += 1
         self.prompts += size.prompts
 
-    def add_cached(self, item: WorkItem, size: ItemSize) -> None:
-        """A request whose result its team's cache holds: in the input, and its result in the checkpoint,
-        which the worker skips as done."""
+    def add_cached(self, item: WorkItem, size: ItemSize, output: str) -> None:
+        """A request whose result its team's cache holds: in the input, and its `output` (its entry, as
+        `CachedOutputs` read it) in the checkpoint, which the worker skips as done."""
         assert item.cached is not None
         if self._results is None:
             self._results = self._files.enter_context(
                 io.atomic_write(io.join(self.directory, RESULTS_FILE + self._suffix))
             )
         self.add_request(item, size)
-        self._results.write(f"{item.index}\t{item.cached.output}\n")
+        self._results.write(f"{item.index}\t{output}\n")
         self.cached += 1
         self.cached_prompt_tokens += item.cached.prompt_tokens
         self.cached_completion_tokens += item.cached.completion_tokens

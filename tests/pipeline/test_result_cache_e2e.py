@@ -83,8 +83,9 @@ def run(deployment, team: str, name: str, requests: list[dict[str, Any]], **fiel
 
 
 def without_cache_marks(output: dict[str, Any]) -> dict[str, Any]:
-    """An entry as its job computed it: what a hit adds (where it came from, its prompt counted cached) left out."""
-    output = {name: value for name, value in output.items() if name != "cached_from_job_id"}
+    """An entry as its job computed it: what a hit adds or makes its own (where it came from, its prompt counted
+    cached, its id, when it was answered) left out."""
+    output = {name: value for name, value in output.items() if name not in ("cached_from_job_id", "id", "created")}
     output["usage"] = {name: value for name, value in output["usage"].items() if name != "prompt_tokens_details"}
     return output
 
@@ -103,7 +104,10 @@ def test_a_later_job_of_the_team_takes_the_earlier_jobs_deterministic_results(de
     assert metadata["num_cached"] == len(DETERMINISTIC) - 1
     for index in range(1, len(DETERMINISTIC)):
         assert outputs[index]["cached_from_job_id"] == first_metadata["job_id"]
-        assert without_cache_marks(outputs[index]) == first_outputs[index]
+        assert without_cache_marks(outputs[index]) == without_cache_marks(first_outputs[index])
+        # An id of this job's, as a fresh generation gets: ids never repeat across the team's batches.
+        assert outputs[index]["id"] != first_outputs[index]["id"]
+        assert outputs[index]["created"] >= first_outputs[index]["created"]
         usage = outputs[index]["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
     # The changed request and the unseeded sample are generated.
@@ -121,7 +125,9 @@ def test_a_job_whose_every_request_hits_starts_no_engine(deployment, first):
     outputs, metadata = run(deployment, "team-a", "again", DETERMINISTIC)
 
     assert metadata["num_cached"] == len(DETERMINISTIC)
-    assert [without_cache_marks(output) for output in outputs] == first_outputs[: len(DETERMINISTIC)]
+    assert [without_cache_marks(output) for output in outputs] == [
+        without_cache_marks(output) for output in first_outputs[: len(DETERMINISTIC)]
+    ]
     assert all(shard["engine_start_s"] == 0 and shard["generate_s"] == 0 for shard in metadata["shards"])
 
 

@@ -13,7 +13,7 @@ from batch_pipeline.pipeline.result_cache import keep_results, lookup_in
 from batch_pipeline.shards.format import RESULTS_FILE, CachedResult, WorkItem, read_work_items
 from batch_pipeline.shards.planning import write_shards
 from batch_pipeline.shards.records import ItemSize
-from batch_pipeline.shards.result_cache import CacheIdentity, cached_output, with_cache_hits
+from batch_pipeline.shards.result_cache import CacheIdentity, with_cache_hits
 from batch_pipeline.store.result_cache import ResultCacheStore
 
 IDENTITY = CacheIdentity(owner="team:a", model="m", weights_digest="w1", engine='{"dtype": "float32"}')
@@ -22,6 +22,13 @@ GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 
 
 def item(index: int = 0, kind: str = "completion", **request) -> WorkItem:
     return WorkItem(index=index, kind=kind, request=request or dict(GREEDY))
+
+
+def cached_hit(directory, output: str, job_id: str = "job-1") -> CachedResult:
+    """Where a lookup finds `output`: the only line of a payload file of `job_id`'s."""
+    path = directory / f"{job_id}.jsonl"
+    path.write_text(output + "\n", encoding="utf-8")
+    return CachedResult(str(path), 0, len(output.encode()), job_id, 5, 1)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +69,7 @@ def test_a_seed_decides_a_samples_key_and_no_seed_means_no_key():
 
 def test_a_hit_is_planned_as_a_checkpointed_result_weighing_nothing(tmp_path):
     output = json.dumps({"choices": [{"text": " Paris"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
-    hit = CachedResult(cached_output(output, "job-1"), "job-1", 5, 1)
+    hit = cached_hit(tmp_path, output)
     items = [(item(0), ItemSize(1, 13)), (item(1, prompt="other", max_tokens=8, temperature=0), ItemSize(1, 11))]
     asked: list[list[str]] = []
 
@@ -99,7 +106,7 @@ def test_a_teams_lookup_finds_only_its_own_results(tmp_path):
     assert keep_results(store, IDENTITY, "job-1", [str(shard)], str(tmp_path / "cache")) == 1
     key_a = IDENTITY.key(work)
     found = lookup_in(store, "team:a")([key_a])
-    assert json.loads(found[key_a].output)["choices"] == output["choices"]
+    assert found[key_a].job_id == "job-1" and found[key_a].payload_length == len(json.dumps(output))
     # Team b's lookup of team a's very key finds nothing, nor does its own key of the same request.
     assert lookup_in(store, "team:b")([key_a, replace(IDENTITY, owner="team:b").key(work)]) == {}
     assert store.figures("team:a").entries == 1 and store.figures("team:b").entries == 0
@@ -119,7 +126,7 @@ def test_only_a_jobs_first_plan_looks_up_the_cache_and_its_later_runs_keep_the_h
     from batch_pipeline.shards.replanning import write_job_shards
 
     output = json.dumps({"choices": [{"text": " Paris"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
-    hit = CachedResult(cached_output(output, "job-1"), "job-1", 5, 1)
+    hit = cached_hit(tmp_path, output)
     asked: list[list[str]] = []
 
     def lookup(keys):

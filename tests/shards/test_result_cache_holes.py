@@ -21,8 +21,10 @@ from batch_pipeline.pipeline.result_cache import (
     record_planned_identity,
     shard_machine,
 )
-from batch_pipeline.shards.format import WorkItem
-from batch_pipeline.shards.result_cache import CacheIdentity
+from batch_pipeline.shards.format import RESULTS_FILE, WorkItem
+from batch_pipeline.shards.planning import write_shards
+from batch_pipeline.shards.records import ItemSize
+from batch_pipeline.shards.result_cache import CacheIdentity, with_cache_hits
 from batch_pipeline.store.result_cache import ResultCacheStore
 
 POLICY = AdmissionPolicy(
@@ -114,12 +116,20 @@ def test_a_payload_file_replaced_under_its_index_is_a_miss_never_a_failure(tmp_p
     lines[0] = b'"' + b"x" * (len(lines[0]) - 2) + b'"'
     with open(path, "wb") as handle:
         handle.write(b"\n".join(lines))
-    found = lookup_in(store, "team:a")(keys)
-    assert keys[0] not in found and json.loads(found[keys[1]].output)["choices"] == outputs[1]["choices"]
-    # Cut short: a miss too.
+    lookup = lookup_in(store, "team:a")
+    # The lookup sees the index and the file's size; the replaced line is found out as the plan writes it.
+    planned = write_shards(
+        with_cache_hits([(work, ItemSize(1, 7)) for work in items], identity, lookup), 1, str(tmp_path)
+    )
+    (shard_spec,) = planned
+    assert (shard_spec.item_count, shard_spec.cached_count, shard_spec.estimated_tokens) == (2, 1, 7)
+    results = (tmp_path / "shards" / "000" / RESULTS_FILE).read_text(encoding="utf-8").splitlines()
+    assert [line.partition("\t")[0] for line in results] == ["1"]  # request 0 is generated
+    assert json.loads(results[0].partition("\t")[2])["choices"] == outputs[1]["choices"]
+    # Cut short: a miss at the lookup.
     with open(path, "wb") as handle:
         handle.write(b"\n".join(lines)[:-5])
-    assert lookup_in(store, "team:a")(keys) == {}
+    assert keys[1] not in lookup(keys)
 
 
 def test_a_job_whose_runs_planned_under_different_identities_keeps_nothing(tmp_path):
