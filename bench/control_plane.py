@@ -78,6 +78,15 @@ TARGETS = {
 # --- the machine -----------------------------------------------------------------------------------------
 
 
+def write_results(name: str, results: dict, out: Path | None) -> Path:
+    """Print a benchmark's results and write them to `out`, by default bench/results/<name>-<time>.json."""
+    print(json.dumps(results, indent=2))
+    out = out or RESULTS / f"{name}-{datetime.now(UTC):%Y%m%dT%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    return out
+
+
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next(

@@ -30,14 +30,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from control_plane import clean_environment, machine, stop_leftovers, write_dagster_yaml
-from resume import ENDED, MODEL
-from resume import _wait as wait_for_job
+from control_plane import clean_environment, machine, stop_leftovers, write_dagster_yaml, write_results
+from resume import ENDED, MODEL, wait_for_job
 from served import start_serve, stop_serve
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "bench" / "results"
 OWNER = "bench-team"
 
 
@@ -203,10 +201,7 @@ def main() -> int:
         results["served"] = served(args.requests, args.changed, args.max_tokens)
         print(json.dumps(results["served"]), flush=True)
     results["load_average_at_end"] = list(os.getloadavg())
-    print(json.dumps(results, indent=2))
-    out = args.out or RESULTS / f"result_cache-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_results("result_cache", results, args.out)
     return 0
 
 

@@ -24,12 +24,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
-from control_plane import clean_environment, stop_leftovers, write_dagster_yaml
+from control_plane import clean_environment, stop_leftovers, write_dagster_yaml, write_results
 from served import start_serve, stop_serve
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "bench" / "results"
 MODEL = "smollm2-135m-instruct"
 ENDED = ("completed", "failed", "cancelled")
 
@@ -45,7 +44,7 @@ def _body(out: Path, name: str, requests: int, max_tokens: int) -> dict:
     }
 
 
-def _wait(client: httpx.Client, job_id: str, predicate, timeout_s: float, log: Path) -> dict:
+def wait_for_job(client: httpx.Client, job_id: str, predicate, timeout_s: float, log: Path) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         job = client.get(f"/v2/batch-completions/{job_id}").json()["job"]
@@ -59,7 +58,7 @@ def _wait(client: httpx.Client, job_id: str, predicate, timeout_s: float, log: P
 def _fresh(client: httpx.Client, out: Path, name: str, requests: int, max_tokens: int, log: Path) -> dict:
     started = time.monotonic()
     job_id = client.post("/v2/batch-completions", json=_body(out, name, requests, max_tokens)).json()["job_id"]
-    job = _wait(client, job_id, lambda j: j["status"] in ENDED, 3600, log)
+    job = wait_for_job(client, job_id, lambda j: j["status"] in ENDED, 3600, log)
     assert job["status"] == "completed", job
     return {
         "wall_s": round(time.monotonic() - started, 2),
@@ -72,14 +71,16 @@ def _resumed(
     client: httpx.Client, out: Path, name: str, requests: int, max_tokens: int, cancel_at: float, log: Path
 ) -> dict:
     job_id = client.post("/v2/batch-completions", json=_body(out, name, requests, max_tokens)).json()["job_id"]
-    _wait(client, job_id, lambda j: int(j["metadata"].get("requests_done", "0")) >= cancel_at * requests, 3600, log)
+    wait_for_job(
+        client, job_id, lambda j: int(j["metadata"].get("requests_done", "0")) >= cancel_at * requests, 3600, log
+    )
     assert client.post(f"/v2/batch-completions/{job_id}/actions/cancel").json() == {"success": True}
-    _wait(client, job_id, lambda j: j["status"] == "cancelled" and "num_finished" in j["metadata"], 600, log)
+    wait_for_job(client, job_id, lambda j: j["status"] == "cancelled" and "num_finished" in j["metadata"], 600, log)
     started = time.monotonic()
     while (response := client.post(f"/v2/batch-completions/{job_id}/actions/resume")).status_code == 409:
         time.sleep(0.25)  # its run's workers and partial merge still stopping
     assert response.status_code == 200, response.text
-    job = _wait(client, job_id, lambda j: j["status"] in ENDED, 3600, log)
+    job = wait_for_job(client, job_id, lambda j: j["status"] in ENDED, 3600, log)
     assert job["status"] == "completed", job
     metadata = job["metadata"]
     return {
@@ -151,10 +152,7 @@ def main() -> int:
     }
     results |= measure(args.requests, args.max_tokens, args.cancel_at, args.rounds)
     results["load_average_at_end"] = list(os.getloadavg())
-    print(json.dumps(results, indent=2))
-    out = args.out or RESULTS / f"resume-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    write_results("resume", results, args.out)
     return 0
 
 
